@@ -1,0 +1,39 @@
+"""Error type and message helpers shared by every stage of autopar.
+
+Every user-facing error starts with ``autopar:``, says what was found and what was
+expected, and suggests a fix.  Graph problems also name the node, the module it came
+from and the source line (see :func:`describe_node`).
+"""
+from __future__ import annotations
+
+__all__ = ["AutoparError", "describe_node"]
+
+
+class AutoparError(ValueError):
+    """A problem with the user's model, plan or input (never an internal bug)."""
+
+    def __init__(self, message: str):
+        if not message.startswith("autopar:"):
+            message = "autopar: " + message
+        super().__init__(message)
+
+
+def describe_node(node) -> str:
+    """Human-readable location of an FX node: name, op, module path and source line."""
+    meta = getattr(node, "meta", {}) or {}
+    parts = [f"node '{node.name}' ({node.op} {getattr(node.target, '__name__', node.target)})"]
+    stack = meta.get("nn_module_stack")
+    if stack:
+        path, cls = list(stack.values())[-1]
+        cls_name = cls if isinstance(cls, str) else getattr(cls, "__name__", str(cls))
+        parts.append(f"in module '{path}' ({cls_name.split('.')[-1]})")
+    trace = meta.get("stack_trace")
+    if trace:
+        lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+        # The last 'File ...' line and the code line after it are the user's source.
+        for i in range(len(lines) - 1, -1, -1):
+            if lines[i].startswith("File "):
+                code = lines[i + 1] if i + 1 < len(lines) else ""
+                parts.append(f"at {lines[i][5:]}: {code}")
+                break
+    return ", ".join(parts)

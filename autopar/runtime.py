@@ -1,0 +1,294 @@
+"""Emit and run: ``init_distributed``, ``parallelize`` and :class:`ParallelModule`.
+
+``parallelize`` runs the whole pipeline on the user's (unmodified) model: trace with the
+loss (:mod:`autopar.trace`), analyze (:mod:`autopar.analyze`), validate the plan
+(:mod:`autopar.plan`), rewrite with the passes (``passes/``), then build the device mesh
+and cut this rank's parameters out of the user's full tensors.
+
+:class:`ParallelModule` owns the rewritten graph, the local parameters, the optimizer and
+the gradient-sync buckets.  ``train_step`` takes the *global* batch (the same on every
+rank), slices what this rank needs, runs forward/backward, synchronises gradients,
+steps the optimizer and returns the global mean loss.  Parameter layout helpers live in
+:mod:`autopar.layout`; the readable program in :mod:`autopar.program`.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from autopar import collectives as C
+from autopar.analyze import analyze
+from autopar.errors import AutoparError
+from autopar.layout import gather_full, shard_local
+from autopar.plan import Plan
+from autopar.trace import trace_model
+
+__all__ = ["init_distributed", "compile_program", "parallelize", "ParallelModule", "MESH_AXES"]
+
+MESH_AXES = ("pp", "dp", "cp", "tp")
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Initialise the default process group from torchrun's environment (NCCL on GPUs, else gloo)."""
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+
+
+def _unsupported(plan: Plan) -> None:
+    missing = []
+    if plan.cp > 1:
+        missing.append(f"cp={plan.cp} (context parallelism)")
+    if plan.ep > 1:
+        missing.append(f"ep={plan.ep} (expert parallelism)")
+    if plan.pp > 1:
+        missing.append(f"pp={plan.pp} (pipeline parallelism)")
+    if plan.zero > 0:
+        missing.append(f"zero={plan.zero}")
+    if plan.recompute != "none":
+        missing.append(f"recompute={plan.recompute}")
+    if plan.capacity is not None:
+        missing.append(f"capacity={plan.capacity}")
+    if missing:
+        raise AutoparError(
+            f"autopar: plan '{plan}' uses {', '.join(missing)}, which the runtime does not support yet; "
+            "the runtime supports dp, tp, sp and mb (gradient accumulation). The offline cost model and "
+            "search (autopar plan / autopar.estimate) cover every dimension.")
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def compile_program(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict | None,
+                    plan: str | Plan, loss_fn: Callable | None, *, world_size: int,
+                    example_target: Any = None, bucket_bytes: int = 25 * 1024 * 1024):
+    """Trace, analyze, validate and rewrite; no process group needed. Returns (traced, ctx)."""
+    from autopar.passes.context import PassContext
+    from autopar.passes.runner import default_passes, run_passes
+
+    plan = Plan.parse(plan)
+    _unsupported(plan)
+    traced = trace_model(model, example_inputs, example_kwargs, loss_fn, example_target)
+    structure = analyze(traced.gm)
+    plan.validate(world_size=world_size, num_heads=structure.num_heads or None,
+                  num_kv_heads=structure.num_kv_heads or None,
+                  vocab=structure.vocab if plan.tp > 1 and structure.embeddings else None)
+    ctx = PassContext(plan=plan, structure=structure, axis_sizes=plan.degrees, seq_symbol=traced.seq_symbol,
+                      batch_symbol=traced.batch_symbol, num_inputs=traced.num_inputs, bucket_bytes=bucket_bytes)
+    run_passes(traced.gm, plan, ctx, default_passes(plan))
+    return traced, ctx
+
+
+def parallelize(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    example_kwargs: dict | None = None,
+    plan: str | Plan = "none",
+    loss_fn: Callable | None = None,
+    optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+    *,
+    example_target: Any = None,
+    bucket_bytes: int = 25 * 1024 * 1024,
+) -> "ParallelModule":
+    """Compile ``model`` for ``plan`` on the current process group; the model is not modified.
+
+    ``loss_fn(output, target)`` is traced with the model; ``optimizer`` is a factory called
+    with this rank's parameters (default: ``torch.optim.AdamW``).
+    """
+    if loss_fn is None:
+        raise AutoparError("autopar: parallelize needs loss_fn(output, target) to train the model; "
+                           "for a Hugging Face model, e.g. lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()).")
+    if isinstance(plan, str) and plan.strip().lower() == "auto":
+        raise AutoparError("autopar: plan='auto' needs a cluster description; run `autopar plan` (or "
+                           "autopar.search) offline and pass the chosen plan string.")
+    world, _ = _world()
+    traced, ctx = compile_program(model, example_inputs, example_kwargs, plan, loss_fn,
+                                  world_size=world, example_target=example_target, bucket_bytes=bucket_bytes)
+    return ParallelModule(model, traced, ctx, ctx.plan, optimizer or torch.optim.AdamW)
+
+
+class ParallelModule:
+    """One rank's compiled training program (see :func:`parallelize`)."""
+
+    def __init__(self, model: nn.Module, traced, ctx, plan: Plan, make_optimizer: Callable):
+        self.plan = plan
+        self.gm = traced.gm
+        self.ctx = ctx
+        self.num_inputs = traced.num_inputs
+        self._recorder = C.CommRecorder()
+        self._mesh = None
+        self._groups: dict[str, C.AxisGroup] = {}
+        if dist.is_initialized():
+            device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+            shape = tuple(plan.degrees[a] for a in MESH_AXES)
+            self._mesh = init_device_mesh(device, shape, mesh_dim_names=MESH_AXES)
+            self._groups = {
+                a: C.AxisGroup(self._mesh.get_group(a), self._mesh.size(i), self._mesh.get_local_rank(a))
+                for i, a in enumerate(MESH_AXES)
+            }
+        self.device = torch.device("cuda", torch.cuda.current_device()) if (
+            dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
+        self._aliases = self._original_names(model)
+        self._materialize(model)
+        self.optimizer = make_optimizer([p for p in self.gm.parameters() if p.requires_grad])
+
+    # --- parameters -------------------------------------------------------------------
+
+    def _original_names(self, model: nn.Module) -> dict[str, str]:
+        """Original state-dict key -> graph attribute name (tied weights share one attribute)."""
+        by_id = {}
+        for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
+                model.named_buffers(remove_duplicate=False)):
+            by_id.setdefault(id(t), []).append(name)
+        graph_names = {}
+        for name, t in list(self.gm.named_parameters(remove_duplicate=False)) + list(
+                self.gm.named_buffers(remove_duplicate=False)):
+            for orig in by_id.get(id(t), []):
+                graph_names[orig] = name
+        return {k: graph_names[k] for k in model.state_dict() if k in graph_names}
+
+    def _coords(self) -> dict[str, tuple[int, int]]:
+        return {a: (g.rank, g.size) for a, g in self._groups.items()}
+
+    def _materialize(self, model: nn.Module) -> None:
+        coords = self._coords()
+        for name, p in list(self.gm.named_parameters()):
+            local = shard_local(p.detach(), self.ctx.param_shards.get(name, {}), coords)
+            new = nn.Parameter(local.clone().to(self.device), requires_grad=p.requires_grad)
+            _set_attr(self.gm, name, new)
+        for name, b in list(self.gm.named_buffers()):
+            _set_attr(self.gm, name, b.detach().clone().to(self.device), buffer=True)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Full, unsharded tensors under the original model's names (identical on every rank)."""
+        coords = self._coords()
+        out = {}
+        for orig, name in self._aliases.items():
+            t = _get_attr(self.gm, name).detach()
+            shards = self.ctx.param_shards.get(name, {})
+            out[orig] = gather_full(t, shards, self._groups, coords).clone() if shards else t.clone()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load full tensors (from ``state_dict()`` of any plan, or of the original model)."""
+        missing = sorted(set(self._aliases) - set(state_dict))
+        unexpected = sorted(set(state_dict) - set(self._aliases))
+        if missing or unexpected:
+            raise AutoparError(f"autopar: state dict does not match the model: missing keys {missing[:5]}"
+                               f"{'...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
+                               f"{'...' if len(unexpected) > 5 else ''}; expected the original model's keys.")
+        coords = self._coords()
+        with torch.no_grad():
+            for orig, name in self._aliases.items():
+                target = _get_attr(self.gm, name)
+                local = shard_local(state_dict[orig], self.ctx.param_shards.get(name, {}), coords)
+                if local.shape != target.shape:
+                    raise AutoparError(f"autopar: state dict entry '{orig}' has shape {tuple(state_dict[orig].shape)}; "
+                                       f"expected the full shape of the original parameter.")
+                target.copy_(local)
+
+    # --- training ---------------------------------------------------------------------
+
+    def _local_batch(self, inputs: tuple, target: Any) -> list[tuple[tuple, Any]]:
+        dp = self.plan.dp
+        rank = self._groups["dp"].rank if self._groups else 0
+        batch = inputs[0].shape[0]
+        if batch % (dp * self.plan.mb):
+            raise AutoparError(
+                f"autopar: the global batch of {batch} does not split into dp*mb = {dp}*{self.plan.mb} "
+                f"parts; use a batch that is a multiple of {dp * self.plan.mb}.")
+
+        def part(t: Any, index: int, count: int) -> Any:
+            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
+                size = batch // count
+                return t[index * size:(index + 1) * size].to(self.device)
+            return t
+
+        chunks = []
+        for m in range(self.plan.mb):
+            idx = rank * self.plan.mb + m
+            chunks.append((tuple(part(t, idx, dp * self.plan.mb) for t in inputs),
+                           part(target, idx, dp * self.plan.mb)))
+        return chunks
+
+    def train_step(self, inputs: Sequence[Any], target: Any) -> float:
+        """One optimizer step on the global batch; returns the global mean loss."""
+        inputs = tuple(inputs)
+        if len(inputs) != self.num_inputs:
+            raise AutoparError(f"autopar: train_step got {len(inputs)} inputs; the model was traced with "
+                               f"{self.num_inputs} (pass the same structure as example_inputs).")
+        self._recorder.clear()
+        with C.use_groups(self._groups, self._recorder):
+            total = torch.zeros((), device=self.device)
+            for chunk_inputs, chunk_target in self._local_batch(inputs, target):
+                loss = self.gm(*chunk_inputs, chunk_target)
+                (loss / self.plan.mb).backward()
+                total += loss.detach().float() / self.plan.mb
+            self._sync_grads()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            if self.plan.dp > 1:
+                total = C.all_reduce(total, "dp", "loss") / self.plan.dp
+                self._relabel_last("loss")
+        return float(total)
+
+    def _relabel_last(self, phase: str) -> None:
+        last = self._recorder.records[-1]
+        self._recorder.records[-1] = C.CommRecord(**{**last.__dict__, "phase": phase})
+
+    def _sync_grads(self) -> None:
+        for bucket in self.ctx.grad_buckets:
+            params = [self.gm.get_parameter(n) for n in bucket.params]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            g = self._groups[bucket.axis]
+            C.record("all_reduce", bucket.axis, flat, "grad", f"gradient bucket ({len(params)} tensors)")
+            dist.all_reduce(flat, group=g.group)
+            if bucket.average:
+                flat /= g.size
+            offset = 0
+            for p, grad in zip(params, grads):
+                n = grad.numel()
+                p.grad = flat[offset:offset + n].view_as(grad).clone()
+                offset += n
+
+    # --- inspection -------------------------------------------------------------------
+
+    def comm_stats(self) -> list[dict]:
+        """What the last step's collectives moved on this rank (DESIGN.md byte convention)."""
+        return [dict(r.__dict__) for r in self._recorder.records]
+
+    def code(self, stage: int = 0) -> str:
+        """The generated per-rank program, readable, with every collective marked."""
+        from autopar.program import format_program
+
+        if stage != 0:
+            raise AutoparError(f"autopar: stage {stage} does not exist; plan '{self.plan}' has 1 pipeline stage (0).")
+        return format_program(self.gm, self.ctx)
+
+
+def _set_attr(root: nn.Module, name: str, value: torch.Tensor, buffer: bool = False) -> None:
+    *path, leaf = name.split(".")
+    mod = functools.reduce(getattr, path, root)
+    if buffer:
+        mod._buffers[leaf] = value  # keeps the buffer's persistence flag
+    else:
+        setattr(mod, leaf, value)
+
+
+def _get_attr(root: nn.Module, name: str) -> torch.Tensor:
+    return functools.reduce(getattr, name.split("."), root)
+

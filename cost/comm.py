@@ -1,0 +1,204 @@
+"""Communication rows: bytes per collective per rank, for every parallel dimension.
+
+Each :class:`RowSpec` is one kind of collective call on one mesh axis with sympy
+formulas (symbols.py) for its group size, the bytes a rank sends and receives per call
+(DESIGN.md's ring convention) and the number of calls per micro-batch or per step.
+``estimate.py`` evaluates them into :class:`CommRow` for ``Cost.comm_table()`` and
+``time.py`` prices them with the per-axis alpha-beta figures of hardware.py.
+
+Layer structure seen by the rows, per stage (``l_d`` dense and ``l_e`` MoE layers):
+  * TP without SP: all-reduce after o_proj / down_proj and the vocab-parallel embedding
+    (forward), and at the entry of q/k/v, gate/up and the LM head (backward);
+  * TP with SP: all-gather before each column group and the head, reduce-scatter after
+    each row-parallel projection and the embedding, and their duals in backward;
+    norms (and MoE routers / shared experts) get a per-step tp all-reduce of gradients;
+  * MoE blocks run on the rank's 1/tp slice of the tokens with whole experts (expert
+    tensor parallelism 1, as in the reference): with SP there is no TP collective around
+    them, without SP one all-gather restores the replicated output (and one in backward);
+    dispatch and combine are all-to-alls over ``ep`` (buffer = tokens * top-k * h * rho);
+  * CP ring: K,V circulate ``cp - 1`` times (backward: K,V and dK,dV); allgather:
+    all-gather of K,V forward and reduce-scatter of dK,dV backward; Ulysses: all-to-all
+    of q,k,v and of the output (and the reverse in backward);
+  * PP: the boundary activation (sequence-sharded by SP and CP) per send;
+  * DP / ZeRO: gradient all-reduce (stage 0) or reduce-scatter (1: per step, 2-3: per
+    micro-batch) over the ranks holding copies (dp*cp for dense weights, dp*cp/ep for
+    experts), the parameter all-gather after the step (1-2) or per micro-batch forward
+    and backward (3).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from .symbols import (CPAG, CPRING, CPUL, E, FIRST, V, LAST, NRECV, NSEND, SP, Z1, Z2, Z3, a, b, cp,
+                      d, dp, ep, f, fe, g, gated, h, k, ld, le, m, nn, nsh, pp, qb, rho, s, tp,
+                      w, wgc, wp)
+
+__all__ = ["CommRow", "RowSpec", "TIED", "row_specs", "activation_bytes", "local_param_elems"]
+
+TIED = sp.Symbol("tied", nonnegative=True)  # 1 if the LM head shares the embedding matrix
+
+
+@dataclass(frozen=True)
+class CommRow:
+    """One collective of ``Cost.comm_table()`` (see the cost contract for each field)."""
+
+    phase: str
+    dimension: str
+    collective: str
+    axis: str
+    group_size: int
+    bytes_sent: float
+    bytes_recv: float
+    count: int
+    what: str
+
+    @property
+    def total_sent(self) -> float:
+        return self.bytes_sent * self.count
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    phase: str
+    dimension: str
+    collective: str
+    axis: str          # mesh axis; "dp*" picks dp or dp_cp, "edp*" picks the expert replica axis
+    group: sp.Expr
+    sent: sp.Expr
+    recv: sp.Expr
+    count: sp.Expr     # calls per micro-batch if per_mb, else per optimizer step
+    per_mb: bool
+    what: str
+
+    @property
+    def passes(self) -> int:
+        """Ring passes for the latency term (an all-reduce is reduce-scatter + all-gather)."""
+        return 2 if self.collective == "all_reduce" else 1
+
+
+def activation_bytes():
+    """One micro-batch's ``[b, S/cp, H]`` activation on this rank (the contract's ``A``)."""
+    return b * (s / cp) * h * w
+
+
+def _mlp(width):
+    return (2 + gated) * h * width
+
+
+def local_param_elems():
+    """Parameter elements on the scored stage, by replication class.
+
+    Returns ``(dense, expert, tp_replicated_partial)``: ``dense`` are replicated over
+    dp*cp (TP-sharded weights count 1/tp, norms are whole), ``expert`` over dp*cp/ep,
+    and ``tp_replicated_partial`` the replicated weights whose gradients are partial sums
+    over tp (norms under SP; routers and shared experts, which see a token slice).
+    """
+    attn = (h * (a + 2 * g) * d + qb * (a + 2 * g) * d + a * d * h) / tp
+    norms = 2 * h * nn
+    router_shared = h * E + nsh * _mlp(fe)
+    dense = (ld * (attn + _mlp(f) / tp + norms) + le * (attn + norms + router_shared)
+             + FIRST * V * h / tp + LAST * (V * h / tp * (1 - TIED * FIRST) + h * nn))
+    expert = le * (E / ep) * _mlp(fe)
+    partial = SP * (2 * (ld + le) + LAST) * h * nn + le * router_shared
+    return dense, expert, partial
+
+
+def row_specs() -> list[RowSpec]:
+    """All collective kinds; rows whose count or group evaluates to 0 / 1 are dropped later."""
+    A = activation_bytes()
+    T = b * s / cp                               # tokens of one micro-batch on this rank
+    ar = lambda F, n: 2 * (n - 1) / n * F        # noqa: E731  all-reduce, sent = received
+    rs = lambda F, n: (n - 1) / n * F            # noqa: E731
+    ag = lambda shard, n: (n - 1) * shard        # noqa: E731
+    a2a = lambda buf, n: (n - 1) / n * buf       # noqa: E731
+    nsp = 1 - SP
+    rows: list[RowSpec] = []
+
+    def add(phase, dim, coll, axis, group, sent, count, per_mb, what, recv=None):
+        rows.append(RowSpec(phase, dim, coll, axis, group, sent, sent if recv is None else recv,
+                            count, per_mb, what))
+
+    # ---- tensor parallelism (and sequence parallelism on the same group)
+    add("fwd", "tp", "all_reduce", "tp", tp, ar(A, tp), nsp * (2 * ld + le + FIRST), True,
+        "all-reduce after o_proj / down_proj and the vocab-parallel embedding, [b, s, h]")
+    add("bwd", "tp", "all_reduce", "tp", tp, ar(A, tp), nsp * (2 * ld + le + LAST), True,
+        "all-reduce of input grads at the q/k/v, gate/up and LM-head entries, [b, s, h]")
+    add("fwd", "tp", "all_gather", "tp", tp, ag(A / tp, tp), nsp * le, True,
+        "all-gather of the MoE block output from token slices, shard [b, s/tp, h]")
+    add("bwd", "tp", "all_gather", "tp", tp, ag(A / tp, tp), nsp * le, True,
+        "all-gather of the MoE block input grads from token slices, shard [b, s/tp, h]")
+    add("fwd", "sp", "all_gather", "tp", tp, ag(A / tp, tp), SP * (2 * ld + le + LAST), True,
+        "all-gather before q/k/v, gate/up and the LM head, shard [b, s/tp, h]")
+    add("fwd", "sp", "reduce_scatter", "tp", tp, rs(A, tp), SP * (2 * ld + le + FIRST), True,
+        "reduce-scatter after o_proj / down_proj and the embedding, [b, s, h]")
+    add("bwd", "sp", "reduce_scatter", "tp", tp, rs(A, tp), SP * (2 * ld + le + LAST), True,
+        "reduce-scatter of grads, dual of the forward all-gathers, [b, s, h]")
+    add("bwd", "sp", "all_gather", "tp", tp, ag(A / tp, tp), SP * (2 * ld + le + FIRST), True,
+        "all-gather of grads, dual of the forward reduce-scatters, shard [b, s/tp, h]")
+    _, _, partial = local_param_elems()
+    add("grad", "sp", "all_reduce", "tp", tp, ar(partial * wgc, tp), 1, False,
+        "gradients of tp-replicated weights used on token shards (norms under SP, MoE routers)")
+    add("fwd", "loss_parallel", "all_reduce", "tp", tp, ar(T * 4, tp), 3 * LAST, True,
+        "vocab-parallel cross-entropy: fp32 max, sum of exp, target logit per token")
+
+    # ---- context parallelism
+    kv = T * (g / tp) * d * w                   # one of K or V on this rank
+    q = T * (a / tp) * d * w
+    n_attn = ld + le
+    for phase, what in (("fwd", "K,V to the next rank of the ring"),
+                        ("bwd", "K,V and dK,dV around the ring")):
+        mult = 1 if phase == "fwd" else 2
+        add(phase, "cp", "send", "cp", cp, mult * 2 * kv, CPRING * (cp - 1) * n_attn, True, what,
+            recv=0)
+        add(phase, "cp", "recv", "cp", cp, 0, CPRING * (cp - 1) * n_attn, True, what,
+            recv=mult * 2 * kv)
+    add("fwd", "cp", "all_gather", "cp", cp, ag(2 * kv, cp), CPAG * n_attn, True,
+        "all-gather of K,V, shard [b, s/cp, 2 g/tp, d]")
+    add("bwd", "cp", "reduce_scatter", "cp", cp, rs(2 * kv * cp, cp), CPAG * n_attn, True,
+        "reduce-scatter of dK,dV over the full sequence")
+    add("fwd", "cp", "all_to_all", "cp", cp, a2a(q + 2 * kv, cp), CPUL * n_attn, True,
+        "Ulysses all-to-all of q,k,v: sequence shards -> head shards")
+    add("fwd", "cp", "all_to_all", "cp", cp, a2a(q, cp), CPUL * n_attn, True,
+        "Ulysses all-to-all of the attention output: head shards -> sequence shards")
+    add("bwd", "cp", "all_to_all", "cp", cp, a2a(q, cp), CPUL * n_attn, True,
+        "Ulysses all-to-all of dO")
+    add("bwd", "cp", "all_to_all", "cp", cp, a2a(q + 2 * kv, cp), CPUL * n_attn, True,
+        "Ulysses all-to-all of dq,dk,dv")
+
+    # ---- expert parallelism
+    buf = (T / tp) * k * h * w * rho
+    for phase in ("fwd", "bwd"):
+        add(phase, "ep", "all_to_all", "ep", ep, a2a(buf, ep), 2 * le, True,
+            "MoE dispatch and combine, tokens/tp * top-k * h (x imbalance or capacity)")
+
+    # ---- pipeline parallelism
+    boundary = T * h * w * (nsp + SP / tp)
+    add("fwd", "pp", "send", "pp", pp, boundary, NSEND, True, "activation to the next stage", recv=0)
+    add("fwd", "pp", "recv", "pp", pp, 0, NRECV, True, "activation from the previous stage",
+        recv=boundary)
+    add("bwd", "pp", "send", "pp", pp, boundary, NRECV, True, "input grad to the previous stage",
+        recv=0)
+    add("bwd", "pp", "recv", "pp", pp, 0, NSEND, True, "output grad from the next stage",
+        recv=boundary)
+    add("grad", "pp", "all_reduce", "pp_embed", 2, ar(V * h / tp * wgc, 2),
+        TIED * (FIRST + LAST - 2 * FIRST * LAST), False,
+        "tied embedding / LM-head gradient between the first and last stage")
+
+    # ---- data parallelism and ZeRO
+    dense, expert, _ = local_param_elems()
+    for label, P, axis, n in (("dense", dense, "dp*", dp * cp), ("expert", expert, "edp*", dp * cp / ep)):
+        add("grad", "dp", "all_reduce", axis, n, ar(P * wgc, n), 1 - Z1, False,
+            f"all-reduce of the {label} gradients (bucketed, once per step)")
+        add("grad", "dp", "reduce_scatter", axis, n, rs(P * wgc, n), Z1 * (1 + (m - 1) * Z2), False,
+            f"ZeRO reduce-scatter of the {label} gradients (per step for 1, per micro-batch for 2-3)")
+        add("step", "zero", "all_gather", axis, n, ag(P * wp / n, n), Z1 * (1 - Z3), False,
+            f"ZeRO all-gather of the updated {label} parameters")
+        add("fwd", "zero", "all_gather", axis, n, ag(P * wp / n, n), Z3, True,
+            f"ZeRO-3 all-gather of the {label} parameters before use (forward)")
+        add("bwd", "zero", "all_gather", axis, n, ag(P * wp / n, n), Z3, True,
+            f"ZeRO-3 all-gather of the {label} parameters again (backward)")
+    add("loss", "dp", "all_reduce", "dp*", dp * cp, ar(4, dp * cp), LAST, False,
+        "mean of the fp32 loss over data-parallel replicas")
+    return rows

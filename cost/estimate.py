@@ -1,0 +1,237 @@
+"""estimate(): score one plan; Cost: its step time, MFU, memory and term-by-term breakdown.
+
+The plan is evaluated on every pipeline rank (model.py); the step time uses the slowest
+rank, the memory the fullest. ``Cost.breakdown()`` lists each term with its sympy
+formula (plan flags substituted) and value, ``Cost.comm_table()`` the collectives one
+rank issues per optimizer step, ``str(cost)`` a readable report for the CLI.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import sympy as sp
+
+from autopar.errors import AutoparError
+from autopar.plan import Plan
+
+from . import symbols as S
+from .comm import CommRow
+from .flops import model_flops, per_token_layer_flops
+from .hardware import Cluster
+from .model import (CP_VARIANTS, DEFAULT_CONSTANTS, RECOMPUTE, SCHEDULES, compiled, evaluate,
+                    model_values, plan_values, step_time_arrays)
+from .pipeline import inflight, stage_views
+from .spec import ModelSpec
+
+__all__ = ["Term", "Cost", "estimate", "head_layers"]
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    category: str      # "compute" | "comm" | "bubble" | "memory" | "step"
+    formula: sp.Expr
+    value: float       # seconds per step (time terms) or bytes (memory terms)
+
+    def __str__(self) -> str:
+        unit = _fmt_bytes(self.value) if self.category == "memory" else _fmt_time(self.value)
+        return f"{self.name:<38} {unit:>12}   {self.formula}"
+
+
+def _fmt_time(t: float) -> str:
+    return f"{t * 1e3:.3f} ms" if t < 1 else f"{t:.3f} s"
+
+
+def _fmt_bytes(x: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.0f} B"
+
+
+def head_layers(spec: ModelSpec, seq_len: int) -> float:
+    """The LM head's compute in units of an average layer (for balancing pipeline stages)."""
+    dense, moe, head = per_token_layer_flops(spec, seq_len)
+    nmoe = spec.num_moe_layers
+    avg = ((spec.num_layers - nmoe) * dense + nmoe * moe) / spec.num_layers
+    return head / avg
+
+
+@dataclass
+class Cost:
+    """The predicted cost of one plan (see estimate())."""
+
+    plan: Plan
+    spec: ModelSpec
+    cluster: Cluster
+    seq_len: int
+    global_batch: int
+    step_time: float
+    mfu: float
+    memory_per_gpu: float
+    tokens_per_s: float
+    bubble: float
+    bottleneck_rank: int
+    memory_rank: int
+    _out: dict = field(repr=False)
+    _subs: dict = field(repr=False)
+    _model: object = field(repr=False)
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_per_gpu <= self.cluster.usable_memory
+
+    def _value(self, name: str, rank: int) -> float:
+        return float(self._out[name][rank])
+
+    def _formula(self, expr) -> sp.Expr:
+        return sp.simplify(sp.sympify(expr).subs(self._subs))
+
+    def memory(self, rank: int | None = None) -> dict[str, float]:
+        """Bytes per GPU by category on ``rank`` (default: the fullest pipeline rank)."""
+        r = self.memory_rank if rank is None else rank
+        return {n.split(".", 1)[1]: self._value(n, r) for n in self._out if n.startswith("memory.")}
+
+    def breakdown(self) -> list[Term]:
+        """Each term: per-step time on the slowest rank, bubble, and memory on the fullest."""
+        model, r, mb = self._model, self.bottleneck_rank, self.plan.mb
+        exprs = dict(zip(model.names, model.exprs))
+        terms: list[Term] = []
+        for name in exprs:
+            if name.startswith("compute.") and self._value(name, r) > 0:
+                terms.append(Term(name, "compute", self._formula(S.m * exprs[name]), mb * self._value(name, r)))
+        for i, row in enumerate(model.rows):
+            value = self._value(f"row{i}.time", r)
+            if value > 0 and self._value(f"row{i}.count", r) > 0:
+                label = f"comm.{row.phase}.{row.dimension}.{row.collective}"
+                terms.append(Term(label, "comm", self._formula(exprs[f"row{i}.time"]), value))
+                terms.append(Term(label + " (exposed)", "comm", self._formula(exprs[f"row{i}.exposed"]),
+                                  self._value(f"row{i}.exposed", r)))
+        terms.append(Term("bubble", "bubble", self._formula(self._bubble_formula()), self.bubble))
+        terms.append(Term("optimizer", "step", self._formula(exprs["optimizer"]), self._value("optimizer", r)))
+        for name, value in self.memory().items():
+            terms.append(Term(f"memory.{name}", "memory", self._formula(exprs[f"memory.{name}"]), value))
+        return terms
+
+    def _bubble_formula(self):
+        from .pipeline import bubble_expr
+        return bubble_expr(self.plan.schedule if self.plan.pp > 1 else "1f1b")
+
+    def comm_table(self, stage: int = 0) -> list[CommRow]:
+        """Collectives one rank of pipeline stage ``stage`` issues per optimizer step."""
+        if not 0 <= stage < self.plan.pp:
+            raise AutoparError(f"autopar: stage {stage} is outside 0..{self.plan.pp - 1}")
+        p = self.plan
+        dp_axis = "dp" if p.cp == 1 else "dp_cp"
+        out = []
+        for i, row in enumerate(self._model.rows):
+            count = self._value(f"row{i}.count", stage)
+            group = self._value(f"row{i}.group", stage)
+            if count <= 0 or group <= 1:
+                continue
+            axis = {"dp*": dp_axis, "edp*": dp_axis if p.ep == 1 else "edp"}.get(row.axis, row.axis)
+            out.append(CommRow(row.phase, row.dimension, row.collective, axis, int(round(group)),
+                               self._value(f"row{i}.sent", stage), self._value(f"row{i}.recv", stage),
+                               int(round(count)), row.what))
+        return out
+
+    def format(self, verbose: bool = False) -> str:
+        cap = self.cluster.usable_memory
+        lines = [
+            f"plan {self.plan}  ({self.plan.world_size} GPUs, {self.cluster.gpu}, seq {self.seq_len}, "
+            f"global batch {self.global_batch})",
+            f"  step time     {_fmt_time(self.step_time)}   (bubble {_fmt_time(self.bubble)}, "
+            f"slowest pipeline rank {self.bottleneck_rank})",
+            f"  throughput    {self.tokens_per_s:,.0f} tokens/s   MFU {self.mfu * 100:.1f}%",
+            f"  memory/GPU    {_fmt_bytes(self.memory_per_gpu)} of {_fmt_bytes(cap)} usable "
+            f"({'fits' if self.fits else 'DOES NOT FIT'}; rank {self.memory_rank})",
+        ]
+        terms = self.breakdown()
+        lines.append("  time per step (slowest rank):")
+        for t in sorted((t for t in terms if t.category != "memory"), key=lambda t: -t.value):
+            if t.value > 0 and (verbose or t.value >= 1e-3 * self.step_time):
+                lines.append("    " + (str(t) if verbose else f"{t.name:<38} {_fmt_time(t.value):>12}"))
+        lines.append("  memory per GPU:")
+        for t in terms:
+            if t.category == "memory" and t.value > 0:
+                lines.append("    " + (str(t) if verbose else f"{t.name:<38} {_fmt_bytes(t.value):>12}"))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.format()
+
+
+def _as_spec(spec) -> ModelSpec:
+    return ModelSpec.preset(spec) if isinstance(spec, str) else spec
+
+
+def _as_cluster(cluster) -> Cluster:
+    return Cluster(gpu=cluster) if isinstance(cluster, str) else cluster
+
+
+def plan_flags(plan: Plan) -> dict:
+    """Integer codes of a plan's options, as model.plan_values expects them."""
+    return dict(tp=plan.tp, dp=plan.dp, cp=plan.cp, pp=plan.pp, ep=plan.ep, vpp=plan.num_chunks_per_rank,
+                m=plan.mb, sp=int(plan.sp), zero=plan.zero, recompute=RECOMPUTE.index(plan.recompute),
+                cp_variant=CP_VARIANTS.index(plan.cp_variant), schedule=SCHEDULES.index(plan.schedule))
+
+
+def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_bytes: int = 2,
+             grad_bytes: int | None = None, activation_formula: str = "derived",
+             tp_comm_overlap: bool = False, routing_imbalance: float = 1.0,
+             constants: dict | None = None) -> Cost:
+    """Predict step time, MFU and memory of ``plan`` for ``spec`` on ``cluster``.
+
+    ``dtype_bytes``: 2 for bf16 mixed precision, 4 for fp32 (memory.py states the
+    conventions); ``grad_bytes``: bytes of a held gradient (default 4, Megatron's fp32
+    main grads, when dtype_bytes is 2); ``activation_formula``: "derived" (ours, Llama-style
+    layers) or "korthikanti" (GPT layer, set C); ``tp_comm_overlap``: TP collectives hidden
+    behind GEMMs (Megatron-Core's userbuffers); ``routing_imbalance``: MoE load factor of
+    the busiest rank; ``constants``: override the calibrated eta_max, n_0, epsilon, phi.
+    """
+    spec, cluster = _as_spec(spec), _as_cluster(cluster)
+    plan = Plan.parse(plan)
+    if plan.world_size > cluster.world_size:
+        raise AutoparError(
+            f"autopar: plan '{plan}' needs {plan.world_size} GPUs but the cluster has "
+            f"{cluster.world_size} ({cluster.num_nodes} nodes x {cluster.gpus_per_node}); use a "
+            f"bigger cluster or smaller degrees")
+    plan.validate(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, vocab=spec.vocab,
+                  num_layers=spec.num_layers, num_experts=spec.num_experts,
+                  global_batch=global_batch, seq_len=seq_len)
+    consts = {**DEFAULT_CONSTANTS, **(constants or {})}
+    model = compiled(activation_formula, True)
+    views = stage_views(spec, plan.pp, plan.schedule, plan.vpp, head_layers(spec, seq_len))
+    pp = plan.pp
+    arrays = {key: np.full(pp, val, dtype=np.float64) for key, val in plan_flags(plan).items()}
+    arrays["b"] = np.full(pp, global_batch / (plan.dp * plan.mb))
+    arrays["schedule"] = arrays["schedule"].astype(np.int64)
+    for key, attr in (("ld", "dense"), ("le", "moe"), ("first", "first"), ("last", "last"),
+                      ("nsend", "sends"), ("nrecv", "recvs")):
+        arrays[key] = np.array([getattr(v, attr) for v in views], dtype=np.float64)
+    arrays["infl"] = np.array([inflight(plan.schedule, pp, plan.num_chunks_per_rank, v.rank, plan.mb)
+                               for v in views], dtype=np.float64)
+    values = model_values(spec, dtype_bytes=dtype_bytes, grad_bytes=grad_bytes,
+                          routing_imbalance=routing_imbalance, seq_len=seq_len)
+    values.update(plan_values(cluster, arrays, constants=consts, tp_comm_overlap=tp_comm_overlap,
+                              capacity=plan.capacity))
+    out = evaluate(model, values)
+    slow = int(np.argmax(out["T_f"] + out["T_b"]))
+    tf, tb, tw = (out[n][slow:slow + 1] for n in ("T_f", "T_b", "T_w"))
+    pipe, bubble = step_time_arrays(model, arrays["schedule"][:1], tf, tb, tw, arrays["pp"][:1],
+                                    arrays["vpp"][:1], arrays["m"][:1])
+    step = float(pipe[0] + np.max(out["step_comm"]) + np.max(out["optimizer"]))
+    mem_rank = int(np.argmax(out["memory"]))
+    tokens = global_batch * seq_len
+    subs = {sym: values[sym.name] for sym in (S.SP, S.RSEL, S.RFULL, S.Z1, S.Z2, S.Z3, S.CPRING, S.CPAG,
+                                              S.CPUL, S.gated, S.qb, S.nn)}
+    subs.update({sp.Symbol("tp_overlap", nonnegative=True): values["tp_overlap"],
+                 sp.Symbol("dualpipe", nonnegative=True): float(values["dualpipe"][0])})
+    subs = {k: (float(v[0]) if isinstance(v, np.ndarray) else v) for k, v in subs.items()}
+    return Cost(plan=plan, spec=spec, cluster=cluster, seq_len=seq_len, global_batch=global_batch,
+                step_time=step,
+                mfu=model_flops(spec, seq_len, global_batch) / (step * plan.world_size * cluster.peak_flops),
+                memory_per_gpu=float(out["memory"][mem_rank]), tokens_per_s=tokens / step,
+                bubble=float(bubble[0]), bottleneck_rank=slow, memory_rank=mem_rank, _out=out,
+                _subs=subs, _model=model)

@@ -1,0 +1,100 @@
+"""FLOPs: per micro-batch on one rank, by GEMM class, and for the whole model per step.
+
+Each GEMM class carries its forward FLOPs, a backward multiplier and its effective size
+``n = 3 / (1/M + 1/K + 1/N)`` (harmonic mean of the GEMM's dimensions), which time.py
+turns into a compute efficiency (small or skinny GEMMs run further from peak).
+``model_flops`` is the useful work per step (MFU's numerator, causal attention counted
+once, no recomputation); ``megatron_flops`` is the published convention of the
+calibration sets (non-causal attention, optionally with the recompute pass).
+
+Per micro-batch on a rank (T = b*S/cp tokens, the stage holding l_d dense and l_e MoE
+layers, * = 2 for matmul multiply-adds):
+  q,k,v,o projections   2*T*h*(a + 2g)*d/tp + 2*T*a*d*h/tp         per layer
+  causal attention      2*b*S^2*a*d/(tp*cp)                          per layer
+  dense MLP             2*T*(2 + gated)*h*F/tp                       per dense layer
+  MoE (T/tp tokens)     2*(T/tp)*(h*E + (k*rho + n_sh)*(2 + gated)*h*F_e)  per MoE layer
+  LM head               2*T*h*V/tp                                   last stage
+Backward is 2x forward for GEMMs and 2.5x for flash attention (it recomputes the
+scores); recomputation adds a forward of the layers (full) or of attention (selective).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from .symbols import (LAST, RFULL, RSEL, E, V, a, b, cp, d, ep, f, fe, g, gated, h, k, ld, le,
+                      nsh, rho, s, tp)
+
+__all__ = ["Gemm", "gemm_classes", "model_flops", "megatron_flops", "per_token_layer_flops"]
+
+
+@dataclass(frozen=True)
+class Gemm:
+    name: str
+    fwd: sp.Expr        # forward FLOPs per micro-batch on this rank (whole stage)
+    size: sp.Expr       # effective GEMM size n for the efficiency curve
+    bwd_factor: float   # backward FLOPs / forward FLOPs
+    recompute: sp.Expr  # fraction of the forward recomputed in backward (0..1)
+
+
+def _n(M, K, N):
+    return 3 / (1 / M + 1 / K + 1 / N)
+
+
+def gemm_classes() -> list[Gemm]:
+    T = b * s / cp
+    Te = T / tp
+    lay = ld + le
+    mlp_mult = 2 + gated
+    tokens_per_expert = Te * k * rho * ep / E
+    return [
+        Gemm("qkv_proj", lay * 2 * T * h * (a + 2 * g) * d / tp, _n(T, h, (a + 2 * g) * d / tp), 2.0,
+             RFULL),
+        Gemm("o_proj", lay * 2 * T * a * d * h / tp, _n(T, a * d / tp, h), 2.0, RFULL),
+        Gemm("attention", lay * 2 * b * s**2 * a * d / (tp * cp), _n(s / cp, d, s), 2.5,
+             sp.Max(RSEL, RFULL)),
+        Gemm("mlp", ld * 2 * T * mlp_mult * h * f / tp, _n(T, h, f / tp), 2.0, RFULL),
+        Gemm("router", le * 2 * Te * h * E, _n(Te, h, E), 2.0, RFULL),
+        Gemm("experts", le * 2 * Te * k * rho * mlp_mult * h * fe, _n(tokens_per_expert, h, fe), 2.0,
+             RFULL),
+        Gemm("shared_experts", le * 2 * Te * nsh * mlp_mult * h * fe, _n(Te, h, fe), 2.0, RFULL),
+        Gemm("lm_head", LAST * 2 * T * h * V / tp, _n(T, h, V / tp), 2.0, sp.Integer(0)),
+    ]
+
+
+def per_token_layer_flops(spec, seq_len: int) -> tuple[float, float, float]:
+    """Forward FLOPs per token of (a dense layer, a MoE layer, the LM head), unsharded."""
+    hd, nh, nkv, H = spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.hidden
+    attn = 2 * H * (nh + 2 * nkv) * hd + 2 * nh * hd * H + 2 * seq_len * nh * hd
+    mult = 3 if spec.gated_mlp else 2
+    dense = attn + 2 * mult * H * spec.ffn
+    moe = attn + 2 * H * spec.num_experts + 2 * (spec.top_k + spec.num_shared_experts) * mult * H * (
+        spec.moe_ffn or 0)
+    return float(dense), float(moe), float(2 * H * spec.vocab)
+
+
+def model_flops(spec, seq_len: int, global_batch: int) -> float:
+    """Useful FLOPs per step: 3x the forward (causal attention, no recompute)."""
+    dense, moe, head = per_token_layer_flops(spec, seq_len)
+    nmoe = spec.num_moe_layers
+    per_token = (spec.num_layers - nmoe) * dense + nmoe * moe + head
+    return 3.0 * per_token * seq_len * global_batch
+
+
+def megatron_flops(spec, seq_len: int, global_batch: int, *, recompute: bool = False) -> float:
+    """The published Megatron count: 72*B*s*l*h^2*(1 + s/6h + V/12lh) for a GPT layer (MHA,
+    FFN 4h), generalised as in Megatron-LM's ``num_floating_point_operations`` (GQA, gated MLP,
+    experts); with ``recompute`` the forward is counted twice more for the layers (96 instead of
+    72, the SC'21 paper's convention: 96*B*s*l*h^2*(1 + s/6h + V/16lh))."""
+    H, Lyr = spec.hidden, spec.num_layers
+    q_ratio = spec.num_heads * spec.head_dim / H
+    kv_ratio = spec.num_kv_heads / spec.num_heads
+    gated_mult = 1.5 if spec.gated_mlp else 1.0
+    moe_frac = spec.num_moe_layers / Lyr
+    mlp = (1 - moe_frac) * spec.ffn / H * gated_mult + moe_frac * (
+        (spec.moe_ffn or 0) / H * (spec.top_k + spec.num_shared_experts) * gated_mult)
+    layer = (1 + kv_ratio + seq_len / H) * q_ratio + mlp
+    expansion = 16 if recompute else 12   # fwd + bwd (2x) [+ recomputed fwd], x 2 FLOPs per MAC, x2 (two GEMMs)
+    logit = spec.vocab / (2 * Lyr * H) * (12 / expansion)
+    return expansion * global_batch * seq_len * Lyr * H * H * (layer + logit)

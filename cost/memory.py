@@ -1,0 +1,109 @@
+"""Memory per GPU: parameters, gradients, optimizer state, activations.
+
+Precision conventions (``estimate(..., dtype_bytes=...)``):
+  * ``dtype_bytes=2`` (mixed precision, Megatron): bf16 parameters (2 B), fp32 main
+    gradients (``grad_bytes``, default 4 B), fp32 master weights + Adam m, v (12 B):
+    18 B per parameter before ZeRO (the ZeRO paper's 16 B assumes 2-byte gradients:
+    pass ``grad_bytes=2``);
+  * ``dtype_bytes=4`` (all fp32, the CPU tests with torch AdamW): 4 B parameters, 4 B
+    gradients, Adam m, v (8 B), no master copy.
+ZeRO over the ``n`` ranks holding copies (dp*cp for dense weights, dp*cp/ep for
+experts): stage >= 1 divides the optimizer state by n, >= 2 the gradients, 3 the
+parameters (plus a double buffer of one gathered layer).
+
+Activations per layer and micro-batch, bytes, with T = b*S/cp tokens on the rank and
+T_sp = T/tp under SP (T otherwise) -- our derivation for pre-norm RMSNorm + SwiGLU +
+flash attention + GQA, no dropout, eager PyTorch:
+  norms      4*T_sp*h*w + 8*T_sp       (inputs and outputs of the two norms; fp32 rstd)
+  attention  T*(a + 2g)*d*w/tp         (q, k, v: the flash-attention inputs)
+           + T*a*d*w/tp + 4*T*a/tp     (its output, kept for o_proj and its backward; fp32 LSE)
+  MLP        (2 + 2*gated)*T*F*w/tp    (gate, up, silu(gate), product -- or up, gelu(up))
+  MoE block  T/tp tokens: fp32 router logits and probs 8*E, dispatched inputs and expert
+             outputs 2*k*rho*h*w, expert MLP intermediates (2 + 2*gated)*(k*rho + n_sh)*F_e*w
+  CP allgather: the gathered K,V are kept, + (cp - 1)*T*2g*d*w/tp
+Selective recompute recomputes attention (drops its output and LSE) and the MLP
+activation function (drops silu(gate) and the product, or gelu(up)). Full recompute keeps
+only each layer's input T_sp*h*w, plus one layer's activations while it recomputes.
+``korthikanti_layer_bytes`` is the GPT-layer formula of Korthikanti et al. (set C):
+sbh(10 + 24/t + 5as/(ht)), (sbh/t)(34 + 5as/h) with SP, the 5as/h term dropped by
+selective recompute, 2sbh with full recompute (written for 2-byte activations).
+The stage multiplies its layers' bytes by the micro-batches in flight (pipeline.py);
+the last stage adds the logits ``T*V/tp*(w + 4)`` (bf16 logits + fp32 softmax) for one
+micro-batch.
+"""
+from __future__ import annotations
+
+import sympy as sp
+
+from .comm import local_param_elems
+from .symbols import (CPAG, INFL, LAST, RFULL, RSEL, SP, Z1, Z2, Z3, E, V, a, b, cp, d, dp, ep, f,
+                      fe, g, gated, h, k, ld, le, nsh, rho, s, tp, w, wg, wo, wp)
+
+__all__ = ["memory_terms", "derived_layer_bytes", "korthikanti_layer_bytes", "precision_bytes"]
+
+
+def precision_bytes(dtype_bytes: int, grad_bytes: int | None = None) -> dict[str, float]:
+    """Bytes per parameter element: (param, grad held, grad reduced, optimizer state)."""
+    if dtype_bytes >= 4:
+        return dict(w_p=dtype_bytes, w_g=grad_bytes or dtype_bytes, w_gc=dtype_bytes, w_o=2 * dtype_bytes)
+    return dict(w_p=dtype_bytes, w_g=grad_bytes or 4, w_gc=dtype_bytes, w_o=12)
+
+
+def derived_layer_bytes():
+    """(dense layer, MoE layer, full-recompute working set) activation bytes per micro-batch."""
+    T = b * s / cp
+    t_sp = T * (1 - SP + SP / tp)
+    norms = 4 * t_sp * h * w + 8 * t_sp
+    attn = T * (a + 2 * g) * d * w / tp
+    attn_out = T * a * d * w / tp + 4 * T * a / tp
+    cp_kv = CPAG * (cp - 1) * T * 2 * g * d * w / tp
+    mlp_keep = (1 + gated) * T * f * w / tp          # gate and up (or up)
+    mlp_act = (1 + gated) * T * f * w / tp           # silu(gate) and product (or gelu(up))
+    Te = T / tp
+    moe_keep = Te * (8 * E + 2 * k * rho * h * w) + (1 + gated) * Te * (k * rho + nsh) * fe * w
+    moe_act = (1 + gated) * Te * (k * rho + nsh) * fe * w
+    full_dense = norms + attn + attn_out + cp_kv + mlp_keep + mlp_act
+    full_moe = norms + attn + attn_out + cp_kv + moe_keep + moe_act
+    keep = 1 - RFULL
+    layer_input = t_sp * h * w
+    dense = RFULL * layer_input + keep * (full_dense - RSEL * (attn_out + mlp_act))
+    moe = RFULL * layer_input + keep * (full_moe - RSEL * (attn_out + moe_act))
+    working = RFULL * (ld * full_dense + le * full_moe) / (ld + le)
+    return dense, moe, working
+
+
+def korthikanti_layer_bytes():
+    """Korthikanti et al.'s GPT-layer activation bytes (set C), scaled from 2-byte to w-byte."""
+    sbh = (s / cp) * b * h
+    keep = sbh * ((1 - SP) * (10 + 24 / tp) + SP * 34 / tp + (1 - RSEL) * 5 * a * (s / cp) / (h * tp))
+    layer = RFULL * 2 * sbh * (1 - SP + SP / tp) + (1 - RFULL) * keep
+    return layer * w / 2
+
+
+def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
+    """Bytes per GPU on the scored stage, by category."""
+    dense, expert, _ = local_param_elems()
+    n_dense, n_exp = dp * cp, dp * cp / ep
+    shard = lambda P, n, z: P * (1 - z + z / n)  # noqa: E731
+    params = (shard(dense, n_dense, Z3) + shard(expert, n_exp, Z3)) * wp
+    grads = (shard(dense, n_dense, Z2) + shard(expert, n_exp, Z2)) * wg
+    optimizer = (shard(dense, n_dense, Z1) + shard(expert, n_exp, Z1)) * wo
+    zero3_buffer = Z3 * 2 * (dense + expert) / (ld + le) * wp
+    if activation_formula == "korthikanti":
+        per_dense = per_moe = korthikanti_layer_bytes()
+        working = RFULL * korthikanti_layer_bytes().subs({RFULL: 0, RSEL: 0})
+    elif activation_formula == "derived":
+        per_dense, per_moe, working = derived_layer_bytes()
+    else:
+        raise ValueError(f"autopar: unknown activation_formula {activation_formula!r}; "
+                         f"expected 'derived' or 'korthikanti'")
+    T = b * s / cp
+    return {
+        "params": params,
+        "grads": grads,
+        "optimizer": optimizer,
+        "zero3_buffer": zero3_buffer,
+        "activations": INFL * (ld * per_dense + le * per_moe),
+        "recompute_buffer": working,
+        "logits": LAST * T * V / tp * (w + 4),
+    }

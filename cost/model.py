@@ -1,0 +1,169 @@
+"""The compiled cost model: every formula lambdified once, evaluated on arrays of plans.
+
+``compiled(activation_formula, full)`` gathers the per-stage formulas of flops.py,
+memory.py, comm.py and time.py into one list, lambdifies it once (numpy, common
+subexpressions shared) and caches it. ``evaluate`` fills the symbols with numbers --
+model and hardware as scalars, plans (and the pipeline rank being scored) as arrays --
+and returns one array per output. ``estimate.py`` scores one plan on every pipeline
+rank, ``autopar.search`` millions of (plan, rank) pairs in a few calls; sympy is never
+called per candidate.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import sympy as sp
+
+from . import symbols as S
+from .comm import TIED, RowSpec, row_specs
+from .hardware import Cluster, axis_link_arrays
+from .memory import memory_terms, precision_bytes
+from .pipeline import T_b, T_f, T_w, bubble_expr
+from .time import CALIBRATED, DPV, TPOV, compute_terms, exposure, link_symbols, optimizer_time, row_time
+
+__all__ = ["SCHEDULES", "CP_VARIANTS", "RECOMPUTE", "LINK_AXES", "Compiled", "compiled",
+           "model_values", "plan_values", "evaluate", "step_time_arrays"]
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
+CP_VARIANTS = ("ring", "allgather", "ulysses")
+RECOMPUTE = ("none", "selective", "full")
+# link-symbol tag -> mesh axis geometry in hardware.axis_geometry
+LINK_AXES = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": "dp_cp", "edp": "edp"}
+
+_NP_MODULES = [{"Max": lambda *x: functools.reduce(np.maximum, x),
+                "Min": lambda *x: functools.reduce(np.minimum, x)}, "numpy"]
+
+
+@dataclass
+class Compiled:
+    rows: list[RowSpec]
+    names: list[str]
+    exprs: list[sp.Expr]
+    inputs: list[sp.Symbol]
+    fn: object
+    bubble_fns: dict
+
+
+def _link_symbol_list():
+    out = []
+    for tag in LINK_AXES:
+        for kind in ("ring", "a2a"):
+            out.extend(link_symbols(tag, kind))
+    return out
+
+
+@functools.lru_cache(maxsize=8)
+def compiled(activation_formula: str = "derived", full: bool = False) -> Compiled:
+    rows = row_specs()
+    comp = compute_terms()
+    exposed = {"fwd": sp.Integer(0), "bwd": sp.Integer(0), "step": sp.Integer(0)}
+    row_outputs: list[tuple[str, sp.Expr]] = []
+    for i, row in enumerate(rows):
+        t = row.count * row_time(row)             # per micro-batch (per_mb) or per step
+        exp_t = exposure(row, t, comp)
+        key = row.phase if (row.per_mb and row.phase in ("fwd", "bwd")) else "step"
+        exposed[key] += exp_t
+        if full:
+            mult = S.m if row.per_mb else 1
+            row_outputs += [(f"row{i}.count", row.count * mult), (f"row{i}.group", row.group),
+                            (f"row{i}.sent", row.sent), (f"row{i}.recv", row.recv),
+                            (f"row{i}.time", t * mult), (f"row{i}.exposed", exp_t * mult)]
+    mem = memory_terms(activation_formula)
+    outputs: list[tuple[str, sp.Expr]] = [
+        ("T_f", comp["fwd"] + exposed["fwd"]),
+        ("T_b", comp["bwd"] + exposed["bwd"]),
+        ("T_w", comp["wgrad"]),
+        ("step_comm", exposed["step"]),
+        ("optimizer", optimizer_time()),
+        ("memory", sum(mem.values())),
+    ]
+    if full:
+        outputs += [(name, expr) for name, expr in comp.items()]
+        outputs += [("exposed.fwd", exposed["fwd"]), ("exposed.bwd", exposed["bwd"])]
+        outputs += [(f"memory.{name}", expr) for name, expr in mem.items()]
+        outputs += row_outputs
+    names = [n for n, _ in outputs]
+    exprs = [sp.sympify(e) for _, e in outputs]
+    inputs = sorted(set().union(*(e.free_symbols for e in exprs)), key=lambda x: x.name)
+    fn = sp.lambdify(inputs, exprs, modules=_NP_MODULES, cse=True)
+    bubble_fns = {name: sp.lambdify([T_f, T_b, T_w, S.pp, S.vpp], bubble_expr(name), modules=_NP_MODULES)
+                  for name in SCHEDULES}
+    return Compiled(rows, names, exprs, inputs, fn, bubble_fns)
+
+
+def model_values(spec, *, dtype_bytes: int, grad_bytes: int | None, routing_imbalance: float,
+                 seq_len: int) -> dict[str, float]:
+    """Scalar values of the model and precision symbols."""
+    vals = {
+        "S": seq_len, "H": spec.hidden, "a": spec.num_heads, "g": spec.num_kv_heads,
+        "d": spec.head_dim, "F": spec.ffn, "F_e": spec.moe_ffn or 1, "V": spec.vocab,
+        "E": max(spec.num_experts, 1), "k": spec.top_k, "w": dtype_bytes,
+        "n_sh": spec.num_shared_experts, "n_norm": spec.norm_vectors, "q_b": int(spec.qkv_bias),
+        "gated": int(spec.gated_mlp), "L": spec.num_layers, "L_e": max(spec.num_moe_layers, 1),
+        "tied": int(spec.tied_embeddings), "rho": routing_imbalance,
+    }
+    vals.update(precision_bytes(dtype_bytes, grad_bytes))
+    return vals
+
+
+def plan_values(cluster: Cluster, arrays: dict[str, np.ndarray], *, constants: dict,
+                tp_comm_overlap: bool, capacity=None) -> dict[str, np.ndarray]:
+    """Plan, view and hardware symbol values from integer-coded plan arrays.
+
+    ``arrays`` keys: tp dp cp pp ep vpp m b sp zero recompute cp_variant schedule (codes
+    index SCHEDULES / CP_VARIANTS / RECOMPUTE) and the view: ld le first last nsend nrecv infl.
+    """
+    A = arrays
+    zero, rec, cpv, sched = A["zero"], A["recompute"], A["cp_variant"], A["schedule"]
+    vals = {
+        "tp": A["tp"], "dp": A["dp"], "cp": A["cp"], "pp": A["pp"], "ep": A["ep"], "v": A["vpp"],
+        "m": A["m"], "b": A["b"], "sp": A["sp"],
+        "r_sel": (rec == 1) * 1.0, "r_full": (rec == 2) * 1.0,
+        "z_1": (zero >= 1) * 1.0, "z_2": (zero >= 2) * 1.0, "z_3": (zero == 3) * 1.0,
+        "cp_ring": ((cpv == 0) & (A["cp"] > 1)) * 1.0, "cp_ag": (cpv == 1) * 1.0, "cp_ul": (cpv == 2) * 1.0,
+        "first": A["first"], "last": A["last"], "n_inflight": A["infl"],
+        "n_send": A["nsend"], "n_recv": A["nrecv"], "l_d": A["ld"], "l_e": A["le"],
+        "tp_overlap": 1.0 if tp_comm_overlap else 0.0,
+        "dualpipe": (sched == SCHEDULES.index("dualpipev")) * 1.0,
+        "P_peak": cluster.peak_flops, "B_hbm": cluster.hbm_bandwidth,
+        "eta_max": constants["eta_max"], "n_0": constants["n_0"],
+        "epsilon": constants["epsilon"], "phi": constants["phi"],
+    }
+    if capacity is not None:
+        vals["rho"] = capacity
+    for tag, axis in LINK_AXES.items():
+        br, ba, ar, aa = axis_link_arrays(cluster, axis, A["tp"], A["cp"], A["dp"], A["pp"], A["ep"],
+                                          constants["epsilon"])
+        for (beta, alpha), (bv, av) in ((link_symbols(tag, "ring"), (br, ar)),
+                                        (link_symbols(tag, "a2a"), (ba, aa))):
+            vals[beta.name], vals[alpha.name] = bv, av
+    return vals
+
+
+def evaluate(model: Compiled, values: dict) -> dict[str, np.ndarray]:
+    args = []
+    for sym in model.inputs:
+        if sym.name not in values:
+            raise KeyError(f"cost model input {sym.name!r} has no value")
+        args.append(values[sym.name])
+    size = max((np.size(v) for v in args), default=1)
+    args = [np.broadcast_to(np.asarray(v, dtype=np.float64), (size,)) for v in args]
+    out = model.fn(*args)
+    return {name: np.broadcast_to(np.asarray(v, dtype=np.float64), (size,))
+            for name, v in zip(model.names, out)}
+
+
+def step_time_arrays(model: Compiled, schedule_codes, tf, tb, tw, pp, vpp, m):
+    """m (T_f + T_b) + bubble, with each schedule's bubble formula (vectorised)."""
+    bubble = np.zeros(np.shape(tf))
+    for code, name in enumerate(SCHEDULES):
+        sel = schedule_codes == code
+        if np.any(sel):
+            bubble[sel] = np.broadcast_to(
+                model.bubble_fns[name](tf[sel], tb[sel], tw[sel], pp[sel], vpp[sel]), (int(sel.sum()),))
+    return m * (tf + tb) + bubble, bubble
+
+
+DEFAULT_CONSTANTS = dict(CALIBRATED)

@@ -1,0 +1,274 @@
+"""ModelSpec: the dimensions of a decoder-only transformer, as the cost model sees it.
+
+A spec comes from a preset (:meth:`ModelSpec.preset`), a Hugging Face ``config.json``
+(:meth:`ModelSpec.from_hf_config`), a traced model (:meth:`ModelSpec.from_module`, via
+``autopar.analyze.model_dims``) or is written out by hand. The formulas that use it are
+in memory.py (parameters, activations), flops.py and comm.py; ``values()`` maps the
+spec onto the symbols of symbols.py.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+from autopar.errors import AutoparError
+
+__all__ = ["ModelSpec", "PRESETS"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Dimensions of a decoder-only transformer (see the cost contract for each field).
+
+    MoE layout: layer ``i`` (0-based) is a mixture-of-experts layer when
+    ``num_experts > 0``, ``i >= first_dense_layers`` and ``(i + 1) % moe_layer_freq == 0``.
+    Each MoE layer has a router (hidden x experts), ``num_experts`` routed experts and
+    ``num_shared_experts`` always-on experts, each an MLP of width ``moe_ffn``.
+    """
+
+    name: str = "custom"
+    num_layers: int
+    hidden: int
+    num_heads: int
+    vocab: int
+    ffn: int
+    num_kv_heads: int | None = None
+    head_dim: int | None = None
+    gated_mlp: bool = True
+    tied_embeddings: bool = False
+    num_experts: int = 0
+    top_k: int = 0
+    moe_ffn: int | None = None
+    moe_layer_freq: int = 1
+    num_shared_experts: int = 0
+    first_dense_layers: int = 0
+    norm: str = "rmsnorm"
+    qkv_bias: bool = False
+
+    def __post_init__(self):
+        for name in ("num_layers", "hidden", "num_heads", "vocab", "ffn", "moe_layer_freq"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise AutoparError(
+                    f"autopar: ModelSpec.{name} must be a positive integer, got {value!r}"
+                )
+        if self.num_kv_heads is None:
+            object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.head_dim is None:
+            if self.hidden % self.num_heads:
+                raise AutoparError(
+                    f"autopar: hidden={self.hidden} is not a multiple of num_heads="
+                    f"{self.num_heads}; give head_dim explicitly"
+                )
+            object.__setattr__(self, "head_dim", self.hidden // self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise AutoparError(
+                f"autopar: num_heads={self.num_heads} is not a multiple of num_kv_heads="
+                f"{self.num_kv_heads}; grouped-query attention needs whole groups"
+            )
+        if self.norm not in ("rmsnorm", "layernorm"):
+            raise AutoparError(
+                f"autopar: unknown norm {self.norm!r}; expected 'rmsnorm' or 'layernorm'"
+            )
+        if self.num_experts < 0 or self.top_k < 0 or self.first_dense_layers < 0:
+            raise AutoparError("autopar: num_experts, top_k and first_dense_layers must be >= 0")
+        if self.num_experts:
+            if not 1 <= self.top_k <= self.num_experts:
+                raise AutoparError(
+                    f"autopar: top_k={self.top_k} must be between 1 and num_experts="
+                    f"{self.num_experts} for a mixture-of-experts model"
+                )
+            if self.moe_ffn is None:
+                object.__setattr__(self, "moe_ffn", self.ffn)
+        elif self.moe_ffn is None:
+            object.__setattr__(self, "moe_ffn", 0)
+
+    # ------------------------------------------------------------------ structure
+    def is_moe_layer(self, index: int) -> bool:
+        return bool(self.num_experts) and index >= self.first_dense_layers and (
+            (index + 1) % self.moe_layer_freq == 0
+        )
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layers)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_moe_layers > 0
+
+    @property
+    def norm_vectors(self) -> int:
+        """Weight vectors per norm: RMSNorm has a scale, LayerNorm a scale and a bias."""
+        return 1 if self.norm == "rmsnorm" else 2
+
+    # ------------------------------------------------------------------ parameter counts
+    @property
+    def attention_params(self) -> int:
+        hd, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
+        qkv = self.hidden * (nh + 2 * nkv) * hd + (nh + 2 * nkv) * hd * int(self.qkv_bias)
+        return qkv + nh * hd * self.hidden
+
+    def mlp_params(self, width: int) -> int:
+        return (3 if self.gated_mlp else 2) * self.hidden * width
+
+    @property
+    def layer_norm_params(self) -> int:
+        return 2 * self.hidden * self.norm_vectors
+
+    @property
+    def dense_layer_params(self) -> int:
+        return self.attention_params + self.mlp_params(self.ffn) + self.layer_norm_params
+
+    @property
+    def moe_layer_params(self) -> int:
+        experts = (self.num_experts + self.num_shared_experts) * self.mlp_params(self.moe_ffn)
+        return self.attention_params + experts + self.hidden * self.num_experts + self.layer_norm_params
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        """LM head plus final norm (the head matrix is absent when tied to the embedding)."""
+        return (0 if self.tied_embeddings else self.vocab * self.hidden) + self.hidden * self.norm_vectors
+
+    @property
+    def num_params(self) -> int:
+        moe = self.num_moe_layers
+        return (
+            (self.num_layers - moe) * self.dense_layer_params
+            + moe * self.moe_layer_params
+            + self.embedding_params
+            + self.head_params
+        )
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters touched per token (top-k routed plus shared experts per MoE layer)."""
+        if not self.is_moe:
+            return self.num_params
+        idle = (self.num_experts - self.top_k) * self.mlp_params(self.moe_ffn)
+        return self.num_params - self.num_moe_layers * idle
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def preset(cls, name: str) -> "ModelSpec":
+        key = name.lower().replace("_", "-")
+        if key not in PRESETS:
+            raise AutoparError(
+                f"autopar: unknown model preset {name!r}; expected one of "
+                f"{', '.join(sorted(PRESETS))}, or describe the model with ModelSpec(...) "
+                f"or ModelSpec.from_hf_config('config.json')"
+            )
+        return PRESETS[key]
+
+    @classmethod
+    def from_hf_config(cls, path_or_dict) -> "ModelSpec":
+        """Read a transformers ``config.json`` (Llama, Mistral, Mixtral, Qwen2(-MoE), DeepSeek, GPT-2 keys)."""
+        if isinstance(path_or_dict, dict):
+            cfg = dict(path_or_dict)
+        else:
+            path = os.fspath(path_or_dict)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            try:
+                with open(path, encoding="utf-8") as fh:
+                    cfg = json.load(fh)
+            except (OSError, json.JSONDecodeError) as exc:
+                raise AutoparError(
+                    f"autopar: could not read a model config from {path!r} ({exc}); pass the "
+                    f"path of a transformers config.json or a dict of its keys"
+                ) from None
+        if "text_config" in cfg and "num_hidden_layers" not in cfg:
+            cfg = {**cfg, **cfg["text_config"]}
+        return cls(**_fields_from_hf(cfg))
+
+    @classmethod
+    def from_module(cls, model, example_inputs, example_kwargs=None) -> "ModelSpec":
+        from autopar.analyze import model_dims  # lazy: pulls in torch and the tracer
+
+        return cls(**model_dims(model, example_inputs, example_kwargs))
+
+    def replace(self, **changes) -> "ModelSpec":
+        return dataclasses.replace(self, **changes)
+
+
+def _get(cfg: dict, *keys, default=None):
+    for key in keys:
+        if cfg.get(key) is not None:
+            return cfg[key]
+    return default
+
+
+def _fields_from_hf(cfg: dict) -> dict:
+    layers = _get(cfg, "num_hidden_layers", "n_layer", "num_layers")
+    hidden = _get(cfg, "hidden_size", "n_embd", "d_model")
+    heads = _get(cfg, "num_attention_heads", "n_head")
+    vocab = _get(cfg, "vocab_size")
+    missing = [n for n, v in (("num_hidden_layers", layers), ("hidden_size", hidden),
+                              ("num_attention_heads", heads), ("vocab_size", vocab)) if v is None]
+    if missing:
+        raise AutoparError(
+            f"autopar: the model config lacks {', '.join(missing)}; expected a transformers "
+            f"decoder config (e.g. LlamaConfig); describe the model with ModelSpec(...) instead"
+        )
+    model_type = str(cfg.get("model_type", "")).lower()
+    gpt_style = model_type in ("gpt2", "gpt_neox", "gptj", "opt", "gpt_bigcode") or "n_embd" in cfg
+    ffn = _get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=None) or 4 * hidden
+    experts = int(_get(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0)
+    fields = dict(
+        name=str(_get(cfg, "_name_or_path", "model_type", default="hf-model")) or "hf-model",
+        num_layers=int(layers), hidden=int(hidden), num_heads=int(heads), vocab=int(vocab),
+        ffn=int(ffn),
+        num_kv_heads=int(_get(cfg, "num_key_value_heads", default=heads)),
+        head_dim=_get(cfg, "head_dim", default=None),
+        gated_mlp=not gpt_style,
+        tied_embeddings=bool(cfg.get("tie_word_embeddings", gpt_style)),
+        norm="layernorm" if gpt_style else "rmsnorm",
+        qkv_bias=bool(_get(cfg, "attention_bias", "qkv_bias", default=model_type.startswith("qwen2"))
+                      or gpt_style),
+    )
+    if experts:
+        moe_ffn = int(_get(cfg, "moe_intermediate_size", default=ffn))
+        shared = int(_get(cfg, "n_shared_experts", "num_shared_experts", default=0) or 0)
+        shared_width = cfg.get("shared_expert_intermediate_size")
+        if not shared and shared_width:
+            shared = max(1, round(shared_width / moe_ffn))  # Qwen-MoE: one wide shared expert
+        freq = int(_get(cfg, "decoder_sparse_step", "moe_layer_freq", default=1) or 1)
+        first_dense = int(_get(cfg, "first_k_dense_replace", default=0) or 0)
+        fields.update(num_experts=experts, top_k=int(_get(cfg, "num_experts_per_tok", "top_k", default=2)),
+                      moe_ffn=moe_ffn, num_shared_experts=shared, moe_layer_freq=freq,
+                      first_dense_layers=first_dense)
+    if fields["head_dim"] is not None:
+        fields["head_dim"] = int(fields["head_dim"])
+    return fields
+
+
+PRESETS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(name="llama3-8b", num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8,
+                  ffn=14336, vocab=128256),
+        ModelSpec(name="llama3-70b", num_layers=80, hidden=8192, num_heads=64, num_kv_heads=8,
+                  ffn=28672, vocab=128256),
+        ModelSpec(name="llama3-405b", num_layers=126, hidden=16384, num_heads=128, num_kv_heads=8,
+                  ffn=53248, vocab=128256),
+        ModelSpec(name="mixtral-8x7b", num_layers=32, hidden=4096, num_heads=32, num_kv_heads=8,
+                  ffn=14336, vocab=32000, num_experts=8, top_k=2),
+        # The reference document's worked example (section 6): 80 layers, hidden 8192, 64 heads
+        # of 128 (no GQA: its W_qkv is H x 3H), 64 experts, top-2, one MoE layer in 4 (20 in
+        # all), dense and expert MLP width 4H (its W_gate is H x 4H). It states no vocabulary;
+        # we use Llama 3's 128256.
+        ModelSpec(name="reference-moe", num_layers=80, hidden=8192, num_heads=64, num_kv_heads=64,
+                  head_dim=128, ffn=32768, vocab=128256, num_experts=64, top_k=2,
+                  moe_ffn=32768, moe_layer_freq=4),
+    )
+}

@@ -1,0 +1,77 @@
+"""The sympy symbols of the cost model, in one place.
+
+Every formula in ``autopar.cost`` (comm.py, flops.py, memory.py, pipeline.py,
+time.py) is written in these symbols. ``estimate.py`` lambdifies the formulas once
+and evaluates them with numbers: scalars for the model and hardware symbols, numpy
+arrays (one entry per candidate plan) for the plan symbols (``autopar.search``).
+
+Groups:
+  * model: ``b`` (micro-batch size per replica), ``s`` (sequence length), ``h``,
+    ``a`` (heads), ``g`` (KV heads), ``d`` (head dim), ``f`` (dense FFN), ``fe``
+    (expert FFN), ``V``, ``E`` (experts), ``k`` (top-k), ``w`` (dtype bytes), and the
+    per-stage layer counts ``ld`` (dense layers) / ``le`` (MoE layers) on the stage
+    being scored;
+  * plan: degrees ``tp, dp, cp, pp, ep, vpp, m`` (micro-batches per step) and 0/1
+    indicators (``sp``, recompute, ZeRO stage, CP variant, stage role) so that every
+    formula is a rational function without ``Piecewise`` (fast to evaluate on arrays);
+  * hardware and calibration constants (``peak``, link bandwidths and latencies,
+    ``eta_max``, ``n0``, ``eps``, ``phi``).
+"""
+from __future__ import annotations
+
+import sympy as sp
+
+__all__ = [
+    "b", "s", "h", "a", "g", "d", "f", "fe", "V", "E", "k", "w", "nsh", "nn", "qb",
+    "gated", "ld", "le", "L", "Le",
+    "tp", "dp", "cp", "pp", "ep", "vpp", "m", "SP", "RSEL", "RFULL",
+    "Z1", "Z2", "Z3", "CPRING", "CPAG", "CPUL", "FIRST", "LAST", "INFL", "NSEND", "NRECV",
+    "rho", "wg", "wgc", "wo", "wp",
+    "peak", "hbm_bw", "eta_max", "n0", "eps", "phi",
+    "MODEL_SYMBOLS", "PLAN_SYMBOLS", "ALL_SYMBOLS", "axis_link_symbols",
+]
+
+_pos = dict(positive=True)
+
+# ---- model
+b, s, h, a, g, d = sp.symbols("b S H a g d", **_pos)  # micro-batch, seq, hidden, heads, kv heads, head dim
+f, fe, V, E, k = sp.symbols("F F_e V E k", **_pos)     # ffn, expert ffn, vocab, experts, top-k
+w = sp.Symbol("w", **_pos)                              # bytes per activation / parameter element
+nsh = sp.Symbol("n_sh", nonnegative=True)               # shared experts per MoE layer
+nn = sp.Symbol("n_norm", **_pos)                        # weight vectors per norm (1 RMSNorm, 2 LayerNorm)
+qb = sp.Symbol("q_b", nonnegative=True)                 # 1 if q/k/v projections have a bias
+gated = sp.Symbol("gated", nonnegative=True)            # 1 for SwiGLU (3 matrices), 0 for plain (2)
+ld, le = sp.symbols("l_d l_e", nonnegative=True)        # dense / MoE layers on the scored stage
+L, Le = sp.symbols("L L_e", **_pos)                     # layers in the model / MoE layers in the model
+
+# ---- plan
+tp, dp, cp, pp, ep, vpp, m = sp.symbols("tp dp cp pp ep v m", **_pos)
+SP = sp.Symbol("sp", nonnegative=True)                  # sequence parallelism on (1) / off (0)
+RSEL, RFULL = sp.symbols("r_sel r_full", nonnegative=True)
+Z1, Z2, Z3 = sp.symbols("z_1 z_2 z_3", nonnegative=True)  # 1 if ZeRO stage >= 1, >= 2, == 3
+CPRING, CPAG, CPUL = sp.symbols("cp_ring cp_ag cp_ul", nonnegative=True)
+FIRST, LAST = sp.symbols("first last", nonnegative=True)  # scored stage holds the embedding / the head
+INFL = sp.Symbol("n_inflight", positive=True)           # micro-batches of activations held (in stage units)
+NSEND, NRECV = sp.symbols("n_send n_recv", nonnegative=True)  # P2P sends / receives per micro-batch (fwd)
+rho = sp.Symbol("rho", positive=True)                   # EP routing imbalance (or capacity factor)
+
+# ---- precision (bytes per element)
+wp = sp.Symbol("w_p", **_pos)    # parameter
+wg = sp.Symbol("w_g", **_pos)    # gradient held in memory
+wgc = sp.Symbol("w_gc", **_pos)  # gradient as reduced over dp
+wo = sp.Symbol("w_o", nonnegative=True)  # optimizer state per parameter
+
+# ---- hardware and calibration
+peak, hbm_bw = sp.symbols("P_peak B_hbm", **_pos)
+eta_max, n0, eps, phi = sp.symbols("eta_max n_0 epsilon phi", **_pos)
+
+
+def axis_link_symbols(axis: str):
+    """Per-axis link symbols: (time per byte of the axis' collective bytes, latency per call)."""
+    return sp.Symbol(f"beta_{axis}", positive=True), sp.Symbol(f"alpha_{axis}", nonnegative=True)
+
+
+MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, nn, qb, gated, L, Le)
+PLAN_SYMBOLS = (tp, dp, cp, pp, ep, vpp, m, SP, RSEL, RFULL, Z1, Z2, Z3, CPRING, CPAG, CPUL,
+                FIRST, LAST, INFL, NSEND, NRECV, ld, le, rho)
+ALL_SYMBOLS = MODEL_SYMBOLS + PLAN_SYMBOLS + (wp, wg, wgc, wo, peak, hbm_bw, eta_max, n0, eps, phi)

@@ -1,0 +1,133 @@
+"""Time: compute at a calibrated efficiency, collectives by alpha-beta, overlap, step time.
+
+Compute. A GEMM class of F FLOPs and effective size n (flops.py) takes
+    F / (P_peak * eta(n)),   eta(n) = eta_max * n / (n + n_0),
+so small or skinny GEMMs (large tp, small micro-batches) run further from peak.
+Element-wise work (norms, residuals, RoPE, activation functions, MoE permutes, softmax
+cross-entropy) is memory bound: bytes moved / B_hbm.
+
+Collectives. A call moving ``sent`` bytes (DESIGN.md's convention) on axis X costs
+    sent * beta_X + passes * alpha_X,
+where beta_X, alpha_X come from the axis' layout (hardware.py: NVLink inside a node, the
+network across nodes, hierarchical rings, the collective efficiency ``epsilon`` folded
+into both bandwidths).
+
+Exposure. Asynchronous communication hides behind compute up to a fraction ``phi``:
+exposed = max((1 - phi) t, t - window), the window being the compute it can run under:
+  * DP gradient reduction (ZeRO 0-1): the last micro-batch's backward; per-micro-batch
+    reduce-scatters (ZeRO 2-3): each backward; parameter all-gathers (ZeRO 1-2 after the
+    step, ZeRO-3 per use): the forward (or backward) they prefetch for;
+  * CP ring: the attention block it pipelines with; PP P2P: (1 - phi) t;
+  * TP/SP collectives sit on the critical path unless ``tp_comm_overlap`` (then
+    (1 - phi) t); EP all-to-alls likewise, except under dualpipev (overlapped);
+  * CP all-gather / Ulysses, the tp gradient all-reduce, the loss all-reduce: exposed.
+
+Step. Per micro-batch, the slowest pipeline rank takes T_f = compute_f + exposed_f and
+T_b = compute_b + exposed_b; step = m (T_f + T_b) + bubble (pipeline.py) + exposed
+per-step collectives + the optimizer update (memory bound).
+
+The four constants (eta_max, n_0, epsilon, phi) are fitted to calibration.md (see
+calibration.py and docs/cost-model.md).
+"""
+from __future__ import annotations
+
+import sympy as sp
+
+from .comm import RowSpec, local_param_elems
+from .flops import gemm_classes
+from .symbols import (LAST, RFULL, SP, Z1, Z2, m, E, V, a, b, cp, d, dp, ep, eta_max, f, fe, g, gated,
+                      h, hbm_bw, k, ld, le, n0, nsh, peak, phi, rho, s, tp, w, wg, wo, wp)
+
+__all__ = ["CALIBRATED", "TPOV", "DPV", "efficiency", "compute_terms", "row_time",
+           "exposure", "optimizer_time", "link_symbols"]
+
+# Fitted to calibration.md sets A, B, C (calibration.py; docs/cost-model.md has the table).
+CALIBRATED = dict(eta_max=0.75, n_0=300.0, epsilon=0.8, phi=0.85)
+
+TPOV = sp.Symbol("tp_overlap", nonnegative=True)  # 1 if TP communication overlaps compute
+DPV = sp.Symbol("dualpipe", nonnegative=True)     # 1 under the dualpipev schedule
+
+
+def link_symbols(axis: str, kind: str):
+    """(seconds per byte sent, seconds per pass) symbols of ``axis`` for ``kind`` 'ring' or 'a2a'."""
+    tag = axis.replace("*", "").replace("_", "")
+    return (sp.Symbol(f"beta_{kind}_{tag}", nonnegative=True),
+            sp.Symbol(f"alpha_{kind}_{tag}", nonnegative=True))
+
+
+def efficiency(n):
+    return eta_max * n / (n + n0)
+
+
+def _elementwise_bytes_fwd():
+    T = b * s / cp
+    t_sp = T * (1 - SP + SP / tp)
+    Te = T / tp
+    per_layer = 10 * t_sp * h * w + 2 * T * (a + g) * d * w / tp
+    dense = per_layer + (2 + gated) * T * f * w / tp
+    moe = per_layer + (2 + gated) * Te * (k * rho + nsh) * fe * w + 4 * Te * k * rho * h * w + Te * E * 8
+    return ld * dense + le * moe, LAST * 2 * T * V / tp * (w + 4)
+
+
+def compute_terms() -> dict[str, sp.Expr]:
+    """Per micro-batch compute seconds on the scored stage: fwd, bwd (incl. recompute), weight-grad share."""
+    terms: dict[str, sp.Expr] = {}
+    fwd = bwd = wgrad = sp.Integer(0)
+    for gemm in gemm_classes():
+        t = gemm.fwd / (peak * efficiency(gemm.size))
+        terms[f"compute.{gemm.name}"] = t
+        fwd += t
+        bwd += t * (gemm.bwd_factor + gemm.recompute)
+        if gemm.name != "attention":
+            wgrad += t  # weight gradient = one forward's worth of the GEMM
+    layers_bytes, head_bytes = _elementwise_bytes_fwd()
+    ew_f = (layers_bytes + head_bytes) / hbm_bw
+    ew_b = (2 * layers_bytes + head_bytes + RFULL * layers_bytes) / hbm_bw
+    terms.update({"compute.elementwise_fwd": ew_f, "fwd": fwd + ew_f, "bwd": bwd + ew_b,
+                  "wgrad": wgrad})
+    return terms
+
+
+def row_time(row: RowSpec) -> sp.Expr:
+    """Seconds per call of ``row`` (P2P receives are free: links are full duplex)."""
+    if row.collective == "recv":
+        return sp.Integer(0)
+    if row.axis == "pp_embed":
+        beta, alpha = link_symbols("pp", "a2a")
+    else:
+        kind = "ring" if row.collective in ("all_gather", "reduce_scatter", "all_reduce") else "a2a"
+        beta, alpha = link_symbols(row.axis, kind)
+    return row.sent * beta + row.passes * alpha
+
+
+def exposure(row: RowSpec, t: sp.Expr, comp: dict[str, sp.Expr]) -> sp.Expr:
+    """Exposed part of ``t`` seconds of ``row`` (see the module docstring)."""
+    hide = lambda window: sp.Max((1 - phi) * t, t - window)  # noqa: E731
+    dim, phase = row.dimension, row.phase
+    if dim in ("tp", "sp") and phase in ("fwd", "bwd"):
+        return t * (1 - TPOV * phi)
+    if dim == "ep":
+        return t * (1 - DPV * phi)
+    if dim == "pp" and phase in ("fwd", "bwd"):
+        return (1 - phi) * t
+    if dim == "cp":
+        if row.collective in ("send", "recv"):
+            core = comp["compute.attention"]
+            return hide(core if phase == "fwd" else 2.5 * core)
+        return t
+    if dim == "zero" and phase in ("fwd", "bwd"):
+        return hide(comp["fwd"] if phase == "fwd" else comp["bwd"])
+    if dim == "zero" and phase == "step":
+        return hide(comp["fwd"])
+    if dim == "dp" and phase == "grad":
+        # ZeRO 2-3 reduce-scatter after every micro-batch's backward, so m of them hide.
+        return hide(comp["bwd"] * (1 + (m - 1) * Z2))
+    return t
+
+
+def optimizer_time() -> sp.Expr:
+    """Adam update: read grads, read/write state and master weights, write parameters."""
+    dense, expert, _ = local_param_elems()
+    n = dp * cp
+    shard = (dense + expert * ep) / n * Z1 + (dense + expert) * (1 - Z1)
+    return (shard * (wg + 2 * wo) + (dense + expert) * wp) / hbm_bw

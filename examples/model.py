@@ -1,0 +1,235 @@
+"""A small Llama-style decoder language model in plain PyTorch, used by the examples and tests.
+
+Nothing here knows about autopar: it is the kind of model a user hands to
+``autopar.parallelize`` unchanged. It has the structures the analysis
+(``autopar/analyze.py``) must recognise: RMSNorm modules, rotary embeddings whose
+position ids are built inside ``forward`` with ``torch.arange`` over the sequence
+length, grouped-query attention by expanding K/V, a SwiGLU MLP, optionally fused
+q/k/v and gate/up projections, and a tied or untied LM head.
+
+``tests/models.py`` builds it (and a tiny Hugging Face Llama) for the test suite;
+``examples/train_llama.py`` trains it; ``autopar inspect examples/model.py:build_tiny``
+prints its parallel program.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = [
+    "DecoderConfig",
+    "RMSNorm",
+    "Attention",
+    "MLP",
+    "DecoderLayer",
+    "Decoder",
+    "lm_loss",
+    "make_batch",
+    "build_tiny",
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DecoderConfig:
+    """Sizes and options of :class:`Decoder`. ``head_dim = hidden_size // num_heads``."""
+
+    vocab_size: int = 128
+    hidden_size: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 128
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    tie_embeddings: bool = False
+    fused_qkv: bool = False
+    fused_gate_up: bool = False
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                     "intermediate_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"DecoderConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.num_heads:
+            raise ValueError(
+                f"DecoderConfig: hidden_size {self.hidden_size} is not a multiple of "
+                f"num_heads {self.num_heads}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"DecoderConfig: num_heads {self.num_heads} is not a multiple of "
+                f"num_kv_heads {self.num_kv_heads}"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"DecoderConfig: rotary embeddings need an even head_dim, got {self.head_dim}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale, computed in float32."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [B, heads, S, head_dim]; cos/sin: [S, head_dim], broadcast over batch and heads.
+    return x * cos + _rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """Causal self-attention with rotary embeddings and grouped-query K/V."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        q_size = cfg.num_heads * cfg.head_dim
+        kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.split_sizes = (q_size, kv_size, kv_size)
+        if cfg.fused_qkv:
+            self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=False)
+        else:
+            self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=False)
+            self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=False)
+            self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=False)
+        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        batch, seq, _ = x.shape
+        if hasattr(self, "qkv_proj"):
+            q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(batch, seq, self.num_heads, self.head_dim).transpose(1, 2)
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = _apply_rotary(q, cos, sin)
+        k = _apply_rotary(k, cos, sin)
+        # Grouped-query attention: each KV head serves num_heads // num_kv_heads query heads.
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            k = k.unsqueeze(2).expand(batch, self.num_kv_heads, group, seq, self.head_dim)
+            k = k.reshape(batch, self.num_heads, seq, self.head_dim)
+            v = v.unsqueeze(2).expand(batch, self.num_kv_heads, group, seq, self.head_dim)
+            v = v.reshape(batch, self.num_heads, seq, self.head_dim)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        if cfg.fused_gate_up:
+            self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        else:
+            self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+            self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if hasattr(self, "gate_up_proj"):
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: attention and MLP, each with a residual."""
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class Decoder(nn.Module):
+    """Decoder-only language model: ``forward(input_ids [B, S]) -> logits [B, S, V]``.
+
+    Weights are drawn from the global RNG, so ``torch.manual_seed(s)`` before
+    construction makes them deterministic.
+    """
+
+    def __init__(self, config: DecoderConfig | None = None):
+        super().__init__()
+        cfg = config if config is not None else DecoderConfig()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        inv_freq = 1.0 / (
+            cfg.rope_theta ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float32) / cfg.head_dim)
+        )
+        # Derived from the config, so it is not part of the state dict.
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._init_weights()
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def _init_weights(self) -> None:
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        seq = input_ids.shape[1]
+        # Positions are built here from the sequence length, so a traced graph has a
+        # position-dependent subgraph (what context parallelism must rewrite).
+        positions = torch.arange(seq, device=input_ids.device, dtype=torch.float32)
+        freqs = torch.outer(positions, self.inv_freq)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        x = self.embed_tokens(input_ids)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over every position of the batch."""
+    return F.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def make_batch(vocab_size: int, batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random int64 tokens ``(input_ids, target)``, target = the input shifted left by one."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (batch, seq + 1), generator=gen, dtype=torch.int64)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def build_tiny() -> tuple[Decoder, tuple[torch.Tensor]]:
+    """The default tiny model and an example batch (4 x 16), for ``autopar inspect``."""
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig())
+    input_ids, _ = make_batch(model.config.vocab_size, batch=4, seq=16, seed=0)
+    return model, (input_ids,)

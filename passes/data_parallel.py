@@ -1,0 +1,58 @@
+"""Data parallelism: gradient synchronisation buckets over ``dp`` (and partial-gradient axes).
+
+Every rank of a ``dp`` group runs the same program on its slice of the batch, so the graph
+itself does not change.  What changes is what happens after backward: each gradient is
+averaged over ``dp``; gradients that shard propagation found to be partial sums over
+another axis (e.g. norm weights on sequence shards under SP, axis ``tp``) are first summed
+over that axis.  Gradients are grouped into buckets of at most ``bucket_bytes`` local bytes,
+in reverse parameter order (the order backward produces them), one collective per bucket.
+
+The runtime (:mod:`autopar.runtime`) executes the buckets; this pass only decides them, so
+they can be printed with the program and counted by the cost model.
+"""
+from __future__ import annotations
+
+import math
+
+from torch.fx import GraphModule
+
+from .context import GradBucket, PassContext, PassResult
+
+__all__ = ["data_parallel_pass", "local_param_bytes"]
+
+
+def local_param_bytes(gm: GraphModule, ctx: PassContext, name: str) -> int:
+    p = gm.get_parameter(name)
+    shards = ctx.param_shards.get(name, {})
+    return p.numel() * p.element_size() // math.prod(ctx.axis_sizes[a] for a in shards)
+
+
+def _buckets(gm: GraphModule, ctx: PassContext, names: list[str], axis: str, average: bool,
+             cap: int) -> list[GradBucket]:
+    out: list[GradBucket] = []
+    current: list[str] = []
+    size = 0
+    for name in reversed(names):
+        nbytes = local_param_bytes(gm, ctx, name)
+        if current and size + nbytes > cap:
+            out.append(GradBucket(axis, tuple(current), average, size))
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    if current:
+        out.append(GradBucket(axis, tuple(current), average, size))
+    return out
+
+
+def data_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
+    result = PassResult("data_parallel_pass")
+    cap = ctx.bucket_bytes
+    names = [n for n, p in gm.named_parameters() if p.requires_grad]
+    partial_axes = sorted({a for axes in ctx.grad_partial_axes.values() for a in axes})
+    for axis in partial_axes:
+        members = [n for n in names if axis in ctx.grad_partial_axes.get(n, set())]
+        ctx.grad_buckets += _buckets(gm, ctx, members, axis, False, cap)
+    if ctx.axis_sizes.get("dp", 1) > 1:
+        ctx.grad_buckets += _buckets(gm, ctx, names, "dp", True, cap)
+    result.notes.append(f"{len(ctx.grad_buckets)} gradient buckets")
+    return result

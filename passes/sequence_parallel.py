@@ -1,0 +1,66 @@
+"""Sequence parallelism (Megatron SP) on top of tensor parallelism, axis ``tp``.
+
+Outside the tensor-parallel regions (norms, residual adds, dropout) activations are
+sharded along the sequence instead of replicated.  This pass rewrites the boundaries the
+TP pass created:
+
+- each region entry (identity forward / all-reduce backward) becomes an ``all_gather``
+  along the sequence dim (backward: reduce-scatter);
+- each all-reduce after a row-parallel projection or the vocabulary-parallel embedding
+  becomes a ``reduce_scatter`` along the sequence dim (backward: all-gather).
+
+The communication volume equals TP's all-reduce; activation memory outside the regions
+drops by ``tp``.  Shard propagation (``passes/shard_propagation.py``) then places every op
+in between on sequence shards, and marks replicated weights used there (the norms) as
+having partial gradients, which the DP pass sums over ``tp``.
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from autopar import collectives as C
+from autopar.errors import AutoparError, describe_node
+from .context import META_KEY, PassContext, PassResult, provenance
+from .tensor_parallel import AXIS
+
+__all__ = ["sequence_parallel_pass"]
+
+_PASS = "sequence_parallel_pass"
+
+
+def _seq_dim(node: Node, ctx: PassContext) -> int:
+    val = node.meta.get("val")
+    for d, size in enumerate(getattr(val, "shape", ())):
+        if isinstance(size, torch.SymInt) and size.node.expr == ctx.seq_symbol:
+            return d
+    raise AutoparError(
+        f"autopar: sequence parallelism needs the sequence dimension on the activation at "
+        f"{describe_node(node)}, found shape {tuple(getattr(val, 'shape', ()))} without the traced "
+        f"sequence size {ctx.seq_symbol}; use a plan without 'sp' for this model.")
+
+
+def sequence_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
+    result = PassResult(_PASS)
+    if ctx.seq_symbol is None:
+        raise AutoparError("autopar: sequence parallelism needs a symbolic sequence dimension, but the "
+                           "model was traced with a fixed sequence length; use a plan without 'sp'.")
+    for node in list(gm.graph.nodes):
+        meta = node.meta.get(META_KEY) or {}
+        role = meta.get("role")
+        if node.target is C.region_entry and role in ("column_input", "lm_head_input"):
+            x = node.args[0]
+            dim = _seq_dim(x, ctx)
+            node.target = C.all_gather
+            node.args = (x, dim, AXIS, node.args[2])
+            provenance(node, _PASS, AXIS, f"gather sequence shards before {meta['reason'].split(' of ')[-1]}",
+                       role=role)
+            result.num_rewritten += 1
+        elif node.target is C.all_reduce and role in ("row_output", "embedding_output"):
+            x = node.args[0]
+            dim = _seq_dim(x, ctx)
+            node.target = C.reduce_scatter
+            node.args = (x, dim, AXIS, node.args[2])
+            provenance(node, _PASS, AXIS, f"reduce-scatter to sequence shards: {meta['reason']}", role=role)
+            result.num_rewritten += 1
+    return result

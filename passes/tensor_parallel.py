@@ -1,0 +1,190 @@
+"""Tensor parallelism (Megatron style) on the traced graph, axis ``tp``.
+
+For every attention and MLP region found by :mod:`autopar.analyze`:
+
+- column-parallel projections (q/k/v, gate/up, or the fused QKV / gate-up) keep their
+  output features ``1/tp`` per rank; a fused projection is sharded part by part so each
+  rank holds its heads of q, of k and of v;
+- one ``region_entry`` (identity forward, all-reduce of the input gradient backward) is
+  inserted on the region's input;
+- row-parallel projections (o, down) keep ``1/tp`` of their input features; their output is
+  a partial sum, reduced by an ``all_reduce`` inserted right after them (a bias is moved
+  behind the reduction so it is added once).
+
+The embedding becomes vocabulary-parallel (masked local lookup + all-reduce), the LM head
+column-parallel over the vocabulary, and a cross-entropy loss on those logits becomes
+``vocab_parallel_cross_entropy`` (the full logits are never gathered).  Local sizes in
+views are rewritten later by ``passes/shard_propagation.py``; SP (``passes/sequence_parallel.py``)
+turns the entry/reduction pairs into all-gather / reduce-scatter.
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from autopar import collectives as C
+from autopar.analyze import LinearInfo, ModelStructure
+from autopar.errors import AutoparError, describe_node
+from .context import ParamShard, PassContext, PassResult, provenance
+
+aten = torch.ops.aten
+
+__all__ = ["tensor_parallel_pass", "AXIS"]
+
+AXIS = "tp"
+_PASS = "tensor_parallel_pass"
+_VIEWISH = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+            aten.slice.Tensor, aten.contiguous.default, aten.to.dtype, aten._to_copy.default, aten.clone.default}
+
+
+def _check_divisible(what: str, value: int, tp: int, node: Node | None = None) -> None:
+    if value % tp:
+        valid = [d for d in range(1, value + 1) if value % d == 0]
+        where = f" ({describe_node(node)})" if node is not None else ""
+        raise AutoparError(f"autopar: tp={tp} does not divide the {what} ({value}){where}; "
+                           f"valid tp values: {valid}.")
+
+
+def _insert_after(gm: GraphModule, node: Node, fn, args: tuple, reason: str, role: str) -> Node:
+    with gm.graph.inserting_after(node):
+        new = gm.graph.call_function(fn, args)
+    new.meta["val"] = node.meta.get("val")
+    new.meta["nn_module_stack"] = node.meta.get("nn_module_stack", {})
+    new.meta["stack_trace"] = node.meta.get("stack_trace")
+    provenance(new, _PASS, AXIS, reason, role=role)
+    return new
+
+
+def _redirect(node: Node, new: Node, only: set[Node] | None = None) -> None:
+    for user in list(node.users):
+        if user is not new and (only is None or user in only):
+            user.replace_input_with(node, new)
+
+
+def _shard_column(ctx: PassContext, info: LinearInfo) -> None:
+    blocks = tuple(info.split_sizes) if info.split_sizes else None
+    for size in blocks or (info.out_features,):
+        _check_divisible(f"output features of {info.module} ({'part ' if blocks else ''}size {size})",
+                         size, ctx.axis_sizes[AXIS], info.node)
+    ctx.shard_param(info.weight, AXIS, ParamShard(1 if info.in_out else 0, blocks))
+    if info.bias:
+        ctx.shard_param(info.bias, AXIS, ParamShard(0, blocks))
+    if blocks:
+        info.node.meta["autopar_blocks"] = blocks
+
+
+def _shard_row(gm: GraphModule, ctx: PassContext, info: LinearInfo, region: str) -> Node:
+    _check_divisible(f"input features of {info.module}", info.in_features, ctx.axis_sizes[AXIS], info.node)
+    ctx.shard_param(info.weight, AXIS, ParamShard(0 if info.in_out else 1))
+    node = info.node
+    bias = None
+    if info.bias:  # add the bias once, after the reduction
+        if info.in_out:  # addmm(bias, x, w) -> mm(x, w)
+            bias = node.args[0]
+            node.target, node.args = aten.mm.default, (node.args[1], node.args[2])
+        else:
+            bias = node.args[2]
+            node.args = node.args[:2]
+    reduced = _insert_after(gm, node, C.all_reduce, (node, AXIS, f"{info.module}: row-parallel output"),
+                            f"sum the partial outputs of row-parallel {info.module}", "row_output")
+    _redirect(node, reduced)
+    out = reduced
+    if bias is not None:
+        with gm.graph.inserting_after(reduced):
+            out = gm.graph.call_function(aten.add.Tensor, (reduced, bias))
+        out.meta["val"] = node.meta.get("val")
+        provenance(out, _PASS, None, f"bias of {info.module}, added after the reduction")
+        _redirect(reduced, out)
+        out.args = (reduced, bias)
+    return out
+
+
+def _enter_region(gm: GraphModule, columns: list[LinearInfo], label: str, role: str) -> None:
+    by_input: dict[Node, set[Node]] = {}
+    for c in columns:
+        by_input.setdefault(c.input, set()).add(c.node)
+    for x, users in by_input.items():
+        entry = _insert_after(gm, x, C.region_entry, (x, AXIS, f"{label}: column-parallel input"),
+                              f"enter the tensor-parallel region of {label}", role)
+        _redirect(x, entry, only=users)
+
+
+def _vocab_parallel_embedding(gm: GraphModule, ctx: PassContext, node: Node) -> None:
+    weight, ids = node.args[0], node.args[1]
+    padding_idx = node.args[2] if len(node.args) > 2 else -1
+    ctx.shard_param(weight.target, AXIS, ParamShard(0))
+    node.target = C.vocab_parallel_embedding
+    node.args = (weight, ids, AXIS, padding_idx)
+    provenance(node, _PASS, AXIS, "embedding rows sharded over the vocabulary", role="embedding")
+    reduced = _insert_after(gm, node, C.all_reduce, (node, AXIS, "embedding output"),
+                            "sum the vocabulary-parallel embedding lookups", "embedding_output")
+    _redirect(node, reduced)
+
+
+def _logits_path_to_loss(lm_head: Node) -> Node | None:
+    node = lm_head
+    while True:
+        users = list(node.users)
+        if len(users) != 1:
+            return None
+        user = users[0]
+        if user.target == aten.cross_entropy_loss.default and user.args[0] is node:
+            return user
+        if user.target not in _VIEWISH or user.args[0] is not node:
+            return None
+        node = user
+
+
+def _vocab_parallel_loss(gm: GraphModule, loss: Node) -> None:
+    args = list(loss.args) + [None] * (6 - len(loss.args))
+    weight = args[2] if args[2] is not None else loss.kwargs.get("weight")
+    reduction = args[3] if args[3] is not None else loss.kwargs.get("reduction", 1)
+    ignore_index = args[4] if args[4] is not None else loss.kwargs.get("ignore_index", -100)
+    smoothing = args[5] if args[5] is not None else loss.kwargs.get("label_smoothing", 0.0)
+    if weight is not None or smoothing:
+        raise AutoparError(
+            f"autopar: cross-entropy with class weights or label smoothing at {describe_node(loss)} "
+            "is not supported vocabulary-parallel; expected plain cross_entropy(logits, target). "
+            "Use a plan without tp, or drop the class weights / label smoothing.")
+    loss.target = C.vocab_parallel_cross_entropy
+    loss.args = (loss.args[0], loss.args[1], AXIS, ignore_index, reduction, "vocab-parallel cross-entropy")
+    loss.kwargs = {}
+    provenance(loss, _PASS, AXIS, "cross-entropy on vocabulary-sharded logits", role="loss")
+
+
+def tensor_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
+    s: ModelStructure = ctx.structure
+    tp = ctx.axis_sizes[AXIS]
+    result = PassResult(_PASS)
+    if not s.regions:
+        raise AutoparError(
+            "autopar: tensor parallelism found no attention or MLP region in the model (no linear "
+            "projections around an attention op or feeding one another inside a module); "
+            "use a plan without tp for this model.")
+    for region in s.regions:
+        if region.kind == "attention":
+            _check_divisible("number of attention heads", region.num_heads, tp, region.attention)
+            _check_divisible("number of KV heads", region.num_kv_heads, tp, region.attention)
+        for c in region.columns:
+            _shard_column(ctx, c)
+        _enter_region(gm, region.columns, region.module, "column_input")
+        for r in region.rows:
+            _shard_row(gm, ctx, r, region.module)
+        result.num_rewritten += len(region.columns) + len(region.rows)
+    for emb in s.embeddings:
+        _check_divisible("vocabulary size", s.vocab, tp, emb)
+        _vocab_parallel_embedding(gm, ctx, emb)
+    if s.lm_head is not None:
+        _shard_column(ctx, s.lm_head)
+        _enter_region(gm, [s.lm_head], s.lm_head.module, "lm_head_input")
+        loss = _logits_path_to_loss(s.lm_head.node)
+        if loss is not None:
+            _vocab_parallel_loss(gm, loss)
+        else:
+            gathered = _insert_after(gm, s.lm_head.node, C.all_gather,
+                                     (s.lm_head.node, s.lm_head.node.meta["val"].dim() - 1, AXIS, "logits"),
+                                     "gather vocabulary-sharded logits (no cross-entropy loss found)", "logits")
+            _redirect(s.lm_head.node, gathered)
+            result.notes.append("LM head logits are gathered: no cross-entropy loss consumes them directly")
+    result.num_inserted = sum(1 for n in gm.graph.nodes if n.meta.get("autopar", {}).get("pass") == _PASS)
+    return result

@@ -1,0 +1,236 @@
+"""Sharding rules for the view family: view/reshape, flatten, expand, transpose, slicing, splits.
+
+These ops move a sharded dim to a new position, and the ones with explicit sizes must have
+those sizes rewritten to the local shard (``view(x, [b, s, 4, 16])`` becomes
+``view(x, [b, s, 2, 16])`` under tp=2).  Sizes are compared as sympy expressions so the
+same rules work on graphs traced with symbolic batch and sequence sizes.
+
+Registered into the same registry as ``passes/rules.py``; the propagation loop is
+``passes/shard_propagation.py``.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+from torch.distributed.tensor import Partial, Shard
+from torch.fx import Node
+
+from .rules import R, RuleContext, ndim_of, register, shape_of
+
+aten = torch.ops.aten
+
+__all__ = ["dim_groups", "view_rule"]
+
+_INT_MAX = 2**62
+
+
+def _expr(size) -> sympy.Expr:
+    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+
+
+def dim_groups(in_shape: tuple, out_shape: tuple) -> list[tuple[list[int], list[int]]]:
+    """Pair runs of input dims with runs of output dims whose products are equal."""
+    a, b = [_expr(s) for s in in_shape], [_expr(s) for s in out_shape]
+    groups, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        gi, gj, pa, pb = [], [], sympy.Integer(1), sympy.Integer(1)
+        if i < len(a):
+            gi.append(i); pa *= a[i]; i += 1
+        if j < len(b):
+            gj.append(j); pb *= b[j]; j += 1
+        while True:
+            ratio = sympy.simplify(pa / pb)
+            if ratio == 1:
+                break
+            num, den = sympy.fraction(ratio)
+            grow_out = (num.free_symbols and not den.free_symbols) or (ratio.is_number and ratio > 1)
+            if grow_out and j < len(b):
+                gj.append(j); pb *= b[j]; j += 1
+            elif i < len(a):
+                gi.append(i); pa *= a[i]; i += 1
+            elif j < len(b):
+                gj.append(j); pb *= b[j]; j += 1
+            else:
+                break
+        groups.append((gi, gj))
+    return groups
+
+
+def _first_nonunit(dims: list[int], shape: tuple) -> int | None:
+    for d in dims:
+        if _expr(shape[d]) != 1:
+            return d
+    return None
+
+
+def _mapped_dim(node: Node, src: Node, shard: Shard, rc: RuleContext) -> int:
+    in_shape, out_shape = shape_of(src), shape_of(node)
+    for gi, gj in dim_groups(in_shape, out_shape):
+        if shard.dim in gi:
+            if _first_nonunit(gi, in_shape) != shard.dim:
+                raise rc.fail(node, f"the sharded dim {shard.dim} is merged behind another dim of {tuple(in_shape)}",
+                              "Sharding must stay on the outermost dim of a merged group.")
+            out = _first_nonunit(gj, out_shape)
+            if out is None:
+                raise rc.fail(node, f"the sharded dim {shard.dim} disappears")
+            return out
+    raise rc.fail(node, f"cannot map sharded dim {shard.dim} from {tuple(in_shape)} to {tuple(out_shape)}")
+
+
+def _rewrite_sizes(node: Node, arg_index: int, out_dim: int, rc: RuleContext, offset: int = 0) -> None:
+    sizes = list(node.args[arg_index])
+    sizes[out_dim - offset] = rc.local_size(node, sizes[out_dim - offset])
+    args = list(node.args)
+    args[arg_index] = sizes
+    node.args = tuple(args)
+
+
+@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+def view_rule(node: Node, pls: list, rc: RuleContext):
+    pl = pls[0]
+    if not isinstance(pl, Shard):
+        return pl
+    out = _mapped_dim(node, node.args[0], pl, rc)
+    _rewrite_sizes(node, 1, out, rc)
+    return Shard(out)
+
+
+@register(aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+          aten.squeeze.default)
+def reshape_like_rule(node: Node, pls: list, rc: RuleContext):
+    pl = pls[0]
+    if not isinstance(pl, Shard):
+        return pl
+    return Shard(_mapped_dim(node, node.args[0], pl, rc))
+
+
+@register(aten.unflatten.int)
+def unflatten_rule(node: Node, pls: list, rc: RuleContext):
+    pl = pls[0]
+    if not isinstance(pl, Shard):
+        return pl
+    out = _mapped_dim(node, node.args[0], pl, rc)
+    dim = node.args[1] % ndim_of(node.args[0])
+    if dim <= out < dim + len(node.args[2]):
+        _rewrite_sizes(node, 2, out, rc, offset=dim)
+    return Shard(out)
+
+
+@register(aten.expand.default)
+def expand_rule(node: Node, pls: list, rc: RuleContext):
+    pl = pls[0]
+    if not isinstance(pl, Shard):
+        return pl
+    out = pl.dim + ndim_of(node) - ndim_of(node.args[0])
+    if node.args[1][out] != -1:
+        _rewrite_sizes(node, 1, out, rc)
+    return Shard(out)
+
+
+@register(aten.transpose.int)
+def transpose_rule(node: Node, pls: list, rc: RuleContext):
+    pl = pls[0]
+    if not isinstance(pl, Shard):
+        return pl
+    nd = ndim_of(node)
+    d0, d1 = node.args[1] % nd, node.args[2] % nd
+    return Shard(d1 if pl.dim == d0 else d0 if pl.dim == d1 else pl.dim)
+
+
+@register(aten.t.default)
+def t_rule(node: Node, pls: list, rc: RuleContext):
+    pl = pls[0]
+    if isinstance(pl, Shard) and ndim_of(node) == 2:
+        return Shard(1 - pl.dim)
+    return pl
+
+
+@register(aten.permute.default)
+def permute_rule(node: Node, pls: list, rc: RuleContext):
+    pl = pls[0]
+    if not isinstance(pl, Shard):
+        return pl
+    dims = [d % ndim_of(node) for d in node.args[1]]
+    return Shard(dims.index(pl.dim))
+
+
+@register(aten.slice.Tensor)
+def slice_rule(node: Node, pls: list, rc: RuleContext):
+    pl = pls[0]
+    if not isinstance(pl, Shard):
+        return pl
+    nd = ndim_of(node)
+    dim = (node.args[1] if len(node.args) > 1 else 0) % nd
+    if dim != pl.dim:
+        return pl
+    start = node.args[2] if len(node.args) > 2 else 0
+    end = node.args[3] if len(node.args) > 3 else None
+    step = node.args[4] if len(node.args) > 4 else 1
+    full_end = end is None or (isinstance(end, int) and end >= _INT_MAX) or (
+        isinstance(end, int) and _expr(shape_of(node.args[0])[dim]) == end)
+    if start in (0, None) and full_end and step == 1:
+        return pl
+    raise rc.fail(node, f"slices the sharded dim {dim}",
+                  "Slicing along a sharded dim is only supported when it keeps the whole dim.")
+
+
+@register(aten.select.int)
+def select_rule(node: Node, pls: list, rc: RuleContext):
+    pl = pls[0]
+    if not isinstance(pl, Shard):
+        return pl
+    dim = node.args[1] % ndim_of(node.args[0])
+    if dim == pl.dim:
+        raise rc.fail(node, f"selects along the sharded dim {dim}")
+    return Shard(pl.dim - (1 if dim < pl.dim else 0))
+
+
+@register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+def split_rule(node: Node, pls: list, rc: RuleContext):
+    pl = pls[0]
+    num_out = len(node.meta["val"])
+    if not isinstance(pl, Shard):
+        return tuple([pl] * num_out)
+    nd = ndim_of(node.args[0])
+    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
+    if dim != pl.dim:
+        return tuple([pl] * num_out)
+    # Splitting the sharded dim is only right when the producer was sharded block by block
+    # (a fused projection), so each local part is that rank's share of each global part.
+    if not node.args[0].meta.get("autopar_blocks"):
+        raise rc.fail(node, f"splits the sharded dim {dim} of a tensor that was not sharded block-wise",
+                      "Fused projections must be recognised by the TP pass; report the model.")
+    args = list(node.args)
+    if node.target == aten.split_with_sizes.default:
+        args[1] = [rc.local_size(node, s) for s in node.args[1]]
+    elif node.target == aten.split.Tensor:
+        args[1] = rc.local_size(node, node.args[1])
+    node.args = tuple(args)
+    return tuple([pl] * num_out)
+
+
+@register(aten.cat.default)
+def cat_rule(node: Node, pls: list, rc: RuleContext):
+    shards = {p for p in pls if isinstance(p, Shard)}
+    if not shards and not any(isinstance(p, Partial) for p in pls):
+        return R
+    nd = ndim_of(node)
+    dim = (node.args[1] if len(node.args) > 1 else 0) % nd
+    if len(shards) == 1 and all(isinstance(p, Shard) for p in pls):
+        (pl,) = shards
+        if pl.dim != dim:
+            return pl
+    raise rc.fail(node, f"concatenates inputs placed {pls} along dim {dim}")
+
+
+@register(aten.stack.default)
+def stack_rule(node: Node, pls: list, rc: RuleContext):
+    shards = {p for p in pls if isinstance(p, Shard)}
+    if not shards and not any(isinstance(p, Partial) for p in pls):
+        return R
+    dim = (node.args[1] if len(node.args) > 1 else 0) % ndim_of(node)
+    if len(shards) == 1 and all(isinstance(p, Shard) for p in pls):
+        (pl,) = shards
+        return Shard(pl.dim + (1 if dim <= pl.dim else 0))
+    raise rc.fail(node, f"stacks inputs placed {pls}")
+

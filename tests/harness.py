@@ -1,0 +1,605 @@
+"""Multi-rank test harness: pooled gloo workers plus reference-training helpers.
+
+Every numerical-equivalence and byte-equality test runs its per-rank code through
+:func:`run_distributed` (or the ``dist_pool`` fixture in ``tests/conftest.py``).
+Starting a gloo world and importing torch costs seconds per process, so one pool of
+spawned workers per world size lives for the whole pytest session and runs job
+after job; a job is an importable module-level function called on every rank after
+the default process group (gloo) is up.  A failing, crashed or hung job kills its
+pool, which restarts lazily on next use.
+
+The second half holds the single-process side of the equivalence tests:
+:func:`reference_train` trains the unparallelized model, :func:`assert_equivalent`
+compares it with what the parallel run produced, :func:`make_batches` and
+:data:`OPTIMIZERS` give both sides identical inputs.  The harness's own tests live in
+``tests/test_harness.py``.
+"""
+from __future__ import annotations
+
+import atexit
+import functools
+import gc
+import importlib
+import math
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+__all__ = [
+    "RankError",
+    "JobTimeout",
+    "WorkerPool",
+    "get_pool",
+    "run_distributed",
+    "shutdown_pools",
+    "reference_train",
+    "assert_equivalent",
+    "make_batches",
+    "next_token_loss",
+    "OPTIMIZERS",
+    "DEFAULT_JOB_TIMEOUT",
+    "GLOO_TIMEOUT",
+]
+
+# pytest imports this file as `harness` (tests/ on sys.path) while jobs import it as
+# `tests.harness`; one module object under both names keeps a single pool registry.
+for _alias in ("harness", "tests.harness"):
+    sys.modules.setdefault(_alias, sys.modules[__name__])
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+DEFAULT_JOB_TIMEOUT = 300.0
+GLOO_TIMEOUT = 60.0
+START_TIMEOUT = 180.0
+JOB_SEED = 0
+# After the first rank fails, how long to wait for the others' errors before killing.
+_ERROR_GRACE_S = 1.0
+_POLL_S = 0.5
+
+
+class RankError(RuntimeError):
+    """A job raised (or its process died) on one rank; carries that rank's traceback.
+
+    ``rank`` is the failing rank, ``exception`` the original exception when it could
+    be unpickled (else None), ``remote_traceback`` the formatted traceback text.
+    """
+
+    def __init__(self, message: str, *, rank: int, exception: BaseException | None,
+                 remote_traceback: str):
+        super().__init__(message)
+        self.rank = rank
+        self.exception = exception
+        self.remote_traceback = remote_traceback
+
+
+class JobTimeout(TimeoutError):
+    """A job did not finish on every rank within its timeout; the pool was killed."""
+
+
+# ----------------------------------------------------------------------------- worker side
+
+
+def _resolve(module: str, qualname: str) -> Callable:
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _snapshot_globals() -> dict:
+    return {
+        "dtype": torch.get_default_dtype(),
+        "device": torch.get_default_device(),
+        "grad": torch.is_grad_enabled(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "anomaly": torch.is_anomaly_enabled(),
+        "environ": dict(os.environ),
+        "cwd": os.getcwd(),
+    }
+
+
+def _seed_job() -> None:
+    torch.manual_seed(JOB_SEED)
+    random.seed(JOB_SEED)
+    if "numpy" in sys.modules:
+        sys.modules["numpy"].random.seed(JOB_SEED)
+
+
+def _reset_after_job(saved: dict) -> None:
+    """Drop what a job left in this process so the next job starts clean."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        raise RuntimeError("the job destroyed the default process group; "
+                           "jobs must leave it to the harness")
+    world = c10d.GroupMember.WORLD
+    # Sub-groups (e.g. from init_device_mesh) hold gloo sockets and threads; the
+    # group-name counter keeps advancing identically on every rank, so names agree.
+    for pg in list(c10d._world.pg_map):
+        if pg is not world:
+            dist.destroy_process_group(pg)
+    mesh_module = sys.modules.get("torch.distributed.device_mesh")  # importing it costs ~1 s
+    if mesh_module is not None and hasattr(mesh_module, "_mesh_resources"):
+        mesh_module._mesh_resources.mesh_stack.clear()
+    torch.set_default_dtype(saved["dtype"])
+    if torch.get_default_device() != saved["device"]:
+        # Passing None removes the device mode instead of stacking another one.
+        torch.set_default_device(None if saved["device"].type == "cpu" else saved["device"])
+    torch.set_grad_enabled(saved["grad"])
+    if torch.are_deterministic_algorithms_enabled() != saved["deterministic"]:
+        torch.use_deterministic_algorithms(saved["deterministic"])  # imports inductor: ~1 s
+    if torch.is_anomaly_enabled() != saved["anomaly"]:
+        torch.autograd.set_detect_anomaly(saved["anomaly"])
+    torch.set_num_threads(1)
+    if os.environ != saved["environ"]:
+        os.environ.clear()
+        os.environ.update(saved["environ"])
+    if os.getcwd() != saved["cwd"]:
+        os.chdir(saved["cwd"])
+    if "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
+    gc.collect()
+
+
+def _worker_main(rank: int, world_size: int, init_method: str, task_q, result_q) -> None:
+    """Entry point of one spawned rank: init gloo, then serve jobs until told to stop."""
+    try:
+        for path in (str(REPO_ROOT), str(TESTS_DIR)):
+            if path not in sys.path:
+                sys.path.insert(0, path)
+        torch.set_num_threads(1)
+        torch.set_num_interop_threads(1)
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=init_method, rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=GLOO_TIMEOUT))
+        saved = _snapshot_globals()
+    except BaseException:
+        result_q.put(("fatal", -1, rank, traceback.format_exc()))
+        return
+    result_q.put(("ready", -1, rank, None))
+    parent = mp.parent_process()
+    while True:
+        try:
+            msg = task_q.get(timeout=2.0)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                break
+            continue
+        if msg is None:
+            break
+        job_id, payload = msg
+        try:
+            module, qualname, args, kwargs = pickle.loads(payload)
+            _seed_job()
+            result = _resolve(module, qualname)(*args, **kwargs)
+            _reset_after_job(saved)
+            reply = ("ok", job_id, rank, pickle.dumps(result))
+        except BaseException as exc:
+            try:
+                exc_bytes = pickle.dumps(exc)
+                pickle.loads(exc_bytes)
+            except Exception:
+                exc_bytes = None
+            reply = ("err", job_id, rank,
+                     (traceback.format_exc(), f"{type(exc).__name__}: {exc}", exc_bytes))
+        result_q.put(reply)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    # Skip interpreter teardown (seconds for torch on a busy machine): flush and go.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    result_q.close()
+    result_q.join_thread()
+    os._exit(0)
+
+
+# ----------------------------------------------------------------------------- parent side
+
+_ENV_LOCK = threading.Lock()
+_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+if sys.platform.startswith("linux"):
+    # All ranks are local; pinning gloo to loopback avoids hostname-resolution trouble.
+    _WORKER_ENV["GLOO_SOCKET_IFNAME"] = "lo"
+
+
+def _fn_name(fn: Callable | str) -> tuple[str, str]:
+    """Return (module, qualname) for an importable module-level function."""
+    if isinstance(fn, str):
+        module, sep, qualname = fn.partition(":")
+        if not sep or not module or not qualname:
+            raise ValueError(f"harness: job {fn!r} must be written 'module:qualname'")
+    else:
+        module = getattr(fn, "__module__", None)
+        qualname = getattr(fn, "__qualname__", None)
+        if not module or not qualname:
+            raise TypeError(f"harness: job {fn!r} is not a function; pass a module-level "
+                            "function or a 'module:qualname' string")
+    if module == "__main__" or "<" in qualname:
+        raise ValueError(f"harness: job {module}:{qualname} is not importable by the workers; "
+                         "define it at module level in an importable module (not a lambda, "
+                         "closure or __main__)")
+    try:
+        _resolve(module, qualname)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"harness: cannot import job {module}:{qualname}: {exc}") from exc
+    return module, qualname
+
+
+class WorkerPool:
+    """``world_size`` spawned gloo ranks that run jobs one after another.
+
+    ``start()`` spawns the ranks and waits until each has joined the gloo world;
+    ``run(fn, *args, **kwargs)`` returns ``[fn(*args, **kwargs) on rank r for r]``.
+    Any failure kills the pool (``alive`` turns False); :func:`get_pool` replaces it.
+    """
+
+    def __init__(self, world_size: int, *, start_timeout: float = START_TIMEOUT):
+        if world_size < 1:
+            raise ValueError(f"harness: world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        self.start_timeout = start_timeout
+        self.num_jobs = 0
+        self._procs: list = []
+        self._task_qs: list = []
+        self._result_q = None
+        self._tmpdir: str | None = None
+        self._alive = False
+
+    @property
+    def alive(self) -> bool:
+        return self._alive and all(p.exitcode is None for p in self._procs)
+
+    def start(self) -> "WorkerPool":
+        ctx = mp.get_context("spawn")
+        self._tmpdir = tempfile.mkdtemp(prefix=f"autopar-gloo{self.world_size}-")
+        init_method = f"file://{os.path.join(self._tmpdir, 'store')}"
+        self._result_q = ctx.Queue()
+        self._task_qs = [ctx.Queue() for _ in range(self.world_size)]
+        with _ENV_LOCK:
+            old = {k: os.environ.get(k) for k in _WORKER_ENV}
+            os.environ.update(_WORKER_ENV)
+            try:
+                for rank in range(self.world_size):
+                    p = ctx.Process(target=_worker_main, daemon=True,
+                                    name=f"autopar-rank{rank}of{self.world_size}",
+                                    args=(rank, self.world_size, init_method,
+                                          self._task_qs[rank], self._result_q))
+                    p.start()
+                    self._procs.append(p)
+            finally:
+                for k, v in old.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+        self._alive = True
+        ready: set[int] = set()
+        deadline = time.monotonic() + self.start_timeout
+        while len(ready) < self.world_size:
+            msg = self._next_message(deadline)
+            if msg is None:
+                self.kill()
+                missing = sorted(set(range(self.world_size)) - ready)
+                raise JobTimeout(f"harness: gloo world of {self.world_size} did not start within "
+                                 f"{self.start_timeout:.0f} s (ranks {missing} not ready)")
+            kind, _, rank, body = msg
+            if kind == "fatal":
+                self.kill()
+                raise RankError(f"harness: rank {rank} of {self.world_size} failed to start:\n"
+                                f"{body}", rank=rank, exception=None, remote_traceback=body)
+            if kind == "ready":
+                ready.add(rank)
+        return self
+
+    def _next_message(self, deadline: float):
+        """Next result-queue message, or None at the deadline; raises if a rank died."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                return self._result_q.get(timeout=min(_POLL_S, left))
+            except queue.Empty:
+                pass
+            for rank, p in enumerate(self._procs):
+                if p.exitcode is not None:
+                    try:  # its last message may have raced with its exit
+                        return self._result_q.get(timeout=_POLL_S)
+                    except queue.Empty:
+                        pass
+                    code = p.exitcode
+                    self.kill()
+                    text = f"rank {rank} process exited with code {code}"
+                    raise RankError(f"harness: {text} (world {self.world_size}); pool killed",
+                                    rank=rank, exception=None, remote_traceback=text)
+
+    def run(self, fn: Callable | str, *args, timeout: float = DEFAULT_JOB_TIMEOUT,
+            **kwargs) -> list:
+        module, qualname = _fn_name(fn)
+        name = f"{module}:{qualname}"
+        try:
+            payload = pickle.dumps((module, qualname, args, kwargs))
+        except Exception as exc:
+            raise TypeError(f"harness: arguments of job {name} cannot be pickled ({exc}); pass "
+                            "tensors, plain data, partials and module-level functions") from exc
+        if not self.alive:
+            raise RuntimeError(f"harness: pool of world {self.world_size} is not running; "
+                               "use get_pool() for a fresh one")
+        self.num_jobs += 1
+        job_id = self.num_jobs
+        for q in self._task_qs:
+            q.put((job_id, payload))
+        results: dict[int, Any] = {}
+        errors: dict[int, tuple] = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(results) + len(errors) < self.world_size:
+                if errors:  # others may be stuck in a collective: wait briefly, then give up
+                    deadline = min(deadline, first_error_at + _ERROR_GRACE_S)
+                msg = self._next_message(deadline)
+                if msg is None:
+                    if errors:
+                        break
+                    pending = sorted(set(range(self.world_size)) - set(results))
+                    self.kill()
+                    raise JobTimeout(f"harness: job {name} did not finish within {timeout:g} s on "
+                                     f"ranks {pending} of world {self.world_size}; the pool was "
+                                     "killed and restarts on next use")
+                kind, msg_job, rank, body = msg
+                assert msg_job == job_id, (msg_job, job_id)
+                if kind == "ok":
+                    results[rank] = pickle.loads(body)
+                else:
+                    if not errors:
+                        first_error_at = time.monotonic()
+                    errors[rank] = body
+        except RankError as exc:
+            raise RankError(f"{exc} while running {name}", rank=exc.rank, exception=None,
+                            remote_traceback=exc.remote_traceback) from None
+        except BaseException:
+            # Interrupted (Ctrl-C) or a result failed to unpickle: ranks may still be
+            # busy with this job, so nothing on the queues can be trusted any more.
+            self.kill()
+            raise
+        if errors:
+            self.kill()
+            raise self._rank_error(name, errors)
+        return [results[r] for r in range(self.world_size)]
+
+    def _rank_error(self, name: str, errors: dict[int, tuple]) -> RankError:
+        first = next(iter(errors))  # the first to report is usually the cause
+        tb, summary, exc_bytes = errors[first]
+        others = [f"rank {r}: {s}" for r, (_, s, _) in errors.items() if r != first]
+        lines = [f"harness: job {name} raised on rank {first} of world {self.world_size}: "
+                 f"{summary}"]
+        if others:
+            lines.append("also failed: " + "; ".join(others))
+        lines += [f"--- traceback of rank {first} ---", tb.rstrip(),
+                  "(the pool was killed and restarts on next use)"]
+        exc = pickle.loads(exc_bytes) if exc_bytes is not None else None
+        err = RankError("\n".join(lines), rank=first, exception=exc, remote_traceback=tb)
+        err.__cause__ = exc
+        return err
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Ask ranks to exit cleanly; kill whatever is still running after ``timeout``."""
+        self._request_stop()
+        self._join_then_kill(time.monotonic() + timeout)
+
+    def _request_stop(self) -> None:
+        if self._alive:
+            for q in self._task_qs:
+                try:
+                    q.put(None)
+                except (ValueError, OSError):
+                    pass
+
+    def _join_then_kill(self, deadline: float) -> None:
+        for p in self._procs:
+            if p.exitcode is None:
+                p.join(max(0.0, deadline - time.monotonic()))
+        self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL every rank, reap it, and release the queues and store directory."""
+        self._alive = False
+        for p in self._procs:
+            if p.exitcode is None:
+                p.kill()
+        for p in self._procs:
+            p.join()
+            p.close()
+        self._procs = []
+        for q in [*self._task_qs, self._result_q]:
+            if q is not None:
+                q.cancel_join_thread()
+                q.close()
+        self._task_qs, self._result_q = [], None
+        if self._tmpdir:
+            shutil.rmtree(self._tmpdir, ignore_errors=True)
+            self._tmpdir = None
+
+
+_POOLS: dict[int, WorkerPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def get_pool(world_size: int) -> WorkerPool:
+    """The session's running pool for ``world_size``, started (or restarted) on demand."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(world_size)
+        if pool is None or not pool.alive:
+            if pool is not None:
+                pool.kill()
+            pool = _POOLS[world_size] = WorkerPool(world_size)
+            try:
+                pool.start()
+            except BaseException:
+                del _POOLS[world_size]
+                raise
+        return pool
+
+
+def run_distributed(fn: Callable | str, *args, world: int,
+                    timeout: float = DEFAULT_JOB_TIMEOUT, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on every rank of a ``world``-rank gloo pool.
+
+    Returns the per-rank results in rank order.  Raises :class:`RankError` (naming the
+    rank, with its traceback) if a rank raises or dies, :class:`JobTimeout` after
+    ``timeout`` seconds; both kill the pool, which restarts on next use.
+    """
+    return get_pool(world).run(fn, *args, timeout=timeout, **kwargs)
+
+
+def shutdown_pools() -> None:
+    """Stop every pool (registered with atexit; the session fixture calls it too)."""
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+        _POOLS.clear()
+        for pool in pools:  # stop all worlds at once, then wait
+            pool._request_stop()
+        deadline = time.monotonic() + 10.0
+        for pool in pools:
+            pool._join_then_kill(deadline)
+
+
+atexit.register(shutdown_pools)
+
+
+# ----------------------------------------------------------------------------- references
+
+OPTIMIZERS: dict[str, Callable] = {
+    # Plain SGD keeps updates proportional to the gradient, so a gradient off by a
+    # factor (a missing 1/dp) shows; AdamW is scale-invariant but has sharded state
+    # (ZeRO) and a weight-decay path.  Both rates move tiny models by >> param_atol.
+    "sgd": functools.partial(torch.optim.SGD, lr=0.1),
+    "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+}
+
+
+def next_token_loss(output, target: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of logits (a tensor, tuple or HF output) against ``target``."""
+    logits = output
+    if hasattr(output, "logits"):
+        logits = output.logits
+    elif isinstance(output, (tuple, list)):
+        logits = output[0]
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+
+def make_batches(vocab_size: int, batch: int, seq: int, num_steps: int,
+                 seed: int) -> list[tuple[tuple[torch.Tensor], torch.Tensor]]:
+    """``num_steps`` batches of ``((input_ids,), target)``, target = input shifted by one.
+
+    Tokens are uniform in ``[0, vocab_size)``, int64, from a private generator.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num_steps):
+        tokens = torch.randint(0, vocab_size, (batch, seq + 1), generator=gen, dtype=torch.int64)
+        out.append(((tokens[:, :-1].clone(),), tokens[:, 1:].clone()))
+    return out
+
+
+def reference_train(build_model: Callable[[], torch.nn.Module], batches, loss_fn: Callable,
+                    make_optimizer: Callable, example_kwargs: dict | None = None,
+                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Train the unparallelized model one optimizer step per batch.
+
+    ``build_model`` must be deterministic (seed inside it) and return the model in the
+    mode the parallel run uses (disable dropout for equivalence tests).  Returns the
+    loss of every step and CPU clones of the final state dict.
+    """
+    kwargs = dict(example_kwargs or {})
+    model = build_model()
+    optimizer = make_optimizer(model.parameters())
+    losses: list[float] = []
+    for inputs, target in batches:
+        optimizer.zero_grad()
+        loss = loss_fn(model(*inputs, **kwargs), target)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    return losses, state
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.numel() == 0:
+        return 0.0
+    if a.is_floating_point() or a.is_complex():
+        diff = (a.double() - b.double()).abs()
+        # A NaN on either side is a mismatch, never a pass.
+        return math.inf if diff.isnan().any() else float(diff.max())
+    return 0.0 if torch.equal(a, b) else math.inf
+
+
+def assert_equivalent(ref: tuple[list[float], dict], got: tuple[list[float], dict], *,
+                      loss_atol: float = 1e-5, param_atol: float = 1e-4,
+                      num_worst: int = 5) -> None:
+    """Assert two ``(losses, state_dict)`` results match; list what differs if not.
+
+    Losses are compared step by step (absolute tolerance ``loss_atol``); state dicts
+    must have the same keys, shapes and dtypes, and every tensor's max absolute
+    difference must be within ``param_atol`` (integer tensors must be equal).
+    """
+    ref_losses, ref_state = ref
+    got_losses, got_state = got
+    problems: list[str] = []
+
+    if len(ref_losses) != len(got_losses):
+        problems.append(f"loss count: reference has {len(ref_losses)} steps, got {len(got_losses)}")
+    bad_steps = []
+    for step, (a, b) in enumerate(zip(ref_losses, got_losses)):
+        a, b = float(a), float(b)
+        if not (abs(a - b) <= loss_atol):  # written so NaN fails
+            bad_steps.append(f"step {step}: reference {a:.8g}, got {b:.8g}, |diff| {abs(a - b):.3g}")
+    if bad_steps:
+        problems.append(f"losses differ beyond {loss_atol:g} at {len(bad_steps)} step(s):\n    "
+                        + "\n    ".join(bad_steps))
+
+    missing = sorted(set(ref_state) - set(got_state))
+    extra = sorted(set(got_state) - set(ref_state))
+    if missing:
+        problems.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
+    if extra:
+        problems.append(f"unexpected keys ({len(extra)}): {', '.join(extra)}")
+
+    diffs: list[tuple[float, str]] = []
+    for key in sorted(set(ref_state) & set(got_state)):
+        a = ref_state[key].detach().cpu()
+        b = got_state[key].detach().cpu()
+        if a.shape != b.shape:
+            problems.append(f"shape of {key}: reference {tuple(a.shape)}, got {tuple(b.shape)}")
+        elif a.dtype != b.dtype:
+            problems.append(f"dtype of {key}: reference {a.dtype}, got {b.dtype}")
+        else:
+            diff = _max_abs_diff(a, b)
+            if not (diff <= param_atol):
+                diffs.append((diff, key))
+    if diffs:
+        diffs.sort(key=lambda d: (-d[0], d[1]))
+        worst = "\n    ".join(f"{key}: max |diff| {d:.3g}" for d, key in diffs[:num_worst])
+        more = f"\n    ... and {len(diffs) - num_worst} more" if len(diffs) > num_worst else ""
+        problems.append(f"{len(diffs)} of {len(set(ref_state) & set(got_state))} tensors differ "
+                        f"beyond {param_atol:g}; worst:\n    {worst}{more}")
+    if problems:
+        raise AssertionError("results are not equivalent:\n  " + "\n  ".join(problems))

@@ -1,0 +1,101 @@
+"""Model factories shared by the test suite (not a test module itself).
+
+``MODELS`` maps a name to ``(factory, loss_fn, example_kwargs)``: ``factory(seed=0)``
+returns a fresh model with deterministic weights, ``loss_fn(output, target)`` turns
+its output into a scalar loss, and ``example_kwargs`` are the keyword arguments its
+forward needs besides ``input_ids``. The example decoder lives in
+``examples/model.py``; the Hugging Face Llama is built from a tiny config (no
+downloads) and needs ``transformers``.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "example_module",
+    "example_model",
+    "hf_llama",
+    "hf_loss",
+    "lm_loss",
+    "make_batch",
+    "MODELS",
+]
+
+_EXAMPLE_PATH = Path(__file__).resolve().parent.parent / "examples" / "model.py"
+_EXAMPLE_NAME = "autopar_examples_model"
+
+
+def example_module():
+    """examples/model.py as a module (loaded by path: ``examples/`` is not a package)."""
+    module = sys.modules.get(_EXAMPLE_NAME)
+    if module is None:
+        spec = importlib.util.spec_from_file_location(_EXAMPLE_NAME, _EXAMPLE_PATH)
+        module = importlib.util.module_from_spec(spec)
+        # Registered before exec so that dataclasses and pickling can find the module.
+        sys.modules[_EXAMPLE_NAME] = module
+        spec.loader.exec_module(module)
+    return module
+
+
+def example_model(seed: int = 0, **cfg_overrides):
+    """The example ``Decoder`` with ``DecoderConfig(**cfg_overrides)``, weights from ``seed``."""
+    mod = example_module()
+    torch.manual_seed(seed)
+    return mod.Decoder(mod.DecoderConfig(**cfg_overrides))
+
+
+def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return example_module().lm_loss(logits, target)
+
+
+def make_batch(vocab_size: int, batch: int, seq: int, seed: int):
+    return example_module().make_batch(vocab_size, batch, seq, seed)
+
+
+def hf_llama(seed: int = 0, tie: bool = False, **overrides):
+    """A tiny ``transformers.LlamaForCausalLM`` (vocab 128, hidden 64, 2 layers, 4 heads, 2 KV heads)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    kwargs = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=tie,
+        attn_implementation="sdpa",
+    )
+    kwargs.update(overrides)
+    config = LlamaConfig(**kwargs)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.train()
+    return model
+
+
+def hf_loss(output, target: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy from a Hugging Face ``CausalLMOutput`` (its ``.logits``)."""
+    logits = output.logits
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _example_tied(seed: int = 0, **overrides):
+    return example_model(seed, tie_embeddings=True, **overrides)
+
+
+def _example_fused(seed: int = 0, **overrides):
+    return example_model(seed, fused_qkv=True, fused_gate_up=True, **overrides)
+
+
+MODELS = {
+    "example": (example_model, lm_loss, {}),
+    "example_tied": (_example_tied, lm_loss, {}),
+    "example_fused": (_example_fused, lm_loss, {}),
+    "hf_llama": (hf_llama, hf_loss, {"use_cache": False}),
+}
