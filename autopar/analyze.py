@@ -192,7 +192,7 @@ def _attention_dims(op: Node) -> tuple[int, int, int]:
     return num_heads, num_kv_heads, head_dim
 
 
-def _regions(gm: GraphModule, linears: dict[Node, LinearInfo]) -> list[Region]:
+def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node]) -> list[Region]:
     regions: list[Region] = []
     claimed: set[Node] = set()
     attention_ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
@@ -204,7 +204,7 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo]) -> list[Region]:
                 groups.append(("mlp", parent, None))
     stop = set(linears)
     for kind, path, op in groups:
-        members = [n for n, i in linears.items() if _within(i.module, path) and n not in claimed]
+        members = [n for n, i in linears.items() if _within(i.module, path) and n not in claimed | exclude]
         if len(members) < 2:
             continue
         member_set = set(members)
@@ -241,15 +241,15 @@ def analyze(gm: GraphModule) -> ModelStructure:
     nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
     linears = {n: info for n in nodes if (info := _linear_info(n)) is not None}
     embeddings = [n for n in nodes if n.target == aten.embedding.default and _attr(n.args[0])]
-    regions = _regions(gm, linears)
-    in_region = {c.node for r in regions for c in r.columns + r.rows}
     vocab = int(embeddings[0].args[0].meta["val"].shape[0]) if embeddings else 0
     hidden = int(embeddings[0].args[0].meta["val"].shape[1]) if embeddings else 0
-    heads = [r for r in regions if r.kind == "attention"]
+    # The LM head: the last linear from the hidden size to the vocabulary.
     lm_head = None
     for n, info in linears.items():
-        if n not in in_region and vocab and info.out_features == vocab and info.in_features == hidden:
+        if vocab and info.out_features == vocab and info.in_features == hidden:
             lm_head = info
+    regions = _regions(gm, linears, {lm_head.node} if lm_head else set())
+    heads = [r for r in regions if r.kind == "attention"]
     norm_weights: list[str] = []
     norm_modules = {module_path(n) for n in nodes if n.target in _NORM_OPS}
     for n in gm.graph.nodes:

@@ -6,6 +6,8 @@ from and the source line (see :func:`describe_node`).
 """
 from __future__ import annotations
 
+import os
+
 __all__ = ["AutoparError", "describe_node"]
 
 
@@ -30,10 +32,19 @@ def describe_node(node) -> str:
     trace = meta.get("stack_trace")
     if trace:
         lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-        # The last 'File ...' line and the code line after it are the user's source.
-        for i in range(len(lines) - 1, -1, -1):
-            if lines[i].startswith("File "):
-                code = lines[i + 1] if i + 1 < len(lines) else ""
-                parts.append(f"at {lines[i][5:]}: {code}")
-                break
+        frames = [(lines[i][5:], lines[i + 1] if i + 1 < len(lines) else "")
+                  for i in range(len(lines)) if lines[i].startswith("File ")]
+        # The innermost frame outside torch itself is the user's source line.
+        user = [f for f in frames if _TORCH_DIR not in f[0]] or frames
+        if user:
+            parts.append(f"at {user[-1][0]}: {user[-1][1]}")
     return ", ".join(parts)
+
+
+def _torch_dir() -> str:
+    import torch
+
+    return os.path.dirname(torch.__file__)
+
+
+_TORCH_DIR = _torch_dir()

@@ -128,12 +128,12 @@ class Cost:
         for i, row in enumerate(self._model.rows):
             count = self._value(f"row{i}.count", stage)
             group = self._value(f"row{i}.group", stage)
-            if count <= 0 or group <= 1:
+            sent, recv = self._value(f"row{i}.sent", stage), self._value(f"row{i}.recv", stage)
+            if count <= 0 or group <= 1 or (sent <= 0 and recv <= 0):
                 continue
             axis = {"dp*": dp_axis, "edp*": dp_axis if p.ep == 1 else "edp"}.get(row.axis, row.axis)
             out.append(CommRow(row.phase, row.dimension, row.collective, axis, int(round(group)),
-                               self._value(f"row{i}.sent", stage), self._value(f"row{i}.recv", stage),
-                               int(round(count)), row.what))
+                               sent, recv, int(round(count)), row.what))
         return out
 
     def format(self, verbose: bool = False) -> str:
@@ -180,7 +180,7 @@ def plan_flags(plan: Plan) -> dict:
 def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_bytes: int = 2,
              grad_bytes: int | None = None, activation_formula: str = "derived",
              tp_comm_overlap: bool = False, routing_imbalance: float = 1.0,
-             constants: dict | None = None) -> Cost:
+             flash_attention: bool = True, constants: dict | None = None) -> Cost:
     """Predict step time, MFU and memory of ``plan`` for ``spec`` on ``cluster``.
 
     ``dtype_bytes``: 2 for bf16 mixed precision, 4 for fp32 (memory.py states the
@@ -188,7 +188,8 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
     main grads, when dtype_bytes is 2); ``activation_formula``: "derived" (ours, Llama-style
     layers) or "korthikanti" (GPT layer, set C); ``tp_comm_overlap``: TP collectives hidden
     behind GEMMs (Megatron-Core's userbuffers); ``routing_imbalance``: MoE load factor of
-    the busiest rank; ``constants``: override the calibrated eta_max, n_0, epsilon, phi.
+    the busiest rank; ``flash_attention``: False models Megatron's older unfused attention
+    (full score matrix, memory-bound softmax and dropout); ``constants``: override the calibrated eta_max, kappa, epsilon, phi.
     """
     spec, cluster = _as_spec(spec), _as_cluster(cluster)
     plan = Plan.parse(plan)
@@ -210,10 +211,11 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
     for key, attr in (("ld", "dense"), ("le", "moe"), ("first", "first"), ("last", "last"),
                       ("nsend", "sends"), ("nrecv", "recvs")):
         arrays[key] = np.array([getattr(v, attr) for v in views], dtype=np.float64)
-    arrays["infl"] = np.array([inflight(plan.schedule, pp, plan.num_chunks_per_rank, v.rank, plan.mb)
-                               for v in views], dtype=np.float64)
+    arrays["infl"] = inflight(plan.schedule, pp, plan.num_chunks_per_rank,
+                              np.arange(pp, dtype=np.float64), plan.mb)
     values = model_values(spec, dtype_bytes=dtype_bytes, grad_bytes=grad_bytes,
-                          routing_imbalance=routing_imbalance, seq_len=seq_len)
+                          routing_imbalance=routing_imbalance, seq_len=seq_len,
+                          flash_attention=flash_attention)
     values.update(plan_values(cluster, arrays, constants=consts, tp_comm_overlap=tp_comm_overlap,
                               capacity=plan.capacity))
     out = evaluate(model, values)
@@ -225,7 +227,7 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
     mem_rank = int(np.argmax(out["memory"]))
     tokens = global_batch * seq_len
     subs = {sym: values[sym.name] for sym in (S.SP, S.RSEL, S.RFULL, S.Z1, S.Z2, S.Z3, S.CPRING, S.CPAG,
-                                              S.CPUL, S.gated, S.qb, S.nn)}
+                                              S.CPUL, S.gated, S.qb, S.nn, S.FLASH)}
     subs.update({sp.Symbol("tp_overlap", nonnegative=True): values["tp_overlap"],
                  sp.Symbol("dualpipe", nonnegative=True): float(values["dualpipe"][0])})
     subs = {k: (float(v[0]) if isinstance(v, np.ndarray) else v) for k, v in subs.items()}

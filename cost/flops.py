@@ -10,12 +10,13 @@ calibration sets (non-causal attention, optionally with the recompute pass).
 Per micro-batch on a rank (T = b*S/cp tokens, the stage holding l_d dense and l_e MoE
 layers, * = 2 for matmul multiply-adds):
   q,k,v,o projections   2*T*h*(a + 2g)*d/tp + 2*T*a*d*h/tp         per layer
-  causal attention      2*b*S^2*a*d/(tp*cp)                          per layer
+  causal attention      2*b*S^2*a*d/(tp*cp)   (x2 when unfused)      per layer
   dense MLP             2*T*(2 + gated)*h*F/tp                       per dense layer
   MoE (T/tp tokens)     2*(T/tp)*(h*E + (k*rho + n_sh)*(2 + gated)*h*F_e)  per MoE layer
   LM head               2*T*h*V/tp                                   last stage
 Backward is 2x forward for GEMMs and 2.5x for flash attention (it recomputes the
-scores); recomputation adds a forward of the layers (full) or of attention (selective).
+scores; unfused attention, as in Megatron before 2023, computes the full masked score
+matrix and its backward is 2x); recomputation adds a forward of the layers (full) or of attention (selective).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from .symbols import (LAST, RFULL, RSEL, E, V, a, b, cp, d, ep, f, fe, g, gated, h, k, ld, le,
+from .symbols import (FLASH, LAST, RFULL, RSEL, E, V, a, b, cp, d, ep, f, fe, g, gated, h, k, ld, le,
                       nsh, rho, s, tp)
 
 __all__ = ["Gemm", "gemm_classes", "model_flops", "megatron_flops", "per_token_layer_flops"]
@@ -34,7 +35,7 @@ class Gemm:
     name: str
     fwd: sp.Expr        # forward FLOPs per micro-batch on this rank (whole stage)
     size: sp.Expr       # effective GEMM size n for the efficiency curve
-    bwd_factor: float   # backward FLOPs / forward FLOPs
+    bwd_factor: sp.Expr  # backward FLOPs / forward FLOPs
     recompute: sp.Expr  # fraction of the forward recomputed in backward (0..1)
 
 
@@ -52,8 +53,11 @@ def gemm_classes() -> list[Gemm]:
         Gemm("qkv_proj", lay * 2 * T * h * (a + 2 * g) * d / tp, _n(T, h, (a + 2 * g) * d / tp), 2.0,
              RFULL),
         Gemm("o_proj", lay * 2 * T * a * d * h / tp, _n(T, a * d / tp, h), 2.0, RFULL),
-        Gemm("attention", lay * 2 * b * s**2 * a * d / (tp * cp), _n(s / cp, d, s), 2.5,
-             sp.Max(RSEL, RFULL)),
+        # Flash attention skips the masked half (bwd recomputes the scores: 2.5x); unfused
+        # attention multiplies the full score matrix (and its backward is 2x).
+        Gemm("attention", lay * 2 * b * s**2 * a * d * (2 - FLASH) / (tp * cp), _n(s / cp, d, s),
+             2 + FLASH / 2,
+             RSEL + RFULL),  # recompute modes are exclusive
         Gemm("mlp", ld * 2 * T * mlp_mult * h * f / tp, _n(T, h, f / tp), 2.0, RFULL),
         Gemm("router", le * 2 * Te * h * E, _n(Te, h, E), 2.0, RFULL),
         Gemm("experts", le * 2 * Te * k * rho * mlp_mult * h * fe, _n(tokens_per_expert, h, fe), 2.0,

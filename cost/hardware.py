@@ -21,20 +21,22 @@ from autopar.errors import AutoparError
 
 __all__ = ["Cluster", "GPU_PRESETS", "AXES", "axis_geometry", "axis_link_arrays"]
 
-# Vendor figures from docs/../reference/calibration.md (bytes, bytes/s, FLOP/s); latencies are
-# typical NCCL per-step figures (a few microseconds on NVLink, ~10 us across InfiniBand).
+# Vendor figures from calibration.md (bytes, bytes/s, FLOP/s); latencies are typical NCCL
+# per-step figures (a few microseconds on NVLink, ~10 us across InfiniBand). gemm_efficiency is
+# the fraction of peak a large bf16 GEMM reaches (eta_max of time.py), fitted per GPU generation
+# on calibration.md (calibration.py): A100s get closer to their peak than H100s do.
 GPU_PRESETS: dict[str, dict[str, float]] = {
-    "a100": dict(peak_flops=312e12, hbm_bytes=80 * 2**30, hbm_bandwidth=2.0e12,
+    "a100": dict(gemm_efficiency=0.75, peak_flops=312e12, hbm_bytes=80 * 2**30, hbm_bandwidth=2.0e12,
                  intra_node_bandwidth=300e9, intra_node_latency=5e-6,
                  inter_node_bandwidth=25e9, inter_node_latency=10e-6),
-    "h100": dict(peak_flops=989e12, hbm_bytes=80 * 2**30, hbm_bandwidth=3.35e12,
+    "h100": dict(gemm_efficiency=0.75, peak_flops=989e12, hbm_bytes=80 * 2**30, hbm_bandwidth=3.35e12,
                  intra_node_bandwidth=450e9, intra_node_latency=5e-6,
                  inter_node_bandwidth=50e9, inter_node_latency=10e-6),
-    "h200": dict(peak_flops=989e12, hbm_bytes=141e9, hbm_bandwidth=4.8e12,
+    "h200": dict(gemm_efficiency=0.75, peak_flops=989e12, hbm_bytes=141e9, hbm_bandwidth=4.8e12,
                  intra_node_bandwidth=450e9, intra_node_latency=5e-6,
                  inter_node_bandwidth=50e9, inter_node_latency=10e-6),
     # A toy "accelerator" for tests and CPU runs: gloo over shared memory / loopback.
-    "cpu": dict(peak_flops=1e11, hbm_bytes=16 * 2**30, hbm_bandwidth=2e10,
+    "cpu": dict(gemm_efficiency=0.5, peak_flops=1e11, hbm_bytes=16 * 2**30, hbm_bandwidth=2e10,
                 intra_node_bandwidth=5e9, intra_node_latency=20e-6,
                 inter_node_bandwidth=1e9, inter_node_latency=100e-6),
 }
@@ -61,6 +63,7 @@ class Cluster:
     intra_node_latency: float | None = None
     inter_node_bandwidth: float | None = None
     inter_node_latency: float | None = None
+    gemm_efficiency: float | None = None
     usable_memory_fraction: float = 0.9
 
     def __post_init__(self):
@@ -83,7 +86,7 @@ class Cluster:
                 f"{self.num_nodes} and {self.gpus_per_node}"
             )
         for name in GPU_PRESETS["h100"]:
-            if not float(getattr(self, name)) > 0:
+            if not float(getattr(self, name)) > 0 or (name == "gemm_efficiency" and self.gemm_efficiency > 1):
                 raise AutoparError(f"autopar: Cluster.{name} must be > 0, got {getattr(self, name)!r}")
         if not 0 < self.usable_memory_fraction <= 1:
             raise AutoparError("autopar: usable_memory_fraction must be in (0, 1]")

@@ -20,6 +20,8 @@ flash attention + GQA, no dropout, eager PyTorch:
   MLP        (2 + 2*gated)*T*F*w/tp    (gate, up, silu(gate), product -- or up, gelu(up))
   MoE block  T/tp tokens: fp32 router logits and probs 8*E, dispatched inputs and expert
              outputs 2*k*rho*h*w, expert MLP intermediates (2 + 2*gated)*(k*rho + n_sh)*F_e*w
+  unfused attention (flash_attention=False): + b*a*S^2/(tp*cp)*(2w + 1) (softmax
+             output, dropout mask, dropped probabilities; recomputed by selective)
   CP allgather: the gathered K,V are kept, + (cp - 1)*T*2g*d*w/tp
 Selective recompute recomputes attention (drops its output and LSE) and the MLP
 activation function (drops silu(gate) and the product, or gelu(up)). Full recompute keeps
@@ -36,7 +38,7 @@ from __future__ import annotations
 import sympy as sp
 
 from .comm import local_param_elems
-from .symbols import (CPAG, INFL, LAST, RFULL, RSEL, SP, Z1, Z2, Z3, E, V, a, b, cp, d, dp, ep, f,
+from .symbols import (FLASH, CPAG, INFL, LAST, RFULL, RSEL, SP, Z1, Z2, Z3, E, V, a, b, cp, d, dp, ep, f,
                       fe, g, gated, h, k, ld, le, nsh, rho, s, tp, w, wg, wo, wp)
 
 __all__ = ["memory_terms", "derived_layer_bytes", "korthikanti_layer_bytes", "precision_bytes"]
@@ -56,6 +58,8 @@ def derived_layer_bytes():
     norms = 4 * t_sp * h * w + 8 * t_sp
     attn = T * (a + 2 * g) * d * w / tp
     attn_out = T * a * d * w / tp + 4 * T * a / tp
+    # Unfused attention keeps softmax output, dropout mask and dropped probabilities.
+    attn_out += (1 - FLASH) * b * a * s**2 / (tp * cp) * (2 * w + 1)
     cp_kv = CPAG * (cp - 1) * T * 2 * g * d * w / tp
     mlp_keep = (1 + gated) * T * f * w / tp          # gate and up (or up)
     mlp_act = (1 + gated) * T * f * w / tp           # silu(gate) and product (or gelu(up))

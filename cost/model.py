@@ -20,13 +20,13 @@ from . import symbols as S
 from .comm import TIED, RowSpec, row_specs
 from .hardware import Cluster, axis_link_arrays
 from .memory import memory_terms, precision_bytes
-from .pipeline import T_b, T_f, T_w, bubble_expr
+from .pipeline import SCHEDULE_NAMES, T_b, T_f, T_w, bubble_expr
 from .time import CALIBRATED, DPV, TPOV, compute_terms, exposure, link_symbols, optimizer_time, row_time
 
-__all__ = ["SCHEDULES", "CP_VARIANTS", "RECOMPUTE", "LINK_AXES", "Compiled", "compiled",
-           "model_values", "plan_values", "evaluate", "step_time_arrays"]
+__all__ = ["SCHEDULES", "CP_VARIANTS", "RECOMPUTE", "LINK_AXES", "Compiled", "compiled", "compiled_memory", "compiled_compute",
+           "model_values", "plan_values", "link_values", "evaluate", "step_time_arrays"]
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
+SCHEDULES = SCHEDULE_NAMES
 CP_VARIANTS = ("ring", "allgather", "ulysses")
 RECOMPUTE = ("none", "selective", "full")
 # link-symbol tag -> mesh axis geometry in hardware.axis_geometry
@@ -52,6 +52,26 @@ def _link_symbol_list():
         for kind in ("ring", "a2a"):
             out.extend(link_symbols(tag, kind))
     return out
+
+
+@functools.lru_cache(maxsize=8)
+def compiled_memory(activation_formula: str = "derived") -> Compiled:
+    """Only the memory total (search prunes with it before scoring time)."""
+    expr = sp.sympify(sum(memory_terms(activation_formula).values()))
+    inputs = sorted(expr.free_symbols, key=lambda x: x.name)
+    fn = sp.lambdify(inputs, [expr], modules=_NP_MODULES, cse=True)
+    return Compiled([], ["memory"], [expr], inputs, fn, {})
+
+
+@functools.lru_cache(maxsize=2)
+def compiled_compute() -> Compiled:
+    """Only compute time per micro-batch (T_f, T_b without communication): a lower bound for search."""
+    comp = compute_terms()
+    names = ["T_f", "T_b", "T_w"]
+    exprs = [sp.sympify(comp[k]) for k in ("fwd", "bwd", "wgrad")]
+    inputs = sorted(set().union(*(e.free_symbols for e in exprs)), key=lambda x: x.name)
+    fn = sp.lambdify(inputs, exprs, modules=_NP_MODULES, cse=True)
+    return Compiled([], names, exprs, inputs, fn, {})
 
 
 @functools.lru_cache(maxsize=8)
@@ -94,22 +114,34 @@ def compiled(activation_formula: str = "derived", full: bool = False) -> Compile
 
 
 def model_values(spec, *, dtype_bytes: int, grad_bytes: int | None, routing_imbalance: float,
-                 seq_len: int) -> dict[str, float]:
+                 seq_len: int, flash_attention: bool = True) -> dict[str, float]:
     """Scalar values of the model and precision symbols."""
     vals = {
         "S": seq_len, "H": spec.hidden, "a": spec.num_heads, "g": spec.num_kv_heads,
         "d": spec.head_dim, "F": spec.ffn, "F_e": spec.moe_ffn or 1, "V": spec.vocab,
-        "E": max(spec.num_experts, 1), "k": spec.top_k, "w": dtype_bytes,
+        # Dense models: the MoE symbols only ever meet l_e = 0; 1 keeps every term finite.
+        "E": max(spec.num_experts, 1), "k": max(spec.top_k, 1), "w": dtype_bytes,
         "n_sh": spec.num_shared_experts, "n_norm": spec.norm_vectors, "q_b": int(spec.qkv_bias),
         "gated": int(spec.gated_mlp), "L": spec.num_layers, "L_e": max(spec.num_moe_layers, 1),
-        "tied": int(spec.tied_embeddings), "rho": routing_imbalance,
+        "tied": int(spec.tied_embeddings), "rho": routing_imbalance, "flash": int(flash_attention),
     }
     vals.update(precision_bytes(dtype_bytes, grad_bytes))
     return vals
 
 
+def link_values(cluster: Cluster, tp, cp, dp, pp, ep, epsilon: float) -> dict[str, np.ndarray]:
+    """Values of every link symbol (seconds per byte / per pass, per axis) for arrays of plans."""
+    vals = {}
+    for tag, axis in LINK_AXES.items():
+        br, ba, ar, aa = axis_link_arrays(cluster, axis, tp, cp, dp, pp, ep, epsilon)
+        for (beta, alpha), (bv, av) in ((link_symbols(tag, "ring"), (br, ar)),
+                                        (link_symbols(tag, "a2a"), (ba, aa))):
+            vals[beta.name], vals[alpha.name] = bv, av
+    return vals
+
+
 def plan_values(cluster: Cluster, arrays: dict[str, np.ndarray], *, constants: dict,
-                tp_comm_overlap: bool, capacity=None) -> dict[str, np.ndarray]:
+                tp_comm_overlap: bool, capacity=None, links: dict | None = None) -> dict[str, np.ndarray]:
     """Plan, view and hardware symbol values from integer-coded plan arrays.
 
     ``arrays`` keys: tp dp cp pp ep vpp m b sp zero recompute cp_variant schedule (codes
@@ -128,17 +160,14 @@ def plan_values(cluster: Cluster, arrays: dict[str, np.ndarray], *, constants: d
         "tp_overlap": 1.0 if tp_comm_overlap else 0.0,
         "dualpipe": (sched == SCHEDULES.index("dualpipev")) * 1.0,
         "P_peak": cluster.peak_flops, "B_hbm": cluster.hbm_bandwidth,
-        "eta_max": constants["eta_max"], "n_0": constants["n_0"],
+        "eta_max": constants.get("eta_max") or cluster.gemm_efficiency, "kappa": constants["kappa"],
         "epsilon": constants["epsilon"], "phi": constants["phi"],
     }
     if capacity is not None:
         vals["rho"] = capacity
-    for tag, axis in LINK_AXES.items():
-        br, ba, ar, aa = axis_link_arrays(cluster, axis, A["tp"], A["cp"], A["dp"], A["pp"], A["ep"],
-                                          constants["epsilon"])
-        for (beta, alpha), (bv, av) in ((link_symbols(tag, "ring"), (br, ar)),
-                                        (link_symbols(tag, "a2a"), (ba, aa))):
-            vals[beta.name], vals[alpha.name] = bv, av
+    if links is None:
+        links = link_values(cluster, A["tp"], A["cp"], A["dp"], A["pp"], A["ep"], constants["epsilon"])
+    vals.update(links)
     return vals
 
 
@@ -148,8 +177,11 @@ def evaluate(model: Compiled, values: dict) -> dict[str, np.ndarray]:
         if sym.name not in values:
             raise KeyError(f"cost model input {sym.name!r} has no value")
         args.append(values[sym.name])
+    if not args:
+        return {}
     size = max((np.size(v) for v in args), default=1)
-    args = [np.broadcast_to(np.asarray(v, dtype=np.float64), (size,)) for v in args]
+    # Scalars stay scalars so that model-only subexpressions are computed once.
+    args = [np.asarray(v, dtype=np.float64) if np.ndim(v) else float(v) for v in args]
     out = model.fn(*args)
     return {name: np.broadcast_to(np.asarray(v, dtype=np.float64), (size,))
             for name, v in zip(model.names, out)}

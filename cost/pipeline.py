@@ -29,7 +29,9 @@ from functools import lru_cache
 
 import sympy as sp
 
-__all__ = ["StageView", "chunks_per_rank", "place_layers", "stage_views", "inflight",
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
+
+__all__ = ["SCHEDULE_NAMES", "StageView", "chunks_per_rank", "place_layers", "stage_views", "inflight",
            "bubble_expr", "T_f", "T_b", "T_w"]
 
 T_f, T_b, T_w = sp.symbols("T_f T_b T_w", nonnegative=True)
@@ -111,23 +113,24 @@ def stage_views(spec, pp: int, schedule: str, vpp: int, head_layers: float) -> t
     return _views(flags, pp, schedule, vpp, round(float(head_layers), 3))
 
 
-def inflight(schedule: str, pp: int, vpp: int, rank, m):
-    """Micro-batches of the rank's activations held at the peak (numpy-friendly in m)."""
+def inflight(schedule, pp, vpp, rank, m):
+    """Micro-batches of the rank's activations held at the peak (see the module docstring).
+
+    ``schedule`` is a name or an array of indices into SCHEDULE_NAMES; the other
+    arguments may be numpy arrays.
+    """
     import numpy as np
 
-    m = np.asarray(m, dtype=np.float64)
-    if pp == 1:
-        return np.minimum(1.0, m)
-    if schedule == "gpipe":
-        return m
-    if schedule == "interleaved":
-        chunks = (vpp - 1) * pp + 2 * (pp - rank - 1) + 1
-        return np.minimum(chunks, m * vpp) / vpp
-    if schedule == "zbv":
-        return np.minimum(pp, m)
-    if schedule == "dualpipev":
-        return np.minimum(pp + 1, m)
-    return np.minimum(pp - rank, m)
+    pp, vpp, rank, m = (np.asarray(x, dtype=np.float64) for x in (pp, vpp, rank, m))
+    code = (np.asarray(SCHEDULE_NAMES.index(schedule)) if isinstance(schedule, str)
+            else np.asarray(schedule))
+    interleaved = np.minimum((vpp - 1) * pp + 2 * (pp - rank - 1) + 1, m * vpp) / vpp
+    held = np.select(
+        [code == 0, code == 2, code == 3, code == 4],
+        [m, interleaved, np.minimum(pp, m), np.minimum(pp + 1, m)],
+        default=np.minimum(pp - rank, m),
+    )
+    return np.where(pp == 1, np.minimum(1.0, m), held)
 
 
 def bubble_expr(schedule: str):
@@ -136,7 +139,7 @@ def bubble_expr(schedule: str):
     if schedule == "interleaved":
         return (pp - 1) * (T_f + T_b) / vpp
     if schedule == "zbv":
-        return (pp - 1) * sp.Max(T_f + T_b - 3 * T_w, 0) / 2
+        return (pp - 1) * sp.Max(T_f + T_b - 3 * T_w, 0, evaluate=False) / 2
     if schedule == "dualpipev":
-        return (pp - 1) * sp.Max(T_f + 2 * T_b - 4 * T_w, 0) / 2
+        return (pp - 1) * sp.Max(T_f + 2 * T_b - 4 * T_w, 0, evaluate=False) / 2
     return (pp - 1) * (T_f + T_b)

@@ -15,7 +15,7 @@ Groups:
     indicators (``sp``, recompute, ZeRO stage, CP variant, stage role) so that every
     formula is a rational function without ``Piecewise`` (fast to evaluate on arrays);
   * hardware and calibration constants (``peak``, link bandwidths and latencies,
-    ``eta_max``, ``n0``, ``eps``, ``phi``).
+    ``eta_max``, ``kappa``, ``eps``, ``phi``).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ __all__ = [
     "gated", "ld", "le", "L", "Le",
     "tp", "dp", "cp", "pp", "ep", "vpp", "m", "SP", "RSEL", "RFULL",
     "Z1", "Z2", "Z3", "CPRING", "CPAG", "CPUL", "FIRST", "LAST", "INFL", "NSEND", "NRECV",
-    "rho", "wg", "wgc", "wo", "wp",
-    "peak", "hbm_bw", "eta_max", "n0", "eps", "phi",
+    "rho", "FLASH", "wg", "wgc", "wo", "wp",
+    "peak", "hbm_bw", "eta_max", "kappa", "eps", "phi",
     "MODEL_SYMBOLS", "PLAN_SYMBOLS", "ALL_SYMBOLS", "axis_link_symbols",
 ]
 
@@ -54,6 +54,7 @@ FIRST, LAST = sp.symbols("first last", nonnegative=True)  # scored stage holds t
 INFL = sp.Symbol("n_inflight", positive=True)           # micro-batches of activations held (in stage units)
 NSEND, NRECV = sp.symbols("n_send n_recv", nonnegative=True)  # P2P sends / receives per micro-batch (fwd)
 rho = sp.Symbol("rho", positive=True)                   # EP routing imbalance (or capacity factor)
+FLASH = sp.Symbol("flash", nonnegative=True)            # 1: fused (flash) attention, 0: scores materialised
 
 # ---- precision (bytes per element)
 wp = sp.Symbol("w_p", **_pos)    # parameter
@@ -63,7 +64,7 @@ wo = sp.Symbol("w_o", nonnegative=True)  # optimizer state per parameter
 
 # ---- hardware and calibration
 peak, hbm_bw = sp.symbols("P_peak B_hbm", **_pos)
-eta_max, n0, eps, phi = sp.symbols("eta_max n_0 epsilon phi", **_pos)
+eta_max, kappa, eps, phi = sp.symbols("eta_max kappa epsilon phi", **_pos)
 
 
 def axis_link_symbols(axis: str):
@@ -73,5 +74,5 @@ def axis_link_symbols(axis: str):
 
 MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, nn, qb, gated, L, Le)
 PLAN_SYMBOLS = (tp, dp, cp, pp, ep, vpp, m, SP, RSEL, RFULL, Z1, Z2, Z3, CPRING, CPAG, CPUL,
-                FIRST, LAST, INFL, NSEND, NRECV, ld, le, rho)
-ALL_SYMBOLS = MODEL_SYMBOLS + PLAN_SYMBOLS + (wp, wg, wgc, wo, peak, hbm_bw, eta_max, n0, eps, phi)
+                FIRST, LAST, INFL, NSEND, NRECV, ld, le, rho, FLASH)
+ALL_SYMBOLS = MODEL_SYMBOLS + PLAN_SYMBOLS + (wp, wg, wgc, wo, peak, hbm_bw, eta_max, kappa, eps, phi)

@@ -53,6 +53,7 @@ def sequence_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResul
             dim = _seq_dim(x, ctx)
             node.target = C.all_gather
             node.args = (x, dim, AXIS, node.args[2])
+            node._rename("all_gather")
             provenance(node, _PASS, AXIS, f"gather sequence shards before {meta['reason'].split(' of ')[-1]}",
                        role=role)
             result.num_rewritten += 1
@@ -61,6 +62,7 @@ def sequence_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResul
             dim = _seq_dim(x, ctx)
             node.target = C.reduce_scatter
             node.args = (x, dim, AXIS, node.args[2])
+            node._rename("reduce_scatter")
             provenance(node, _PASS, AXIS, f"reduce-scatter to sequence shards: {meta['reason']}", role=role)
             result.num_rewritten += 1
     return result

@@ -52,6 +52,7 @@ __all__ = [
     "OPTIMIZERS",
     "DEFAULT_JOB_TIMEOUT",
     "GLOO_TIMEOUT",
+    "JOB_SEED",
 ]
 
 # pytest imports this file as `harness` (tests/ on sys.path) while jobs import it as
@@ -393,7 +394,10 @@ class WorkerPool:
             lines.append("also failed: " + "; ".join(others))
         lines += [f"--- traceback of rank {first} ---", tb.rstrip(),
                   "(the pool was killed and restarts on next use)"]
-        exc = pickle.loads(exc_bytes) if exc_bytes is not None else None
+        try:
+            exc = pickle.loads(exc_bytes) if exc_bytes is not None else None
+        except Exception:  # a class the worker had but this process cannot import
+            exc = None
         err = RankError("\n".join(lines), rank=first, exception=exc, remote_traceback=tb)
         err.__cause__ = exc
         return err
@@ -461,6 +465,10 @@ def run_distributed(fn: Callable | str, *args, world: int,
                     timeout: float = DEFAULT_JOB_TIMEOUT, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on every rank of a ``world``-rank gloo pool.
 
+    Every rank is seeded with ``torch.manual_seed(JOB_SEED)`` before the job and reset
+    after it (sub-groups and meshes dropped, torch defaults and ``os.environ``
+    restored).  Results are pickled: return CPU tensors (``.detach().clone()`` views,
+    else their whole storage travels), floats instead of graph-attached losses.
     Returns the per-rank results in rank order.  Raises :class:`RankError` (naming the
     rank, with its traceback) if a rank raises or dies, :class:`JobTimeout` after
     ``timeout`` seconds; both kill the pool, which restarts on next use.
@@ -490,7 +498,7 @@ OPTIMIZERS: dict[str, Callable] = {
     # factor (a missing 1/dp) shows; AdamW is scale-invariant but has sharded state
     # (ZeRO) and a weight-decay path.  Both rates move tiny models by >> param_atol.
     "sgd": functools.partial(torch.optim.SGD, lr=0.1),
-    "adamw": functools.partial(torch.optim.AdamW, lr=1e-2, weight_decay=0.1),
+    "adamw": functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1),
 }
 
 

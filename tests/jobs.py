@@ -1,0 +1,75 @@
+"""Per-rank jobs for the multi-rank tests (run on every rank by tests/harness.py).
+
+Not a test module: each function here builds a model on every rank from the same seed,
+compiles it with ``autopar.parallelize`` for a plan, trains on the harness's batches and
+returns picklable results (losses, the full state dict from rank 0, comm records).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from tests.harness import OPTIMIZERS, make_batches
+from tests.models import MODELS
+
+__all__ = ["build", "train_job", "roundtrip_job", "load_original_job", "untouched_job", "BATCH", "SEQ", "VOCAB"]
+
+BATCH, SEQ, VOCAB = 4, 16, 128
+
+
+def build(model_name: str, overrides: dict, seed: int = 0):
+    factory, loss_fn, kwargs = MODELS[model_name]
+    return factory(seed=seed, **overrides), loss_fn, kwargs
+
+
+def _parallelize(model_name: str, plan: str, opt_name: str, overrides: dict, seed: int = 0):
+    model, loss_fn, kwargs = build(model_name, overrides, seed)
+    batches = make_batches(VOCAB, BATCH, SEQ, 3, seed=1)
+    pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
+                             loss_fn=loss_fn, optimizer=OPTIMIZERS[opt_name])
+    return pm, batches
+
+
+def train_job(model_name: str, plan: str, opt_name: str, overrides: dict, steps: int = 3):
+    pm, batches = _parallelize(model_name, plan, opt_name, overrides)
+    losses = [pm.train_step(inputs, target) for inputs, target in batches[:steps]]
+    state = pm.state_dict()
+    rank = dist.get_rank()
+    return {
+        "losses": losses,
+        "state": {k: v.detach().cpu().clone() for k, v in state.items()} if rank == 0 else None,
+        "comm": pm.comm_stats(),
+    }
+
+
+def roundtrip_job(model_name: str, plan: str, overrides: dict):
+    """load_state_dict(state_dict()) is exact, after a training step has changed the weights."""
+    pm, batches = _parallelize(model_name, plan, "adamw", overrides)
+    pm.train_step(*batches[0])
+    before = pm.state_dict()
+    pm.load_state_dict(before)
+    after = pm.state_dict()
+    return all(torch.equal(before[k], after[k]) for k in before) and before.keys() == after.keys()
+
+
+def load_original_job(model_name: str, plan: str, overrides: dict):
+    """Load the state dict of another (seed 5) original model; return the first-step loss."""
+    pm, batches = _parallelize(model_name, plan, "sgd", overrides)
+    other, _, _ = build(model_name, overrides, seed=5)
+    pm.load_state_dict(other.state_dict())
+    return pm.train_step(*batches[0])
+
+
+def untouched_job(model_name: str, plan: str, overrides: dict):
+    """parallelize + training leave the user's model exactly as it was (values and .grad)."""
+    model, loss_fn, kwargs = build(model_name, overrides)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    batches = make_batches(VOCAB, BATCH, SEQ, 2, seed=1)
+    pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
+                             loss_fn=loss_fn, optimizer=OPTIMIZERS["sgd"])
+    for inputs, target in batches:
+        pm.train_step(inputs, target)
+    same = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    no_grads = all(p.grad is None for p in model.parameters())
+    return same and no_grads and before.keys() == model.state_dict().keys()
