@@ -271,6 +271,31 @@ def _row_dict(row) -> dict:
     }
 
 
+def _time_entries(terms, formulas: bool) -> list[dict]:
+    """Time terms as their share of the step ("seconds" = time on the critical path).
+
+    A collective appears once: ``seconds`` is its exposed time, ``transfer_seconds`` the
+    whole transfer (the rest hides behind compute).
+    """
+    out = []
+    for i, t in enumerate(terms):
+        if t.category == "memory" or t.name.endswith("(exposed)"):
+            continue
+        entry = {"name": t.name, "category": t.category, "seconds": float(t.value)}
+        if formulas:
+            entry["formula"] = str(t.formula)
+        if t.category == "comm":
+            partner = terms[i + 1] if i + 1 < len(terms) else None
+            if partner is not None and partner.name == t.name + " (exposed)":
+                entry["transfer_seconds"] = entry["seconds"]
+                entry["seconds"] = float(partner.value)
+                if formulas:
+                    entry["transfer_formula"] = entry["formula"]
+                    entry["formula"] = str(partner.formula)
+        out.append(entry)
+    return out
+
+
 def explain_record(cost, *, stage: int | None = None, formulas: bool = False) -> dict:
     """The full breakdown of one scored plan as a JSON-ready dict."""
     plan = cost.plan
@@ -281,8 +306,7 @@ def explain_record(cost, *, stage: int | None = None, formulas: bool = False) ->
             f"0..{plan.pp - 1}"
         )
     terms = _time_terms(cost, formulas)
-    time_terms = [t for t in terms if t.category != "memory"]
-    memory = cost.memory(stage) if plan.pp > 1 else cost.memory()
+    memory = cost.memory(stage)
     mem_formulas = {t.name.split(".", 1)[1]: str(t.formula) for t in terms
                     if t.category == "memory"} if formulas else {}
     rows = cost.comm_table(stage)
@@ -303,8 +327,7 @@ def explain_record(cost, *, stage: int | None = None, formulas: bool = False) ->
         "comm_bytes_sent_per_step_by_dimension": by_dim,
         "memory": {name: {"bytes": value, **({"formula": mem_formulas[name]} if name in mem_formulas else {})}
                    for name, value in memory.items()},
-        "time": [{"name": t.name, "category": t.category, "seconds": t.value,
-                  **({"formula": str(t.formula)} if formulas else {})} for t in time_terms],
+        "time": _time_entries(terms, formulas),
         "dominant_terms": [{"term": n, "seconds": s, "share": s / cost.step_time}
                            for n, s in dominant_terms(cost, terms, top=5)],
         "bubble": {"schedule": plan.schedule if plan.pp > 1 else None, "pp": plan.pp,
@@ -349,12 +372,16 @@ def format_explain(rec: dict) -> str:
         line = f"  {name:<18} {_fmt_bytes(m['bytes']):>11}"
         out.append(line + (f"   = {m['formula']}" if "formula" in m else ""))
     out.append(f"  {'total':<18} {_fmt_bytes(sum(m['bytes'] for m in rec['memory'].values())):>11}")
-    out += ["", "Time per step (slowest pipeline stage)"]
-    for t in sorted(rec["time"], key=lambda t: -t["seconds"]):
-        if t["seconds"] <= 0:
+    out += ["", "Time per step on the slowest pipeline stage (exposed = on the critical path; "
+            "the rest of a transfer hides behind compute)"]
+    for t in sorted(rec["time"], key=lambda t: (-t["seconds"], -t.get("transfer_seconds", 0))):
+        if t["seconds"] <= 0 and t.get("transfer_seconds", 0) <= 0:
             continue
-        line = f"  {t['name']:<44} {_fmt_time(t['seconds']):>10}"
+        line = f"  {t['name']:<36} {_fmt_time(t['seconds']):>10}"
+        if "transfer_seconds" in t:
+            line += f"  (transfer {_fmt_time(t['transfer_seconds'])})"
         out.append(line + (f"   = {t['formula']}" if "formula" in t else ""))
+    out.append(f"  {'step':<36} {_fmt_time(rec['step_time_s']):>10}")
     out.append("  largest shares of the step: " + ", ".join(
         f"{d['term']} {d['share'] * 100:.1f}%" for d in rec["dominant_terms"]))
     b = rec["bubble"]

@@ -149,7 +149,7 @@ def _gather(x: torch.Tensor, dim: int, axis: str, phase: str, tag: str) -> torch
     record("all_gather", axis, x, phase, tag)
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((g.size * src.shape[0],) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, src, group=g.group)
+    dist.all_gather_single(out, src, group=g.group)
     return out.movedim(0, dim)
 
 
@@ -163,7 +163,7 @@ def _scatter(x: torch.Tensor, dim: int, axis: str, phase: str, tag: str) -> torc
             f"{g.size}; choose a sequence length divisible by the tp degree."
         )
     out = torch.empty((src.shape[0] // g.size,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, src, group=g.group)
+    dist.reduce_scatter_single(out, src, group=g.group)
     return out.movedim(0, dim)
 
 

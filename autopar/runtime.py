@@ -211,6 +211,13 @@ class ParallelModule:
                 f"autopar: the global batch of {batch} does not split into dp*mb = {dp}*{self.plan.mb} "
                 f"parts; use a batch that is a multiple of {dp * self.plan.mb}.")
 
+        if self.plan.sp and inputs[0].dim() > 1 and inputs[0].shape[1] % self.plan.tp:
+            seq = inputs[0].shape[1]
+            raise AutoparError(
+                f"autopar: sequence parallelism splits the sequence of {seq} tokens over tp={self.plan.tp} "
+                f"ranks; use a sequence length that is a multiple of {self.plan.tp} (e.g. "
+                f"{(seq // self.plan.tp + 1) * self.plan.tp}) or drop 'sp'.")
+
         def part(t: Any, index: int, count: int) -> Any:
             if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
                 size = batch // count

@@ -244,6 +244,8 @@ def search(spec, cluster, seq_len: int, global_batch: int, top: int = 10, *,
         tf, tb, tw = np.full((3, n), -np.inf), np.zeros((3, n)), np.zeros((3, n))
         step_comm, opt = np.zeros(n), np.zeros(n)
         for slot, rows in enumerate(needed_slots(bidx)):
+            if rows is not None and not len(rows):
+                continue
             out = evaluate(model, slot_values(arrays, links, bidx, slot, rows))
             rows = slice(None) if rows is None else rows
             tf[slot, rows], tb[slot, rows], tw[slot, rows] = out["T_f"], out["T_b"], out["T_w"]

@@ -59,8 +59,8 @@ __all__ = ["BenchConfig", "MODEL_SIZE", "torch_tp_plan", "build_torch_tp", "run_
 
 WORLD_SIZE = 4
 PLAN = "tp=4,sp"
-# Sizes chosen so that compute dominates a step on a CPU core (the matmuls are
-# [1024 tokens x 256] x [256 x 192..768] per rank) while a step stays well under a second.
+# Sizes chosen so that each rank's matmuls are non-trivial on a CPU core (512 tokens of the
+# default 4 x 128 batch against [256 x 32..192] weight shards) while a step stays under a second.
 MODEL_SIZE = dict(vocab_size=2048, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4,
                   intermediate_size=768)
 # Loss agreement required between the two sides before anything is timed (fp32).

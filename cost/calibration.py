@@ -27,7 +27,8 @@ from .flops import megatron_flops
 from .hardware import Cluster
 from .spec import ModelSpec
 
-__all__ = ["CalibrationRow", "calibration_rows", "calibration_table", "fit_constants", "GIB"]
+__all__ = ["CalibrationRow", "calibration_rows", "calibration_table", "fit_constants", "markdown_table",
+           "predict", "GIB"]
 
 GIB = 2**30
 
@@ -205,3 +206,28 @@ def fit_constants(start: dict | None = None, rounds: int = 2) -> tuple[dict, dic
                 if score < best_score:
                     best, best_score = trial, score
     return best, gemm, best_score
+
+
+def markdown_table(table: list[dict] | None = None) -> str:
+    """The calibration table as docs/cost-model.md prints it."""
+    table = calibration_table() if table is None else table
+    pct = lambda x: "" if x is None else f"{x * 100:+.1f}%"  # noqa: E731
+    lines = ["| set | run | plan | GPUs | MFU published | MFU predicted | error | time published (s) "
+             "| time predicted (s) | error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for e in table:
+        if e["mfu_err"] is None:
+            continue
+        t_pub = "" if e["time"] is None else f"{e['time']:.2f}"
+        lines.append(f"| {e['set']} | {e['name']} | `{e['plan']}` | {e['gpus']} | {e['mfu'] * 100:.1f}% | "
+                     f"{e['mfu_pred'] * 100:.1f}% | {pct(e['mfu_err'])} | {t_pub} | {e['time_pred']:.2f} | "
+                     f"{pct(e['time_err'])} |")
+    lines += ["", "| set C run | weights + optimizer published (GiB) | predicted | error "
+              "| activations published (GiB) | predicted | error |", "|---|---|---|---|---|---|---|"]
+    for e in table:
+        if e.get("act") is None:
+            continue
+        wo = (f"{e['wo']:.2f} | {e['wo_pred']:.2f} | {pct(e['wo_err'])}" if e.get("wo") is not None
+              else " | | ")
+        lines.append(f"| {e['name']} | {wo} | {e['act']:.2f} | {e['act_pred']:.2f} | {pct(e['act_err'])} |")
+    return "\n".join(lines)

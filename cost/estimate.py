@@ -86,7 +86,7 @@ class Cost:
         return float(self._out[name][rank])
 
     def _formula(self, expr) -> sp.Expr:
-        return sp.simplify(sp.sympify(expr).subs(self._subs))
+        return sp.sympify(expr).xreplace(self._subs)
 
     def memory(self, rank: int | None = None) -> dict[str, float]:
         """Bytes per GPU by category on ``rank`` (default: the fullest pipeline rank)."""
@@ -230,7 +230,8 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
                                               S.CPUL, S.gated, S.qb, S.nn, S.FLASH)}
     subs.update({sp.Symbol("tp_overlap", nonnegative=True): values["tp_overlap"],
                  sp.Symbol("dualpipe", nonnegative=True): float(values["dualpipe"][0])})
-    subs = {k: (float(v[0]) if isinstance(v, np.ndarray) else v) for k, v in subs.items()}
+    subs = {k: (float(v[0]) if isinstance(v, np.ndarray) else float(v)) for k, v in subs.items()}
+    subs = {k: sp.Integer(int(v)) if v == int(v) else sp.Float(v) for k, v in subs.items()}
     return Cost(plan=plan, spec=spec, cluster=cluster, seq_len=seq_len, global_batch=global_batch,
                 step_time=step,
                 mfu=model_flops(spec, seq_len, global_batch) / (step * plan.world_size * cluster.peak_flops),

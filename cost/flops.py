@@ -50,20 +50,20 @@ def gemm_classes() -> list[Gemm]:
     mlp_mult = 2 + gated
     tokens_per_expert = Te * k * rho * ep / E
     return [
-        Gemm("qkv_proj", lay * 2 * T * h * (a + 2 * g) * d / tp, _n(T, h, (a + 2 * g) * d / tp), 2.0,
+        Gemm("qkv_proj", lay * 2 * T * h * (a + 2 * g) * d / tp, _n(T, h, (a + 2 * g) * d / tp), 2,
              RFULL),
-        Gemm("o_proj", lay * 2 * T * a * d * h / tp, _n(T, a * d / tp, h), 2.0, RFULL),
+        Gemm("o_proj", lay * 2 * T * a * d * h / tp, _n(T, a * d / tp, h), 2, RFULL),
         # Flash attention skips the masked half (bwd recomputes the scores: 2.5x); unfused
         # attention multiplies the full score matrix (and its backward is 2x).
         Gemm("attention", lay * 2 * b * s**2 * a * d * (2 - FLASH) / (tp * cp), _n(s / cp, d, s),
              2 + FLASH / 2,
              RSEL + RFULL),  # recompute modes are exclusive
-        Gemm("mlp", ld * 2 * T * mlp_mult * h * f / tp, _n(T, h, f / tp), 2.0, RFULL),
-        Gemm("router", le * 2 * Te * h * E, _n(Te, h, E), 2.0, RFULL),
-        Gemm("experts", le * 2 * Te * k * rho * mlp_mult * h * fe, _n(tokens_per_expert, h, fe), 2.0,
+        Gemm("mlp", ld * 2 * T * mlp_mult * h * f / tp, _n(T, h, f / tp), 2, RFULL),
+        Gemm("router", le * 2 * Te * h * E, _n(Te, h, E), 2, RFULL),
+        Gemm("experts", le * 2 * Te * k * rho * mlp_mult * h * fe, _n(tokens_per_expert, h, fe), 2,
              RFULL),
-        Gemm("shared_experts", le * 2 * Te * nsh * mlp_mult * h * fe, _n(Te, h, fe), 2.0, RFULL),
-        Gemm("lm_head", LAST * 2 * T * h * V / tp, _n(T, h, V / tp), 2.0, sp.Integer(0)),
+        Gemm("shared_experts", le * 2 * Te * nsh * mlp_mult * h * fe, _n(Te, h, fe), 2, RFULL),
+        Gemm("lm_head", LAST * 2 * T * h * V / tp, _n(T, h, V / tp), 2, sp.Integer(0)),
     ]
 
 
@@ -99,6 +99,6 @@ def megatron_flops(spec, seq_len: int, global_batch: int, *, recompute: bool = F
     mlp = (1 - moe_frac) * spec.ffn / H * gated_mult + moe_frac * (
         (spec.moe_ffn or 0) / H * (spec.top_k + spec.num_shared_experts) * gated_mult)
     layer = (1 + kv_ratio + seq_len / H) * q_ratio + mlp
-    expansion = 16 if recompute else 12   # fwd + bwd (2x) [+ recomputed fwd], x 2 FLOPs per MAC, x2 (two GEMMs)
+    expansion = 16 if recompute else 12   # (3 passes, or 4 with the recompute) x 2 FLOPs per MAC x 2
     logit = spec.vocab / (2 * Lyr * H) * (12 / expansion)
     return expansion * global_batch * seq_len * Lyr * H * H * (layer + logit)

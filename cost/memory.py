@@ -14,7 +14,9 @@ parameters (plus a double buffer of one gathered layer).
 Activations per layer and micro-batch, bytes, with T = b*S/cp tokens on the rank and
 T_sp = T/tp under SP (T otherwise) -- our derivation for pre-norm RMSNorm + SwiGLU +
 flash attention + GQA, no dropout, eager PyTorch:
-  norms      4*T_sp*h*w + 8*T_sp       (inputs and outputs of the two norms; fp32 rstd)
+  norms      2*T_sp*h*w + 8*T_sp       (inputs of the two norms; fp32 rstd)
+  GEMM input 2*T*h*w                   (q/k/v and gate/up inputs: under SP the all-gathered
+                                        tensor, which the runtime keeps for backward)
   attention  T*(a + 2g)*d*w/tp         (q, k, v: the flash-attention inputs)
            + T*a*d*w/tp + 4*T*a/tp     (its output, kept for o_proj and its backward; fp32 LSE)
   MLP        (2 + 2*gated)*T*F*w/tp    (gate, up, silu(gate), product -- or up, gelu(up))
@@ -55,7 +57,11 @@ def derived_layer_bytes():
     """(dense layer, MoE layer, full-recompute working set) activation bytes per micro-batch."""
     T = b * s / cp
     t_sp = T * (1 - SP + SP / tp)
-    norms = 4 * t_sp * h * w + 8 * t_sp
+    norms = 2 * t_sp * h * w + 8 * t_sp            # the two norms' inputs, fp32 rstd
+    # Inputs of the q/k/v and gate/up groups: the all-gathered [T, h] under SP (the runtime keeps
+    # it; nothing is re-gathered in backward). A MoE block reads the rank's token slice.
+    linear_in_dense = 2 * T * h * w
+    linear_in_moe = T * h * w + (T / tp) * h * w
     attn = T * (a + 2 * g) * d * w / tp
     attn_out = T * a * d * w / tp + 4 * T * a / tp
     # Unfused attention keeps softmax output, dropout mask and dropped probabilities.
@@ -66,8 +72,8 @@ def derived_layer_bytes():
     Te = T / tp
     moe_keep = Te * (8 * E + 2 * k * rho * h * w) + (1 + gated) * Te * (k * rho + nsh) * fe * w
     moe_act = (1 + gated) * Te * (k * rho + nsh) * fe * w
-    full_dense = norms + attn + attn_out + cp_kv + mlp_keep + mlp_act
-    full_moe = norms + attn + attn_out + cp_kv + moe_keep + moe_act
+    full_dense = norms + linear_in_dense + attn + attn_out + cp_kv + mlp_keep + mlp_act
+    full_moe = norms + linear_in_moe + attn + attn_out + cp_kv + moe_keep + moe_act
     keep = 1 - RFULL
     layer_input = t_sp * h * w
     dense = RFULL * layer_input + keep * (full_dense - RSEL * (attn_out + mlp_act))

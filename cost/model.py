@@ -179,7 +179,8 @@ def evaluate(model: Compiled, values: dict) -> dict[str, np.ndarray]:
         args.append(values[sym.name])
     if not args:
         return {}
-    size = max((np.size(v) for v in args), default=1)
+    sizes = [np.size(v) for v in args if np.ndim(v)]
+    size = (0 if 0 in sizes else max(sizes)) if sizes else 1
     # Scalars stay scalars so that model-only subexpressions are computed once.
     args = [np.asarray(v, dtype=np.float64) if np.ndim(v) else float(v) for v in args]
     out = model.fn(*args)

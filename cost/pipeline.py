@@ -13,13 +13,14 @@ Micro-batches of activations in flight on rank ``i`` (in units of the rank's lay
   1f1b         min(pp - i, m)
   interleaved  min((v - 1)*pp + 2*(pp - i - 1) + 1, m*v) / v     (Megatron's warm-up)
   zbv          min(pp, m)        (ZB-V keeps 1F1B's peak)
-  dualpipev    min(pp + 1, m)    (DualPipe's table: PP + 1)
+  dualpipev    min(pp + 1/2, m)  (2pp half-size chunks warmed up on every rank, + 1 in F&B)
 Bubble, with T_f, T_b the per-micro-batch forward and backward time of the slowest rank
 (T_w the weight-gradient share of T_b):
   gpipe, 1f1b   (pp - 1)(T_f + T_b)
   interleaved   (pp - 1)(T_f + T_b)/v
   zbv           (pp - 1) * max(T_f + T_b - 3 T_w, 0) / 2      (ZB-V: (p-1)(F + B - 2W) per chunk)
-  dualpipev     (pp - 1) * max(T_f + 2 T_b - 4 T_w, 0) / 2    (DualPipe: (F&B + B - 3W) per chunk)
+  dualpipev     (pp - 1) * max(T_f + 2 T_b - 3 T_w, 0) / 2    (DualPipe: (F&B + B - 3W) per chunk,
+                                                                B a full backward, F&B ~ F + B)
 and step = m (T_f + T_b) + bubble.
 """
 from __future__ import annotations
@@ -127,7 +128,7 @@ def inflight(schedule, pp, vpp, rank, m):
     interleaved = np.minimum((vpp - 1) * pp + 2 * (pp - rank - 1) + 1, m * vpp) / vpp
     held = np.select(
         [code == 0, code == 2, code == 3, code == 4],
-        [m, interleaved, np.minimum(pp, m), np.minimum(pp + 1, m)],
+        [m, interleaved, np.minimum(pp, m), np.minimum(pp + 0.5, m)],
         default=np.minimum(pp - rank, m),
     )
     return np.where(pp == 1, np.minimum(1.0, m), held)
@@ -141,5 +142,5 @@ def bubble_expr(schedule: str):
     if schedule == "zbv":
         return (pp - 1) * sp.Max(T_f + T_b - 3 * T_w, 0, evaluate=False) / 2
     if schedule == "dualpipev":
-        return (pp - 1) * sp.Max(T_f + 2 * T_b - 4 * T_w, 0, evaluate=False) / 2
+        return (pp - 1) * sp.Max(T_f + 2 * T_b - 3 * T_w, 0, evaluate=False) / 2
     return (pp - 1) * (T_f + T_b)

@@ -32,6 +32,7 @@ def _parallelize(model_name: str, plan: str, opt_name: str, overrides: dict, see
 
 
 def train_job(model_name: str, plan: str, opt_name: str, overrides: dict, steps: int = 3):
+    """Train ``steps`` steps; the returned comm records are those of the last step."""
     pm, batches = _parallelize(model_name, plan, opt_name, overrides)
     losses = [pm.train_step(inputs, target) for inputs, target in batches[:steps]]
     state = pm.state_dict()

@@ -254,3 +254,21 @@ def test_dualpipev_bubble(p, tf, tb, tw):
     got = float(bubble_expr("dualpipev").subs({sp.Symbol("pp", positive=True): p,
                                                T_f: tf, T_b: tb, T_w: tw}))
     assert got == pytest.approx(expected)
+
+
+# ---------------------------------------------------------------------- expert weights
+@pytest.mark.parametrize("tp, dp, ep", [(2, 4, 4), (4, 2, 2)])
+def test_expert_weights_per_rank_follow_design_replication(tp, dp, ep):
+    # DESIGN.md: expert weights are replicated dp*cp/ep times over the tp*dp*cp ranks of a
+    # stage, so each rank holds 1/(tp*ep) of them; routers are replicated on every rank.
+    dims = dict(num_layers=4, hidden=1024, num_heads=8, num_kv_heads=8, ffn=2816, vocab=1000,
+                top_k=2, moe_ffn=2816)
+    h, f, L = dims["hidden"], dims["moe_ffn"], dims["num_layers"]
+
+    def params(num_experts):
+        spec = ModelSpec(name="moe", num_experts=num_experts, **dims)
+        return estimate(spec, cluster(tp * dp), f"tp={tp},dp={dp},ep={ep}", 512, dp).memory()["params"]
+
+    extra_experts = 16 - 8
+    expected = 2 * L * (extra_experts * 3 * h * f / (tp * ep) + h * extra_experts)
+    assert params(16) - params(8) == pytest.approx(expected)

@@ -1,0 +1,97 @@
+"""Invalid plans and inputs give `autopar:` errors that say what was found and what works."""
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.errors import AutoparError
+from autopar.plan import Plan
+from autopar.runtime import compile_program
+from tests.models import MODELS, make_batch
+
+
+def _compile(name, plan, world, **overrides):
+    factory, loss_fn, kwargs = MODELS[name]
+    model = factory(**overrides)
+    ids, _ = make_batch(overrides.get("vocab_size", 128), 4, 16, 0)
+    return compile_program(model, (ids,), kwargs, plan, loss_fn, world_size=world)
+
+
+def test_tp_not_dividing_heads():
+    with pytest.raises(AutoparError, match=r"^autopar: tp=3 does not divide the 4 attention heads.*one of 1, 2"):
+        _compile("example", "tp=3", 3)
+
+
+def test_tp_not_dividing_kv_heads():
+    with pytest.raises(AutoparError, match=r"^autopar: tp=4 does not divide the 2 KV heads.*valid tp values are 1, 2"):
+        _compile("example", "tp=4", 4)
+
+
+def test_tp_not_dividing_kv_heads_hf():
+    with pytest.raises(AutoparError, match=r"KV heads"):
+        _compile("hf_llama", "tp=4", 4)
+
+
+def test_vocab_not_divisible_by_tp():
+    with pytest.raises(AutoparError, match=r"^autopar: tp=4 does not divide the vocabulary size 130.*132"):
+        _compile("example", "tp=4", 4, vocab_size=130, num_kv_heads=4)
+
+
+def test_world_size_mismatch():
+    with pytest.raises(AutoparError, match=r"^autopar: .*world.*4.*2"):
+        _compile("example", "tp=2", 4)
+
+
+def test_unknown_option():
+    with pytest.raises(AutoparError, match=r"^autopar: unknown plan option 'foo'"):
+        Plan.parse("tp=2,foo")
+
+
+@pytest.mark.parametrize("plan,world,what", [
+    ("cp=2", 2, "context parallelism"), ("dp=2,ep=2", 2, "expert parallelism"),
+    ("pp=2", 2, "pipeline parallelism"), ("dp=2,zero=1", 2, "zero=1"), ("recompute=full", 1, "recompute"),
+])
+def test_dimensions_not_supported_yet(plan, world, what):
+    with pytest.raises(AutoparError, match=rf"^autopar: plan .* uses .*{what}.*not support yet"):
+        _compile("example", plan, world)
+
+
+def test_parallelize_needs_a_loss():
+    factory, _, kwargs = MODELS["example"]
+    ids, _ = make_batch(128, 4, 16, 0)
+    with pytest.raises(AutoparError, match="needs loss_fn"):
+        autopar.parallelize(factory(), (ids,), kwargs, plan="none")
+
+
+def test_auto_plan_points_to_search():
+    factory, loss_fn, kwargs = MODELS["example"]
+    ids, _ = make_batch(128, 4, 16, 0)
+    with pytest.raises(AutoparError, match="autopar plan"):
+        autopar.parallelize(factory(), (ids,), kwargs, plan="auto", loss_fn=loss_fn)
+
+
+def test_batch_not_splitting_into_dp_mb():
+    factory, loss_fn, kwargs = MODELS["example"]
+    ids, target = make_batch(128, 3, 16, 0)
+    pm = autopar.parallelize(factory(), (ids,), kwargs, plan="mb=2", loss_fn=loss_fn)
+    with pytest.raises(AutoparError, match=r"global batch of 3 does not split into dp\*mb = 1\*2"):
+        pm.train_step((ids,), target)
+
+
+def test_single_process_plan_trains():
+    """plan 'none' needs no process group and matches plain PyTorch."""
+    import torch
+
+    factory, loss_fn, kwargs = MODELS["example"]
+    ids, target = make_batch(128, 4, 16, 0)
+    pm = autopar.parallelize(factory(), (ids,), kwargs, plan="none", loss_fn=loss_fn,
+                             optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
+    model = factory()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        expected = loss_fn(model(ids), target)
+        opt.zero_grad()
+        expected.backward()
+        opt.step()
+        assert abs(pm.train_step((ids,), target) - expected.item()) < 1e-6
+    assert pm.comm_stats() == []
