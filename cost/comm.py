@@ -91,7 +91,7 @@ def local_param_elems():
     """Parameter elements on the scored stage, by replication class.
 
     Returns ``(dense, expert, tp_replicated_partial)``: ``dense`` are replicated over
-    dp*cp (TP-sharded weights count 1/tp, norms are whole), ``expert`` over dp*cp/ep,
+    dp*cp (TP-sharded weights count 1/tp, norms are whole), ``expert`` over tp*dp*cp/ep,
     and ``tp_replicated_partial`` the replicated weights whose gradients are partial sums
     over tp (norms under SP; routers and shared experts, which see a token slice).
     """
@@ -188,7 +188,9 @@ def row_specs() -> list[RowSpec]:
 
     # ---- data parallelism and ZeRO
     dense, expert, _ = local_param_elems()
-    for label, P, axis, n in (("dense", dense, "dp*", dp * cp), ("expert", expert, "edp*", dp * cp / ep)):
+    # Experts are whole on every TP rank (Megatron-Core's expert-tensor-parallel size 1), so an
+    # expert's replicas are the tp * dp*cp/ep ranks of a stage that hold the same expert index.
+    for label, P, axis, n in (("dense", dense, "dp*", dp * cp), ("expert", expert, "edp*", tp * dp * cp / ep)):
         add("grad", "dp", "all_reduce", axis, n, ar(P * wgc, n), 1 - Z1, False,
             f"all-reduce of the {label} gradients (bucketed, once per step)")
         add("grad", "dp", "reduce_scatter", axis, n, rs(P * wgc, n), Z1 * (1 + (m - 1) * Z2), False,

@@ -131,7 +131,7 @@ class Cost:
             sent, recv = self._value(f"row{i}.sent", stage), self._value(f"row{i}.recv", stage)
             if count <= 0 or group <= 1 or (sent <= 0 and recv <= 0):
                 continue
-            axis = {"dp*": dp_axis, "edp*": dp_axis if p.ep == 1 else "edp"}.get(row.axis, row.axis)
+            axis = {"dp*": dp_axis, "edp*": dp_axis if p.ep == 1 and p.tp == 1 else "edp"}.get(row.axis, row.axis)
             out.append(CommRow(row.phase, row.dimension, row.collective, axis, int(round(group)),
                                sent, recv, int(round(count)), row.what))
         return out

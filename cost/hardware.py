@@ -123,6 +123,8 @@ def axis_geometry(axis: str, tp, cp, dp, pp, ep):
         "pp": (tp * cp * dp, pp),
         "dp_cp": (tp, dp * cp),
         "ep": (tp, ep),
+        # the tp ranks of an expert replica are adjacent; the link class is set by the
+        # dp*cp/ep outer replicas at stride tp*ep
         "edp": (tp * ep, dp * cp // ep),
     }
     return table[axis]

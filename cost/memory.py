@@ -93,7 +93,7 @@ def korthikanti_layer_bytes():
 def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
     """Bytes per GPU on the scored stage, by category."""
     dense, expert, _ = local_param_elems()
-    n_dense, n_exp = dp * cp, dp * cp / ep
+    n_dense, n_exp = dp * cp, tp * dp * cp / ep  # experts are whole on each TP rank
     shard = lambda P, n, z: P * (1 - z + z / n)  # noqa: E731
     params = (shard(dense, n_dense, Z3) + shard(expert, n_exp, Z3)) * wp
     grads = (shard(dense, n_dense, Z2) + shard(expert, n_exp, Z2)) * wg

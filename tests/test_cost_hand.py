@@ -259,8 +259,9 @@ def test_dualpipev_bubble(p, tf, tb, tw):
 # ---------------------------------------------------------------------- expert weights
 @pytest.mark.parametrize("tp, dp, ep", [(2, 4, 4), (4, 2, 2)])
 def test_expert_weights_per_rank_follow_design_replication(tp, dp, ep):
-    # DESIGN.md: expert weights are replicated dp*cp/ep times over the tp*dp*cp ranks of a
-    # stage, so each rank holds 1/(tp*ep) of them; routers are replicated on every rank.
+    # Experts are sharded by expert index over ep and kept whole on each TP rank (expert
+    # tensor parallelism 1, as Megatron-Core's default): each rank holds 1/ep of them, and
+    # each expert has tp*dp*cp/ep replicas; routers are replicated on every rank.
     dims = dict(num_layers=4, hidden=1024, num_heads=8, num_kv_heads=8, ffn=2816, vocab=1000,
                 top_k=2, moe_ffn=2816)
     h, f, L = dims["hidden"], dims["moe_ffn"], dims["num_layers"]
@@ -270,5 +271,5 @@ def test_expert_weights_per_rank_follow_design_replication(tp, dp, ep):
         return estimate(spec, cluster(tp * dp), f"tp={tp},dp={dp},ep={ep}", 512, dp).memory()["params"]
 
     extra_experts = 16 - 8
-    expected = 2 * L * (extra_experts * 3 * h * f / (tp * ep) + h * extra_experts)
+    expected = 2 * L * (extra_experts * 3 * h * f / ep + h * extra_experts)
     assert params(16) - params(8) == pytest.approx(expected)
