@@ -8,8 +8,10 @@ and cut this rank's parameters out of the user's full tensors.
 :class:`ParallelModule` owns the rewritten graph, the local parameters, the optimizer and
 the gradient-sync buckets.  ``train_step`` takes the *global* batch (the same on every
 rank), slices what this rank needs, runs forward/backward, synchronises gradients,
-steps the optimizer and returns the global mean loss.  Parameter layout helpers live in
-:mod:`autopar.layout`; the readable program in :mod:`autopar.program`.
+steps the optimizer and returns the global mean loss.  Neighbours: :mod:`autopar.batching`
+(which samples and tokens this rank computes), :mod:`autopar.grad_sync` (gradient sync and
+the optimizer step), :mod:`autopar.layout` (cutting and gathering parameters),
+:mod:`autopar.program` (the readable program).
 """
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from autopar import collectives as C
 from autopar.analyze import analyze
+from autopar.batching import local_micro_batches
 from autopar.errors import AutoparError
+from autopar.grad_sync import GradSync
 from autopar.layout import gather_full, shard_local
 from autopar.plan import Plan
 from autopar.trace import trace_model
@@ -143,7 +147,8 @@ class ParallelModule:
             dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
         self._aliases = self._original_names(model)
         self._materialize(model)
-        self.optimizer = make_optimizer([p for p in self.gm.parameters() if p.requires_grad])
+        self._sync = GradSync(self.gm, ctx, self._groups, make_optimizer)
+        self.optimizer = self._sync.optimizer
 
     # --- parameters -------------------------------------------------------------------
 
@@ -202,35 +207,6 @@ class ParallelModule:
 
     # --- training ---------------------------------------------------------------------
 
-    def _local_batch(self, inputs: tuple, target: Any) -> list[tuple[tuple, Any]]:
-        dp = self.plan.dp
-        rank = self._groups["dp"].rank if self._groups else 0
-        batch = inputs[0].shape[0]
-        if batch % (dp * self.plan.mb):
-            raise AutoparError(
-                f"autopar: the global batch of {batch} does not split into dp*mb = {dp}*{self.plan.mb} "
-                f"parts; use a batch that is a multiple of {dp * self.plan.mb}.")
-
-        if self.plan.sp and inputs[0].dim() > 1 and inputs[0].shape[1] % self.plan.tp:
-            seq = inputs[0].shape[1]
-            raise AutoparError(
-                f"autopar: sequence parallelism splits the sequence of {seq} tokens over tp={self.plan.tp} "
-                f"ranks; use a sequence length that is a multiple of {self.plan.tp} (e.g. "
-                f"{(seq // self.plan.tp + 1) * self.plan.tp}) or drop 'sp'.")
-
-        def part(t: Any, index: int, count: int) -> Any:
-            if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
-                size = batch // count
-                return t[index * size:(index + 1) * size].to(self.device)
-            return t
-
-        chunks = []
-        for m in range(self.plan.mb):
-            idx = rank * self.plan.mb + m
-            chunks.append((tuple(part(t, idx, dp * self.plan.mb) for t in inputs),
-                           part(target, idx, dp * self.plan.mb)))
-        return chunks
-
     def train_step(self, inputs: Sequence[Any], target: Any) -> float:
         """One optimizer step on the global batch; returns the global mean loss."""
         inputs = tuple(inputs)
@@ -238,15 +214,14 @@ class ParallelModule:
             raise AutoparError(f"autopar: train_step got {len(inputs)} inputs; the model was traced with "
                                f"{self.num_inputs} (pass the same structure as example_inputs).")
         self._recorder.clear()
+        coords = {a: g.rank for a, g in self._groups.items()}
         with C.use_groups(self._groups, self._recorder):
             total = torch.zeros((), device=self.device)
-            for chunk_inputs, chunk_target in self._local_batch(inputs, target):
+            for chunk_inputs, chunk_target in local_micro_batches(inputs, target, self.plan, coords, self.device):
                 loss = self.gm(*chunk_inputs, chunk_target)
                 (loss / self.plan.mb).backward()
                 total += loss.detach().float() / self.plan.mb
-            self._sync_grads()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+            self._sync.sync_and_step()
             if self.plan.dp > 1:
                 total = C.all_reduce(total, "dp", "loss") / self.plan.dp
                 self._relabel_last("loss")
@@ -255,22 +230,6 @@ class ParallelModule:
     def _relabel_last(self, phase: str) -> None:
         last = self._recorder.records[-1]
         self._recorder.records[-1] = C.CommRecord(**{**last.__dict__, "phase": phase})
-
-    def _sync_grads(self) -> None:
-        for bucket in self.ctx.grad_buckets:
-            params = [self.gm.get_parameter(n) for n in bucket.params]
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            g = self._groups[bucket.axis]
-            C.record("all_reduce", bucket.axis, flat, "grad", f"gradient bucket ({len(params)} tensors)")
-            dist.all_reduce(flat, group=g.group)
-            if bucket.average:
-                flat /= g.size
-            offset = 0
-            for p, grad in zip(params, grads):
-                n = grad.numel()
-                p.grad = flat[offset:offset + n].view_as(grad).clone()
-                offset += n
 
     # --- inspection -------------------------------------------------------------------
 
