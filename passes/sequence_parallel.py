@@ -28,6 +28,12 @@ __all__ = ["sequence_parallel_pass"]
 
 _PASS = "sequence_parallel_pass"
 
+# TP boundary op -> (SP op, the TP roles it replaces, why)
+_REWRITES = {
+    C.region_entry: (C.all_gather, ("column_input", "lm_head_input"), "gather sequence shards"),
+    C.all_reduce: (C.reduce_scatter, ("row_output", "embedding_output"), "reduce-scatter to sequence shards"),
+}
+
 
 def _seq_dim(node: Node, ctx: PassContext) -> int:
     val = node.meta.get("val")
@@ -48,21 +54,14 @@ def sequence_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResul
     for node in list(gm.graph.nodes):
         meta = node.meta.get(META_KEY) or {}
         role = meta.get("role")
-        if node.target is C.region_entry and role in ("column_input", "lm_head_input"):
-            x = node.args[0]
-            dim = _seq_dim(x, ctx)
-            node.target = C.all_gather
-            node.args = (x, dim, AXIS, node.args[2])
-            node._rename("all_gather")
-            provenance(node, _PASS, AXIS, f"gather sequence shards before {meta['reason'].split(' of ')[-1]}",
-                       role=role)
-            result.num_rewritten += 1
-        elif node.target is C.all_reduce and role in ("row_output", "embedding_output"):
-            x = node.args[0]
-            dim = _seq_dim(x, ctx)
-            node.target = C.reduce_scatter
-            node.args = (x, dim, AXIS, node.args[2])
-            node._rename("reduce_scatter")
-            provenance(node, _PASS, AXIS, f"reduce-scatter to sequence shards: {meta['reason']}", role=role)
-            result.num_rewritten += 1
+        rewrite = _REWRITES.get(node.target)
+        if rewrite is None or role not in rewrite[1]:
+            continue
+        new_target, _, reason = rewrite
+        x = node.args[0]
+        node.target = new_target
+        node.args = (x, _seq_dim(x, ctx), AXIS, node.args[2])
+        node._rename(new_target.__name__)
+        provenance(node, _PASS, AXIS, f"{reason}: {meta['reason']}", role=role)
+        result.num_rewritten += 1
     return result
