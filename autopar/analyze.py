@@ -32,7 +32,8 @@ from autopar.errors import AutoparError
 
 aten = torch.ops.aten
 
-__all__ = ["LinearInfo", "Region", "ModelStructure", "analyze", "model_dims", "module_path", "ATTENTION_OPS"]
+__all__ = ["LinearInfo", "Region", "ModelStructure", "analyze", "model_dims", "module_path", "reshape_chain",
+           "ATTENTION_OPS", "RESHAPE_OPS"]
 
 ATTENTION_OPS = {
     aten.scaled_dot_product_attention.default,
@@ -155,15 +156,28 @@ def _ancestors(node: Node, stop: set[Node]) -> set[Node]:
     return found
 
 
+RESHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
+               aten.unflatten.int}
+
+
+def reshape_chain(node: Node) -> list[Node]:
+    """``node`` and the single-user reshapes that follow it (Conv1D-style ``view`` around addmm)."""
+    chain = [node]
+    while len(chain[-1].users) == 1 and next(iter(chain[-1].users)).target in RESHAPE_OPS:
+        chain.append(next(iter(chain[-1].users)))
+    return chain
+
+
 def _split_sizes(linear: Node) -> list[int] | None:
     """Sizes of the parts if ``linear``'s output is split on its last dim (fused projection)."""
-    users = list(linear.users)
+    last = reshape_chain(linear)[-1]
+    users = list(last.users)
     if len(users) != 1 or users[0].target not in _SPLIT_OPS:
         return None
     split = users[0]
-    ndim = linear.meta["val"].dim()
+    ndim = last.meta["val"].dim()
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    if dim % ndim != ndim - 1:
+    if dim % ndim != ndim - 1 or last.meta["val"].shape[-1] != linear.meta["val"].shape[-1]:
         return None
     width = int(linear.meta["val"].shape[-1])
     if split.target == aten.split_with_sizes.default:

@@ -38,9 +38,11 @@ __all__ = [
     "reduce_scatter",
     "all_reduce",
     "region_entry",
+    "local_shard",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
     "record",
+    "record_p2p",
 ]
 
 
@@ -144,13 +146,23 @@ def record(op: str, axis: str, t: torch.Tensor, phase: str, tag: str, nbytes: fl
     )
 
 
+def record_p2p(op: str, axis: str, t: torch.Tensor, phase: str, tag: str) -> None:
+    """Record one point-to-point transfer: a ``send`` sends the buffer, a ``recv`` receives it."""
+    g = _group(axis)
+    size = t.numel() * t.element_size()
+    sent, recv = (float(size), 0.0) if op == "send" else (0.0, float(size))
+    _RECORDER.records.append(
+        CommRecord(op, axis, g.size, sent, recv, phase, tuple(t.shape), str(t.dtype).replace("torch.", ""), tag)
+    )
+
+
 def _gather(x: torch.Tensor, dim: int, axis: str, phase: str, tag: str) -> torch.Tensor:
     g = _group(axis)
     record("all_gather", axis, x, phase, tag)
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((g.size * src.shape[0],) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_gather_single(out, src, group=g.group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # user code may .view() it
 
 
 def _scatter(x: torch.Tensor, dim: int, axis: str, phase: str, tag: str) -> torch.Tensor:
@@ -164,7 +176,7 @@ def _scatter(x: torch.Tensor, dim: int, axis: str, phase: str, tag: str) -> torc
         )
     out = torch.empty((src.shape[0] // g.size,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_single(out, src, group=g.group)
-    return out.movedim(0, dim)
+    return out.movedim(0, dim).contiguous()  # user code may .view() it
 
 
 def _reduce(x: torch.Tensor, axis: str, phase: str, tag: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
@@ -236,6 +248,29 @@ def all_reduce(x: torch.Tensor, axis: str, tag: str = "") -> torch.Tensor:
 def region_entry(x: torch.Tensor, axis: str, tag: str = "") -> torch.Tensor:
     """Identity into a tensor-parallel region; backward all-reduces the input gradient."""
     return _RegionEntry.apply(x, axis, tag)
+
+
+class _LocalShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis):
+        g = _group(axis)
+        ctx.dim, ctx.size, ctx.rank, ctx.full = dim, g.size, g.rank, x.shape[dim]
+        return x.chunk(g.size, dim=dim)[g.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The other ranks' slices get zeros here: the replicated input's gradient is a
+        # partial sum over the axis (shard propagation marks it so; gradient sync sums it).
+        shape = list(grad.shape)
+        shape[ctx.dim] = ctx.full
+        out = grad.new_zeros(shape)
+        out.narrow(ctx.dim, ctx.rank * grad.shape[ctx.dim], grad.shape[ctx.dim]).copy_(grad)
+        return out, None, None
+
+
+def local_shard(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """This rank's slice of a replicated ``x`` along ``dim`` (no communication)."""
+    return _LocalShard.apply(x, dim, axis)
 
 
 def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axis: str, padding_idx: int = -1) -> torch.Tensor:

@@ -11,6 +11,8 @@ optimizer state, so the runtime does not change.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -27,6 +29,14 @@ class GradSync:
         self.ctx = ctx
         self.groups = groups
         self.optimizer = make_optimizer([p for p in gm.parameters() if p.requires_grad])
+
+    def micro_batch(self):
+        """Context around one micro-batch's forward and backward (ZeRO strategies act here)."""
+        return contextlib.nullcontext()
+
+    def full_parameters(self, write_back: bool = False):
+        """Context in which the module holds whole parameters (always true without ZeRO)."""
+        return contextlib.nullcontext()
 
     def sync_and_step(self) -> None:
         self.sync()

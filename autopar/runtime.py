@@ -51,14 +51,12 @@ def init_distributed(backend: str | None = None) -> None:
 
 def _unsupported(plan: Plan) -> None:
     missing = []
-    if plan.cp > 1:
-        missing.append(f"cp={plan.cp} (context parallelism)")
     if plan.ep > 1:
         missing.append(f"ep={plan.ep} (expert parallelism)")
-    if plan.pp > 1:
-        missing.append(f"pp={plan.pp} (pipeline parallelism)")
-    if plan.zero > 0:
-        missing.append(f"zero={plan.zero}")
+    if plan.pp > 1 and (plan.cp > 1 or plan.ep > 1 or plan.zero > 0):
+        missing.append(f"pp={plan.pp} together with cp, ep or zero")  # pp runs with dp, tp, sp
+    if plan.zero > 0 and (plan.cp > 1 or plan.ep > 1):
+        missing.append(f"zero={plan.zero} together with cp or ep")  # ZeRO shards over dp only
     if plan.recompute != "none":
         missing.append(f"recompute={plan.recompute}")
     if plan.capacity is not None:
@@ -66,7 +64,7 @@ def _unsupported(plan: Plan) -> None:
     if missing:
         raise AutoparError(
             f"autopar: plan '{plan}' uses {', '.join(missing)}, which the runtime does not support yet; "
-            "the runtime supports dp, tp, sp and mb (gradient accumulation). The offline cost model and "
+            "the runtime supports dp, tp, sp, cp, zero and mb (gradient accumulation). The offline cost model and "
             "search (autopar plan / autopar.estimate) cover every dimension.")
 
 
@@ -78,7 +76,8 @@ def _world() -> tuple[int, int]:
 
 def compile_program(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict | None,
                     plan: str | Plan, loss_fn: Callable | None, *, world_size: int,
-                    example_target: Any = None, bucket_bytes: int = 25 * 1024 * 1024):
+                    example_target: Any = None, bucket_bytes: int = 25 * 1024 * 1024,
+                    pipeline_split: Sequence[int] | None = None):
     """Trace, analyze, validate and rewrite; no process group needed. Returns (traced, ctx)."""
     from autopar.passes.context import PassContext
     from autopar.passes.runner import default_passes, run_passes
@@ -92,6 +91,7 @@ def compile_program(model: nn.Module, example_inputs: Sequence[Any], example_kwa
                   vocab=structure.vocab if plan.tp > 1 and structure.embeddings else None)
     ctx = PassContext(plan=plan, structure=structure, axis_sizes=plan.degrees, seq_symbol=traced.seq_symbol,
                       batch_symbol=traced.batch_symbol, num_inputs=traced.num_inputs, bucket_bytes=bucket_bytes)
+    ctx.pipeline_split = tuple(pipeline_split) if pipeline_split is not None else None
     run_passes(traced.gm, plan, ctx, default_passes(plan))
     return traced, ctx
 
@@ -106,6 +106,7 @@ def parallelize(
     *,
     example_target: Any = None,
     bucket_bytes: int = 25 * 1024 * 1024,
+    pipeline_split: Sequence[int] | None = None,
 ) -> "ParallelModule":
     """Compile ``model`` for ``plan`` on the current process group; the model is not modified.
 
@@ -120,7 +121,12 @@ def parallelize(
                            "autopar.search) offline and pass the chosen plan string.")
     world, _ = _world()
     traced, ctx = compile_program(model, example_inputs, example_kwargs, plan, loss_fn,
-                                  world_size=world, example_target=example_target, bucket_bytes=bucket_bytes)
+                                  world_size=world, example_target=example_target, bucket_bytes=bucket_bytes,
+                                  pipeline_split=pipeline_split)
+    if ctx.plan.pp > 1:  # pipeline_split: layers per pipeline chunk (default: balanced by the cost model)
+        from autopar.pipeline_runtime import PipelineParallelModule
+
+        return PipelineParallelModule(model, traced, ctx, ctx.plan, optimizer or torch.optim.AdamW)
     return ParallelModule(model, traced, ctx, ctx.plan, optimizer or torch.optim.AdamW)
 
 
@@ -143,11 +149,19 @@ class ParallelModule:
                 a: C.AxisGroup(self._mesh.get_group(a), self._mesh.size(i), self._mesh.get_local_rank(a))
                 for i, a in enumerate(MESH_AXES)
             }
+            if plan.cp > 1:  # dense gradients and the loss are averaged over dp*cp (cost model axis "dp_cp")
+                flat = self._mesh["dp", "cp"]._flatten("dp_cp")
+                self._groups["dp_cp"] = C.AxisGroup(flat.get_group(), flat.size(), flat.get_local_rank())
         self.device = torch.device("cuda", torch.cuda.current_device()) if (
             dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
         self._aliases = self._original_names(model)
         self._materialize(model)
-        self._sync = GradSync(self.gm, ctx, self._groups, make_optimizer)
+        if plan.zero > 0:
+            from autopar.zero import ZeroSync
+
+            self._sync = ZeroSync(self.gm, ctx, self._groups, make_optimizer, plan.zero)
+        else:
+            self._sync = GradSync(self.gm, ctx, self._groups, make_optimizer)
         self.optimizer = self._sync.optimizer
 
     # --- parameters -------------------------------------------------------------------
@@ -181,10 +195,11 @@ class ParallelModule:
         """Full, unsharded tensors under the original model's names (identical on every rank)."""
         coords = self._coords()
         out = {}
-        for orig, name in self._aliases.items():
-            t = _get_attr(self.gm, name).detach()
-            shards = self.ctx.param_shards.get(name, {})
-            out[orig] = gather_full(t, shards, self._groups, coords).clone() if shards else t.clone()
+        with self._sync.full_parameters():
+            for orig, name in self._aliases.items():
+                t = _get_attr(self.gm, name).detach()
+                shards = self.ctx.param_shards.get(name, {})
+                out[orig] = gather_full(t, shards, self._groups, coords).clone() if shards else t.clone()
         return out
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
@@ -196,7 +211,7 @@ class ParallelModule:
                                f"{'...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
                                f"{'...' if len(unexpected) > 5 else ''}; expected the original model's keys.")
         coords = self._coords()
-        with torch.no_grad():
+        with torch.no_grad(), self._sync.full_parameters(write_back=True):
             for orig, name in self._aliases.items():
                 target = _get_attr(self.gm, name)
                 local = shard_local(state_dict[orig], self.ctx.param_shards.get(name, {}), coords)
@@ -218,12 +233,14 @@ class ParallelModule:
         with C.use_groups(self._groups, self._recorder):
             total = torch.zeros((), device=self.device)
             for chunk_inputs, chunk_target in local_micro_batches(inputs, target, self.plan, coords, self.device):
-                loss = self.gm(*chunk_inputs, chunk_target)
-                (loss / self.plan.mb).backward()
+                with self._sync.micro_batch():  # ZeRO: per-micro-batch gathers / reduce-scatters
+                    loss = self.gm(*chunk_inputs, chunk_target)
+                    (loss / self.plan.mb).backward()
                 total += loss.detach().float() / self.plan.mb
             self._sync.sync_and_step()
-            if self.plan.dp > 1:
-                total = C.all_reduce(total, "dp", "loss") / self.plan.dp
+            loss_axis = "dp_cp" if self.plan.cp > 1 else "dp"
+            if self.plan.dp * self.plan.cp > 1:
+                total = C.all_reduce(total, loss_axis, "loss") / (self.plan.dp * self.plan.cp)
                 self._relabel_last("loss")
         return float(total)
 

@@ -19,11 +19,14 @@ Layer structure seen by the rows, per stage (``l_d`` dense and ``l_e`` MoE layer
   * CP ring: K,V circulate ``cp - 1`` times (backward: K,V and dK,dV); allgather:
     all-gather of K,V forward and reduce-scatter of dK,dV backward; Ulysses: all-to-all
     of q,k,v and of the output (and the reverse in backward);
-  * PP: the boundary activation (sequence-sharded by SP and CP) per send;
+  * PP: the boundary activation (sequence-sharded by SP and CP) per send, and the loss
+    all-reduced over pp once per step so that every stage returns it;
   * DP / ZeRO: gradient all-reduce (stage 0) or reduce-scatter (1: per step, 2-3: per
-    micro-batch) over the ranks holding copies (dp*cp for dense weights, dp*cp/ep for
-    experts), the parameter all-gather after the step (1-2) or per micro-batch forward
-    and backward (3).
+    micro-batch; 3: per gather unit and micro-batch) over the ranks holding copies (dp*cp
+    for dense weights, dp*cp/ep for experts), the parameter all-gather after the step (1-2)
+    or per unit and micro-batch forward and backward (3; units = the stage's layers + 1 for
+    embedding and head, as ``passes/zero.py`` groups them; expert rows count one unit).
+    Gradients partial over tp are summed once per step, on the dp*cp shard under ZeRO-2/3.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from .symbols import (CPAG, CPRING, CPUL, E, FIRST, V, LAST, NRECV, NSEND, SP, Z
                       d, dp, ep, f, fe, g, gated, h, k, ld, le, m, nn, nsh, pp, qb, rho, s, tp,
                       w, wgc, wp)
 
-__all__ = ["CommRow", "RowSpec", "TIED", "row_specs", "activation_bytes", "local_param_elems"]
+__all__ = ["CommRow", "RowSpec", "TIED", "row_specs", "activation_bytes", "local_param_elems", "zero3_units"]
 
 TIED = sp.Symbol("tied", nonnegative=True)  # 1 if the LM head shares the embedding matrix
 
@@ -105,6 +108,11 @@ def local_param_elems():
     return dense, expert, partial
 
 
+def zero3_units():
+    """ZeRO-3 gather units on the scored stage: its layers, plus one for the embedding and head."""
+    return ld + le + FIRST + LAST - FIRST * LAST
+
+
 def row_specs() -> list[RowSpec]:
     """All collective kinds; rows whose count or group evaluates to 0 / 1 are dropped later."""
     A = activation_bytes()
@@ -138,7 +146,8 @@ def row_specs() -> list[RowSpec]:
     add("bwd", "sp", "all_gather", "tp", tp, ag(A / tp, tp), SP * (2 * ld + le + FIRST), True,
         "all-gather of grads, dual of the forward reduce-scatters, shard [b, s/tp, h]")
     _, _, partial = local_param_elems()
-    add("grad", "sp", "all_reduce", "tp", tp, ar(partial * wgc, tp), 1, False,
+    # Under ZeRO-2/3 the rank holds only its dp*cp shard of these gradients when it sums them.
+    add("grad", "sp", "all_reduce", "tp", tp, ar(partial * wgc * (1 - Z2 + Z2 / (dp * cp)), tp), 1, False,
         "gradients of tp-replicated weights used on token shards (norms under SP, MoE routers)")
     add("fwd", "loss_parallel", "all_reduce", "tp", tp, ar(T * 4, tp), 3 * LAST, True,
         "vocab-parallel cross-entropy: fp32 max, sum of exp, target logit per token")
@@ -147,13 +156,15 @@ def row_specs() -> list[RowSpec]:
     kv = T * (g / tp) * d * w                   # one of K or V on this rank
     q = T * (a / tp) * d * w
     n_attn = ld + le
-    for phase, what in (("fwd", "K,V to the next rank of the ring"),
-                        ("bwd", "K,V and dK,dV around the ring")):
+    # Backward: K,V hop cp-1 times again and the dK,dV accumulators hop cp-1 times (each starts
+    # one rank after its home and ends there), as separate messages: twice the forward calls.
+    for phase, what in (("fwd", "K,V (packed) to the next rank of the ring"),
+                        ("bwd", "K,V and, separately, the dK,dV accumulators around the ring")):
         mult = 1 if phase == "fwd" else 2
-        add(phase, "cp", "send", "cp", cp, mult * 2 * kv, CPRING * (cp - 1) * n_attn, True, what,
+        add(phase, "cp", "send", "cp", cp, 2 * kv, mult * CPRING * (cp - 1) * n_attn, True, what,
             recv=0)
-        add(phase, "cp", "recv", "cp", cp, 0, CPRING * (cp - 1) * n_attn, True, what,
-            recv=mult * 2 * kv)
+        add(phase, "cp", "recv", "cp", cp, 0, mult * CPRING * (cp - 1) * n_attn, True, what,
+            recv=2 * kv)
     add("fwd", "cp", "all_gather", "cp", cp, ag(2 * kv, cp), CPAG * n_attn, True,
         "all-gather of K,V, shard [b, s/cp, 2 g/tp, d]")
     add("bwd", "cp", "reduce_scatter", "cp", cp, rs(2 * kv * cp, cp), CPAG * n_attn, True,
@@ -188,19 +199,27 @@ def row_specs() -> list[RowSpec]:
 
     # ---- data parallelism and ZeRO
     dense, expert, _ = local_param_elems()
+    # ZeRO-3 gathers (and reduce-scatters) per unit: one per layer, plus one for the rest of
+    # the stage (embedding, final norm, head); rows give the average bytes per call.
+    units = zero3_units()
     # Experts are whole on every TP rank (Megatron-Core's expert-tensor-parallel size 1), so an
     # expert's replicas are the tp * dp*cp/ep ranks of a stage that hold the same expert index.
-    for label, P, axis, n in (("dense", dense, "dp*", dp * cp), ("expert", expert, "edp*", tp * dp * cp / ep)):
+    for label, P, axis, n, u in (("dense", dense, "dp*", dp * cp, units),
+                                 ("expert", expert, "edp*", tp * dp * cp / ep, 1)):
+        per_mb = 1 + Z3 * (u - 1)                # reduce-scatters per micro-batch (stage 3: per unit)
         add("grad", "dp", "all_reduce", axis, n, ar(P * wgc, n), 1 - Z1, False,
             f"all-reduce of the {label} gradients (bucketed, once per step)")
-        add("grad", "dp", "reduce_scatter", axis, n, rs(P * wgc, n), Z1 * (1 + (m - 1) * Z2), False,
-            f"ZeRO reduce-scatter of the {label} gradients (per step for 1, per micro-batch for 2-3)")
+        add("grad", "dp", "reduce_scatter", axis, n, rs(P * wgc, n) / per_mb, Z1 * (1 + (m - 1) * Z2) * per_mb,
+            False, f"ZeRO reduce-scatter of the {label} gradients (per step for 1, per micro-batch for 2, "
+                   "per unit and micro-batch for 3)")
         add("step", "zero", "all_gather", axis, n, ag(P * wp / n, n), Z1 * (1 - Z3), False,
             f"ZeRO all-gather of the updated {label} parameters")
-        add("fwd", "zero", "all_gather", axis, n, ag(P * wp / n, n), Z3, True,
-            f"ZeRO-3 all-gather of the {label} parameters before use (forward)")
-        add("bwd", "zero", "all_gather", axis, n, ag(P * wp / n, n), Z3, True,
-            f"ZeRO-3 all-gather of the {label} parameters again (backward)")
+        add("fwd", "zero", "all_gather", axis, n, ag(P * wp / n, n) / u, Z3 * u, True,
+            f"ZeRO-3 all-gather of the {label} parameters before use (forward, per unit)")
+        add("bwd", "zero", "all_gather", axis, n, ag(P * wp / n, n) / u, Z3 * u, True,
+            f"ZeRO-3 all-gather of the {label} parameters again (backward, per unit)")
     add("loss", "dp", "all_reduce", "dp*", dp * cp, ar(4, dp * cp), LAST, False,
         "mean of the fp32 loss over data-parallel replicas")
+    add("loss", "pp", "all_reduce", "pp", pp, ar(4, pp), 1, False,
+        "the fp32 loss from the last stage to every pipeline rank (the others add 0)")
     return rows

@@ -61,6 +61,8 @@ class PassContext:
     grad_buckets: list["GradBucket"] = dataclasses.field(default_factory=list)
     bucket_bytes: int = 25 * 1024 * 1024
     log: list[str] = dataclasses.field(default_factory=list)
+    pipeline_split: tuple[int, ...] | None = None  # user-given layers per pipeline chunk
+    pipeline: Any = None  # passes.pipeline.PipelineProgram, written by the pipeline pass
 
     def shard_param(self, name: str, axis: str, shard: ParamShard) -> None:
         self.param_shards.setdefault(name, {})[axis] = shard

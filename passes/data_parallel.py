@@ -52,7 +52,8 @@ def data_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
     for axis in partial_axes:
         members = [n for n in names if axis in ctx.grad_partial_axes.get(n, set())]
         ctx.grad_buckets += _buckets(gm, ctx, members, axis, False, cap)
-    if ctx.axis_sizes.get("dp", 1) > 1:
-        ctx.grad_buckets += _buckets(gm, ctx, names, "dp", True, cap)
+    cp = ctx.axis_sizes.get("cp", 1)
+    if ctx.axis_sizes.get("dp", 1) * cp > 1:  # dense weights are replicated over dp*cp ranks
+        ctx.grad_buckets += _buckets(gm, ctx, names, "dp_cp" if cp > 1 else "dp", True, cap)
     result.notes.append(f"{len(ctx.grad_buckets)} gradient buckets")
     return result

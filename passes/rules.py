@@ -72,6 +72,17 @@ class RuleContext:
             + (hint or "Try a plan without this dimension (e.g. drop tp/sp) for this model, or report the op.")
         )
 
+    def shard_operand(self, node: Node, arg: Node, dim: int) -> Node:
+        """Replace ``node``'s replicated input ``arg`` by this rank's slice along ``dim``."""
+        with self.gm.graph.inserting_before(node):
+            part = self.gm.graph.call_function(C.local_shard, (arg, dim, self.axis))
+        part.meta["val"] = arg.meta.get("val")
+        part.meta["autopar_placement"] = {self.axis: Shard(dim)}
+        part.meta["autopar"] = {"pass": "shard_propagation_pass", "axis": self.axis, "bytes": None,
+                                "reason": f"take this rank's slice of replicated {arg.name} (no communication)"}
+        node.replace_input_with(arg, part)
+        return part
+
     def local_size(self, node: Node, elem: Any) -> Any:
         """Local value of a global size ``elem`` (int, -1 or symint node) divided by the axis size."""
         if isinstance(elem, int):
@@ -159,7 +170,8 @@ def pointwise_rule(node: Node, pls: list, rc: RuleContext):
         if isinstance(pl, Replicate):
             d = shard_dim - (out_ndim - ndim_of(arg))
             if d >= 0 and shape_of(arg)[d] != 1 and out_shape[shard_dim] != 1:
-                raise rc.fail(node, f"a replicated operand ({arg.name}) has the full size on sharded dim {shard_dim}")
+                # e.g. learned position embeddings added to sequence shards under SP
+                rc.shard_operand(node, arg, d)
     return Shard(shard_dim)
 
 
@@ -267,6 +279,23 @@ def sdpa_rule(node: Node, pls: list, rc: RuleContext):
     if all(isinstance(p, Shard) and p.dim == 0 for p in (q, k, v)):
         return Shard(0)
     raise rc.fail(node, f"q/k/v placements {q}, {k}, {v}; expected all sharded on the heads dim {heads}")
+
+
+@register(aten.layer_norm.default, aten.rms_norm.default)
+def norm_rule(node: Node, pls: list, rc: RuleContext):
+    x = pls[0]
+    if isinstance(x, Replicate) and all(isinstance(p, Replicate) for p in pls):
+        return R
+    num_norm = len(node.args[1])
+    if isinstance(x, Shard) and x.dim < ndim_of(node.args[0]) - num_norm and all(
+            isinstance(p, Replicate) for p in pls[1:]):
+        return x
+    raise rc.fail(node, f"normalisation of an input placed {x} (weights {pls[1:]})")
+
+
+@register(C.local_shard)
+def local_shard_rule(node: Node, pls: list, rc: RuleContext):
+    return Shard(node.args[1]) if node.args[2] == rc.axis else pls[0]
 
 
 @register(aten.embedding.default)

@@ -79,5 +79,17 @@ def default_passes(plan) -> list[Pass]:
         if plan.sp:
             passes.append(sequence_parallel_pass)
     passes.append(shard_propagation_pass)
+    if plan.cp > 1:
+        from .context_parallel import context_parallel_pass
+
+        passes.append(context_parallel_pass)  # attention -> CP variant, positions -> global
     passes.append(data_parallel_pass)  # gradient sync: dp, and axes where gradients are partial
+    if plan.zero == 3:
+        from .zero import zero3_pass
+
+        passes.append(zero3_pass)  # parameters gathered per unit before use
+    if plan.pp > 1:
+        from .pipeline import pipeline_pass
+
+        passes.append(pipeline_pass)  # last: cuts the rewritten graph into chunks
     return passes

@@ -95,12 +95,28 @@ def _propagate_axis(gm: GraphModule, ctx: PassContext, axis: str, local_syms: di
             node.meta.setdefault(PLACEMENT_KEY, {})[axis] = pl
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     for node, pl in placements.items():
-        if node.op != "get_attr" or node.target not in params or not isinstance(pl, Replicate):
-            continue
-        for user in node.users:
-            out = placements.get(user)
-            if isinstance(out, (Shard, Partial)):
+        if node.op == "get_attr" and node.target in params and isinstance(pl, Replicate):
+            if _feeds_local_work(node, placements):
                 ctx.grad_partial_axes.setdefault(node.target, set()).add(axis)
+
+
+def _feeds_local_work(param: Node, placements: dict) -> bool:
+    """Does a replicated parameter reach, through replicated values, an op that works on
+    shards?  Then each rank's gradient holds only its shards' contribution: a partial sum.
+    A region entry stops the walk: its backward all-reduces the gradient into a full one."""
+    todo, seen = [param], set()
+    while todo:
+        for user in todo.pop().users:
+            if user in seen or user.target is C.region_entry:
+                continue
+            seen.add(user)
+            out = placements.get(user)
+            if isinstance(out, (tuple, list)):
+                out = next((o for o in out if not isinstance(o, Replicate)), R)
+            if isinstance(out, (Shard, Partial)):
+                return True
+            todo.append(user)
+    return False
 
 
 def _predict_bytes(node: Node, ctx: PassContext) -> dict:

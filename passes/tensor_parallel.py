@@ -23,7 +23,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autopar import collectives as C
-from autopar.analyze import LinearInfo, ModelStructure
+from autopar.analyze import RESHAPE_OPS, LinearInfo, ModelStructure, reshape_chain
 from autopar.errors import AutoparError, describe_node
 from .context import ParamShard, PassContext, PassResult, provenance
 
@@ -33,8 +33,7 @@ __all__ = ["tensor_parallel_pass", "AXIS"]
 
 AXIS = "tp"
 _PASS = "tensor_parallel_pass"
-_VIEWISH = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
-            aten.slice.Tensor, aten.contiguous.default, aten.to.dtype, aten._to_copy.default, aten.clone.default}
+_VIEWISH = RESHAPE_OPS | {aten.slice.Tensor, aten.contiguous.default, aten.to.dtype, aten._to_copy.default, aten.clone.default}
 
 
 def _check_divisible(what: str, value: int, tp: int, node: Node | None = None) -> None:
@@ -70,7 +69,8 @@ def _shard_column(ctx: PassContext, info: LinearInfo) -> None:
     if info.bias:
         ctx.shard_param(info.bias, AXIS, ParamShard(0, blocks))
     if blocks:
-        info.node.meta["autopar_blocks"] = blocks
+        for node in reshape_chain(info.node):
+            node.meta["autopar_blocks"] = blocks
 
 
 def _shard_row(gm: GraphModule, ctx: PassContext, info: LinearInfo, region: str) -> Node:
@@ -85,24 +85,37 @@ def _shard_row(gm: GraphModule, ctx: PassContext, info: LinearInfo, region: str)
         else:
             bias = node.args[2]
             node.args = node.args[:2]
-    reduced = _insert_after(gm, node, C.all_reduce, (node, AXIS, f"{info.module}: row-parallel output"),
+    # Reduce after the reshapes that follow the projection (Conv1D's view back to
+    # [batch, seq, hidden]), so SP can reduce-scatter along the sequence dim.
+    last = reshape_chain(node)[-1]
+    reduced = _insert_after(gm, last, C.all_reduce, (last, AXIS, f"{info.module}: row-parallel output"),
                             f"sum the partial outputs of row-parallel {info.module}", "row_output")
-    _redirect(node, reduced)
+    _redirect(last, reduced)
     out = reduced
-    if bias is not None:
+    if bias is not None:  # the bias broadcasts over the leading dims of the reshaped output
         with gm.graph.inserting_after(reduced):
             out = gm.graph.call_function(aten.add.Tensor, (reduced, bias))
-        out.meta["val"] = node.meta.get("val")
+        out.meta["val"] = last.meta.get("val")
         provenance(out, _PASS, None, f"bias of {info.module}, added after the reduction")
         _redirect(reduced, out)
         out.args = (reduced, bias)
     return out
 
 
+def _region_input(node: Node) -> tuple[Node, Node]:
+    """(tensor to enter the region with, the user that reads it): step back over a
+    single-use reshape (Conv1D's flattening view) so SP gathers along the sequence dim."""
+    x, user = node.input, node.node
+    while x.op == "call_function" and x.target in RESHAPE_OPS and len(x.users) == 1:
+        x, user = x.args[0], x
+    return x, user
+
+
 def _enter_region(gm: GraphModule, columns: list[LinearInfo], label: str, role: str) -> None:
     by_input: dict[Node, set[Node]] = {}
     for c in columns:
-        by_input.setdefault(c.input, set()).add(c.node)
+        x, user = _region_input(c)
+        by_input.setdefault(x, set()).add(user)
     for x, users in by_input.items():
         entry = _insert_after(gm, x, C.region_entry, (x, AXIS, f"{label}: column-parallel input"),
                               f"enter the tensor-parallel region of {label}", role)
@@ -172,6 +185,8 @@ def tensor_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
             _shard_row(gm, ctx, r, region.module)
         result.num_rewritten += len(region.columns) + len(region.rows)
     for emb in s.embeddings:
+        if int(emb.args[0].meta["val"].shape[0]) != s.vocab:
+            continue  # e.g. learned position embeddings: stay replicated
         _check_divisible("vocabulary size", s.vocab, tp, emb)
         _vocab_parallel_embedding(gm, ctx, emb)
     if s.lm_head is not None:

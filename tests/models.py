@@ -20,6 +20,7 @@ __all__ = [
     "example_model",
     "hf_llama",
     "hf_loss",
+    "hf_gpt2",
     "lm_loss",
     "make_batch",
     "MODELS",
@@ -93,9 +94,24 @@ def _example_fused(seed: int = 0, **overrides):
     return example_model(seed, fused_qkv=True, fused_gate_up=True, **overrides)
 
 
+def hf_gpt2(seed: int = 0, **overrides):
+    """A tiny ``transformers.GPT2LMHeadModel``: Conv1D (addmm, [in, out] weights), fused QKV,
+    LayerNorm with bias, learned position embeddings, tied LM head; dropout off."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    kwargs = dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
+                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(**kwargs))
+    model.train()
+    return model
+
+
 MODELS = {
     "example": (example_model, lm_loss, {}),
     "example_tied": (_example_tied, lm_loss, {}),
     "example_fused": (_example_fused, lm_loss, {}),
     "hf_llama": (hf_llama, hf_loss, {"use_cache": False}),
+    "hf_gpt2": (hf_gpt2, hf_loss, {"use_cache": False}),
 }

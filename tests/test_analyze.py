@@ -97,3 +97,11 @@ def test_export_failure_is_an_autopar_error():
 def test_bad_example_inputs():
     with pytest.raises(AutoparError, match="example_inputs must be a non-empty tuple"):
         trace_model(example_model(), (), None, None)
+
+
+def test_conv1d_style_model_regions():
+    s = _structure("hf_gpt2")
+    attn = [r for r in s.regions if r.kind == "attention"]
+    assert len(attn) == 2 and all(r.columns[0].in_out for r in attn)
+    assert attn[0].columns[0].split_sizes == [64, 64, 64]  # fused c_attn behind a view
+    assert s.tied_embeddings and s.lm_head is not None

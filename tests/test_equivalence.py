@@ -58,6 +58,13 @@ def test_tied_and_fused_models(dist_pool, model_name, overrides):
     _check(dist_pool, model_name, "tp=2,sp,dp=2", 4, "sgd", overrides=overrides)
 
 
+@pytest.mark.parametrize("plan,world,opt_name", [("tp=2", 2, "sgd"), ("tp=2,sp,dp=2", 4, "adamw")])
+def test_gpt2_conv1d_style_model(dist_pool, plan, world, opt_name):
+    """GPT-2: [in, out] weights through addmm, fused QKV behind views, LayerNorm with bias,
+    learned position embeddings (sliced to sequence shards under SP), tied LM head."""
+    _check(dist_pool, "hf_gpt2", plan, world, opt_name, overrides={})
+
+
 @pytest.mark.parametrize("model_name,overrides", [("example_tied", {}), ("hf_llama", {})])
 def test_user_model_is_not_modified(dist_pool, model_name, overrides):
     assert all(dist_pool(untouched_job, model_name, "tp=2,sp", overrides, world=2))

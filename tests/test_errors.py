@@ -49,7 +49,7 @@ def test_unknown_option():
 
 @pytest.mark.parametrize("plan,world,what", [
     ("cp=2", 2, "context parallelism"), ("dp=2,ep=2", 2, "expert parallelism"),
-    ("pp=2", 2, "pipeline parallelism"), ("dp=2,zero=1", 2, "zero=1"), ("recompute=full", 1, "recompute"),
+    ("pp=2", 2, "pipeline parallelism"), ("dp=2,ep=2,zero=1", 2, "zero=1 together with cp or ep"), ("recompute=full", 1, "recompute"),
 ])
 def test_dimensions_not_supported_yet(plan, world, what):
     with pytest.raises(AutoparError, match=rf"^autopar: plan .* uses .*{what}.*not support yet"):

@@ -1,0 +1,232 @@
+"""Context parallelism: the sequence is sharded over ``cp`` for the whole graph.
+
+Like data parallelism shards the batch, ``train_step`` hands each rank its load-balanced
+sequence chunks (:mod:`autopar.batching`), so the graph's symbolic sequence size is
+already local.  What this pass rewrites is what depends on *where* a token sits:
+
+1. every ``scaled_dot_product_attention`` becomes the plan's CP variant from
+   :mod:`autopar.cp_attention` (ring, allgather or ulysses).  K/V are taken from before a
+   GQA ``unsqueeze/expand/reshape`` so only the K/V heads travel.  An explicit mask is
+   accepted when it is provably the causal mask: its subgraph depends only on the batch
+   and sequence sizes, and evaluating it at two sizes gives the lower triangle; the CP
+   op then applies causality from global positions;
+2. the mask subgraphs that became dead are removed;
+3. every ``arange`` over the sequence length (position ids for RoPE or learned
+   positions) becomes :func:`autopar.cp_attention.cp_positions`, this rank's global
+   positions.
+
+Runs after shard propagation (the attention op is local in every other axis), before
+the data-parallel pass, which then averages dense gradients over ``dp_cp``.
+"""
+from __future__ import annotations
+
+import sympy
+import torch
+from torch.fx import GraphModule, Node
+
+from autopar import cp_attention as CPA
+from autopar.errors import AutoparError
+from .context import PLACEMENT_KEY, PassContext, PassResult, provenance
+from .shard_propagation import local_numel
+
+__all__ = ["context_parallel_pass", "VARIANTS"]
+
+VARIANTS = {"ring": CPA.ring_attention, "allgather": CPA.allgather_attention, "ulysses": CPA.ulysses_attention}
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_ARANGES = (torch.ops.aten.arange.default, torch.ops.aten.arange.start)
+_FULL_SLICE_END = 2 ** 62
+
+
+def _where(node: Node) -> str:
+    stack = (node.meta.get("stack_trace") or "").strip().splitlines()
+    return f"node '{node.name}'" + (f" ({stack[-2].strip()})" if len(stack) >= 2 else "")
+
+
+def _is_full_slice(node: Node) -> bool:
+    return (node.op == "call_function" and node.target is torch.ops.aten.slice.Tensor
+            and (len(node.args) < 3 or node.args[2] in (0, None))
+            and (len(node.args) < 4 or node.args[3] is None or node.args[3] >= _FULL_SLICE_END))
+
+
+def _skip_slices(node: Node) -> Node:
+    while _is_full_slice(node):
+        node = node.args[0]
+    return node
+
+
+def _strip_gqa(node: Node) -> tuple[Node, int]:
+    """``reshape(expand(unsqueeze(x, 2)))`` that repeats K/V heads -> (x, groups); else (node, 1)."""
+    r = node
+    if r.op != "call_function" or r.target not in (torch.ops.aten.reshape.default, torch.ops.aten.view.default):
+        return node, 1
+    e = _skip_slices(r.args[0])
+    if e.op != "call_function" or e.target is not torch.ops.aten.expand.default:
+        return node, 1
+    u = _skip_slices(e.args[0])
+    if u.op != "call_function" or u.target is not torch.ops.aten.unsqueeze.default or u.args[1] != 2:
+        return node, 1
+    groups = e.args[1][2]
+    if not isinstance(groups, int) or groups < 1:
+        return node, 1
+    return _skip_slices(u.args[0]), groups
+
+
+def _size_value(node: Node, sizes: dict[str, int]):
+    val = node.meta.get("val")
+    if isinstance(val, torch.SymInt):
+        expr = val.node.expr
+        return int(expr.subs({sympy.Symbol(k, integer=True, positive=True): v for k, v in sizes.items()})) \
+            if not expr.free_symbols - {s for s in expr.free_symbols if str(s) in sizes} else None
+    return None
+
+
+def _evaluate(node: Node, sizes: dict[str, int], memo: dict):
+    """Evaluate ``node`` from the batch/sequence sizes alone; None if it depends on data."""
+    if node in memo:
+        return memo[node]
+    if node.op != "call_function":
+        memo[node] = None
+        return None
+    if node.target is torch.ops.aten.sym_size.int:
+        val = node.meta.get("val")
+        expr = val.node.expr if isinstance(val, torch.SymInt) else None
+        memo[node] = sizes.get(str(expr)) if expr is not None else None
+        return memo[node]
+    bad = []
+
+    def arg(a):
+        if isinstance(a, Node):
+            v = _evaluate(a, sizes, memo)
+            if v is None:
+                bad.append(a)
+            return v
+        if isinstance(a, (list, tuple)):
+            return type(a)(arg(x) for x in a)
+        return a
+
+    args = arg(node.args)
+    kwargs = {k: arg(v) for k, v in node.kwargs.items()}
+    memo[node] = None if bad else node.target(*args, **kwargs)
+    return memo[node]
+
+
+def _is_causal_mask(mask: Node, ctx: PassContext) -> bool:
+    """True when ``mask`` depends only on sizes and equals the lower-triangular causal mask."""
+    batch, seq = str(ctx.batch_symbol), str(ctx.seq_symbol)
+    for b, s in ((2, 6), (3, 9)):
+        try:
+            value = _evaluate(mask, {batch: b, seq: s}, {})
+        except Exception:
+            return False
+        if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-2:] != (s, s):
+            return False
+        allowed = value if value.dtype == torch.bool else value == 0
+        if value.dtype != torch.bool and not bool((value[~allowed] < -1e30).all()):
+            return False
+        tril = torch.ones(s, s, dtype=torch.bool).tril()
+        if not bool((allowed == tril).all()):
+            return False
+    return True
+
+
+def _check_ulysses(plan, ctx: PassContext) -> None:
+    num = plan.tp * plan.cp
+    for what, count in (("attention heads", ctx.structure.num_heads), ("key/value heads", ctx.structure.num_kv_heads)):
+        if count and count % num:
+            raise AutoparError(
+                f"autopar: cp={plan.cp}:ulysses with tp={plan.tp} splits the {what} over tp*cp={num} ranks, "
+                f"but the model has {count} {what}; use a tp*cp that divides {count}, or the ring or "
+                f"allgather variant (cp={plan.cp}:ring).")
+
+
+def _predicted_bytes(variant: str, q: Node, k: Node, n: int, ctx: PassContext) -> dict:
+    itemsize = q.meta["val"].element_size()
+    kv = 2 * local_numel(k, ctx) * itemsize  # packed K and V on this rank
+    qb = local_numel(q, ctx) * itemsize
+    if variant == "ring":
+        return {"fwd": ("send", (n - 1) * kv), "bwd": ("send", 2 * (n - 1) * kv)}
+    if variant == "allgather":
+        return {"fwd": ("all_gather", (n - 1) * kv), "bwd": ("reduce_scatter", sympy.Rational(n - 1, n) * kv * n)}
+    a2a = sympy.Rational(n - 1, n)
+    return {"fwd": ("all_to_all", a2a * (2 * qb + kv)), "bwd": ("all_to_all", a2a * (2 * qb + kv))}
+
+
+def _seq_arange(node: Node, ctx: PassContext) -> Node | None:
+    """The length node if ``node`` is ``arange(seq)`` / ``arange(0, seq)``, else None."""
+    if node.op != "call_function" or node.target not in _ARANGES:
+        return None
+    if node.target is torch.ops.aten.arange.start:
+        if node.args[0] != 0 or len(node.args) > 2:
+            return None
+        end = node.args[1]
+    else:
+        end = node.args[0]
+    if isinstance(end, Node) and isinstance(end.meta.get("val"), torch.SymInt) \
+            and str(end.meta["val"].node.expr) == str(ctx.seq_symbol):
+        return end
+    return None
+
+
+def context_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
+    result = PassResult("context_parallel_pass")
+    n, variant = plan.cp, plan.cp_variant
+    if variant == "ulysses":
+        _check_ulysses(plan, ctx)
+    fn = VARIANTS[variant]
+    graph = gm.graph
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not _SDPA:
+            continue
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+        bound = dict(zip(names, node.args))
+        bound.update({k: v for k, v in node.kwargs.items()})
+        if bound.get("dropout_p", 0.0):
+            raise AutoparError(f"autopar: context parallelism needs attention without dropout; {_where(node)} "
+                               f"has dropout_p={bound['dropout_p']}. Set the model's attention dropout to 0 or drop cp.")
+        mask = bound.get("attn_mask")
+        causal = bool(bound.get("is_causal", False))
+        if mask is not None:
+            if not _is_causal_mask(mask, ctx):
+                raise AutoparError(
+                    f"autopar: context parallelism supports causal attention (is_causal=True or an in-graph "
+                    f"causal mask); the mask of {_where(node)} depends on input data or is not causal. "
+                    f"Use a causal model or drop cp.")
+            causal = True
+        q = bound["query"]
+        k, groups = _strip_gqa(bound["key"])
+        v, groups_v = _strip_gqa(bound["value"])
+        assert groups == groups_v, "K and V must repeat their heads alike"
+        with graph.inserting_before(node):
+            new = graph.call_function(fn, (q, k, v, "cp"), {
+                "scale": bound.get("scale"), "causal": causal, "num_kv_groups": groups,
+                "tag": f"cp {variant} {node.name}"})
+        new.meta["val"] = node.meta.get("val")
+        if PLACEMENT_KEY in node.meta:
+            new.meta[PLACEMENT_KEY] = node.meta[PLACEMENT_KEY]
+        for key in ("nn_module_stack", "stack_trace"):
+            if key in node.meta:
+                new.meta[key] = node.meta[key]
+        provenance(new, "context_parallel_pass", "cp",
+                   f"{variant} attention over the cp-sharded sequence (causal={causal}, kv groups={groups})")
+        new.meta["autopar"]["bytes"] = _predicted_bytes(variant, q, k, n, ctx)
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        result.num_inserted += 1
+    graph.eliminate_dead_code()
+    for node in list(graph.nodes):
+        length = _seq_arange(node, ctx)
+        if length is None:
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(CPA.cp_positions, (length, "cp"), {
+                "dtype": node.kwargs.get("dtype"), "device": node.kwargs.get("device")})
+        new.meta["val"] = node.meta.get("val")
+        provenance(new, "context_parallel_pass", "cp", "global position ids of this rank's sequence chunks")
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        result.num_rewritten += 1
+    if result.num_inserted == 0:
+        raise AutoparError("autopar: cp>1 found no scaled_dot_product_attention op to parallelize; context "
+                           "parallelism needs attention through torch.nn.functional.scaled_dot_product_attention.")
+    result.notes.append(f"{result.num_inserted} attention ops -> {variant}, {result.num_rewritten} position aranges")
+    return result

@@ -1,0 +1,298 @@
+"""Pipeline pass: cut the rewritten training graph into ``pp * chunks`` GraphModules.
+
+Runs last (after TP / SP / shard propagation / DP, see ``passes/runner.py``), so every
+chunk already carries its tensor-parallel collectives.  The cut follows decoder-layer
+boundaries (``ctx.structure.layers``; a node belongs to the layer whose module path is in
+its ``nn_module_stack``):
+
+- chunk ``c`` holds a run of consecutive layers; the embedding (everything before the
+  first layer that depends on a parameter) goes to chunk 0, the final norm, LM head and
+  loss (everything after the last layer) to the last chunk;
+- the layer counts per chunk come from the cost model (``cost/pipeline.py``
+  ``place_layers``, with the head weighted by ``cost/estimate.py`` ``head_layers``), so
+  the runtime and the cost model agree on what each rank holds; a user split overrides;
+- values that depend on no parameter (positions, rotary tables, causal masks: functions
+  of the input ids' shape and of buffers) are recomputed in every chunk that needs them
+  instead of being sent, so only the hidden state crosses a boundary;
+- every chunk takes the model inputs and the target as keyword arguments
+  (``in_0 .. in_{n-1}``, ``loss_target``): ``torch.distributed.pipelining`` passes the same
+  keyword micro-batch to every stage, and the last chunk computes the loss in-graph (so a
+  vocab-parallel loss keeps working); the schedule's ``loss_fn`` is the identity.
+
+The result is ``ctx.pipeline``, a :class:`PipelineProgram`; the runtime that drives it is
+:mod:`autopar.pipeline_runtime`.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from autopar.errors import AutoparError
+from .context import PassContext, PassResult
+
+__all__ = ["PipelineChunk", "PipelineProgram", "pipeline_pass", "chunk_layer_counts", "chunk_rank",
+           "num_chunks", "check_micro_batches", "valid_micro_batches", "TARGET_KWARG", "input_kwarg"]
+
+TARGET_KWARG = "loss_target"  # not "target": schedule.step() takes that name itself
+
+
+def input_kwarg(i: int) -> str:
+    return f"in_{i}"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineChunk:
+    """One model chunk: layers ``layers`` (model order), run as ``gm(*acts, in_0=..., loss_target=...)``."""
+
+    index: int
+    layers: tuple[int, ...]
+    gm: GraphModule
+    num_act_inputs: int
+    num_act_outputs: int  # 0 for the last chunk, which returns the loss
+    params: tuple[str, ...]  # graph parameter names the chunk uses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PipelineProgram:
+    schedule: str
+    pp: int
+    chunks: tuple[PipelineChunk, ...]
+    kwarg_names: tuple[str, ...]  # model inputs then the target
+
+    def chunk_rank(self, c: int) -> int:
+        return chunk_rank(c, self.pp, self.schedule)
+
+    def rank_chunks(self, rank: int) -> list[int]:
+        return [c for c in range(len(self.chunks)) if self.chunk_rank(c) == rank]
+
+    def param_chunk(self) -> dict[str, int]:
+        return {p: ch.index for ch in self.chunks for p in ch.params}
+
+
+def num_chunks(plan) -> int:
+    from autopar.cost.pipeline import chunks_per_rank
+
+    return plan.pp * chunks_per_rank(plan.schedule, plan.vpp)
+
+
+def chunk_rank(c: int, pp: int, schedule: str) -> int:
+    """Pipeline rank of chunk ``c``: looped (``c % pp``) or V-shaped for zbv / dualpipev."""
+    if schedule in ("zbv", "dualpipev"):
+        return c if c < pp else 2 * pp - 1 - c
+    return c % pp
+
+
+# ---- micro-batch counts the schedules accept (torch.distributed.pipelining 2.13) -----------
+
+def _mb_ok(schedule: str, pp: int, mb: int) -> bool:
+    if mb < 1:
+        return False
+    if schedule == "1f1b":
+        return mb >= pp
+    if schedule == "interleaved":
+        rounds = max(1, mb // pp)
+        return mb % rounds == 0
+    if schedule == "dualpipev":
+        return mb >= 2 * pp
+    return True
+
+
+def valid_micro_batches(schedule: str, pp: int, mb: int) -> list[int]:
+    """The nearest micro-batch counts below and above ``mb`` that ``schedule`` runs."""
+    out = []
+    below = next((m for m in range(mb - 1, 0, -1) if _mb_ok(schedule, pp, m)), None)
+    above = next(m for m in range(mb + 1, mb + 4 * pp + 2) if _mb_ok(schedule, pp, m))
+    if below is not None:
+        out.append(below)
+    out.append(above)
+    return out
+
+
+def check_micro_batches(plan) -> None:
+    if plan.pp > 1 and not _mb_ok(plan.schedule, plan.pp, plan.mb):
+        rule = {"1f1b": f"at least pp={plan.pp} micro-batches",
+                "interleaved": f"a micro-batch count that is a multiple of its rounds (mb // pp = {max(1, plan.mb // plan.pp)})",
+                "dualpipev": f"at least 2*pp={2 * plan.pp} micro-batches (one per chunk)"}[plan.schedule]
+        near = " or ".join(f"mb={m}" for m in valid_micro_batches(plan.schedule, plan.pp, plan.mb))
+        raise AutoparError(f"autopar: schedule '{plan.schedule}' with pp={plan.pp} needs {rule}, "
+                           f"got mb={plan.mb}; use {near}.")
+
+
+# ---- layer placement ---------------------------------------------------------------------
+
+def _spec(structure):
+    from autopar.cost.spec import ModelSpec
+
+    mlp = next((r for r in structure.regions if r.kind == "mlp"), None)
+    gated = bool(mlp and (len(mlp.columns) >= 2 or any(c.split_sizes for c in mlp.columns)))
+    return ModelSpec(name="traced", num_layers=structure.num_layers, hidden=structure.hidden,
+                     num_heads=structure.num_heads, num_kv_heads=structure.num_kv_heads,
+                     head_dim=structure.head_dim, ffn=structure.ffn, vocab=structure.vocab,
+                     gated_mlp=gated, tied_embeddings=structure.tied_embeddings)
+
+
+def chunk_layer_counts(structure, plan, seq_len: int, split: Sequence[int] | None = None) -> list[int]:
+    """Layers per chunk: the user's ``split`` if given, else the cost model's balanced placement."""
+    n = num_chunks(plan)
+    num_layers = structure.num_layers
+    if num_layers < n:
+        per_rank = n // plan.pp
+        options = []
+        if per_rank > 1 and num_layers >= plan.pp:
+            options.append(f"pp={plan.pp}:1f1b (one chunk per rank)")
+        if num_layers // per_rank >= 2:
+            options.append(f"pp={num_layers // per_rank}" + (f" with {per_rank} chunks per rank" if per_rank > 1 else ""))
+        options.append("pp=1")
+        raise AutoparError(
+            f"autopar: plan '{plan}' cuts the model into {n} pipeline chunks but it has only "
+            f"{num_layers} decoder layers (pp*chunks must be <= layers); use {' or '.join(options)}, "
+            f"or a model with at least {n} layers.")
+    if split is not None:
+        split = [int(x) for x in split]
+        if len(split) != n or sum(split) != num_layers or min(split) < 1:
+            raise AutoparError(
+                f"autopar: pipeline split {split} must give each of the {n} chunks at least one layer "
+                f"and sum to the model's {num_layers} layers (e.g. {[num_layers // n] * (n - 1) + [num_layers - (n - 1) * (num_layers // n)]}).")
+        return split
+    from autopar.cost.estimate import head_layers
+    from autopar.cost.pipeline import place_layers
+
+    return place_layers(num_layers, n, round(float(head_layers(_spec(structure), seq_len)), 3))
+
+
+# ---- graph cutting -------------------------------------------------------------------------
+
+def _layer_of(node: Node, layer_index: dict[str, int]) -> int | None:
+    for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+        if path in layer_index:
+            return layer_index[path]
+    return None
+
+
+def _seq_len(gm: GraphModule) -> int:
+    ph = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    val = ph.meta.get("val")
+    if val is None or val.dim() < 2:
+        return 1
+    s = val.shape[1]
+    return int(s.node.hint) if isinstance(s, torch.SymInt) else int(s)
+
+
+def _assign(gm: GraphModule, structure, counts: list[int]):
+    """(chunk of every non-free node, set of free nodes, param names)."""
+    layer_index = {p: i for i, p in enumerate(structure.layers)}
+    layer_chunk = [c for c, k in enumerate(counts) for _ in range(k)]
+    params = {name for name, _ in gm.named_parameters()}
+    free: set[Node] = set()
+    chunk: dict[Node, int] = {}
+    for n in gm.graph.nodes:
+        if n.op == "output":
+            continue
+        if n.op == "placeholder" or (n.op == "get_attr" and n.target not in params):
+            free.add(n)
+            continue
+        if n.op == "get_attr":
+            continue  # parameters are copied into each chunk that reads them
+        inputs = n.all_input_nodes
+        if all(i in free for i in inputs):
+            free.add(n)
+            continue
+        ins = [chunk[i] for i in inputs if i in chunk]
+        layer = _layer_of(n, layer_index)
+        c = layer_chunk[layer] if layer is not None else max(ins, default=0)
+        if ins and max(ins) > c:
+            raise AutoparError(
+                f"autopar: node '{n.name}' of layer {layer} reads a value computed in a later pipeline "
+                f"chunk; the model's layers are not a chain the pipeline can cut. Use pp=1.")
+        chunk[n] = c
+    return chunk, free, params
+
+
+def _build_chunk(gm, c, last, chunk, free, params, boundary_in, boundary_out, kw_placeholders, out_node):
+    g = Graph()
+    env: dict[Node, Node] = {}
+    for i, v in enumerate(boundary_in):
+        env[v] = g.placeholder(f"act_{i}")
+        env[v].meta = dict(v.meta)
+    for ph, name in kw_placeholders:
+        env[ph] = g.placeholder(name)
+        env[ph].meta = dict(ph.meta)
+    used_params: list[str] = []
+
+    def need(x: Node) -> Node:
+        if x in env:
+            return env[x]
+        if x.op == "get_attr":
+            if x.target in params:
+                used_params.append(x.target)
+            env[x] = g.node_copy(x, need)
+            return env[x]
+        assert x in free, f"value {x.name} not available in chunk {c}"
+        env[x] = g.node_copy(x, need)
+        return env[x]
+
+    for n in gm.graph.nodes:
+        if chunk.get(n) == c:
+            for i in n.all_input_nodes:
+                need(i)
+            env[n] = g.node_copy(n, need)
+    if last:
+        g.output(need(out_node))
+    else:
+        g.output(tuple(need(v) for v in boundary_out))
+    g.eliminate_dead_code()
+    return GraphModule(gm, g), tuple(dict.fromkeys(used_params))
+
+
+def pipeline_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
+    """Cut ``gm`` into ``ctx.pipeline`` (a :class:`PipelineProgram`); ``gm`` itself is unchanged."""
+    result = PassResult("pipeline_pass")
+    check_micro_batches(plan)
+    counts = chunk_layer_counts(ctx.structure, plan, _seq_len(gm), ctx.pipeline_split)
+    if ctx.structure.tied_embeddings:
+        raise AutoparError(
+            "autopar: pipeline parallelism with an LM head tied to the embedding is not supported by the "
+            "runtime yet (the two stages would share one weight); untie the weights "
+            "(e.g. tie_word_embeddings=False) or use pp=1.")
+    chunk, free, params = _assign(gm, ctx.structure, counts)
+    n_chunks = len(counts)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = [input_kwarg(i) for i in range(ctx.num_inputs)] + [TARGET_KWARG]
+    names = names[:len(placeholders)]
+    kw = list(zip(placeholders, names))
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    loss = out.args[0]
+    while isinstance(loss, (tuple, list)):
+        assert len(loss) == 1, "the training graph returns one loss"
+        loss = loss[0]
+    # Values live across boundary k (between chunk k and k + 1), in graph order.
+    last_use: dict[Node, int] = {}
+    for n in gm.graph.nodes:
+        user_chunks = [chunk[u] for u in n.users if u in chunk] + ([n_chunks - 1] if n is loss else [])
+        if n in chunk and user_chunks:
+            last_use[n] = max(user_chunks)
+    boundaries = [[v for v in gm.graph.nodes if v in chunk and chunk[v] <= k < last_use.get(v, -1)]
+                  for k in range(n_chunks - 1)]
+    param_owner: dict[str, int] = {}
+    chunks = []
+    start = 0
+    for c in range(n_chunks):
+        b_in = boundaries[c - 1] if c > 0 else []
+        b_out = boundaries[c] if c < n_chunks - 1 else []
+        cgm, used = _build_chunk(gm, c, c == n_chunks - 1, chunk, free, params, b_in, b_out, kw, loss)
+        for p in used:
+            if param_owner.setdefault(p, c) != c:
+                raise AutoparError(
+                    f"autopar: parameter '{p}' is used by pipeline chunks {param_owner[p]} and {c}; "
+                    "shared weights across stages are not supported, use pp=1 or untie them.")
+        chunks.append(PipelineChunk(index=c, layers=tuple(range(start, start + counts[c])), gm=cgm,
+                                    num_act_inputs=len(b_in), num_act_outputs=len(b_out), params=used))
+        start += counts[c]
+        result.notes.append(f"chunk {c} (rank {chunk_rank(c, plan.pp, plan.schedule)}): layers "
+                            f"{list(chunks[-1].layers)}, {len(b_in)} activation input(s), {len(used)} parameters")
+    ctx.pipeline = PipelineProgram(schedule=plan.schedule, pp=plan.pp, chunks=tuple(chunks),
+                                   kwarg_names=tuple(names))
+    return result

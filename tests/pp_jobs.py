@@ -1,0 +1,32 @@
+"""Per-rank jobs for the pipeline-parallel tests (run on every rank by tests/harness.py).
+
+Not a test module.  :func:`pp_train_job` is ``tests/jobs.py``'s ``train_job`` with a
+user-given pipeline split; it also returns every rank's own state dict, so a test can check
+that each rank (not only rank 0) returns the full state dict.
+"""
+from __future__ import annotations
+
+import torch
+
+import autopar
+from tests.harness import OPTIMIZERS, make_batches
+from tests.jobs import BATCH, SEQ, VOCAB, build
+
+__all__ = ["pp_train_job"]
+
+
+def pp_train_job(model_name: str, plan: str, opt_name: str, overrides: dict, steps: int = 3,
+                 split: tuple | None = None, batch: int = BATCH):
+    model, loss_fn, kwargs = build(model_name, overrides)
+    batches = make_batches(VOCAB, batch, SEQ, steps, seed=1)
+    pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
+                             loss_fn=loss_fn, optimizer=OPTIMIZERS[opt_name], pipeline_split=split)
+    losses = [pm.train_step(inputs, target) for inputs, target in batches[:steps]]
+    comm = pm.comm_stats()
+    state = pm.state_dict()
+    return {
+        "losses": losses,
+        "state": {k: v.detach().cpu().clone() for k, v in state.items()},
+        "comm": comm,
+        "layers": [list(c.layers) for c in pm.ctx.pipeline.chunks],
+    }

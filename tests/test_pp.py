@@ -1,0 +1,162 @@
+"""Pipeline parallelism: numerical equivalence, P2P bytes, uneven and user splits, errors.
+
+Every plan trains 3 optimizer steps on gloo ranks and is compared with single-process
+training (loss per step <= 1e-5, full state dict <= 1e-4, fp32; ``tests/harness.py``).
+Every rank must return the same loss and the same full state dict.  The measured
+communication of the last step equals ``autopar.estimate(...).comm_table(stage)`` for the
+rank's pipeline stage, collective kind by collective kind (P2P sends / receives included).
+"""
+from __future__ import annotations
+
+import collections
+import functools
+
+import pytest
+import torch
+
+import autopar
+from autopar.errors import AutoparError
+from tests.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
+from tests.jobs import BATCH, SEQ, VOCAB, build
+from tests.pp_jobs import pp_train_job
+
+_LAYERS4 = {"example": {"num_layers": 4}, "hf_llama": {"num_hidden_layers": 4}}
+
+# (plan, world, needs 4 layers)
+PLANS = [
+    ("pp=2:gpipe,mb=4", 2, False),
+    ("pp=2:1f1b,mb=4", 2, False),
+    ("pp=4:1f1b,mb=8", 4, True),
+    ("pp=2:interleaved,vpp=2,mb=4", 2, True),
+    ("pp=2:zbv,mb=4", 2, True),
+    ("pp=2:dualpipev,mb=4", 2, True),
+    ("pp=2,tp=2,sp,mb=4", 4, False),
+    ("pp=2,dp=2,mb=4", 4, False),
+]
+
+
+@functools.lru_cache(maxsize=None)
+def _reference(model_name: str, opt_name: str, overrides: tuple, batch: int = BATCH):
+    _, loss_fn, kwargs = build(model_name, dict(overrides))
+    batches = make_batches(VOCAB, batch, SEQ, 3, seed=1)
+    return reference_train(lambda: build(model_name, dict(overrides))[0], batches, loss_fn,
+                           OPTIMIZERS[opt_name], kwargs)
+
+
+def _measured(records) -> dict:
+    out = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for r in records:
+        key = (r["phase"], r["op"], r["axis"])
+        out[key][0] += r["bytes_sent"]
+        out[key][1] += r["bytes_recv"]
+        out[key][2] += 1
+    return dict(out)
+
+
+def _predicted(rows) -> dict:
+    out = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for row in rows:
+        key = (row.phase, row.collective, row.axis)
+        out[key][0] += row.bytes_sent * row.count
+        out[key][1] += row.bytes_recv * row.count
+        out[key][2] += row.count
+    return dict(out)
+
+
+def _pp_rank(plan: autopar.Plan, rank: int) -> int:
+    return rank // (plan.world_size // plan.pp)  # pp is the outermost mesh axis
+
+
+def _batch(plan_text: str) -> int:
+    plan = autopar.Plan.parse(plan_text)
+    return max(BATCH, plan.dp * plan.mb)
+
+
+def _check_bytes(model_name, overrides, plan_text, world, results):
+    plan = autopar.Plan.parse(plan_text)
+    model, _, kwargs = build(model_name, overrides)
+    (inputs, _), = make_batches(VOCAB, _batch(plan_text), SEQ, 1, seed=1)
+    spec = autopar.ModelSpec.from_module(model, inputs, kwargs)
+    cluster = autopar.Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world)
+    cost = autopar.estimate(spec, cluster, plan_text, seq_len=SEQ, global_batch=_batch(plan_text),
+                            dtype_bytes=4)
+    for rank, r in enumerate(results):
+        predicted = _predicted(cost.comm_table(_pp_rank(plan, rank)))
+        measured = _measured(r["comm"])
+        assert set(measured) == set(predicted), (rank, sorted(measured), sorted(predicted))
+        for key, (sent, recv, count) in measured.items():
+            p_sent, p_recv, p_count = predicted[key]
+            assert count == p_count, (rank, key, count, p_count)
+            assert sent == pytest.approx(p_sent, rel=1e-12, abs=0), (rank, key)
+            assert recv == pytest.approx(p_recv, rel=1e-12, abs=0), (rank, key)
+
+
+@pytest.mark.parametrize("plan,world,four", PLANS, ids=[p for p, _, _ in PLANS])
+@pytest.mark.parametrize("model_name", ["example", "hf_llama"])
+def test_pipeline_plan_matches_single_process(dist_pool, model_name, plan, world, four):
+    overrides = dict(_LAYERS4[model_name]) if four else {}
+    batch = _batch(plan)
+    results = dist_pool(pp_train_job, model_name, plan, "sgd", overrides, batch=batch, world=world)
+    ref = _reference(model_name, "sgd", tuple(sorted(overrides.items())), batch)
+    for r in results:  # every rank returns the global loss and the full state dict
+        assert r["losses"] == results[0]["losses"]
+        assert_equivalent(ref, (r["losses"], r["state"]))
+    _check_bytes(model_name, overrides, plan, world, results)
+
+
+def test_pipeline_with_adamw(dist_pool):
+    results = dist_pool(pp_train_job, "hf_llama", "pp=2:1f1b,mb=4", "adamw", {}, world=2)
+    assert_equivalent(_reference("hf_llama", "adamw", ()), (results[0]["losses"], results[0]["state"]))
+
+
+def test_uneven_layers_balanced_by_cost(dist_pool):
+    # 3 layers over 2 stages: the last stage carries the LM head and the loss, so the cost
+    # model gives it the lighter share of layers: [2, 1].
+    overrides = {"num_layers": 3}
+    results = dist_pool(pp_train_job, "example", "pp=2:1f1b,mb=4", "sgd", overrides, world=2)
+    assert results[0]["layers"] == [[0, 1], [2]]
+    assert_equivalent(_reference("example", "sgd", (("num_layers", 3),)),
+                      (results[0]["losses"], results[0]["state"]))
+    _check_bytes("example", overrides, "pp=2:1f1b,mb=4", 2, results)
+
+
+def test_user_split(dist_pool):
+    overrides = {"num_layers": 3}
+    results = dist_pool(pp_train_job, "example", "pp=2:gpipe,mb=2", "sgd", overrides, 3, (1, 2), world=2)
+    assert results[0]["layers"] == [[0], [1, 2]]
+    assert_equivalent(_reference("example", "sgd", (("num_layers", 3),)),
+                      (results[1]["losses"], results[1]["state"]))
+
+
+def _compile(plan, overrides=None, split=None, world=2):
+    from autopar.runtime import compile_program
+
+    model, loss_fn, kwargs = build("example", overrides or {})
+    (inputs, _), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
+    return compile_program(model, inputs, kwargs, plan, loss_fn, world_size=world, pipeline_split=split)
+
+
+def test_more_chunks_than_layers_names_valid_plans():
+    with pytest.raises(AutoparError, match=r"autopar: .*4 pipeline chunks .* only 2 decoder layers.*"
+                                           r"use pp=2:1f1b \(one chunk per rank\) or pp=1"):
+        _compile("pp=2:interleaved,vpp=2,mb=4")
+    with pytest.raises(AutoparError, match=r"autopar: .*4 pipeline chunks .* only 2 .*use pp=2 or pp=1"):
+        _compile("pp=4:1f1b,mb=8", world=4)
+
+
+@pytest.mark.parametrize("plan,nearest", [
+    ("pp=2:1f1b,mb=1", "mb=2"),                      # 1F1B needs mb >= pp
+    ("pp=4:1f1b,mb=3", "mb=4"),
+    ("pp=2:dualpipev,mb=3", "mb=4"),                # DualPipeV: mb >= 2*pp (its number of chunks)
+    ("pp=2:interleaved,vpp=2,mb=5", "mb=4 or mb=6"),  # mb // pp rounds must divide mb
+])
+def test_unsupported_micro_batch_count_names_nearest(plan, nearest):
+    overrides = {"num_layers": 4}
+    world = autopar.Plan.parse(plan).world_size
+    with pytest.raises(AutoparError, match=f"autopar: .*; use {nearest}"):
+        _compile(plan, overrides, world=world)
+
+
+def test_bad_user_split():
+    with pytest.raises(AutoparError, match=r"autopar: pipeline split \[2, 1\] .* 2 layers"):
+        _compile("pp=2:1f1b,mb=2", split=(2, 1))

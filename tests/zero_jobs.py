@@ -1,0 +1,59 @@
+"""Per-rank jobs for the ZeRO and checkpoint tests (run on every rank by tests/harness.py).
+
+Not a test module.  Like ``tests/jobs.py`` but with the global batch size as a parameter
+(``dp=2,mb=4`` needs a batch of 8) and with probes of the sharded state that ZeRO keeps.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from tests.harness import OPTIMIZERS, make_batches
+from tests.jobs import SEQ, VOCAB, build
+
+__all__ = ["zero_train_job", "zero_state_job", "outside_step_job", "SEQ", "VOCAB"]
+
+def _parallelize(model_name: str, plan: str, opt_name: str, overrides: dict, batch: int, num_batches: int = 3):
+    model, loss_fn, kwargs = build(model_name, overrides)
+    batches = make_batches(VOCAB, batch, SEQ, num_batches, seed=1)
+    pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
+                             loss_fn=loss_fn, optimizer=OPTIMIZERS[opt_name])
+    return pm, batches
+
+def zero_train_job(model_name: str, plan: str, opt_name: str, overrides: dict, batch: int, steps: int = 3):
+    """Train ``steps`` steps on batches of ``batch``; comm records are the last step's."""
+    pm, batches = _parallelize(model_name, plan, opt_name, overrides, batch)
+    losses = [pm.train_step(inputs, target) for inputs, target in batches[:steps]]
+    state = pm.state_dict()
+    return {
+        "losses": losses,
+        "state": {k: v.detach().cpu().clone() for k, v in state.items()} if dist.get_rank() == 0 else None,
+        "comm": pm.comm_stats(),
+    }
+
+def zero_state_job(model_name: str, plan: str):
+    """What one rank holds after a step: optimizer-state and shard sizes, module parameter sizes,
+    and whether ``load_state_dict(state_dict())`` is exact."""
+    pm, batches = _parallelize(model_name, plan, "adamw", {}, 4)
+    pm.train_step(*batches[0])
+    opt_params = [p for group in pm.optimizer.param_groups for p in group["params"]]
+    state_numel = sum(t.numel() for p in opt_params for k, t in pm.optimizer.state[p].items() if k != "step")
+    module_numel = sum(p.numel() for p in pm.gm.parameters())
+    before = pm.state_dict()
+    pm.load_state_dict(before)
+    after = pm.state_dict()
+    exact = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    loss = pm.train_step(*batches[1])
+    return {"opt_numel": sum(p.numel() for p in opt_params), "state_numel": state_numel,
+            "module_numel": module_numel, "exact": exact, "loss": loss}
+
+def outside_step_job(model_name: str):
+    """Calling a ZeRO-3 program directly (outside train_step) fails with an autopar error."""
+    pm, batches = _parallelize(model_name, "dp=2,zero=3", "sgd", {}, 4)
+    inputs, target = batches[0]
+    try:
+        pm.gm(*inputs, target)
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
