@@ -64,7 +64,7 @@ def _unsupported(plan: Plan) -> None:
     if missing:
         raise AutoparError(
             f"autopar: plan '{plan}' uses {', '.join(missing)}, which the runtime does not support yet; "
-            "the runtime supports dp, tp, sp, cp, zero and mb (gradient accumulation). The offline cost model and "
+            "the runtime supports dp, tp, sp, cp, zero, pp (with dp, tp and sp) and mb (gradient accumulation). The offline cost model and "
             "search (autopar plan / autopar.estimate) cover every dimension.")
 
 
@@ -116,10 +116,9 @@ def parallelize(
     if loss_fn is None:
         raise AutoparError("autopar: parallelize needs loss_fn(output, target) to train the model; "
                            "for a Hugging Face model, e.g. lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()).")
-    if isinstance(plan, str) and plan.strip().lower() == "auto":
-        raise AutoparError("autopar: plan='auto' needs a cluster description; run `autopar plan` (or "
-                           "autopar.search) offline and pass the chosen plan string.")
     world, _ = _world()
+    if isinstance(plan, str) and plan.strip().lower() == "auto":
+        plan = _auto_plan(model, example_inputs, example_kwargs, loss_fn, example_target, world)
     traced, ctx = compile_program(model, example_inputs, example_kwargs, plan, loss_fn,
                                   world_size=world, example_target=example_target, bucket_bytes=bucket_bytes,
                                   pipeline_split=pipeline_split)
@@ -128,6 +127,15 @@ def parallelize(
 
         return PipelineParallelModule(model, traced, ctx, ctx.plan, optimizer or torch.optim.AdamW)
     return ParallelModule(model, traced, ctx, ctx.plan, optimizer or torch.optim.AdamW)
+
+
+def _auto_plan(model, example_inputs, example_kwargs, loss_fn, example_target, world: int) -> Plan:
+    from autopar.autoplan import choose_plan
+
+    structure = analyze(trace_model(model, example_inputs, example_kwargs, loss_fn, example_target).gm)
+    ids = example_inputs[0]
+    seq = ids.shape[1] if ids.dim() > 1 else 1
+    return choose_plan(structure, world, seq, ids.shape[0], _unsupported)
 
 
 class ParallelModule:

@@ -13,7 +13,8 @@ import autopar
 from tests.harness import OPTIMIZERS, make_batches
 from tests.models import MODELS
 
-__all__ = ["build", "train_job", "roundtrip_job", "load_original_job", "untouched_job", "BATCH", "SEQ", "VOCAB"]
+__all__ = ["build", "train_job", "roundtrip_job", "load_original_job", "untouched_job", "auto_job", "BATCH", "SEQ",
+           "VOCAB"]
 
 BATCH, SEQ, VOCAB = 4, 16, 128
 
@@ -74,3 +75,15 @@ def untouched_job(model_name: str, plan: str, overrides: dict):
     same = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     no_grads = all(p.grad is None for p in model.parameters())
     return same and no_grads and before.keys() == model.state_dict().keys()
+
+
+def auto_job(model_name: str):
+    """plan='auto': the cost model picks a plan for this world; train 3 steps with it."""
+    model, loss_fn, kwargs = build(model_name, {})
+    batches = make_batches(VOCAB, BATCH, SEQ, 3, seed=1)
+    pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan="auto",
+                             loss_fn=loss_fn, optimizer=OPTIMIZERS["sgd"])
+    losses = [pm.train_step(inputs, target) for inputs, target in batches]
+    state = pm.state_dict() if dist.get_rank() == 0 else None
+    return {"plan": str(pm.plan), "losses": losses,
+            "state": {k: v.detach().cpu().clone() for k, v in state.items()} if state else None}

@@ -86,3 +86,13 @@ def test_original_state_dict_loads(dist_pool, model_name):
     (inputs, target), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
     expected = float(loss_fn(model(*inputs, **kwargs), target).detach())
     assert all(abs(loss - expected) <= 1e-5 for loss in losses)
+
+
+def test_auto_plan_trains_equivalently(dist_pool):
+    from tests.jobs import auto_job
+
+    results = dist_pool(auto_job, "example", world=2)
+    plan = results[0]["plan"]
+    assert all(r["plan"] == plan for r in results) and plan != "none"
+    ref = _reference("example", "sgd", ())
+    assert_equivalent(ref, (results[0]["losses"], results[0]["state"]))

@@ -49,7 +49,7 @@ def test_unknown_option():
 
 @pytest.mark.parametrize("plan,world,what", [
     ("cp=2", 2, "context parallelism"), ("dp=2,ep=2", 2, "expert parallelism"),
-    ("pp=2", 2, "pipeline parallelism"), ("dp=2,ep=2,zero=1", 2, "zero=1 together with cp or ep"), ("recompute=full", 1, "recompute"),
+    ("pp=2,dp=2,zero=1", 4, "pp=2 together with cp, ep or zero"), ("dp=2,ep=2,zero=1", 2, "zero=1 together with cp or ep"), ("recompute=full", 1, "recompute"),
 ])
 def test_dimensions_not_supported_yet(plan, world, what):
     with pytest.raises(AutoparError, match=rf"^autopar: plan .* uses .*{what}.*not support yet"):
@@ -63,11 +63,11 @@ def test_parallelize_needs_a_loss():
         autopar.parallelize(factory(), (ids,), kwargs, plan="none")
 
 
-def test_auto_plan_points_to_search():
+def test_auto_plan_on_one_process_is_the_trivial_plan():
     factory, loss_fn, kwargs = MODELS["example"]
     ids, _ = make_batch(128, 4, 16, 0)
-    with pytest.raises(AutoparError, match="autopar plan"):
-        autopar.parallelize(factory(), (ids,), kwargs, plan="auto", loss_fn=loss_fn)
+    pm = autopar.parallelize(factory(), (ids,), kwargs, plan="auto", loss_fn=loss_fn)
+    assert str(pm.plan) == "none"
 
 
 def test_batch_not_splitting_into_dp_mb():
