@@ -74,6 +74,11 @@ def cp_positions(local_len: int, axis: str, dtype: torch.dtype | None = None, de
 # --- blockwise attention with a log-sum-exp merge (no communication) ---------------------
 
 
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """Softmax statistics in at least fp32 (bf16/fp16 inputs), in fp64 for fp64 inputs."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x if groups == 1 else x.repeat_interleave(groups, dim=1)
 
@@ -106,11 +111,11 @@ def _attend(q, k, v, q_pos, k_pos, scale, causal, groups, chunk, out=None, lse=N
     """Merge attention of ``q`` over (``k``, ``v``) into ``(out, lse)``; returns them."""
     if out is None:
         out = torch.zeros_like(q)
-        lse = torch.full(q.shape[:-1], -math.inf, dtype=torch.float32, device=q.device)
+        lse = torch.full(q.shape[:-1], -math.inf, dtype=_acc(q), device=q.device)
     k, v = _expand(k, groups), _expand(v, groups)
     for qs, ks, mask in _pairs(q_pos, k_pos, chunk, causal):
         _BLOCKS[0] += 1
-        s = (q[:, :, qs] @ k[:, :, ks].transpose(-1, -2)).float() * scale
+        s = (q[:, :, qs] @ k[:, :, ks].transpose(-1, -2)).to(_acc(q)) * scale
         if mask is not None:
             s = s.masked_fill(~mask, -math.inf)
         blk_lse = torch.logsumexp(s, dim=-1)
@@ -135,17 +140,17 @@ def _attend_backward(q, k, v, out, dout, lse, q_pos, k_pos, scale, causal, group
     if dq is None:
         dq = torch.zeros_like(q)
     if delta is None:
-        delta = (dout.float() * out.float()).sum(-1)
+        delta = (dout.to(_acc(q)) * out.to(_acc(q))).sum(-1)
     ke, ve = _expand(k, groups), _expand(v, groups)
     dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
     for qs, ks, mask in _pairs(q_pos, k_pos, chunk, causal):
-        s = (q[:, :, qs] @ ke[:, :, ks].transpose(-1, -2)).float() * scale
+        s = (q[:, :, qs] @ ke[:, :, ks].transpose(-1, -2)).to(_acc(q)) * scale
         p = (s - lse[:, :, qs][..., None]).exp()
         if mask is not None:
             p = p.masked_fill(~mask, 0.0)
         do = dout[:, :, qs]
         dv[:, :, ks] += p.to(q.dtype).transpose(-1, -2) @ do
-        dp = (do @ ve[:, :, ks].transpose(-1, -2)).float()
+        dp = (do @ ve[:, :, ks].transpose(-1, -2)).to(_acc(q))
         ds = (p * (dp - delta[:, :, qs][..., None]) * scale).to(q.dtype)
         dq[:, :, qs] += ds @ ke[:, :, ks]
         dk[:, :, ks] += ds.transpose(-1, -2) @ q[:, :, qs]
@@ -318,7 +323,7 @@ class _RingAttention(torch.autograd.Function):
         heads_kv = k.shape[1]
         dout = dout.contiguous()
         q_pos = _positions(local, r, n, q.device)
-        delta = (dout.float() * out.float()).sum(-1)
+        delta = (dout.to(_acc(q)) * out.to(_acc(q))).sum(-1)
         dq = torch.zeros_like(q)
         kv_local = torch.cat([k, v], dim=1).contiguous()
         kv = _Exchange(kv_local, axis, "bwd", tag).wait() if n > 1 else kv_local

@@ -61,7 +61,7 @@ def load_target(spec: str):
     return model, inputs, kwargs
 
 
-def run_inspect(spec: str, plan: str, world: int, rank: int, loss: str = "ce") -> str:
+def run_inspect(spec: str, plan: str, world: int, rank: int, loss: str = "ce", schedule: bool = False) -> str:
     from autopar.plan import Plan
     from autopar.program import format_program
     from autopar.runtime import MESH_AXES, compile_program
@@ -78,11 +78,21 @@ def run_inspect(spec: str, plan: str, world: int, rank: int, loss: str = "ce") -
         coords[axis] = rest % p.degrees[axis]
         rest //= p.degrees[axis]
     coords = {a: coords[a] for a in MESH_AXES}
-    return format_program(traced.gm, ctx, rank_coords={"rank": rank, **coords})
+    if ctx.pipeline is None:
+        text = format_program(traced.gm, ctx, rank_coords={"rank": rank, **coords})
+    else:  # this rank's pipeline chunks
+        text = "\n\n".join(f"# pipeline chunk {c} (layers {list(ctx.pipeline.chunks[c].layers)})\n"
+                             + format_program(ctx.pipeline.chunks[c].gm, ctx, rank_coords={"rank": rank, **coords})
+                             for c in ctx.pipeline.rank_chunks(coords["pp"]))
+    if schedule:
+        from autopar.schedule_view import format_schedule
+
+        text += "\n\n" + format_schedule(p)
+    return text
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    print(run_inspect(args.target, args.plan, args.world, args.rank, args.loss))
+    print(run_inspect(args.target, args.plan, args.world, args.rank, args.loss, args.schedule))
     return 0
 
 
@@ -94,4 +104,6 @@ def register(sub) -> None:
     p.add_argument("--rank", type=int, default=0, help="which rank's program to print")
     p.add_argument("--loss", choices=("ce", "none"), default="ce",
                    help="trace cross-entropy of the logits with the model (default) or the model alone")
+    p.add_argument("--schedule", action="store_true",
+                   help="also print the pipeline schedule's step x rank grid (F, B, W per micro-batch)")
     p.set_defaults(func=_cmd)

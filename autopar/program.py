@@ -79,7 +79,8 @@ def collective_summary(gm: GraphModule, ctx) -> list[str]:
         meta = node.meta.get(META_KEY) or {}
         for phase, (op, _) in (meta.get("bytes") or {}).items():
             key = (op, meta["axis"], phase)
-            counts[key]["layer" if _layer_of(node, layers) else "other"] += 1 if op != "all_reduce" or \
+            calls = (meta.get("calls") or {}).get(phase, 1)  # nodes that issue several (CP ring, Ulysses)
+            counts[key]["layer" if _layer_of(node, layers) else "other"] += calls if op != "all_reduce" or \
                 node.target is not C.vocab_parallel_cross_entropy else 3
     lines = []
     for (op, axis, phase), c in sorted(counts.items()):

@@ -175,6 +175,9 @@ class ParallelModule:
         else:
             self._sync = GradSync(self.gm, ctx, self._groups, make_optimizer)
         self.optimizer = self._sync.optimizer
+        from autopar.memory import MemoryMeter
+
+        self._memory = MemoryMeter()
 
     # --- parameters -------------------------------------------------------------------
 
@@ -244,12 +247,16 @@ class ParallelModule:
         coords = {a: g.rank for a, g in self._groups.items()}
         with C.use_groups(self._groups, self._recorder):
             total = torch.zeros((), device=self.device)
+            self._memory.begin_step()
             for chunk_inputs, chunk_target in local_micro_batches(inputs, target, self.plan, coords, self.device):
-                with self._sync.micro_batch():  # ZeRO: per-micro-batch gathers / reduce-scatters
+                # ZeRO: per-micro-batch gathers / reduce-scatters; the meter counts saved activations.
+                with self._memory.micro_batch(self.gm), self._sync.micro_batch():
                     loss = self.gm(*chunk_inputs, chunk_target)
                     (loss / self.plan.mb).backward()
                 total += loss.detach().float() / self.plan.mb
+            self._memory.before_sync(self.gm, self._sync)
             self._sync.sync_and_step()
+            self._memory.after_step(self.optimizer)
             loss_axis = "dp_cp" if self.plan.cp > 1 else "dp"
             if self.plan.dp * self.plan.cp > 1:
                 total = C.all_reduce(total, loss_axis, "loss") / (self.plan.dp * self.plan.cp)
@@ -265,6 +272,11 @@ class ParallelModule:
     def comm_stats(self) -> list[dict]:
         """What the last step's collectives moved on this rank (DESIGN.md byte convention)."""
         return [dict(r.__dict__) for r in self._recorder.records]
+
+    def memory_report(self) -> dict[str, int]:
+        """Bytes this rank held in the last train_step: params, master_params, grads, optimizer,
+        activations (peak saved for backward); definitions in autopar/memory.py."""
+        return self._memory.report()
 
     # --- checkpoints (autopar/checkpoint.py) ------------------------------------------------
 

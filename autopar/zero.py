@@ -48,6 +48,7 @@ import torch.nn as nn
 
 from autopar import collectives as C
 from autopar.errors import AutoparError
+from autopar.memory import observe_saved
 
 __all__ = ["ZeroSync", "FlatLayout", "zero_gather"]
 
@@ -149,6 +150,8 @@ class ZeroSync:
             units = _ordered_units(gm)
         else:
             units = [list(b.params) for b in ctx.grad_buckets if b.axis == "dp"]
+            if not units:  # dp=1: the data-parallel pass made no dp bucket; one unit, one shard
+                units = [[x for x, p in gm.named_parameters() if p.requires_grad]]
         params = dict(gm.named_parameters())
         self.units = [list(u) for u in units]
         self.layouts = [FlatLayout(u, {x: params[x].shape for x in u}, partial, self.n) for u in self.units]
@@ -309,6 +312,7 @@ class ZeroSync:
         entry = self._live.get(id(base))
         if entry is not None and entry[0]() is base:
             return (_HANDLE, entry[1], t.size(), t.stride(), t.storage_offset())
+        observe_saved(t)  # these hooks shadow the memory meter's
         return t
 
     def _unpack(self, packed):

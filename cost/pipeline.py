@@ -11,7 +11,9 @@ which holds the most micro-batches in flight, stays light.
 Micro-batches of activations in flight on rank ``i`` (in units of the rank's layers):
   gpipe        m
   1f1b         min(pp - i, m)
-  interleaved  min((v - 1)*pp + 2*(pp - i - 1) + 1, m*v) / v     (Megatron's warm-up)
+  interleaved  min((v - 1)*r + 2*(pp - i - 1) + 1, m*v) / v       (Megatron's warm-up, with
+               r = m // max(1, m // pp) micro-batches per round: torch's ScheduleInterleaved1F1B
+               runs m that pp does not divide in rounds of r; r = pp when pp divides m)
   zbv          min(pp, m)        (ZB-V keeps 1F1B's peak)
   dualpipev    min(pp + 1/2, m)  (2pp half-size chunks warmed up on every rank, + 1 in F&B)
 Bubble, with T_f, T_b the per-micro-batch forward and backward time of the slowest rank
@@ -125,7 +127,8 @@ def inflight(schedule, pp, vpp, rank, m):
     pp, vpp, rank, m = (np.asarray(x, dtype=np.float64) for x in (pp, vpp, rank, m))
     code = (np.asarray(SCHEDULE_NAMES.index(schedule)) if isinstance(schedule, str)
             else np.asarray(schedule))
-    interleaved = np.minimum((vpp - 1) * pp + 2 * (pp - rank - 1) + 1, m * vpp) / vpp
+    per_round = np.floor(m / np.maximum(1.0, np.floor(m / pp)))
+    interleaved = np.minimum((vpp - 1) * per_round + 2 * (pp - rank - 1) + 1, m * vpp) / vpp
     held = np.select(
         [code == 0, code == 2, code == 3, code == 4],
         [m, interleaved, np.minimum(pp, m), np.minimum(pp + 0.5, m)],

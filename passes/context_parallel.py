@@ -71,15 +71,6 @@ def _strip_gqa(node: Node) -> tuple[Node, int]:
     return _skip_slices(u.args[0]), groups
 
 
-def _size_value(node: Node, sizes: dict[str, int]):
-    val = node.meta.get("val")
-    if isinstance(val, torch.SymInt):
-        expr = val.node.expr
-        return int(expr.subs({sympy.Symbol(k, integer=True, positive=True): v for k, v in sizes.items()})) \
-            if not expr.free_symbols - {s for s in expr.free_symbols if str(s) in sizes} else None
-    return None
-
-
 def _evaluate(node: Node, sizes: dict[str, int], memo: dict):
     """Evaluate ``node`` from the batch/sequence sizes alone; None if it depends on data."""
     if node in memo:
@@ -151,6 +142,12 @@ def _predicted_bytes(variant: str, q: Node, k: Node, n: int, ctx: PassContext) -
     return {"fwd": ("all_to_all", a2a * (2 * qb + kv)), "bwd": ("all_to_all", a2a * (2 * qb + kv))}
 
 
+# Collectives one node issues per phase (its predicted bytes are their sum).
+_CALLS = {"ring": lambda n: {"fwd": n - 1, "bwd": 2 * (n - 1)},
+          "allgather": lambda n: {"fwd": 1, "bwd": 1},
+          "ulysses": lambda n: {"fwd": 2, "bwd": 2}}
+
+
 def _seq_arange(node: Node, ctx: PassContext) -> Node | None:
     """The length node if ``node`` is ``arange(seq)`` / ``arange(0, seq)``, else None."""
     if node.op != "call_function" or node.target not in _ARANGES:
@@ -189,8 +186,9 @@ def context_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult
             if not _is_causal_mask(mask, ctx):
                 raise AutoparError(
                     f"autopar: context parallelism supports causal attention (is_causal=True or an in-graph "
-                    f"causal mask); the mask of {_where(node)} depends on input data or is not causal. "
-                    f"Use a causal model or drop cp.")
+                    f"causal mask); the mask of {_where(node)} depends on input data (e.g. a padding "
+                    f"attention_mask) or is not causal. Train without a padding mask (pack full sequences) "
+                    f"or drop cp.")
             causal = True
         q = bound["query"]
         k, groups = _strip_gqa(bound["key"])
@@ -209,6 +207,7 @@ def context_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult
         provenance(new, "context_parallel_pass", "cp",
                    f"{variant} attention over the cp-sharded sequence (causal={causal}, kv groups={groups})")
         new.meta["autopar"]["bytes"] = _predicted_bytes(variant, q, k, n, ctx)
+        new.meta["autopar"]["calls"] = _CALLS[variant](n)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         result.num_inserted += 1

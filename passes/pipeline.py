@@ -153,9 +153,10 @@ def chunk_layer_counts(structure, plan, seq_len: int, split: Sequence[int] | Non
     if split is not None:
         split = [int(x) for x in split]
         if len(split) != n or sum(split) != num_layers or min(split) < 1:
+            even = [num_layers // n] * (n - 1)
             raise AutoparError(
                 f"autopar: pipeline split {split} must give each of the {n} chunks at least one layer "
-                f"and sum to the model's {num_layers} layers (e.g. {[num_layers // n] * (n - 1) + [num_layers - (n - 1) * (num_layers // n)]}).")
+                f"and sum to the model's {num_layers} layers (e.g. {even + [num_layers - sum(even)]}).")
         return split
     from autopar.cost.estimate import head_layers
     from autopar.cost.pipeline import place_layers

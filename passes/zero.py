@@ -67,7 +67,8 @@ def zero3_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
             provenance(gather, "zero3_pass", "dp", f"ZeRO-3 all-gather of unit {new_index} before first use",
                        params=tuple(names))
             for j, name in enumerate(names):
-                item = graph.call_function(operator.getitem, (gather, j))
+                item = graph.create_node("call_function", operator.getitem, (gather, j),
+                                         name=name.replace(".", "_") + "_full")
                 for attr in readers.get(name, []):
                     if "val" in attr.meta:
                         item.meta["val"] = attr.meta["val"]

@@ -12,7 +12,7 @@ import autopar
 from tests.harness import OPTIMIZERS, make_batches
 from tests.jobs import BATCH, SEQ, VOCAB, build
 
-__all__ = ["pp_train_job"]
+__all__ = ["pp_train_job", "pp_load_job"]
 
 
 def pp_train_job(model_name: str, plan: str, opt_name: str, overrides: dict, steps: int = 3,
@@ -30,3 +30,20 @@ def pp_train_job(model_name: str, plan: str, opt_name: str, overrides: dict, ste
         "comm": comm,
         "layers": [list(c.layers) for c in pm.ctx.pipeline.chunks],
     }
+
+
+def pp_load_job(model_name: str, plan: str, overrides: dict):
+    """Round trip after a step is exact on every rank; loading another model's (seed 5) state
+    dict gives that model's loss.  Returns (round trip exact, first loss after loading, code)."""
+    model, loss_fn, kwargs = build(model_name, overrides)
+    batches = make_batches(VOCAB, BATCH, SEQ, 2, seed=1)
+    pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
+                             loss_fn=loss_fn, optimizer=OPTIMIZERS["sgd"])
+    pm.train_step(*batches[0])
+    before = pm.state_dict()
+    pm.load_state_dict(before)
+    after = pm.state_dict()
+    exact = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    other, _, _ = build(model_name, overrides, seed=5)
+    pm.load_state_dict(other.state_dict())
+    return exact, pm.train_step(*batches[1]), pm.code(stage=1)

@@ -18,7 +18,7 @@ import autopar
 from autopar.errors import AutoparError
 from tests.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
 from tests.jobs import BATCH, SEQ, VOCAB, build
-from tests.pp_jobs import pp_train_job
+from tests.pp_jobs import pp_load_job, pp_train_job
 
 _LAYERS4 = {"example": {"num_layers": 4}, "hf_llama": {"num_hidden_layers": 4}}
 
@@ -160,3 +160,28 @@ def test_unsupported_micro_batch_count_names_nearest(plan, nearest):
 def test_bad_user_split():
     with pytest.raises(AutoparError, match=r"autopar: pipeline split \[2, 1\] .* 2 layers"):
         _compile("pp=2:1f1b,mb=2", split=(2, 1))
+
+
+def test_state_dict_round_trip_and_load(dist_pool):
+    results = dist_pool(pp_load_job, "hf_llama", "pp=2:1f1b,mb=2", {}, world=2)
+    other, loss_fn, kwargs = build("hf_llama", {}, seed=5)
+    (_, _), (inputs, target) = make_batches(VOCAB, BATCH, SEQ, 2, seed=1)
+    expected = float(loss_fn(other(*inputs, **kwargs), target).detach())
+    for exact, loss, code in results:
+        assert exact
+        assert abs(loss - expected) <= 1e-5
+        assert "lm_head" in code  # chunk 1 holds the head (printed on every rank)
+
+
+@pytest.mark.parametrize("model_name,plan,world,overrides", [
+    ("example", "pp=2,tp=2,mb=2", 4, {}),                                  # TP without SP: full boundary
+    ("hf_llama", "pp=2:zbv,tp=2,sp,mb=4", 4, {"num_hidden_layers": 4}),    # split backward through TP
+    ("example", "pp=2:interleaved,vpp=2,dp=2,mb=2", 4, {"num_layers": 5}),  # uneven, looped, with dp
+], ids=["tp-no-sp", "zbv-tp-sp", "interleaved-dp-uneven"])
+def test_more_compositions(dist_pool, model_name, plan, world, overrides):
+    batch = _batch(plan)
+    results = dist_pool(pp_train_job, model_name, plan, "sgd", overrides, batch=batch, world=world)
+    ref = _reference(model_name, "sgd", tuple(sorted(overrides.items())), batch)
+    for r in results:
+        assert_equivalent(ref, (r["losses"], r["state"]))
+    _check_bytes(model_name, overrides, plan, world, results)

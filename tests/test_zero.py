@@ -91,3 +91,23 @@ def test_flat_layout_pads_and_round_trips(n):
     assert torch.equal(lay.from_rank_major(buf), flat)
     views = lay.views(flat)
     assert all(torch.equal(views[k], tensors[k]) for k in shapes)
+
+
+@pytest.mark.parametrize("model_name,plan,world", [("example_tied", "tp=2,sp,dp=2,zero=3", 4),
+                                                   ("example_fused", "tp=2,sp,dp=2,zero=2", 4)])
+def test_zero_tied_and_fused_models(dist_pool, model_name, plan, world):
+    _check(dist_pool, model_name, plan, world, 4, "sgd")
+
+
+@pytest.mark.parametrize("plan", ["zero=1", "zero=2", "zero=3"])
+def test_zero_without_process_group(plan):
+    """dp=1 in one process: ZeRO keeps one shard (the whole model) and issues no collective."""
+    import autopar
+
+    model, loss_fn, kwargs = build("example", {})
+    batches = make_batches(VOCAB, 4, SEQ, 3, seed=1)
+    pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
+                             loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"])
+    losses = [pm.train_step(*b) for b in batches]
+    assert pm.comm_stats() == []
+    assert_equivalent(_reference("example", "adamw", 4), (losses, pm.state_dict()))

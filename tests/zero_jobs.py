@@ -12,7 +12,7 @@ import autopar
 from tests.harness import OPTIMIZERS, make_batches
 from tests.jobs import SEQ, VOCAB, build
 
-__all__ = ["zero_train_job", "zero_state_job", "outside_step_job", "SEQ", "VOCAB"]
+__all__ = ["zero_train_job", "zero_state_job", "outside_step_job", "memory_job", "SEQ", "VOCAB"]
 
 def _parallelize(model_name: str, plan: str, opt_name: str, overrides: dict, batch: int, num_batches: int = 3):
     model, loss_fn, kwargs = build(model_name, overrides)
@@ -57,3 +57,11 @@ def outside_step_job(model_name: str):
     except RuntimeError as exc:
         return str(exc)
     return ""
+
+
+def memory_job(model_name: str, plan: str, batch: int):
+    """``memory_report()`` after the second AdamW step (optimizer state exists from the first)."""
+    pm, batches = _parallelize(model_name, plan, "adamw", {}, batch)
+    pm.train_step(*batches[0])
+    pm.train_step(*batches[1])
+    return pm.memory_report()

@@ -1,0 +1,74 @@
+"""Per-rank jobs for tests/test_checkpoint.py, and the child process its crash test kills.
+
+Not a test module.  ``reshard_job`` trains under one plan, saves, loads under another plan
+and keeps training; ``python tests/checkpoint_jobs.py PATH SIDE`` (single process, no
+process group) saves a checkpoint, records its state in SIDE, then starts a second save
+that stops after the data are written (before the commit) so the test can kill it there.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+if __name__ == "__main__":  # run as a script by the crash test
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch
+import torch.distributed as dist
+
+import autopar
+from autopar.checkpoint import _full_state
+from tests.harness import OPTIMIZERS, make_batches
+from tests.jobs import BATCH, SEQ, VOCAB, build
+
+__all__ = ["reshard_job", "BATCH", "SEQ", "VOCAB"]
+
+
+def _pm(model_name: str, plan: str, seed: int = 0):
+    model, loss_fn, kwargs = build(model_name, {}, seed)
+    batches = make_batches(VOCAB, BATCH, SEQ, 3, seed=1)
+    pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
+                             loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"])
+    return pm, batches
+
+
+def reshard_job(model_name: str, plan_a: str, plan_b: str, path: str, steps_before: int = 1):
+    """Train under ``plan_a``, save, load into a fresh module (other seed) under ``plan_b``, train on.
+
+    Returns the losses of all 3 steps, whether the full model+optimizer state after loading is
+    bit-identical to what was saved, and rank 0's final state dict.
+    """
+    pm, batches = _pm(model_name, plan_a)
+    losses = [pm.train_step(*b) for b in batches[:steps_before]]
+    pm.save(path)
+    saved = _full_state(pm)
+    del pm
+    pm, _ = _pm(model_name, plan_b, seed=7)
+    pm.load(path)
+    loaded = _full_state(pm)
+    exact = saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    losses += [pm.train_step(*b) for b in batches[steps_before:]]
+    state = pm.state_dict()
+    return {"losses": losses, "exact": exact, "num_optim": sum(k.startswith("optim.") for k in saved),
+            "state": {k: v.clone() for k, v in state.items()} if dist.get_rank() == 0 else None}
+
+
+def _child(path: str, side: str) -> None:
+    pm, batches = _pm("example", "none")
+    pm.train_step(*batches[0])
+    pm.save(path)
+    torch.save(_full_state(pm), side)
+    pm.train_step(*batches[1])
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    def stalled_finish(self, metadata, results):
+        print("WRITTEN", flush=True)  # the data files are on disk; the metadata and commit are not
+        time.sleep(600)
+
+    FileSystemWriter.finish = stalled_finish
+    pm.save(path)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
