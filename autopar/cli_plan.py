@@ -10,7 +10,9 @@ with each term's formula.
 autopar/cli.py builds the parser and calls :func:`register`; everything that can go
 wrong with the user's input raises :class:`autopar.errors.AutoparError`, which cli.py
 prints. The cost model lives in ``autopar.cost`` (cost/), the search in
-autopar/search.py.
+autopar/search.py. ``explain --measure MODULE:FUNCTION --world N`` also runs one training
+step of that model on N local gloo processes and prints predicted against measured memory
+(autopar/measure_cmd.py).
 """
 from __future__ import annotations
 
@@ -60,26 +62,33 @@ def register(subparsers) -> None:
         help="show the cost breakdown of one plan: collectives, memory, time, bubble",
         description="Score one plan with the cost model and print every term.",
     )
-    _add_common(explain)
+    _add_common(explain, required=False)
     explain.add_argument("--plan", required=True,
                          help="plan text, e.g. 'tp=8,sp,pp=4:1f1b,dp=32,zero=1,mb=8'")
     explain.add_argument("--stage", type=int, default=None, metavar="I",
                          help="pipeline stage whose collectives are listed (default: the slowest)")
     explain.add_argument("--formulas", action="store_true",
                          help="print the symbolic formula of every time and memory term")
+    explain.add_argument("--measure", metavar="MODULE:FUNCTION", default=None,
+                         help="also run one training step of FUNCTION()'s (model, input_ids) under the "
+                              "plan on --world local gloo processes and print predicted against "
+                              "measured memory; model, sequence and batch come from the example inputs")
+    explain.add_argument("--world", type=int, default=None, metavar="N",
+                         help="processes for --measure (the plan's world size)")
     explain.set_defaults(func=run_explain)
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True,
+def _add_common(p: argparse.ArgumentParser, required: bool = True) -> None:
+    # explain checks these itself: --measure takes them from the measured model instead.
+    p.add_argument("--model", required=required,
                    help="a preset (llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, "
                         "reference-moe) or the path of a transformers config.json")
     p.add_argument("--gpu", default="h100", help="GPU preset: a100, h100, h200 (default h100)")
-    p.add_argument("--gpus", type=int, required=True, metavar="N", help="number of GPUs")
+    p.add_argument("--gpus", type=int, required=required, metavar="N", help="number of GPUs")
     p.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
                    help="GPUs per node (default 8)")
-    p.add_argument("--seq", type=int, required=True, metavar="S", help="sequence length")
-    p.add_argument("--global-batch", type=int, required=True, metavar="B",
+    p.add_argument("--seq", type=int, required=required, metavar="S", help="sequence length")
+    p.add_argument("--global-batch", type=int, required=required, metavar="B",
                    help="sequences per optimizer step")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -399,6 +408,13 @@ def run_explain(args) -> int:
     from autopar.cost import estimate
     from autopar.plan import Plan
 
+    if args.measure is not None:
+        return _run_explain_measured(args)
+    missing = [flag for flag, value in (("--model", args.model), ("--gpus", args.gpus), ("--seq", args.seq),
+                                        ("--global-batch", args.global_batch)) if value is None]
+    if missing:
+        raise AutoparError(f"autopar: explain needs {', '.join(missing)}; give them, or --measure "
+                           f"MODULE:FUNCTION --world N to take the model from a run on this machine")
     _check_positive(args)
     spec = load_model_spec(args.model)
     cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node)
@@ -411,6 +427,44 @@ def run_explain(args) -> int:
     cost = estimate(spec, cluster, plan, args.seq, args.global_batch)
     rec = explain_record(cost, stage=args.stage, formulas=args.formulas)
     print(json.dumps(rec, indent=2) if args.json else format_explain(rec))
+    return 0
+
+
+def _run_explain_measured(args) -> int:
+    """``explain --measure``: the breakdown for the measured model, then predicted vs measured memory."""
+    from autopar.cost import Cluster, ModelSpec, estimate
+    from autopar.inspect_cmd import load_target
+    from autopar.measure_cmd import format_memory_comparison, measure_memory, memory_comparison
+    from autopar.plan import Plan
+
+    given = [flag for flag, value in (("--model", args.model), ("--seq", args.seq),
+                                      ("--global-batch", args.global_batch)) if value is not None]
+    if given:
+        raise AutoparError(f"autopar: --measure takes the model, sequence length and batch from "
+                           f"{args.measure}'s example inputs; drop {', '.join(given)}")
+    plan = Plan.parse(args.plan)
+    world = args.world if args.world is not None else args.gpus
+    if world is None or world != plan.world_size:
+        raise AutoparError(f"autopar: plan '{plan}' uses pp*dp*cp*tp = {plan.world_size} processes but "
+                           f"--world is {world}; pass --world {plan.world_size}")
+    model, inputs, kwargs = load_target(args.measure)
+    if not inputs or not hasattr(inputs[0], "shape") or len(inputs[0].shape) < 2:
+        raise AutoparError(f"autopar: --measure needs input_ids [batch, seq] as {args.measure}'s first "
+                           f"example input")
+    batch, seq = int(inputs[0].shape[0]), int(inputs[0].shape[1])
+    spec = ModelSpec.from_module(model, inputs, kwargs)
+    cost = estimate(spec, Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world), plan, seq, batch,
+                    dtype_bytes=4)
+    reports = measure_memory(args.measure, str(plan), world)
+    rows = memory_comparison(cost, reports)
+    rec = explain_record(cost, stage=args.stage, formulas=args.formulas)
+    if args.json:
+        rec["measured_memory"] = {"ranks": reports, "comparison": rows}
+        print(json.dumps(rec, indent=2))
+    else:
+        print(format_explain(rec))
+        print()
+        print(format_memory_comparison(rows, str(plan), args.measure, world))
     return 0
 
 

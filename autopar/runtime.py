@@ -64,8 +64,9 @@ def _unsupported(plan: Plan) -> None:
     if missing:
         raise AutoparError(
             f"autopar: plan '{plan}' uses {', '.join(missing)}, which the runtime does not support yet; "
-            "the runtime supports dp, tp, sp, cp, zero, pp (with dp, tp and sp) and mb (gradient accumulation). The offline cost model and "
-            "search (autopar plan / autopar.estimate) cover every dimension.")
+            "the runtime supports dp, tp, sp, cp, zero (with dp, tp, sp), pp (with dp, tp, sp) and mb "
+            "(gradient accumulation). The offline cost model and search (autopar plan / autopar.estimate) "
+            "cover every dimension.")
 
 
 def _world() -> tuple[int, int]:

@@ -12,12 +12,21 @@ experts): stage >= 1 divides the optimizer state by n, >= 2 the gradients, 3 the
 parameters (plus a double buffer of one gathered layer).
 
 Activations per layer and micro-batch, bytes, with T = b*S/cp tokens on the rank and
-T_sp = T/tp under SP (T otherwise) -- our derivation for pre-norm RMSNorm + SwiGLU +
-flash attention + GQA, no dropout, eager PyTorch:
-  norms      2*T_sp*h*w + 8*T_sp       (inputs of the two norms; fp32 rstd)
+T_sp = T/tp under SP (T otherwise) -- our derivation of what autopar's eager programs save
+for backward (pre-norm RMSNorm computed in fp32 as Llama's, SwiGLU, flash attention, GQA by
+expand + reshape, no dropout; checked tensor by tensor against ``ParallelModule.memory_report``):
+  norms      2*(T_sp*h*(4 + w) + 4*T_sp)   (per norm: the fp32 input that pow and the
+                                         normalising mul save -- the input itself when
+                                         w = 4 --, the normalised input cast to w that the
+                                         weight's mul saves, and the fp32 rstd)
   GEMM input 2*T*h*w                   (q/k/v and gate/up inputs: under SP the all-gathered
                                         tensor, which the runtime keeps for backward)
-  attention  T*(a + 2g)*d*w/tp         (q, k, v: the flash-attention inputs)
+  attention  T*(a + 2*g_s)*d*w/tp      (q, k, v as flash attention sees them; g_s = a when the
+                                        model's expand + reshape copies K and V to all heads,
+                                        i.e. when the rank holds g/tp >= 2 KV heads and cp = 1
+                                        -- with one local KV head the reshape is a view, and
+                                        the CP attention functions take K, V unexpanded --,
+                                        else g)
            + T*a*d*w/tp + 4*T*a/tp     (its output, kept for o_proj and its backward; fp32 LSE)
   MLP        (2 + 2*gated)*T*F*w/tp    (gate, up, silu(gate), product -- or up, gelu(up))
   MoE block  T/tp tokens: fp32 router logits and probs 8*E, dispatched inputs and expert
@@ -28,22 +37,28 @@ flash attention + GQA, no dropout, eager PyTorch:
 Selective recompute recomputes attention (drops its output and LSE) and the MLP
 activation function (drops silu(gate) and the product, or gelu(up)). Full recompute keeps
 only each layer's input T_sp*h*w, plus one layer's activations while it recomputes.
+Outside the layers, for one micro-batch: the first stage keeps the int64 token ids its
+embedding saves (8*T); the last stage the final norm (as above), the LM head's input
+(T*h*w, all-gathered under SP) and the loss buffers: fp32 log-softmax of the logits (a loss
+on upcast logits; under TP the fp32 ``exp`` of the vocabulary-parallel cross-entropy) T*V/tp*4 and the int64 target
+8*T (not modelled: the vocabulary-parallel loss's 6*T bytes of per-token sums and masks,
+RoPE cos/sin tables, a materialised attention mask).
 ``korthikanti_layer_bytes`` is the GPT-layer formula of Korthikanti et al. (set C):
 sbh(10 + 24/t + 5as/(ht)), (sbh/t)(34 + 5as/h) with SP, the 5as/h term dropped by
-selective recompute, 2sbh with full recompute (written for 2-byte activations).
-The stage multiplies its layers' bytes by the micro-batches in flight (pipeline.py);
-the last stage adds the logits ``T*V/tp*(w + 4)`` (bf16 logits + fp32 softmax) for one
-micro-batch.
+selective recompute, 2sbh with full recompute (written for 2-byte activations); with it
+the last stage adds the logits ``T*V/tp*(w + 4)`` (bf16 logits + fp32 softmax).
+The stage multiplies its layers' bytes by the micro-batches in flight (pipeline.py).
 """
 from __future__ import annotations
 
 import sympy as sp
 
 from .comm import local_param_elems
-from .symbols import (FLASH, CPAG, INFL, LAST, RFULL, RSEL, SP, Z1, Z2, Z3, E, V, a, b, cp, d, dp, ep, f,
+from .symbols import (FIRST, FLASH, CPAG, INFL, LAST, RFULL, RSEL, SP, Z1, Z2, Z3, E, V, a, b, cp, d, dp, ep, f,
                       fe, g, gated, h, k, ld, le, nsh, rho, s, tp, w, wg, wo, wp)
 
-__all__ = ["memory_terms", "derived_layer_bytes", "korthikanti_layer_bytes", "precision_bytes"]
+__all__ = ["memory_terms", "derived_layer_bytes", "derived_outside_bytes", "korthikanti_layer_bytes",
+           "precision_bytes"]
 
 
 def precision_bytes(dtype_bytes: int, grad_bytes: int | None = None) -> dict[str, float]:
@@ -53,16 +68,29 @@ def precision_bytes(dtype_bytes: int, grad_bytes: int | None = None) -> dict[str
     return dict(w_p=dtype_bytes, w_g=grad_bytes or 4, w_gc=dtype_bytes, w_o=12)
 
 
+def _at_least_two(x):
+    """1 when the positive integer ``x`` is >= 2, else 0 (a rational-free indicator for numpy)."""
+    return sp.Max(0, sp.Min(1, x - 1, evaluate=False), evaluate=False)
+
+
+def _norm_bytes(tokens):
+    """An eager fp32-computing RMSNorm: fp32 input, normalised input in w, fp32 rstd."""
+    return tokens * h * (4 + w) + 4 * tokens
+
+
 def derived_layer_bytes():
     """(dense layer, MoE layer, full-recompute working set) activation bytes per micro-batch."""
     T = b * s / cp
     t_sp = T * (1 - SP + SP / tp)
-    norms = 2 * t_sp * h * w + 8 * t_sp            # the two norms' inputs, fp32 rstd
+    norms = 2 * _norm_bytes(t_sp)
     # Inputs of the q/k/v and gate/up groups: the all-gathered [T, h] under SP (the runtime keeps
     # it; nothing is re-gathered in backward). A MoE block reads the rank's token slice.
     linear_in_dense = 2 * T * h * w
     linear_in_moe = T * h * w + (T / tp) * h * w
-    attn = T * (a + 2 * g) * d * w / tp
+    # GQA's expand + reshape copies K and V to all local heads unless the rank holds one KV
+    # head (then the reshape is a view); CP attention takes K, V at their own head count.
+    kv_heads = g + (a - g) * _at_least_two(g / tp) * (1 - _at_least_two(cp))
+    attn = T * (a + 2 * kv_heads) * d * w / tp
     attn_out = T * a * d * w / tp + 4 * T * a / tp
     # Unfused attention keeps softmax output, dropout mask and dropped probabilities.
     attn_out += (1 - FLASH) * b * a * s**2 / (tp * cp) * (2 * w + 1)
@@ -80,6 +108,17 @@ def derived_layer_bytes():
     moe = RFULL * layer_input + keep * (full_moe - RSEL * (attn_out + moe_act))
     working = RFULL * (ld * full_dense + le * full_moe) / (ld + le)
     return dense, moe, working
+
+
+def derived_outside_bytes():
+    """(first stage, last stage) activation bytes outside the layers, one micro-batch."""
+    T = b * s / cp
+    t_sp = T * (1 - SP + SP / tp)
+    token_ids = 8 * T                                  # int64 ids saved by the embedding
+    # Final norm, LM-head input (all-gathered under SP), fp32 log-softmax (or the
+    # vocabulary-parallel loss's exp) and the int64 target.
+    head = _norm_bytes(t_sp) + T * h * w + T * V / tp * 4 + 8 * T
+    return token_ids, head
 
 
 def korthikanti_layer_bytes():
@@ -102,12 +141,13 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
     if activation_formula == "korthikanti":
         per_dense = per_moe = korthikanti_layer_bytes()
         working = RFULL * korthikanti_layer_bytes().subs({RFULL: 0, RSEL: 0})
+        first, last = sp.Integer(0), b * s / cp * V / tp * (w + 4)   # logits: bf16 + fp32 softmax
     elif activation_formula == "derived":
         per_dense, per_moe, working = derived_layer_bytes()
+        first, last = derived_outside_bytes()
     else:
         raise ValueError(f"autopar: unknown activation_formula {activation_formula!r}; "
                          f"expected 'derived' or 'korthikanti'")
-    T = b * s / cp
     return {
         "params": params,
         "grads": grads,
@@ -115,5 +155,6 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
         "zero3_buffer": zero3_buffer,
         "activations": INFL * (ld * per_dense + le * per_moe),
         "recompute_buffer": working,
-        "logits": LAST * T * V / tp * (w + 4),
+        "embedding_activations": FIRST * first,
+        "head_activations": LAST * last,
     }

@@ -107,6 +107,49 @@ def test_explain_reads_a_config_json(tmp_path, capsys):
     assert all(r["bytes_sent"] == pytest.approx(2 * (2 - 1) / 2 * 4 * 256 * 512 * 2) for r in ar)
 
 
+# ---------------------------------------------------------------------- explain --measure
+def test_explain_measures_memory_on_local_processes(capsys):
+    rc, out, _ = run(capsys, "explain", "--plan", "dp=2,zero=1", "--measure",
+                     "examples/model.py:build_tiny", "--world", "2", "--json")
+    assert rc == 0
+    data = json.loads(out)
+    assert data["gpus"] == 2 and data["seq_len"] == 16 and data["global_batch"] == 4
+    # build_tiny: vocab 128, hidden 64, 2 layers, 4 heads of 16, 2 KV heads, FFN 128, untied.
+    v, h, kv, f = 128, 64, 2 * 16, 128
+    layer = h * h + 2 * h * kv + h * h + 3 * h * f + 2 * h      # q, k, v, o, gate/up/down, 2 norms
+    full = 4 * (v * h + 2 * layer + h + v * h)                   # fp32 bytes of every parameter
+    ranks = data["measured_memory"]["ranks"]
+    assert len(ranks) == 2
+    for r in ranks:   # zero=1 over dp=2: full params and grads, AdamW m, v and fp32 master halved
+        assert (r["params"], r["grads"], r["optimizer"], r["master_params"]) == (full, full, full, full // 2)
+        assert r["activations"] > 0
+    rows = {row["category"]: row for row in data["measured_memory"]["comparison"]}
+    assert set(rows) == {"params", "grads", "optimizer", "activations", "master_params"}
+    for cat in ("params", "grads", "optimizer"):
+        assert rows[cat]["measured"] == full and rows[cat]["predicted"] == pytest.approx(full)
+    act = rows["activations"]
+    assert act["measured"] == max(r["activations"] for r in ranks)
+    assert act["diff"] == pytest.approx((act["measured"] - act["predicted"]) / act["predicted"])
+    assert abs(act["diff"]) <= 0.10
+    assert rows["master_params"]["predicted"] is None
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["explain", "--plan", "dp=2", "--measure", "examples/model.py:build_tiny", "--world", "4"],
+     "--world 2"),
+    (["explain", "--plan", "dp=2", "--measure", "examples/model.py:build_tiny", "--world", "2",
+      "--seq", "16"], "drop --seq"),
+    (["explain", "--plan", "dp=2", "--measure", "examples/model.py:no_such_function", "--world", "2"],
+     "no function"),
+    (["explain", "--plan", "dp=2", "--gpus", "2", "--seq", "16", "--global-batch", "4"],
+     "needs --model"),
+])
+def test_explain_measure_errors(capsys, argv, needle):
+    rc, out, err = run(capsys, *argv)
+    assert rc == 2 and out == ""
+    assert err.startswith("autopar:") and needle in err
+
+
 # ---------------------------------------------------------------------- errors
 @pytest.mark.parametrize("argv, needle", [
     (["plan", "--model", "llama9-1t", "--gpus", "8", "--seq", "4096", "--global-batch", "16"],

@@ -75,10 +75,15 @@ def layer_activation_bytes(dims: dict, *, b: int, seq: int, tp: int, cp: int, sp
     """Bytes one decoder layer keeps for backward (pre-RMSNorm, SwiGLU, flash attention).
 
     Saved tensors, T = b*seq/cp tokens on the rank, T_sp = T/tp under SP:
-      each RMSNorm: its input [T_sp, h] and fp32 1/rms per token;
+      each RMSNorm (computed in fp32, as Llama's): the fp32 copy of its input [T_sp, h]
+        (saved by x.pow(2) and x * rstd), the normalised input cast back to w bytes (saved
+        by the weight's multiply) and fp32 1/rms per token;
       each column group (q/k/v, gate/up): its input, which under SP is the all-gathered
         [T, h] tensor (autopar's all-gather saves nothing, the linear saves its input);
-      flash attention: q, k, v, the output, fp32 log-sum-exp per head;
+      flash attention: q, k, v, the output, fp32 log-sum-exp per head; K and V are the
+        model's expand + reshape copies at a/tp heads when a rank holds two or more KV heads
+        (g/tp >= 2) and cp = 1 (one local KV head: the reshape is a view of the g/tp heads;
+        CP attention takes K, V unexpanded);
       MLP: gate and up outputs, silu(gate), silu(gate)*up.
     Selective recompute drops the attention output + LSE and silu(gate), the product.
     Full recompute keeps the layer input only.
@@ -88,9 +93,10 @@ def layer_activation_bytes(dims: dict, *, b: int, seq: int, tp: int, cp: int, sp
     t_sp = T / tp if sp_on else T
     if recompute == "full":
         return t_sp * h * w
-    norms = 2 * (t_sp * h * w + 4 * t_sp)
+    norms = 2 * (t_sp * h * 4 + t_sp * h * w + 4 * t_sp)
     linear_inputs = 2 * T * h * w
-    qkv = T * (a + 2 * g) * d * w / tp
+    kv_heads_seen = a if (g // tp >= 2 and cp == 1) else g
+    qkv = T * (a + 2 * kv_heads_seen) * d * w / tp
     attn_out = T * a * d * w / tp + 4 * T * a / tp
     mlp = 4 * T * f * w / tp
     total = norms + linear_inputs + qkv + attn_out + mlp
