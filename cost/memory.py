@@ -40,8 +40,8 @@ only each layer's input T_sp*h*w, plus one layer's activations while it recomput
 Outside the layers, for one micro-batch: the first stage keeps the int64 token ids its
 embedding saves (8*T); the last stage the final norm (as above), the LM head's input
 (T*h*w, all-gathered under SP) and the loss buffers: fp32 log-softmax of the logits (a loss
-on upcast logits; under TP the fp32 ``exp`` of the vocabulary-parallel cross-entropy) T*V/tp*4 and the int64 target
-8*T (not modelled: the vocabulary-parallel loss's 6*T bytes of per-token sums and masks,
+on upcast logits; under TP the fp32 ``exp`` of the vocabulary-parallel cross-entropy)
+T*V/tp*4 and the int64 target 8*T (not modelled: the vocabulary-parallel loss's 6*T bytes of per-token sums and masks,
 RoPE cos/sin tables, a materialised attention mask).
 ``korthikanti_layer_bytes`` is the GPT-layer formula of Korthikanti et al. (set C):
 sbh(10 + 24/t + 5as/(ht)), (sbh/t)(34 + 5as/h) with SP, the 5as/h term dropped by
