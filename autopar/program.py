@@ -17,7 +17,6 @@ from torch.fx import GraphModule, Node
 from autopar import collectives as C
 from autopar.analyze import module_path
 from autopar.passes.context import META_KEY, PLACEMENT_KEY
-from autopar.passes.shard_propagation import local_numel
 
 __all__ = ["format_program", "collective_summary"]
 

@@ -17,11 +17,11 @@ import numpy as np
 import sympy as sp
 
 from . import symbols as S
-from .comm import TIED, RowSpec, row_specs
+from .comm import RowSpec, row_specs
 from .hardware import Cluster, axis_link_arrays
 from .memory import memory_terms, precision_bytes
 from .pipeline import SCHEDULE_NAMES, T_b, T_f, T_w, bubble_expr
-from .time import CALIBRATED, DPV, TPOV, compute_terms, exposure, link_symbols, optimizer_time, row_time
+from .time import CALIBRATED, compute_terms, exposure, link_symbols, optimizer_time, row_time
 
 __all__ = ["SCHEDULES", "CP_VARIANTS", "RECOMPUTE", "LINK_AXES", "Compiled", "compiled", "compiled_memory", "compiled_compute",
            "model_values", "plan_values", "link_values", "evaluate", "step_time_arrays"]

@@ -350,6 +350,7 @@ class WorkerPool:
         results: dict[int, Any] = {}
         errors: dict[int, tuple] = {}
         deadline = time.monotonic() + timeout
+        first_error_at = 0.0
         try:
             while len(results) + len(errors) < self.world_size:
                 if errors:  # others may be stuck in a collective: wait briefly, then give up

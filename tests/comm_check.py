@@ -1,0 +1,44 @@
+"""Comparing what a run's collectives moved with the cost model's ``comm_table()``.
+
+Not a test module: the byte-equality tests (TP/SP/DP, ZeRO, PP, CP) share these helpers.
+Both sides are summed per (phase, collective, mesh axis): bytes sent, bytes received and
+the number of calls per step.
+"""
+from __future__ import annotations
+
+import collections
+
+import pytest
+
+__all__ = ["measured_by_kind", "predicted_by_kind", "assert_comm_equal"]
+
+
+def measured_by_kind(records) -> dict:
+    out = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for r in records:
+        key = (r["phase"], r["op"], r["axis"])
+        out[key][0] += r["bytes_sent"]
+        out[key][1] += r["bytes_recv"]
+        out[key][2] += 1
+    return dict(out)
+
+
+def predicted_by_kind(rows) -> dict:
+    out = collections.defaultdict(lambda: [0.0, 0.0, 0])
+    for row in rows:
+        key = (row.phase, row.collective, row.axis)
+        out[key][0] += row.bytes_sent * row.count
+        out[key][1] += row.bytes_recv * row.count
+        out[key][2] += row.count
+    return dict(out)
+
+
+def assert_comm_equal(records, rows, rank=None) -> None:
+    """Every kind of collective: the same calls, and exactly the same bytes both ways."""
+    measured, predicted = measured_by_kind(records), predicted_by_kind(rows)
+    assert set(measured) == set(predicted), (rank, sorted(measured), sorted(predicted))
+    for key, (sent, recv, count) in measured.items():
+        p_sent, p_recv, p_count = predicted[key]
+        assert count == p_count, (rank, key, count, p_count)
+        assert sent == pytest.approx(p_sent, rel=1e-12, abs=0), (rank, key, sent, p_sent)
+        assert recv == pytest.approx(p_recv, rel=1e-12, abs=0), (rank, key, recv, p_recv)
