@@ -164,11 +164,7 @@ class PipelineParallelModule(ParallelModule):
         return out
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        missing = sorted(set(self._aliases) - set(state_dict))
-        unexpected = sorted(set(state_dict) - set(self._aliases))
-        if missing or unexpected:
-            raise AutoparError(f"autopar: state dict does not match the model: missing keys {missing[:5]}, "
-                               f"unexpected keys {unexpected[:5]}; expected the original model's keys.")
+        self._check_keys(state_dict)
         coords = self._coords()
         with torch.no_grad():
             for orig, name in self._aliases.items():

@@ -218,14 +218,17 @@ class ParallelModule:
                 out[orig] = gather_full(t, shards, self._groups, coords).clone() if shards else t.clone()
         return out
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load full tensors (from ``state_dict()`` of any plan, or of the original model)."""
+    def _check_keys(self, state_dict: dict) -> None:
         missing = sorted(set(self._aliases) - set(state_dict))
         unexpected = sorted(set(state_dict) - set(self._aliases))
         if missing or unexpected:
             raise AutoparError(f"autopar: state dict does not match the model: missing keys {missing[:5]}"
                                f"{'...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
                                f"{'...' if len(unexpected) > 5 else ''}; expected the original model's keys.")
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load full tensors (from ``state_dict()`` of any plan, or of the original model)."""
+        self._check_keys(state_dict)
         coords = self._coords()
         with torch.no_grad(), self._sync.full_parameters(write_back=True):
             for orig, name in self._aliases.items():

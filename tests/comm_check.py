@@ -10,7 +10,11 @@ import collections
 
 import pytest
 
-__all__ = ["measured_by_kind", "predicted_by_kind", "assert_comm_equal"]
+import autopar
+from tests.harness import make_batches
+from tests.jobs import SEQ, VOCAB, build
+
+__all__ = ["measured_by_kind", "predicted_by_kind", "assert_comm_equal", "predicted_cost"]
 
 
 def measured_by_kind(records) -> dict:
@@ -42,3 +46,12 @@ def assert_comm_equal(records, rows, rank=None) -> None:
         assert count == p_count, (rank, key, count, p_count)
         assert sent == pytest.approx(p_sent, rel=1e-12, abs=0), (rank, key, sent, p_sent)
         assert recv == pytest.approx(p_recv, rel=1e-12, abs=0), (rank, key, recv, p_recv)
+
+
+def predicted_cost(model_name: str, overrides: dict, plan: str, world: int, batch: int):
+    """The cost model's ``Cost`` for a test model, shapes and plan (fp32, ``world`` CPU ranks)."""
+    model, _, kwargs = build(model_name, overrides)
+    (inputs, _), = make_batches(VOCAB, batch, SEQ, 1, seed=1)
+    spec = autopar.ModelSpec.from_module(model, inputs, kwargs)
+    cluster = autopar.Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world)
+    return autopar.estimate(spec, cluster, plan, seq_len=SEQ, global_batch=batch, dtype_bytes=4)

@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-import autopar
-from tests.comm_check import assert_comm_equal
-from tests.harness import make_batches
-from tests.jobs import BATCH, SEQ, VOCAB, build, train_job
+from tests.comm_check import assert_comm_equal, predicted_cost
+from tests.jobs import BATCH, train_job
 
 PLANS = [("tp=2", 2), ("tp=2,sp", 2), ("dp=2", 2), ("tp=2,sp,dp=2", 4), ("tp=4,sp", 4), ("dp=2,mb=2", 2)]
 _KV4 = {"example": {"num_kv_heads": 4}, "hf_llama": {"num_key_value_heads": 4}}
@@ -27,10 +25,6 @@ _KV4 = {"example": {"num_kv_heads": 4}, "hf_llama": {"num_key_value_heads": 4}}
 def test_measured_bytes_equal_cost_model(dist_pool, model_name, plan, world):
     overrides = dict(_KV4[model_name]) if "tp=4" in plan else {}
     results = dist_pool(train_job, model_name, plan, "sgd", overrides, 1, world=world)
-    model, _, kwargs = build(model_name, overrides)
-    (inputs, _), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
-    spec = autopar.ModelSpec.from_module(model, inputs, kwargs)
-    cluster = autopar.Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world)
-    cost = autopar.estimate(spec, cluster, plan, seq_len=SEQ, global_batch=BATCH, dtype_bytes=4)
+    cost = predicted_cost(model_name, overrides, plan, world, BATCH)
     for rank, r in enumerate(results):
         assert_comm_equal(r["comm"], cost.comm_table(), rank)

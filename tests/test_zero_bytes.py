@@ -9,11 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-import autopar
-from tests.harness import make_batches
-from tests.jobs import build
-from tests.comm_check import assert_comm_equal
-from tests.zero_jobs import SEQ, VOCAB, zero_train_job
+from tests.comm_check import assert_comm_equal, predicted_cost
+from tests.zero_jobs import zero_train_job
 
 PLANS = [("dp=2,zero=1", 2, 4), ("dp=2,zero=2", 2, 4), ("dp=2,zero=2,mb=2", 2, 4), ("dp=4,zero=3", 4, 4),
          ("tp=2,sp,dp=2,zero=3", 4, 4), ("tp=2,sp,dp=2,zero=1", 4, 4), ("tp=2,sp,dp=2,zero=2,mb=2", 4, 4),
@@ -24,10 +21,6 @@ PLANS = [("dp=2,zero=1", 2, 4), ("dp=2,zero=2", 2, 4), ("dp=2,zero=2,mb=2", 2, 4
 @pytest.mark.parametrize("model_name", ["example", "hf_llama"])
 def test_zero_bytes_equal_cost_model(dist_pool, model_name, plan, world, batch):
     results = dist_pool(zero_train_job, model_name, plan, "sgd", {}, batch, 1, world=world)
-    model, _, kwargs = build(model_name, {})
-    (inputs, _), = make_batches(VOCAB, batch, SEQ, 1, seed=1)
-    spec = autopar.ModelSpec.from_module(model, inputs, kwargs)
-    cluster = autopar.Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world)
-    cost = autopar.estimate(spec, cluster, plan, seq_len=SEQ, global_batch=batch, dtype_bytes=4)
+    cost = predicted_cost(model_name, {}, plan, world, batch)
     for rank, r in enumerate(results):
         assert_comm_equal(r["comm"], cost.comm_table(), rank)
