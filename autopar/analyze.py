@@ -32,7 +32,8 @@ from autopar.errors import AutoparError
 
 aten = torch.ops.aten
 
-__all__ = ["LinearInfo", "Region", "ModelStructure", "analyze", "model_dims", "module_path", "reshape_chain",
+__all__ = ["LinearInfo", "Region", "ModelStructure", "analyze", "model_dims", "structure_dims", "module_path",
+           "reshape_chain",
            "ATTENTION_OPS", "RESHAPE_OPS"]
 
 ATTENTION_OPS = {
@@ -98,10 +99,16 @@ class ModelStructure:
     head_dim: int
     ffn: int
     tied_embeddings: bool
+    moe: list = dataclasses.field(default_factory=list)  # autopar.analyze_moe.MoEBlock per MoE layer
+    moe_error: AutoparError | None = None  # a top-k routing whose experts were not recognised
 
     @property
     def num_layers(self) -> int:
         return len(self.layers)
+
+    @property
+    def num_experts(self) -> int:
+        return self.moe[0].num_experts if self.moe else 0
 
     def summary(self) -> str:
         lines = [
@@ -113,6 +120,8 @@ class ModelStructure:
             cols = ", ".join(c.module + (f" (fused {c.split_sizes})" if c.split_sizes else "") for c in r.columns)
             rows = ", ".join(c.module for c in r.rows)
             lines.append(f"  {r.kind:9s} {r.module}: columns [{cols}] rows [{rows}]")
+        for b in self.moe:
+            lines.append(f"  moe       {b.module}: {b.style} experts, E={b.num_experts}, top-{b.top_k}")
         if self.lm_head is not None:
             lines.append(f"  lm_head   {self.lm_head.module}")
         return "\n".join(lines)
@@ -237,12 +246,12 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node
     return regions
 
 
-def _layers(gm: GraphModule) -> list[str]:
+def _layers(gm: GraphModule, experts: set[str] = frozenset()) -> list[str]:
     paths: dict[str, set[int]] = {}
     for n in gm.graph.nodes:
         for path, _ in (n.meta.get("nn_module_stack") or {}).values():
             m = re.match(r"^(.*)\.(\d+)$", path)
-            if m:
+            if m and path not in experts:
                 paths.setdefault(m.group(1), set()).add(int(m.group(2)))
     if not paths:
         return []
@@ -262,7 +271,14 @@ def analyze(gm: GraphModule) -> ModelStructure:
     for n, info in linears.items():
         if vocab and info.out_features == vocab and info.in_features == hidden:
             lm_head = info
-    regions = _regions(gm, linears, {lm_head.node} if lm_head else set())
+    from autopar.analyze_moe import find_moe_blocks
+
+    try:
+        moe, moe_error = find_moe_blocks(gm), None
+    except AutoparError as exc:  # fatal only for plans that must rewrite the experts (ep, tp)
+        moe, moe_error = [], exc
+    in_experts = {n for b in moe for n in b.region} | {b.router for b in moe if b.router is not None}
+    regions = _regions(gm, linears, ({lm_head.node} if lm_head else set()) | in_experts)
     heads = [r for r in regions if r.kind == "attention"]
     norm_weights: list[str] = []
     norm_modules = {module_path(n) for n in nodes if n.target in _NORM_OPS}
@@ -276,7 +292,7 @@ def analyze(gm: GraphModule) -> ModelStructure:
     first = heads[0] if heads else None
     return ModelStructure(
         embeddings=embeddings,
-        layers=_layers(gm),
+        layers=_layers(gm, {e for b in moe for e in b.expert_modules}),
         regions=regions,
         norm_weights=norm_weights,
         lm_head=lm_head,
@@ -288,6 +304,8 @@ def analyze(gm: GraphModule) -> ModelStructure:
         head_dim=first.head_dim if first else 0,
         ffn=ffn,
         tied_embeddings=bool(lm_head and embeddings and lm_head.weight == embeddings[0].args[0].target),
+        moe=moe,
+        moe_error=moe_error,
     )
 
 
@@ -301,18 +319,32 @@ def model_dims(model: torch.nn.Module, example_inputs, example_kwargs: dict | No
             f"autopar: found no attention or MLP region in {type(model).__name__}; expected a decoder "
             "with linear projections around an attention op. Describe the model with ModelSpec(...) instead."
         )
+    return {"name": type(model).__name__, **structure_dims(s)}
+
+
+def structure_dims(s: ModelStructure) -> dict:
+    """``ModelSpec`` fields (all but the name) of an analyzed model."""
     mlp = next((r for r in s.regions if r.kind == "mlp"), None)
     gated = bool(mlp and (len(mlp.columns) >= 2 or any(c.split_sizes for c in mlp.columns)))
+    moe = {}
+    if s.moe:
+        from autopar.analyze_moe import expert_width
+
+        width, gated_experts = expert_width(s.moe[0])
+        gated = gated if mlp else gated_experts
+        moe = {"num_experts": s.moe[0].num_experts, "top_k": s.moe[0].top_k, "moe_ffn": width,
+               "moe_layer_freq": max(1, s.num_layers // len(s.moe)),
+               "first_dense_layers": s.num_layers - len(s.moe) * max(1, s.num_layers // len(s.moe))}
     return {
-        "name": type(model).__name__,
         "num_layers": s.num_layers,
         "hidden": s.hidden,
         "num_heads": s.num_heads,
         "num_kv_heads": s.num_kv_heads,
         "head_dim": s.head_dim,
-        "ffn": s.ffn,
+        "ffn": s.ffn or moe.get("moe_ffn", 0),
         "vocab": s.vocab,
         "gated_mlp": gated,
         "tied_embeddings": s.tied_embeddings,
+        **moe,
     }
 

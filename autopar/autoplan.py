@@ -37,35 +37,35 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _candidates(world: int, global_batch: int, supported) -> list[Plan]:
+def _candidates(world: int, global_batch: int, supported, num_experts: int = 0) -> list[Plan]:
     plans = []
     for tp in _divisors(world):
         dp = world // tp
-        for sp in ((False, True) if tp > 1 else (False,)):
+        # MoE blocks run on sequence shards: with experts, tp needs sp
+        for sp in ((True,) if num_experts else (False, True)) if tp > 1 else (False,):
             for mb in _divisors(global_batch // dp) if global_batch % dp == 0 else ():
                 for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
-                    try:
-                        plan = Plan(dp=dp, tp=tp, sp=sp, mb=mb, zero=zero)
-                        supported(plan)
-                    except (ValueError, TypeError):
-                        continue
-                    plans.append(plan)
+                    for ep in [e for e in _divisors(dp) if num_experts % e == 0] if num_experts else (1,):
+                        try:
+                            plan = Plan(dp=dp, tp=tp, sp=sp, mb=mb, zero=zero, ep=ep)
+                            supported(plan)
+                        except (ValueError, TypeError):
+                            continue
+                        plans.append(plan)
     return plans
 
 
 def choose_plan(structure, world: int, seq_len: int, global_batch: int, supported, *,
                 dtype_bytes: int = 4) -> Plan:
     """The fastest runtime-supported plan for ``world`` ranks that fits, by the cost model."""
+    from autopar.analyze import structure_dims
     from autopar.cost import Cluster, ModelSpec, estimate
 
-    spec = ModelSpec(name="traced", num_layers=max(1, structure.num_layers), hidden=structure.hidden,
-                     num_heads=structure.num_heads, num_kv_heads=structure.num_kv_heads,
-                     head_dim=structure.head_dim, ffn=structure.ffn, vocab=structure.vocab,
-                     tied_embeddings=structure.tied_embeddings)
+    spec = ModelSpec(name="traced", **{**structure_dims(structure), "num_layers": max(1, structure.num_layers)})
     cluster = Cluster.for_world(local_gpu(), world) if world <= 8 or world % 8 == 0 else Cluster(
         gpu=local_gpu(), num_nodes=1, gpus_per_node=world)
     best = None
-    for plan in _candidates(world, global_batch, supported):
+    for plan in _candidates(world, global_batch, supported, spec.num_experts):
         try:
             plan.validate(world_size=world, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                           vocab=spec.vocab if plan.tp > 1 else None, global_batch=global_batch)

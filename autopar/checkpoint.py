@@ -87,7 +87,7 @@ def _full_state(pm) -> dict[str, torch.Tensor]:
         for key, value in sorted(entries.items()):
             value = value if torch.is_tensor(value) else torch.tensor(value)
             if value.dim() and shards:
-                value = gather_full(value.contiguous(), shards, pm._groups, coords)
+                value = gather_full(value.contiguous(), shards, pm._groups, coords, pm._full_shapes.get(name))
             state[f"{_OPTIM}{to_orig[name]}.{key}"] = value.detach().cpu().clone()
     return state
 

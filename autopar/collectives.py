@@ -64,6 +64,7 @@ class CommRecord:
     shape: tuple
     dtype: str
     tag: str
+    counts: tuple | None = None  # MoE all-to-all: (tokens sent per expert, received [source][local expert])
 
 
 class CommRecorder:

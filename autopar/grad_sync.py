@@ -49,10 +49,11 @@ class GradSync:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             group = self.groups[bucket.axis]
-            C.record("all_reduce", bucket.axis, flat, "grad", f"gradient bucket ({len(params)} tensors)")
-            dist.all_reduce(flat, group=group.group)
-            if bucket.average:
-                flat /= group.size
+            if group.size > 1:
+                C.record("all_reduce", bucket.axis, flat, "grad", f"gradient bucket ({len(params)} tensors)")
+                dist.all_reduce(flat, group=group.group)
+            if bucket.average and (bucket.divisor or group.size) > 1:
+                flat /= bucket.divisor or group.size
             offset = 0
             for p, grad in zip(params, grads):
                 n = grad.numel()

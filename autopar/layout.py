@@ -23,17 +23,34 @@ def shard_local(full: torch.Tensor, shards: dict, coords: dict[str, tuple[int, i
     t = full
     for axis, shard in shards.items():
         rank, size = coords.get(axis, (0, 1))
+        if shard.owner is not None:
+            t = t if rank == shard.owner or size == 1 else t.narrow(shard.dim, 0, 0)
+            continue
         parts = [torch.chunk(b, size, dim=shard.dim)[rank] for b in _blocks(t, shard)]
         t = torch.cat(parts, dim=shard.dim) if len(parts) > 1 else parts[0]
     return t.contiguous()
 
 
-def gather_full(local: torch.Tensor, shards: dict, groups: dict, coords: dict) -> torch.Tensor:
-    """Inverse of :func:`shard_local`: all-gather the pieces over each sharded axis."""
+def _broadcast_owned(t: torch.Tensor, shard, group, full_shape) -> torch.Tensor:
+    if full_shape is None:
+        raise RuntimeError("autopar: gathering an owner-held tensor needs its full shape")
+    out = t if t.shape == tuple(full_shape) else t.new_empty(full_shape)
+    dist.broadcast(out, group=group, group_src=shard.owner)
+    return out
+
+
+def gather_full(local: torch.Tensor, shards: dict, groups: dict, coords: dict,
+                full_shape: tuple | None = None) -> torch.Tensor:
+    """Inverse of :func:`shard_local`: all-gather the pieces over each sharded axis.
+
+    ``full_shape`` is needed for tensors held whole by one rank (``ParamShard.owner``)."""
     t = local
     for axis, shard in reversed(list(shards.items())):
         rank, size = coords.get(axis, (0, 1))
         if size == 1:
+            continue
+        if shard.owner is not None:
+            t = _broadcast_owned(t, shard, groups[axis].group, full_shape)
             continue
         pieces = [torch.empty_like(t) for _ in range(size)]
         dist.all_gather(pieces, t.contiguous(), group=groups[axis].group)

@@ -104,11 +104,15 @@ def format_program(gm: GraphModule, ctx, rank_coords: dict | None = None) -> str
         shards = ctx.param_shards.get(name, {})
         shape = list(p.shape)
         for axis, s in shards.items():
-            shape[s.dim] //= ctx.axis_sizes[axis]
-        layout = ", ".join(f"Shard({s.dim}{', blocks=' + str(list(s.blocks)) if s.blocks else ''}) on {a}"
+            if s.owner is None:
+                shape[s.dim] //= ctx.axis_sizes[axis]
+        layout = ", ".join(f"whole on {a} rank {s.owner} (empty elsewhere)" if s.owner is not None else
+                           f"Shard({s.dim}{', blocks=' + str(list(s.blocks)) if s.blocks else ''}) on {a}"
                            for a, s in shards.items()) or "replicated"
         partial = ctx.grad_partial_axes.get(name)
         extra = f"; gradient summed over {sorted(partial)}" if partial else ""
+        if name in ctx.expert_params:
+            extra = "; expert: gradient averaged over the ranks holding it (edp)"
         out.append(f"#   {name}: {shape} {layout}{extra}")
     inputs = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
     out.append(f"def forward({', '.join(inputs)}):")
@@ -129,6 +133,11 @@ def format_program(gm: GraphModule, ctx, rank_coords: dict | None = None) -> str
             parts = [f"{phase} {op} sends {_fmt_bytes(b)} B" for phase, (op, b) in meta["bytes"].items()]
             line += f"  # <<{meta['axis']}>> {_local_shape(src, ctx)} {src.meta['val'].dtype}: " + "; ".join(parts)
         out.append(line)
+    for name, holder in gm.named_children():
+        if name.startswith("moe_experts_") and len(holder):
+            out.append(f"# {name}[e]: expert e of the MoE block, cut from the traced graph "
+                       f"({len(holder)} bodies; this rank runs its own experts' on their routed rows); [0]:")
+            out += ["#   " + line for line in holder[0].code.strip().splitlines() if line.strip()]
     out.append("# after backward (gradient synchronisation):")
     for bucket in ctx.grad_buckets:
         out.append(f"#   all_reduce over {bucket.axis}: {bucket.num_bytes} bytes, "

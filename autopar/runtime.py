@@ -15,6 +15,7 @@ the optimizer step), :mod:`autopar.layout` (cutting and gathering parameters),
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Any, Callable, Sequence
@@ -51,22 +52,39 @@ def init_distributed(backend: str | None = None) -> None:
 
 def _unsupported(plan: Plan) -> None:
     missing = []
-    if plan.ep > 1:
-        missing.append(f"ep={plan.ep} (expert parallelism)")
     if plan.pp > 1 and (plan.cp > 1 or plan.ep > 1 or plan.zero > 0):
         missing.append(f"pp={plan.pp} together with cp, ep or zero")  # pp runs with dp, tp, sp
+    if plan.ep > 1 and plan.cp > 1:
+        missing.append(f"ep={plan.ep} together with cp")  # EP groups are carved from dp only
     if plan.zero > 0 and (plan.cp > 1 or plan.ep > 1):
         missing.append(f"zero={plan.zero} together with cp or ep")  # ZeRO shards over dp only
     if plan.recompute != "none":
         missing.append(f"recompute={plan.recompute}")
-    if plan.capacity is not None:
-        missing.append(f"capacity={plan.capacity}")
     if missing:
         raise AutoparError(
             f"autopar: plan '{plan}' uses {', '.join(missing)}, which the runtime does not support yet; "
-            "the runtime supports dp, tp, sp, cp, zero (with dp, tp, sp), pp (with dp, tp, sp) and mb "
+            "the runtime supports dp, tp, sp, cp, ep (with dp, tp, sp), zero (with dp, tp, sp), "
+            "pp (with dp, tp, sp) and mb "
             "(gradient accumulation). The offline cost model and search (autopar plan / autopar.estimate) "
             "cover every dimension.")
+
+
+def expert_groups(plan: Plan) -> dict[str, C.AxisGroup]:
+    """The ``ep`` groups (ranks of one stage and tp index holding different tokens, ep consecutive
+    dp*cp indices) and the ``edp`` groups (ranks holding the same experts: the other dp*cp/ep
+    token slices times tp), built on every rank in the same order."""
+    import numpy as np
+
+    num_dc = plan.dp * plan.cp
+    ranks = np.arange(plan.world_size).reshape(plan.pp, num_dc // plan.ep, plan.ep, plan.tp)
+    ep_lists = ranks.transpose(0, 1, 3, 2).reshape(-1, plan.ep).tolist()
+    edp_lists = ranks.transpose(0, 2, 1, 3).reshape(-1, num_dc // plan.ep * plan.tp).tolist()
+    out = {}
+    for axis, lists in (("ep", ep_lists), ("edp", edp_lists)):
+        group, _ = dist.new_subgroups_by_enumeration(lists)
+        size = len(lists[0])
+        out[axis] = C.AxisGroup(group, size, dist.get_rank(group) if size > 1 else 0)
+    return out
 
 
 def _world() -> tuple[int, int]:
@@ -87,10 +105,25 @@ def compile_program(model: nn.Module, example_inputs: Sequence[Any], example_kwa
     _unsupported(plan)
     traced = trace_model(model, example_inputs, example_kwargs, loss_fn, example_target)
     structure = analyze(traced.gm)
+    from autopar.passes.expert_parallel import needs_rewrite
+
+    if structure.moe_error is not None and needs_rewrite(plan):
+        raise structure.moe_error
+    if structure.moe and needs_rewrite(plan) and (plan.cp > 1 or plan.pp > 1 or plan.zero > 0):
+        raise AutoparError(
+            f"autopar: plan '{plan}' splits the experts or tokens of a mixture-of-experts model (ep, tp or capacity) "
+            "together with cp, pp or zero, which the runtime does not combine yet; use ep, tp+sp and capacity with "
+            "dp only, or cp / pp / zero with dp alone (every rank then runs every expert on its own tokens).")
     plan.validate(world_size=world_size, num_heads=structure.num_heads or None,
                   num_kv_heads=structure.num_kv_heads or None,
-                  vocab=structure.vocab if plan.tp > 1 and structure.embeddings else None)
-    ctx = PassContext(plan=plan, structure=structure, axis_sizes=plan.degrees, seq_symbol=traced.seq_symbol,
+                  vocab=structure.vocab if plan.tp > 1 and structure.embeddings else None,
+                  num_experts=structure.num_experts)
+    if structure.moe and plan.tp > 1 and not plan.sp:
+        raise AutoparError(
+            f"autopar: plan '{plan}' uses tp={plan.tp} without sp on a mixture-of-experts model; MoE blocks "
+            "run on each rank's sequence shard (experts are not split by tp), so add sp to the plan "
+            f"('{dataclasses.replace(plan, sp=True)}'), as Megatron-Core also requires.")
+    ctx = PassContext(plan=plan, structure=structure, axis_sizes={**plan.degrees, "ep": plan.ep}, seq_symbol=traced.seq_symbol,
                       batch_symbol=traced.batch_symbol, num_inputs=traced.num_inputs, bucket_bytes=bucket_bytes)
     ctx.pipeline_split = tuple(pipeline_split) if pipeline_split is not None else None
     run_passes(traced.gm, plan, ctx, default_passes(plan))
@@ -161,12 +194,19 @@ class ParallelModule:
             if plan.cp > 1:  # dense gradients and the loss are averaged over dp*cp (cost model axis "dp_cp")
                 flat = self._mesh["dp", "cp"]._flatten("dp_cp")
                 self._groups["dp_cp"] = C.AxisGroup(flat.get_group(), flat.size(), flat.get_local_rank())
+            if ctx.expert_params:
+                self._groups.update(expert_groups(plan))
         self.device = torch.device("cuda", torch.cuda.current_device()) if (
             dist.is_initialized() and dist.get_backend() == "nccl") else torch.device("cpu")
         if any(p.is_meta for p in model.parameters()):
             # Scale simulation: a full-size model on the meta device (with a fake process
             # group) compiles and steps without memory; comm_stats() still counts bytes.
             self.device = torch.device("meta")
+            if ctx.expert_params:
+                raise AutoparError(
+                    "autopar: the model has mixture-of-experts blocks and its parameters are on the meta device; "
+                    "token routing depends on the data, so a MoE step cannot run without values. Materialise the "
+                    "model, or price the plan offline with autopar.estimate (routing_imbalance=...).")
         self._aliases = self._original_names(model)
         self._materialize(model)
         if plan.zero > 0:
@@ -200,6 +240,7 @@ class ParallelModule:
 
     def _materialize(self, model: nn.Module) -> None:
         coords = self._coords()
+        self._full_shapes = {name: tuple(p.shape) for name, p in self.gm.named_parameters()}
         for name, p in list(self.gm.named_parameters()):
             local = shard_local(p.detach(), self.ctx.param_shards.get(name, {}), coords)
             new = nn.Parameter(local.clone().to(self.device), requires_grad=p.requires_grad)
@@ -215,7 +256,8 @@ class ParallelModule:
             for orig, name in self._aliases.items():
                 t = _get_attr(self.gm, name).detach()
                 shards = self.ctx.param_shards.get(name, {})
-                out[orig] = gather_full(t, shards, self._groups, coords).clone() if shards else t.clone()
+                out[orig] = gather_full(t, shards, self._groups, coords,
+                                        self._full_shapes.get(name)).clone() if shards else t.clone()
         return out
 
     def _check_keys(self, state_dict: dict) -> None:

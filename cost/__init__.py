@@ -14,7 +14,9 @@ rank, T_sp = T/tp under SP; l_d, l_e dense / MoE layers on the rank):
          + per step 2(tp-1)/tp * norm-gradient bytes
     CP   ring 2T(g/tp)d*w x (cp-1) per layer (fwd), x2 in bwd; all-gather K,V /
          reduce-scatter dK,dV; Ulysses all-to-all of q,k,v and of the output
-    EP   all-to-all (ep-1)/ep * (T/tp)*k*H*w*rho, dispatch + combine, fwd and bwd
+    EP   all-to-all n_out*H*w / n_in*H*w, dispatch + combine, fwd and bwd, with
+         n_out = n_in = (ep-1)/ep * (T/tp)*k*rho (search) or the recorded counts
+         (comm.routed_all_to_all_rows); + (ep-1)/ep * E*8 counts exchange
     PP   T*H*w*(1 - sp + sp/tp) per boundary send
     DP   2(n-1)/n * P*w_gc (ZeRO 0) or (n-1)/n * P*w_gc (ZeRO >= 1) + ZeRO gathers
   FLOPs                         2*T*(params touched) + 2*b*S^2*a*d/(tp*cp)  flops.gemm_classes

@@ -38,7 +38,8 @@ from .symbols import (CPAG, CPRING, CPUL, E, FIRST, V, LAST, NRECV, NSEND, SP, Z
                       d, dp, ep, f, fe, g, gated, h, k, ld, le, m, nn, nsh, pp, qb, rho, s, tp,
                       w, wgc, wp)
 
-__all__ = ["CommRow", "RowSpec", "TIED", "row_specs", "activation_bytes", "local_param_elems", "zero3_units"]
+__all__ = ["CommRow", "RowSpec", "TIED", "TOKEN_ROWS", "row_specs", "routed_row_formulas", "routed_all_to_all_rows",
+           "activation_bytes", "local_param_elems", "zero3_units"]
 
 TIED = sp.Symbol("tied", nonnegative=True)  # 1 if the LM head shares the embedding matrix
 
@@ -106,6 +107,45 @@ def local_param_elems():
     expert = le * (E / ep) * _mlp(fe)
     partial = SP * (2 * (ld + le) + LAST) * h * nn + le * router_shared
     return dense, expert, partial
+
+
+# Rows a rank sends to / receives from the other ep ranks in one MoE dispatch (a (token,
+# slot) pair is one row of h elements); combine moves them back.
+N_OUT = sp.Symbol("n_out", nonnegative=True)
+N_IN = sp.Symbol("n_in", nonnegative=True)
+TOKEN_ROWS = {
+    ("fwd", "dispatch"): "MoE dispatch: token rows to the expert owners",
+    ("fwd", "combine"): "MoE combine: expert outputs back to the token owners",
+    ("bwd", "dispatch"): "MoE dispatch backward: row gradients back to the token owners",
+    ("bwd", "combine"): "MoE combine backward: output gradients to the expert owners",
+}
+
+
+def routed_row_formulas():
+    """(phase, call, sent, received) of the token all-to-alls of one MoE call, in rows n_out/n_in."""
+    out_b, in_b = N_OUT * h * w, N_IN * h * w
+    return [("fwd", "dispatch", out_b, in_b), ("fwd", "combine", in_b, out_b),
+            ("bwd", "dispatch", in_b, out_b), ("bwd", "combine", out_b, in_b)]
+
+
+def routed_all_to_all_rows(expert_counts, *, ep_rank: int, hidden: int, dtype_bytes: int) -> list[CommRow]:
+    """The token all-to-all rows of the realised routing, exactly (``Cost.comm_table(expert_counts=)``).
+
+    ``expert_counts``: per MoE call, ``(sent per expert [E], received [source rank][local expert])``
+    as recorded in ``comm_stats()['counts']``; ``n_out`` = the rows sent to experts of other
+    ranks, ``n_in`` = the rows received from other ranks.
+    """
+    rows = []
+    for sent_per_expert, received in expert_counts:
+        ep_size = len(received)
+        num_local = len(sent_per_expert) // ep_size
+        mine = sent_per_expert[ep_rank * num_local:(ep_rank + 1) * num_local]
+        values = {N_OUT: sum(sent_per_expert) - sum(mine),
+                  N_IN: sum(sum(r) for src, r in enumerate(received) if src != ep_rank), h: hidden, w: dtype_bytes}
+        for phase, call, sent, recv in routed_row_formulas():
+            rows.append(CommRow(phase, "ep", "all_to_all", "ep", ep_size, float(sent.subs(values)),
+                                float(recv.subs(values)), 1, TOKEN_ROWS[(phase, call)]))
+    return rows
 
 
 def zero3_units():
@@ -178,11 +218,13 @@ def row_specs() -> list[RowSpec]:
     add("bwd", "cp", "all_to_all", "cp", cp, a2a(q + 2 * kv, cp), CPUL * n_attn, True,
         "Ulysses all-to-all of dq,dk,dv")
 
-    # ---- expert parallelism
-    buf = (T / tp) * k * h * w * rho
-    for phase in ("fwd", "bwd"):
-        add(phase, "ep", "all_to_all", "ep", ep, a2a(buf, ep), 2 * le, True,
-            "MoE dispatch and combine, tokens/tp * top-k * h (x imbalance or capacity)")
+    # ---- expert parallelism: expected routed rows n_out = n_in = (T/tp) k rho (ep-1)/ep
+    routed = a2a((T / tp) * k * rho, ep)
+    for phase, coll, sent, recv in routed_row_formulas():
+        add(phase, "ep", "all_to_all", "ep", ep, sent.subs({N_OUT: routed, N_IN: routed}), le, True,
+            TOKEN_ROWS[(phase, coll)], recv=recv.subs({N_OUT: routed, N_IN: routed}))
+    add("fwd", "ep", "all_to_all", "ep", ep, a2a(E * 8, ep), le, True,
+        "MoE dispatch: exchange of the int64 token counts per expert")
 
     # ---- pipeline parallelism
     boundary = T * h * w * (nsp + SP / tp)

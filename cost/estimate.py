@@ -16,7 +16,7 @@ from autopar.errors import AutoparError
 from autopar.plan import Plan
 
 from . import symbols as S
-from .comm import CommRow
+from .comm import TOKEN_ROWS, CommRow, routed_all_to_all_rows
 from .flops import model_flops, per_token_layer_flops
 from .hardware import Cluster
 from .model import (CP_VARIANTS, DEFAULT_CONSTANTS, RECOMPUTE, SCHEDULES, compiled, evaluate,
@@ -77,6 +77,7 @@ class Cost:
     _out: dict = field(repr=False)
     _subs: dict = field(repr=False)
     _model: object = field(repr=False)
+    dtype_bytes: int = 2
 
     @property
     def fits(self) -> bool:
@@ -118,8 +119,12 @@ class Cost:
         from .pipeline import bubble_expr
         return bubble_expr(self.plan.schedule if self.plan.pp > 1 else "1f1b")
 
-    def comm_table(self, stage: int = 0) -> list[CommRow]:
-        """Collectives one rank of pipeline stage ``stage`` issues per optimizer step."""
+    def comm_table(self, stage: int = 0, *, expert_counts=None, ep_rank: int = 0) -> list[CommRow]:
+        """Collectives one rank of pipeline stage ``stage`` issues per optimizer step.
+
+        MoE token all-to-alls are priced at the expected routing (uniform x ``routing_imbalance``,
+        or the capacity factor); given the realised ``expert_counts`` of each MoE call (as the
+        runtime records them in ``comm_stats()``) they are the exact rows of rank ``ep_rank``."""
         if not 0 <= stage < self.plan.pp:
             raise AutoparError(f"autopar: stage {stage} is outside 0..{self.plan.pp - 1}")
         p = self.plan
@@ -132,8 +137,13 @@ class Cost:
             if count <= 0 or group <= 1 or (sent <= 0 and recv <= 0):
                 continue
             axis = {"dp*": dp_axis, "edp*": dp_axis if p.ep == 1 and p.tp == 1 else "edp"}.get(row.axis, row.axis)
+            if expert_counts is not None and row.what in TOKEN_ROWS.values():
+                continue
             out.append(CommRow(row.phase, row.dimension, row.collective, axis, int(round(group)),
                                sent, recv, int(round(count)), row.what))
+        if expert_counts is not None and p.ep > 1:
+            out += routed_all_to_all_rows(expert_counts, ep_rank=ep_rank, hidden=self.spec.hidden,
+                                          dtype_bytes=self.dtype_bytes)
         return out
 
     def format(self, verbose: bool = False) -> str:
@@ -237,4 +247,4 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
                 mfu=model_flops(spec, seq_len, global_batch) / (step * plan.world_size * cluster.peak_flops),
                 memory_per_gpu=float(out["memory"][mem_rank]), tokens_per_s=tokens / step,
                 bubble=float(bubble[0]), bottleneck_rank=slow, memory_rank=mem_rank, _out=out,
-                _subs=subs, _model=model)
+                _subs=subs, _model=model, dtype_bytes=dtype_bytes)

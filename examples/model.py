@@ -5,10 +5,13 @@ Nothing here knows about autopar: it is the kind of model a user hands to
 (``autopar/analyze.py``) must recognise: RMSNorm modules, rotary embeddings whose
 position ids are built inside ``forward`` with ``torch.arange`` over the sequence
 length, grouped-query attention by expanding K/V, a SwiGLU MLP, optionally fused
-q/k/v and gate/up projections, and a tied or untied LM head.
+q/k/v and gate/up projections, and a tied or untied LM head.  With ``num_experts > 0``
+the MLP of every layer is a mixture of experts (:class:`MoE`): a linear router, top-k
+selection, and a ``ModuleList`` of SwiGLU experts run on the tokens routed to them.
 
 ``tests/models.py`` builds it (and a tiny Hugging Face Llama) for the test suite;
-``examples/train_llama.py`` trains it; ``autopar inspect examples/model.py:build_tiny``
+``examples/train_llama.py`` trains it; ``autopar inspect examples/model.py:build_tiny`` (or
+``build_tiny_moe``)
 prints its parallel program.
 """
 from __future__ import annotations
@@ -24,11 +27,13 @@ __all__ = [
     "RMSNorm",
     "Attention",
     "MLP",
+    "MoE",
     "DecoderLayer",
     "Decoder",
     "lm_loss",
     "make_batch",
     "build_tiny",
+    "build_tiny_moe",
 ]
 
 
@@ -47,6 +52,11 @@ class DecoderConfig:
     tie_embeddings: bool = False
     fused_qkv: bool = False
     fused_gate_up: bool = False
+    num_experts: int = 0  # > 0: every layer's MLP is a mixture of experts
+    top_k: int = 2
+    softmax_before_topk: bool = True  # else: top-k of the logits, softmax over the k chosen
+    normalize_topk: bool = True  # renormalise the top-k weights to sum to 1 (softmax first only)
+    router_bias: tuple[float, ...] | None = None  # fixed logit offsets per expert (skewed routing)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -63,6 +73,10 @@ class DecoderConfig:
                 f"DecoderConfig: num_heads {self.num_heads} is not a multiple of "
                 f"num_kv_heads {self.num_kv_heads}"
             )
+        if self.num_experts and not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"DecoderConfig: top_k {self.top_k} must be in [1, num_experts={self.num_experts}]")
+        if self.router_bias is not None and len(self.router_bias) != self.num_experts:
+            raise ValueError(f"DecoderConfig: router_bias needs {self.num_experts} entries, got {len(self.router_bias)}")
         if self.head_dim % 2:
             raise ValueError(f"DecoderConfig: rotary embeddings need an even head_dim, got {self.head_dim}")
 
@@ -157,6 +171,41 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class MoE(nn.Module):
+    """Mixture of experts: ``sum_k w[t, k] * expert[idx[t, k]](x[t])`` over the top-k experts.
+
+    The experts are a ``ModuleList`` of :class:`MLP` and each runs only on the tokens
+    routed to it (a loop with data-dependent token counts, as many MoE codebases write it).
+    """
+
+    def __init__(self, cfg: DecoderConfig):
+        super().__init__()
+        self.num_experts, self.top_k = cfg.num_experts, cfg.top_k
+        self.softmax_before_topk, self.normalize_topk = cfg.softmax_before_topk, cfg.normalize_topk
+        self.router = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(cfg) for _ in range(cfg.num_experts))
+        bias = torch.tensor(cfg.router_bias or [0.0] * cfg.num_experts)
+        self.register_buffer("router_bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.view(-1, shape[-1])
+        logits = self.router(x) + self.router_bias
+        if self.softmax_before_topk:
+            weights, index = torch.topk(logits.softmax(dim=-1), self.top_k, dim=-1)
+            if self.normalize_topk:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        else:
+            values, index = torch.topk(logits, self.top_k, dim=-1)
+            weights = values.softmax(dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(index == e)
+            routed = expert(x[token]) * weights[token, slot].unsqueeze(-1)
+            out = out.index_add(0, token, routed)
+        return out.view(shape)
+
+
 class DecoderLayer(nn.Module):
     """Pre-norm transformer block: attention and MLP, each with a residual."""
 
@@ -165,7 +214,7 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if cfg.num_experts else MLP(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.input_norm(x), cos, sin)
@@ -231,5 +280,13 @@ def build_tiny() -> tuple[Decoder, tuple[torch.Tensor]]:
     """The default tiny model and an example batch (4 x 16), for ``autopar inspect``."""
     torch.manual_seed(0)
     model = Decoder(DecoderConfig())
+    input_ids, _ = make_batch(model.config.vocab_size, batch=4, seq=16, seed=0)
+    return model, (input_ids,)
+
+
+def build_tiny_moe() -> tuple[Decoder, tuple[torch.Tensor]]:
+    """The tiny model with a 4-expert top-2 MoE in every layer, for ``autopar inspect``."""
+    torch.manual_seed(0)
+    model = Decoder(DecoderConfig(num_experts=4, top_k=2, intermediate_size=64))
     input_ids, _ = make_batch(model.config.vocab_size, batch=4, seq=16, seed=0)
     return model, (input_ids,)

@@ -35,6 +35,9 @@ class ParamShard:
 
     dim: int
     blocks: tuple[int, ...] | None = None
+    # Whole tensor on rank ``owner`` of the axis, empty (size 0 along ``dim``) elsewhere:
+    # a ModuleList expert under expert parallelism.
+    owner: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +48,7 @@ class GradBucket:
     params: tuple[str, ...]
     average: bool  # divide by the axis size (data parallel) or plain sum (partial gradients)
     num_bytes: int  # local bytes of the flattened bucket
+    divisor: int | None = None  # divide by this instead of the axis size (expert gradients)
 
 
 @dataclasses.dataclass
@@ -63,6 +67,7 @@ class PassContext:
     log: list[str] = dataclasses.field(default_factory=list)
     pipeline_split: tuple[int, ...] | None = None  # user-given layers per pipeline chunk
     pipeline: Any = None  # passes.pipeline.PipelineProgram, written by the pipeline pass
+    expert_params: list[str] = dataclasses.field(default_factory=list)  # MoE experts (EP pass)
 
     def shard_param(self, name: str, axis: str, shard: ParamShard) -> None:
         self.param_shards.setdefault(name, {})[axis] = shard

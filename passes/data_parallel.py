@@ -24,36 +24,47 @@ __all__ = ["data_parallel_pass", "local_param_bytes"]
 def local_param_bytes(gm: GraphModule, ctx: PassContext, name: str) -> int:
     p = gm.get_parameter(name)
     shards = ctx.param_shards.get(name, {})
-    return p.numel() * p.element_size() // math.prod(ctx.axis_sizes[a] for a in shards)
+    return p.numel() * p.element_size() // math.prod(ctx.axis_sizes[a] for a in shards)  # owner: average
 
 
 def _buckets(gm: GraphModule, ctx: PassContext, names: list[str], axis: str, average: bool,
-             cap: int) -> list[GradBucket]:
+             cap: int, divisor: int | None = None) -> list[GradBucket]:
     out: list[GradBucket] = []
     current: list[str] = []
     size = 0
     for name in reversed(names):
         nbytes = local_param_bytes(gm, ctx, name)
         if current and size + nbytes > cap:
-            out.append(GradBucket(axis, tuple(current), average, size))
+            out.append(GradBucket(axis, tuple(current), average, size, divisor))
             current, size = [], 0
         current.append(name)
         size += nbytes
     if current:
-        out.append(GradBucket(axis, tuple(current), average, size))
+        out.append(GradBucket(axis, tuple(current), average, size, divisor))
     return out
 
 
 def data_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
     result = PassResult("data_parallel_pass")
     cap = ctx.bucket_bytes
-    names = [n for n, p in gm.named_parameters() if p.requires_grad]
+    experts = set(ctx.expert_params)
+    all_names = [n for n, p in gm.named_parameters() if p.requires_grad]
+    names = [n for n in all_names if n not in experts]
     partial_axes = sorted({a for axes in ctx.grad_partial_axes.values() for a in axes})
     for axis in partial_axes:
         members = [n for n in names if axis in ctx.grad_partial_axes.get(n, set())]
         ctx.grad_buckets += _buckets(gm, ctx, members, axis, False, cap)
     cp = ctx.axis_sizes.get("cp", 1)
-    if ctx.axis_sizes.get("dp", 1) * cp > 1:  # dense weights are replicated over dp*cp ranks
+    num_dc = ctx.axis_sizes.get("dp", 1) * cp
+    if num_dc > 1:  # dense weights are replicated over dp*cp ranks
         ctx.grad_buckets += _buckets(gm, ctx, names, "dp_cp" if cp > 1 else "dp", True, cap)
+    moe = [n for n in all_names if n in experts]
+    if moe and num_dc > 1 or moe and ctx.axis_sizes.get("tp", 1) > 1:
+        # An expert's gradient on its owner sums every token routed to it from the ep group;
+        # summed over the ranks holding the same experts (edp: the other dp*cp/ep token slices,
+        # times tp under sp) it covers all dp*cp slices, so it is averaged by dp*cp.
+        plain = ctx.axis_sizes.get("ep", 1) == 1 and ctx.axis_sizes.get("tp", 1) == 1
+        axis = ("dp_cp" if cp > 1 else "dp") if plain else "edp"  # edp is dp*cp itself then
+        ctx.grad_buckets += _buckets(gm, ctx, moe, axis, True, cap, divisor=num_dc)
     result.notes.append(f"{len(ctx.grad_buckets)} gradient buckets")
     return result

@@ -78,6 +78,9 @@ def default_passes(plan) -> list[Pass]:
         passes.append(tensor_parallel_pass)
         if plan.sp:
             passes.append(sequence_parallel_pass)
+    from .expert_parallel import expert_parallel_pass
+
+    passes.append(expert_parallel_pass)  # MoE experts -> dispatch / local experts / combine (any ep)
     passes.append(shard_propagation_pass)
     if plan.cp > 1:
         from .context_parallel import context_parallel_pass

@@ -29,7 +29,7 @@ from torch.fx import GraphModule, Node
 from autopar import collectives as C
 from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult
 from .rules import R, RuleContext, is_sharded, lookup
-from . import view_rules  # noqa: F401  (registers the view-family rules)
+from . import moe_rules, view_rules  # noqa: F401  (register the view-family and MoE rules)
 
 __all__ = ["shard_propagation_pass", "tensor_inputs", "local_numel"]
 

@@ -21,6 +21,8 @@ __all__ = [
     "hf_llama",
     "hf_loss",
     "hf_gpt2",
+    "hf_mixtral",
+    "example_moe",
     "lm_loss",
     "make_batch",
     "MODELS",
@@ -108,10 +110,34 @@ def hf_gpt2(seed: int = 0, **overrides):
     return model
 
 
+def example_moe(seed: int = 0, **overrides):
+    """The example decoder with a 4-expert top-2 MoE (ModuleList experts) in every layer."""
+    kwargs = dict(num_experts=4, top_k=2, intermediate_size=64)
+    kwargs.update(overrides)
+    return example_model(seed, **kwargs)
+
+
+def hf_mixtral(seed: int = 0, **overrides):
+    """A tiny ``transformers.MixtralForCausalLM``: stacked [E, ...] expert weights run by a grouped
+    matmul on tokens sorted by expert (vocab 128, hidden 64, 2 layers, 4 experts, top-2)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    kwargs = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                  max_position_embeddings=64, attn_implementation="sdpa")
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(MixtralConfig(**kwargs))
+    model.train()
+    return model
+
+
 MODELS = {
     "example": (example_model, lm_loss, {}),
     "example_tied": (_example_tied, lm_loss, {}),
     "example_fused": (_example_fused, lm_loss, {}),
     "hf_llama": (hf_llama, hf_loss, {"use_cache": False}),
     "hf_gpt2": (hf_gpt2, hf_loss, {"use_cache": False}),
+    "example_moe": (example_moe, lm_loss, {}),
+    "hf_mixtral": (hf_mixtral, hf_loss, {"use_cache": False}),
 }

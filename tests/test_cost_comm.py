@@ -183,7 +183,12 @@ def test_expert_parallel_by_hand():
     T = GB // 2 * S
     a2a = [r for r in rows if r.dimension == "ep"]
     assert {r.phase for r in a2a} == {"fwd", "bwd"}
-    assert sum(r.bytes_sent * r.count for r in a2a) == pytest.approx(4 * L * (1 / 2) * T * 2 * H * W)
+    tokens = [r for r in a2a if "token counts" not in r.what]
+    # dispatch and combine, forward and backward: half of the T*k rows leave the rank
+    assert sum(r.bytes_sent * r.count for r in tokens) == pytest.approx(4 * L * (1 / 2) * T * 2 * H * W)
+    # dispatch first exchanges the int64 count of every expert: (ep-1)/ep * E * 8 bytes per layer
+    (counts,) = [r for r in a2a if "token counts" in r.what]
+    assert (counts.phase, counts.count, counts.bytes_sent) == ("fwd", L, (1 / 2) * 4 * 8)
     # Experts are replicated dp*cp/ep = 1 times: no expert gradient reduction.
     assert all("expert" not in r.what for r in rows if r.dimension == "dp")
 

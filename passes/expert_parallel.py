@@ -1,0 +1,238 @@
+"""Expert parallelism: replace each MoE experts region by dispatch / experts / combine.
+
+For every MoE block that :mod:`autopar.analyze_moe` recognises (stacked 3-D expert weights
+or a ModuleList of experts), the routing glue of the traced graph (sorting by expert,
+gathering tokens, weighting, summing over the top-k slots) is replaced by three calls of
+:mod:`autopar.moe`::
+
+    rows, routing = moe_dispatch(x, idx, E, 'ep')      # counts all-to-all, token all-to-all
+    out = moe_experts(rows, routing, bodies, params, style, 'ep')   # the user's expert code
+    y = moe_combine(out, w, routing, 'ep')             # reverse all-to-all, weighted sum
+
+The experts' own code is cut out of the graph (``extract_body``) and kept as submodules
+``moe_experts_<i>``, so what runs on a rank is exactly the user's expert, on the tokens
+routed to it.  The router, shared experts and attention stay data-parallel (untouched).
+
+Layouts: with ``ep > 1`` the experts are split over the ``ep`` axis (stacked parameters
+along dim 0, ModuleList experts whole on their owner rank).  Expert gradients are reduced
+over the ranks that hold the same experts (``edp``: the other ``dp*cp/ep`` token slices,
+times ``tp`` under sequence parallelism) by the DP pass (``ctx.expert_params``).
+
+Under tp with sp a MoE block runs on the rank's sequence shard (no TP collective around
+it, as Megatron-Core requires sequence parallelism for MoE with TP).  The block's
+``[b, s, h] -> [b*s, h]`` flatten is rewritten to go through ``[s, b, h]`` so the sequence
+shard stays the outermost part of the token dim and shard propagation can follow it; the
+block is token-wise, so the token order does not change its result.
+"""
+from __future__ import annotations
+
+import operator
+
+import sympy
+import torch
+from torch import nn
+from torch.fx import GraphModule, Node
+
+from autopar import moe as M
+from autopar.analyze_moe import MoEBlock, descendants, extract_body, find_moe_blocks
+from autopar.errors import AutoparError, describe_node
+from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
+
+__all__ = ["expert_parallel_pass", "needs_rewrite", "AXIS"]
+
+AXIS = "ep"
+_PASS = "expert_parallel_pass"
+aten = torch.ops.aten
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_PASS_THROUGH = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default}
+
+
+def _check_side_uses(block: MoEBlock, ctx: PassContext) -> None:
+    """Refuse a router output that feeds the loss outside the experts when tokens are split.
+
+    A load-balancing loss is a product of means over *all* tokens; computed on a rank's
+    token slice it is a different number, so the plan would silently change the loss.
+    """
+    plan = ctx.plan
+    if block.router is None or plan.dp * plan.cp * (plan.tp if plan.sp else 1) == 1:
+        return
+    topk = block.index.args[0]
+    routing = descendants([topk]) | {topk} | _between(block.router, topk)
+    side = [n for n in descendants([block.router]) - routing - descendants([block.output])
+            if n.op == "call_function" and n is not block.output]
+    if side:
+        raise AutoparError(
+            f"autopar: the router output of '{block.module}' also feeds {describe_node(side[0])} "
+            "(an auxiliary load-balancing loss?) besides the top-k routing; such a loss is a product of "
+            "means over all tokens of the batch, which a rank holding a slice of the tokens cannot compute. "
+            "Use a plan with dp=1, cp=1 and no sp, or compute the auxiliary loss per sequence.")
+
+
+def _between(src: Node, dst: Node) -> set[Node]:
+    down = descendants([src])
+    out, todo = set(), [dst]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a in down and a not in out:
+                out.add(a)
+                todo.append(a)
+    return out
+
+
+def _param_nodes(gm: GraphModule, names: list[str], before: Node) -> list[Node]:
+    existing = {n.target: n for n in gm.graph.nodes if n.op == "get_attr"}
+    out = []
+    for name in names:
+        node = existing.get(name)
+        if node is None:
+            with gm.graph.inserting_before(before):
+                node = gm.graph.get_attr(name)
+            node.meta["val"] = gm.get_parameter(name)
+        out.append(node)
+    return out
+
+
+def _replace(gm: GraphModule, block: MoEBlock, i: int, ctx: PassContext) -> Node:
+    bodies, names = [], []
+    for io in block.body_io:
+        body, params = extract_body(*io)
+        bodies.append(body)
+        names += params
+    holder = f"moe_experts_{i}"
+    gm.add_submodule(holder, nn.ModuleList(bodies))
+    graph, out_node = gm.graph, block.output
+    params = _param_nodes(gm, names, block.region[0])
+    why = f"MoE block '{block.module}' ({block.style}, {block.num_experts} experts, top-{block.top_k})"
+    routed = "rows_out / rows_in: (token, slot) rows sent to / received from other ep ranks, recorded per call"
+    with graph.inserting_before(out_node):
+        dispatch = graph.call_function(M.moe_dispatch, (block.tokens, block.index, block.num_experts, AXIS,
+                                                        ctx.plan.capacity))
+        rows = graph.call_function(operator.getitem, (dispatch, 0))
+        routing = graph.call_function(operator.getitem, (dispatch, 1))
+        bodies_node = graph.get_attr(holder)
+        experts = graph.call_function(M.moe_experts, (rows, routing, bodies_node, params, block.style, AXIS))
+        combine = graph.call_function(M.moe_combine, (experts, block.weights, routing, AXIS))
+    tok = block.tokens.meta["val"]
+    dispatch.meta["val"] = (tok, None)
+    rows.meta["val"] = tok
+    experts.meta["val"] = tok
+    combine.meta["val"] = out_node.meta["val"]
+    for n in (dispatch, rows, routing, experts, combine):
+        n.meta["nn_module_stack"] = out_node.meta.get("nn_module_stack", {})
+        n.meta["stack_trace"] = out_node.meta.get("stack_trace")
+    provenance(dispatch, _PASS, AXIS, f"dispatch: token counts and tokens all-to-all to the expert owners; {why}",
+               role="moe_dispatch", routed_bytes=routed)
+    provenance(experts, _PASS, AXIS, f"the local experts of {why}, cut from the traced graph",
+               role="moe_experts")
+    provenance(combine, _PASS, AXIS, f"combine: reverse all-to-all, weighted sum over top-k; {why}",
+               role="moe_combine", routed_bytes=routed)
+    _routed_bytes(dispatch, combine, block, ctx)
+    out_node.replace_all_uses_with(combine)
+    region = set(block.region)
+    for n in reversed(block.region):
+        outside = [u for u in n.users if u not in region]
+        if outside:
+            raise AutoparError(
+                f"autopar: {describe_node(n)} inside the experts of '{block.module}' is also used by "
+                f"{describe_node(outside[0])}; expected the experts region to feed only its output. "
+                "Use a plan with ep=1 and tp=1 for this model.")
+        graph.erase_node(n)
+    return combine
+
+
+def _routed_bytes(dispatch: Node, combine: Node, block: MoEBlock, ctx: PassContext) -> None:
+    """Predicted bytes, in the routed row counts (known at run time; cost/comm.py has the formula)."""
+    ep = ctx.plan.ep
+    if ep == 1:
+        return
+    row = block.hidden * block.tokens.meta["val"].element_size()
+    rows_out, rows_in = sympy.Symbol("rows_out"), sympy.Symbol("rows_in")
+    counts = (ep - 1) * (block.num_experts // ep) * 8  # int64 tokens per expert
+    dispatch.meta[META_KEY].update(bytes={"fwd": ("all_to_all", counts + rows_out * row),
+                                          "bwd": ("all_to_all", rows_in * row)}, calls={"fwd": 2, "bwd": 1})
+    combine.meta[META_KEY].update(bytes={"fwd": ("all_to_all", rows_in * row), "bwd": ("all_to_all", rows_out * row)},
+                                  calls={"fwd": 1, "bwd": 1})
+
+
+def _layouts(block: MoEBlock, ctx: PassContext) -> None:
+    ep = ctx.plan.ep
+    ctx.expert_params += [p for p in block.param_names if p not in ctx.expert_params]
+    if ep == 1:
+        return
+    num_local = block.num_experts // ep
+    if block.style == "stacked":
+        for name in block.param_names:
+            ctx.param_shards.setdefault(name, {})[AXIS] = ParamShard(0)
+        return
+    for e, names in enumerate(block.expert_params):
+        for name in names:
+            ctx.param_shards.setdefault(name, {})[AXIS] = ParamShard(0, owner=e // num_local)
+
+
+def _seq_major_tokens(gm: GraphModule, block: MoEBlock, combine: Node, ctx: PassContext) -> None:
+    """``[b, s, h] -> [b*s, h]`` becomes ``[b, s, h] -> [s, b, h] -> [s*b, h]`` (and back)."""
+    flat = block.tokens
+    while flat.op == "call_function" and flat.target in _RESHAPES and len(_dims(flat.args[0])) == 2:
+        flat = flat.args[0]
+    src = flat.args[0] if flat.op == "call_function" and flat.target in _RESHAPES else None
+    if src is None or len(_dims(src)) != 3 or not _is_seq(_dims(src)[1], ctx):
+        raise AutoparError(f"autopar: sequence parallelism needs the MoE block '{block.module}' to flatten a "
+                           f"[batch, seq, hidden] activation, found {describe_node(flat)}; use a plan without sp.")
+    with gm.graph.inserting_before(flat):
+        t = gm.graph.call_function(aten.transpose.int, (src, 0, 1))
+    t.meta["val"] = src.meta["val"].transpose(0, 1)
+    flat.replace_input_with(src, t)
+    flat.target = aten.reshape.default  # a view cannot merge the transposed dims
+    back = combine
+    while len(back.users) == 1 and next(iter(back.users)).target in _PASS_THROUGH | _RESHAPES \
+            and len(_dims(back)) == 2:
+        back = next(iter(back.users))
+    if back.target not in _RESHAPES or len(_dims(back)) != 3:
+        raise AutoparError(f"autopar: sequence parallelism needs the MoE block '{block.module}' to restore "
+                           f"[batch, seq, hidden] after the experts, found {describe_node(back)}; use a plan "
+                           "without sp.")
+    b, s, h = back.args[1]
+    back.args = (back.args[0], [s, b, h])
+    old_val = back.meta["val"]
+    back.meta["val"] = old_val.transpose(0, 1)
+    with gm.graph.inserting_after(back):
+        restore = gm.graph.call_function(aten.transpose.int, (back, 0, 1))
+    restore.meta["val"] = old_val
+    back.replace_all_uses_with(restore, delete_user_cb=lambda u: u is not restore)
+
+
+def _dims(node) -> tuple:
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+
+
+def _is_seq(size, ctx: PassContext) -> bool:
+    return isinstance(size, torch.SymInt) and size.node.expr == ctx.seq_symbol
+
+
+def needs_rewrite(plan) -> bool:
+    """Experts split over ep, token shards under tp+sp, or a capacity: the routing is rewritten."""
+    return plan.ep > 1 or plan.tp > 1 or plan.capacity is not None
+
+
+def expert_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
+    result = PassResult(_PASS)
+    if ctx.structure.moe_error is not None and not needs_rewrite(plan):
+        # Unrecognised experts run unchanged: each rank computes its own tokens.
+        result.notes.append(f"MoE block left as traced: {ctx.structure.moe_error}")
+        return result
+    rewrite = needs_rewrite(plan)
+    for i, block in enumerate(find_moe_blocks(gm)):
+        _check_side_uses(block, ctx)
+        _layouts(block, ctx)
+        if not rewrite:  # ep=1, tp=1, dropless: every rank runs every expert on its own tokens
+            result.notes.append(f"{block.module}: {block.style} experts left as traced")
+            continue
+        combine = _replace(gm, block, i, ctx)
+        if plan.tp > 1 and plan.sp:
+            _seq_major_tokens(gm, block, combine, ctx)
+        result.num_rewritten += 1
+        result.notes.append(f"{block.module}: {block.style} experts, E={block.num_experts}, top-{block.top_k}, "
+                            f"{block.num_experts // plan.ep} per ep rank")
+    gm.graph.eliminate_dead_code()
+    return result

@@ -1,0 +1,47 @@
+"""Sharding rules for mixture-of-experts routing and the EP runtime ops.
+
+Registered into the one registry of ``passes/rules.py``.  Under tp with sp a MoE block
+runs on the rank's sequence shard: every op of the router is token-wise (top-k over the
+experts dim, in-place renormalisation), and the dispatch / experts / combine calls that
+``passes/expert_parallel.py`` inserts keep the token placement of their input, so shard
+propagation marks the router and expert weights as having partial gradients over tp.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Shard
+from torch.fx import Node
+
+from autopar import moe as M
+from .rules import R, RuleContext, ndim_of, pointwise_rule, register
+
+__all__ = ["topk_rule", "moe_token_rule"]
+
+aten = torch.ops.aten
+
+register(aten.div_.Tensor, aten.mul_.Tensor, aten.add_.Tensor)(pointwise_rule)
+
+
+@register(aten.topk.default, aten.sort.default)
+def topk_rule(node: Node, pls: list, rc: RuleContext):
+    pl = pls[0]
+    if not isinstance(pl, Shard):
+        if pl is not R and not isinstance(pl, type(R)):
+            raise rc.fail(node, f"top-k of a {pl} tensor")
+        return (R, R)
+    ndim = ndim_of(node.args[0])
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1)
+    if node.target == aten.sort.default:
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", -1)
+    if dim % ndim == pl.dim:
+        raise rc.fail(node, f"selects along the sharded dim {pl.dim}")
+    return (pl, pl)
+
+
+@register(M.moe_dispatch, M.moe_experts, M.moe_combine)
+def moe_token_rule(node: Node, pls: list, rc: RuleContext):
+    """Tokens keep their placement: each rank routes, computes and combines its own tokens."""
+    pl = pls[0]
+    if node.target is M.moe_dispatch:
+        return (pl, R)
+    return pl
