@@ -277,7 +277,9 @@ def analyze(gm: GraphModule) -> ModelStructure:
         moe, moe_error = find_moe_blocks(gm), None
     except AutoparError as exc:  # fatal only for plans that must rewrite the experts (ep, tp)
         moe, moe_error = [], exc
-    in_experts = {n for b in moe for n in b.region} | {b.router for b in moe if b.router is not None}
+    # Everything of a MoE block (router, experts, shared experts) runs on token shards, not TP-split.
+    in_experts = {n for b in moe for n in b.region} | {n for b in moe for n in linears
+                                                       if _within(module_path(n), b.module)}
     regions = _regions(gm, linears, ({lm_head.node} if lm_head else set()) | in_experts)
     heads = [r for r in regions if r.kind == "attention"]
     norm_weights: list[str] = []
@@ -333,6 +335,7 @@ def structure_dims(s: ModelStructure) -> dict:
         width, gated_experts = expert_width(s.moe[0])
         gated = gated if mlp else gated_experts
         moe = {"num_experts": s.moe[0].num_experts, "top_k": s.moe[0].top_k, "moe_ffn": width,
+               "num_shared_experts": s.moe[0].shared_numel // ((3 if gated_experts else 2) * s.hidden * width),
                "moe_layer_freq": max(1, s.num_layers // len(s.moe)),
                "first_dense_layers": s.num_layers - len(s.moe) * max(1, s.num_layers // len(s.moe))}
     return {

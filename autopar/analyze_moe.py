@@ -52,6 +52,7 @@ class MoEBlock:
     expert_modules: list[str]  # modulelist: module path of each expert
     body_io: list[tuple[Node, Node | None, Node]]  # per body: (tokens in, offsets in, output)
     expert_numel: int = 0  # parameter elements of one expert
+    shared_numel: int = 0  # parameter elements of the block's always-on (shared) experts and their gates
 
     @property
     def param_names(self) -> list[str]:
@@ -245,6 +246,11 @@ def _block(gm: GraphModule, topk: Node) -> MoEBlock | None:
         _modulelist_bodies(block)
     numel = sum(gm.get_parameter(p).numel() for p in block.expert_params[0])
     block.expert_numel = numel // num_experts if stacked else numel
+    owned = set(block.param_names) | ({block.router.args[1].target} if block.router is not None else set())
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    shared = {a.target for n in gm.graph.nodes if n.op == "call_function" and _within(_module_path(n), block.module)
+              for a in n.all_input_nodes if a.op == "get_attr" and a.target in params and a.target not in owned}
+    block.shared_numel = sum(gm.get_parameter(p).numel() for p in shared)
     return block
 
 

@@ -54,8 +54,6 @@ def _unsupported(plan: Plan) -> None:
     missing = []
     if plan.pp > 1 and (plan.cp > 1 or plan.ep > 1 or plan.zero > 0):
         missing.append(f"pp={plan.pp} together with cp, ep or zero")  # pp runs with dp, tp, sp
-    if plan.ep > 1 and plan.cp > 1:
-        missing.append(f"ep={plan.ep} together with cp")  # EP groups are carved from dp only
     if plan.zero > 0 and (plan.cp > 1 or plan.ep > 1):
         missing.append(f"zero={plan.zero} together with cp or ep")  # ZeRO shards over dp only
     if plan.recompute != "none":
@@ -63,7 +61,7 @@ def _unsupported(plan: Plan) -> None:
     if missing:
         raise AutoparError(
             f"autopar: plan '{plan}' uses {', '.join(missing)}, which the runtime does not support yet; "
-            "the runtime supports dp, tp, sp, cp, ep (with dp, tp, sp), zero (with dp, tp, sp), "
+            "the runtime supports dp, tp, sp, cp, ep (with dp, cp, tp, sp), zero (with dp, tp, sp), "
             "pp (with dp, tp, sp) and mb "
             "(gradient accumulation). The offline cost model and search (autopar plan / autopar.estimate) "
             "cover every dimension.")
@@ -109,11 +107,11 @@ def compile_program(model: nn.Module, example_inputs: Sequence[Any], example_kwa
 
     if structure.moe_error is not None and needs_rewrite(plan):
         raise structure.moe_error
-    if structure.moe and needs_rewrite(plan) and (plan.cp > 1 or plan.pp > 1 or plan.zero > 0):
+    if structure.moe and needs_rewrite(plan) and (plan.pp > 1 or plan.zero > 0):
         raise AutoparError(
             f"autopar: plan '{plan}' splits the experts or tokens of a mixture-of-experts model (ep, tp or capacity) "
-            "together with cp, pp or zero, which the runtime does not combine yet; use ep, tp+sp and capacity with "
-            "dp only, or cp / pp / zero with dp alone (every rank then runs every expert on its own tokens).")
+            "together with pp or zero, which the runtime does not combine yet; use ep, tp+sp and capacity with "
+            "dp and cp, or pp / zero without them (every rank then runs every expert on its own tokens).")
     plan.validate(world_size=world_size, num_heads=structure.num_heads or None,
                   num_kv_heads=structure.num_kv_heads or None,
                   vocab=structure.vocab if plan.tp > 1 and structure.embeddings else None,

@@ -41,6 +41,8 @@ def build_model(kind: str, seed: int, seq: int):
     torch.manual_seed(seed)
     if kind == "example":
         return Decoder(DecoderConfig(vocab_size=VOCAB)), lm_loss, {}
+    if kind == "moe":  # 4 experts, top-2, in every layer: try --plan ep=2,dp=2,tp=2,sp
+        return Decoder(DecoderConfig(vocab_size=VOCAB, num_experts=4, top_k=2, intermediate_size=64)), lm_loss, {}
     if kind == "hf":
         try:
             from transformers import LlamaConfig, LlamaForCausalLM
@@ -52,7 +54,7 @@ def build_model(kind: str, seed: int, seq: int):
             max_position_embeddings=max(64, seq), attn_implementation="sdpa",
         )
         return LlamaForCausalLM(config), _hf_loss, {"use_cache": False}
-    raise SystemExit(f"unknown --model {kind!r}; expected example or hf")
+    raise SystemExit(f"unknown --model {kind!r}; expected example, moe or hf")
 
 
 def make_optimizer_factory(name: str, lr: float):
@@ -111,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plan", default="none",
                         help="autopar plan, e.g. 'tp=2,sp,dp=2', 'auto', or 'none' for plain PyTorch")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--model", choices=("example", "hf"), default="example")
+    parser.add_argument("--model", choices=("example", "moe", "hf"), default="example")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batch", type=int, default=8, help="global batch size")

@@ -44,7 +44,6 @@ AXIS = "ep"
 _PASS = "expert_parallel_pass"
 aten = torch.ops.aten
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
-_PASS_THROUGH = {aten.to.dtype, aten._to_copy.default, aten.clone.default, aten.contiguous.default}
 
 
 def _check_side_uses(block: MoEBlock, ctx: PassContext) -> None:
@@ -169,36 +168,44 @@ def _layouts(block: MoEBlock, ctx: PassContext) -> None:
             ctx.param_shards.setdefault(name, {})[AXIS] = ParamShard(0, owner=e // num_local)
 
 
-def _seq_major_tokens(gm: GraphModule, block: MoEBlock, combine: Node, ctx: PassContext) -> None:
-    """``[b, s, h] -> [b*s, h]`` becomes ``[b, s, h] -> [s, b, h] -> [s*b, h]`` (and back)."""
-    flat = block.tokens
-    while flat.op == "call_function" and flat.target in _RESHAPES and len(_dims(flat.args[0])) == 2:
-        flat = flat.args[0]
-    src = flat.args[0] if flat.op == "call_function" and flat.target in _RESHAPES else None
-    if src is None or len(_dims(src)) != 3 or not _is_seq(_dims(src)[1], ctx):
+def _seq_major_tokens(gm: GraphModule, block: MoEBlock, ctx: PassContext) -> None:
+    """Every ``[b, s, h] -> [b*s, h]`` flatten of the block goes through ``[s, b, h]``, and every
+    ``[b*s, h] -> [b, s, h]`` back through ``[s, b, h]`` and a transpose."""
+    flats, unflats = [], []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in _RESHAPES or not _within(n, block.module):
+            continue
+        src, out = _dims(n.args[0]), _dims(n)
+        if len(src) == 3 and len(out) == 2 and _is_seq(src[1], ctx):
+            flats.append(n)
+        elif len(src) == 2 and len(out) == 3 and _is_seq(out[1], ctx):
+            unflats.append(n)
+    if not flats or not unflats:
         raise AutoparError(f"autopar: sequence parallelism needs the MoE block '{block.module}' to flatten a "
-                           f"[batch, seq, hidden] activation, found {describe_node(flat)}; use a plan without sp.")
-    with gm.graph.inserting_before(flat):
-        t = gm.graph.call_function(aten.transpose.int, (src, 0, 1))
-    t.meta["val"] = src.meta["val"].transpose(0, 1)
-    flat.replace_input_with(src, t)
-    flat.target = aten.reshape.default  # a view cannot merge the transposed dims
-    back = combine
-    while len(back.users) == 1 and next(iter(back.users)).target in _PASS_THROUGH | _RESHAPES \
-            and len(_dims(back)) == 2:
-        back = next(iter(back.users))
-    if back.target not in _RESHAPES or len(_dims(back)) != 3:
-        raise AutoparError(f"autopar: sequence parallelism needs the MoE block '{block.module}' to restore "
-                           f"[batch, seq, hidden] after the experts, found {describe_node(back)}; use a plan "
-                           "without sp.")
-    b, s, h = back.args[1]
-    back.args = (back.args[0], [s, b, h])
-    old_val = back.meta["val"]
-    back.meta["val"] = old_val.transpose(0, 1)
-    with gm.graph.inserting_after(back):
-        restore = gm.graph.call_function(aten.transpose.int, (back, 0, 1))
-    restore.meta["val"] = old_val
-    back.replace_all_uses_with(restore, delete_user_cb=lambda u: u is not restore)
+                           "[batch, seq, hidden] activation into tokens and back; found "
+                           f"{len(flats)} flatten(s) and {len(unflats)} unflatten(s). Use a plan without sp.")
+    for flat in flats:
+        src = flat.args[0]
+        with gm.graph.inserting_before(flat):
+            t = gm.graph.call_function(aten.transpose.int, (src, 0, 1))
+        t.meta["val"] = src.meta["val"].transpose(0, 1)
+        flat.replace_input_with(src, t)
+        flat.target = aten.reshape.default  # a view cannot merge the transposed dims
+    for back in unflats:
+        b, s, h = back.args[1]
+        back.args = (back.args[0], [s, b, h])
+        old_val = back.meta["val"]
+        back.meta["val"] = old_val.transpose(0, 1)
+        with gm.graph.inserting_after(back):
+            restore = gm.graph.call_function(aten.transpose.int, (back, 0, 1))
+        restore.meta["val"] = old_val
+        back.replace_all_uses_with(restore, delete_user_cb=lambda u: u is not restore)
+
+
+def _within(node: Node, prefix: str) -> bool:
+    stack = node.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0] if stack else ""
+    return not prefix or path == prefix or path.startswith(prefix + ".")
 
 
 def _dims(node) -> tuple:
@@ -228,9 +235,9 @@ def expert_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
         if not rewrite:  # ep=1, tp=1, dropless: every rank runs every expert on its own tokens
             result.notes.append(f"{block.module}: {block.style} experts left as traced")
             continue
-        combine = _replace(gm, block, i, ctx)
+        _replace(gm, block, i, ctx)
         if plan.tp > 1 and plan.sp:
-            _seq_major_tokens(gm, block, combine, ctx)
+            _seq_major_tokens(gm, block, ctx)
         result.num_rewritten += 1
         result.notes.append(f"{block.module}: {block.style} experts, E={block.num_experts}, top-{block.top_k}, "
                             f"{block.num_experts // plan.ep} per ep rank")

@@ -23,6 +23,7 @@ __all__ = [
     "hf_gpt2",
     "hf_mixtral",
     "example_moe",
+    "hf_qwen_moe",
     "lm_loss",
     "make_batch",
     "MODELS",
@@ -132,6 +133,22 @@ def hf_mixtral(seed: int = 0, **overrides):
     return model
 
 
+def hf_qwen_moe(seed: int = 0, **overrides):
+    """A tiny ``transformers.Qwen2MoeForCausalLM``: stacked experts plus a gated shared expert
+    that every token passes through (vocab 128, hidden 64, 2 layers, 4 experts, top-2)."""
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    kwargs = dict(vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+                  shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                  mlp_only_layers=[], max_position_embeddings=64, attn_implementation="sdpa")
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**kwargs))
+    model.train()
+    return model
+
+
 MODELS = {
     "example": (example_model, lm_loss, {}),
     "example_tied": (_example_tied, lm_loss, {}),
@@ -140,4 +157,5 @@ MODELS = {
     "hf_gpt2": (hf_gpt2, hf_loss, {"use_cache": False}),
     "example_moe": (example_moe, lm_loss, {}),
     "hf_mixtral": (hf_mixtral, hf_loss, {"use_cache": False}),
+    "hf_qwen_moe": (hf_qwen_moe, hf_loss, {"use_cache": False}),
 }

@@ -62,3 +62,16 @@ def test_auto_plan_on_a_moe_model(dist_pool):
     results = dist_pool(auto_job, "example_moe", world=2)
     assert all(r["plan"] == results[0]["plan"] for r in results) and results[0]["plan"] != "none"
     assert_equivalent(_reference("example_moe", "sgd", ()), (results[0]["losses"], results[0]["state"]))
+
+
+@pytest.mark.parametrize("plan,world", [("ep=2,dp=2", 2), ("ep=2,dp=2,tp=2,sp", 4)])
+def test_shared_experts_stay_data_parallel(dist_pool, plan, world):
+    """Qwen2-MoE: a gated shared expert next to the routed ones runs on the rank's tokens, unsplit."""
+    _check(dist_pool, "hf_qwen_moe", plan, world, "sgd", overrides={})
+
+
+@pytest.mark.parametrize("plan,world", [("ep=2,cp=2", 2), ("ep=4,dp=2,cp=2", 4), ("ep=2,cp=2,tp=2,sp", 4)])
+@pytest.mark.parametrize("model_name", ["example_moe", "hf_mixtral"])
+def test_ep_folds_over_context_parallel_ranks(dist_pool, model_name, plan, world):
+    """ep is carved from dp*cp: ranks holding different sequence chunks exchange tokens too."""
+    _check(dist_pool, model_name, plan, world, "sgd", overrides={})

@@ -13,7 +13,7 @@ import pytest
 from tests.comm_check import assert_comm_equal, predicted_cost
 from tests.jobs import BATCH, SEQ, train_job
 
-PLANS = [("ep=2,dp=2", 2), ("ep=2,dp=4", 4), ("ep=2,dp=2,tp=2,sp", 4)]
+PLANS = [("ep=2,dp=2", 2), ("ep=2,dp=4", 4), ("ep=2,dp=2,tp=2,sp", 4), ("ep=4,dp=2,cp=2", 4)]
 
 
 def _dispatch_counts(records) -> list:
@@ -22,7 +22,7 @@ def _dispatch_counts(records) -> list:
 
 
 def _ep_rank(rank: int, plan) -> int:
-    return (rank // plan.tp) % plan.dp % plan.ep
+    return (rank // plan.tp) % (plan.dp * plan.cp) % plan.ep
 
 
 @pytest.mark.parametrize("plan,world", PLANS, ids=[p for p, _ in PLANS])
@@ -37,7 +37,7 @@ def test_ep_bytes_equal_cost_model_given_counts(dist_pool, model_name, plan, wor
         assert len(counts) == 2  # one dispatch per MoE layer
         for layer, (sent, received) in enumerate(counts):
             # every local token is routed to top-2 experts
-            assert sum(sent) == BATCH // p.dp * SEQ // p.tp * 2
+            assert sum(sent) == BATCH // p.dp * SEQ // (p.tp * p.cp) * 2
             # what this rank received from each ep peer is what that peer sent to its experts
             num_local = len(sent) // p.ep
             mine = _ep_rank(rank, p)

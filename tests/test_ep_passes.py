@@ -89,7 +89,7 @@ BAD_PLANS = [
     ("example", "ep=2,dp=2", 2, r"^autopar: ep=2 applies to mixture-of-experts layers"),
     ("example_moe", "ep=2,dp=2,tp=2", 4, r"^autopar: plan 'tp=2,dp=2,ep=2' uses tp=2 without sp.*'tp=2,sp,dp=2,ep=2'"),
     ("example_moe", "tp=2,sp,dp=2,zero=1", 4, r"^autopar: plan .tp=2,sp,dp=2,zero=1. splits the experts"),
-    ("example_moe", "cp=2,dp=2,ep=2", 4, r"^autopar: plan .* uses ep=2 together with cp"),
+    ("example_moe", "pp=2,dp=2,ep=2", 4, r"^autopar: plan .* uses pp=2 together with cp, ep or zero"),
 ]
 
 

@@ -48,7 +48,7 @@ def test_unknown_option():
 
 
 @pytest.mark.parametrize("plan,world,what", [
-    ("cp=2,dp=2,ep=2", 4, "ep=2 together with cp"),
+    ("dp=2,ep=2,zero=1", 2, "zero=1 together with cp or ep"),
     ("pp=2,dp=2,zero=1", 4, "pp=2 together with cp, ep or zero"),
     ("cp=2,dp=2,zero=1", 4, "zero=1 together with cp or ep"),
     ("recompute=full", 1, "recompute"),
