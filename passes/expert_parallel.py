@@ -12,6 +12,8 @@ gathering tokens, weighting, summing over the top-k slots) is replaced by three 
 The experts' own code is cut out of the graph (``extract_body``) and kept as submodules
 ``moe_experts_<i>``, so what runs on a rank is exactly the user's expert, on the tokens
 routed to it.  The router, shared experts and attention stay data-parallel (untouched).
+A plan without ep, tp or capacity (:func:`needs_rewrite`) keeps the traced experts: every
+rank runs every expert on its own tokens; only the expert gradient bucket is recorded.
 
 Layouts: with ``ep > 1`` the experts are split over the ``ep`` axis (stacked parameters
 along dim 0, ModuleList experts whole on their owner rank).  Expert gradients are reduced

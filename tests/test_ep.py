@@ -70,8 +70,8 @@ def test_shared_experts_stay_data_parallel(dist_pool, plan, world):
     _check(dist_pool, "hf_qwen_moe", plan, world, "sgd", overrides={})
 
 
-@pytest.mark.parametrize("plan,world", [("ep=2,cp=2", 2), ("ep=4,dp=2,cp=2", 4), ("ep=2,cp=2,tp=2,sp", 4)])
-@pytest.mark.parametrize("model_name", ["example_moe", "hf_mixtral"])
+@pytest.mark.parametrize("model_name,plan,world", [("example_moe", "ep=4,dp=2,cp=2", 4),
+                                                   ("hf_mixtral", "ep=2,cp=2,tp=2,sp", 4)])
 def test_ep_folds_over_context_parallel_ranks(dist_pool, model_name, plan, world):
     """ep is carved from dp*cp: ranks holding different sequence chunks exchange tokens too."""
     _check(dist_pool, model_name, plan, world, "sgd", overrides={})
