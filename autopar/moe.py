@@ -119,7 +119,7 @@ def moe_dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int, axis: str
         return rows, Routing(order, num_tokens, top_k, counts.tolist())
     ep, num_local = g.size, num_experts // g.size
     send_counts = counts.view(ep, num_local).contiguous()
-    recv_counts = _all_to_all(send_counts, [1] * ep, [1] * ep, axis, "fwd", "MoE dispatch: tokens per expert",
+    recv_counts = _all_to_all(send_counts, [1] * ep, [1] * ep, axis, "fwd", "MoE dispatch: token counts per expert",
                               None)
     send_splits = send_counts.sum(1).tolist()
     recv_splits = recv_counts.sum(1).tolist()
@@ -127,16 +127,10 @@ def moe_dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int, axis: str
     info = (tuple(counts.tolist()), tuple(tuple(r) for r in table))
     tokens = _TokenAllToAll.apply(rows, send_splits, recv_splits, axis, "MoE dispatch: tokens to expert owners",
                                   info)
-    starts, offset = [], 0
-    for src in range(ep):
-        starts.append([])
-        for j in range(num_local):
-            starts[src].append(offset)
-            offset += table[src][j]
-    regroup = [i for j in range(num_local) for src in range(ep)
-               for i in range(starts[src][j], starts[src][j] + table[src][j])]
-    regroup_t = torch.tensor(regroup, dtype=torch.long, device=x.device)
-    local_counts = [sum(table[src][j] for src in range(ep)) for j in range(num_local)]
+    # Received rows come source-major; a stable sort by local expert makes them expert-major.
+    expert_of_row = torch.arange(num_local, device=x.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
+    regroup_t = torch.sort(expert_of_row, stable=True).indices
+    local_counts = recv_counts.sum(0).tolist()
     routing = Routing(order, num_tokens, top_k, local_counts, send_splits, recv_splits, regroup_t, info)
     return tokens[regroup_t], routing
 
