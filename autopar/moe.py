@@ -119,8 +119,8 @@ def moe_dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int, axis: str
         return rows, Routing(order, num_tokens, top_k, counts.tolist())
     ep, num_local = g.size, num_experts // g.size
     send_counts = counts.view(ep, num_local).contiguous()
-    recv_counts = _all_to_all(send_counts, [1] * ep, [1] * ep, axis, "fwd", "MoE dispatch: token counts per expert",
-                              None)
+    recv_counts = _all_to_all(send_counts, [1] * ep, [1] * ep, axis, "fwd",
+                              "MoE dispatch: token counts per expert", None)
     send_splits = send_counts.sum(1).tolist()
     recv_splits = recv_counts.sum(1).tolist()
     table = recv_counts.tolist()  # [source rank][local expert]
