@@ -122,7 +122,8 @@ def compile_program(model: nn.Module, example_inputs: Sequence[Any], example_kwa
             "run on each rank's sequence shard (experts are not split by tp), so add sp to the plan "
             f"('{dataclasses.replace(plan, sp=True)}'), as Megatron-Core also requires.")
     ctx = PassContext(plan=plan, structure=structure, axis_sizes={**plan.degrees, "ep": plan.ep},
-                      seq_symbol=traced.seq_symbol, batch_symbol=traced.batch_symbol, num_inputs=traced.num_inputs, bucket_bytes=bucket_bytes)
+                      seq_symbol=traced.seq_symbol, batch_symbol=traced.batch_symbol,
+                      num_inputs=traced.num_inputs, bucket_bytes=bucket_bytes)
     ctx.pipeline_split = tuple(pipeline_split) if pipeline_split is not None else None
     run_passes(traced.gm, plan, ctx, default_passes(plan))
     return traced, ctx
