@@ -60,27 +60,23 @@ def make_batch(vocab_size: int, batch: int, seq: int, seed: int):
     return example_module().make_batch(vocab_size, batch, seq, seed)
 
 
-def hf_llama(seed: int = 0, tie: bool = False, **overrides):
-    """A tiny ``transformers.LlamaForCausalLM`` (vocab 128, hidden 64, 2 layers, 4 heads, 2 KV heads)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def _hf(config_name: str, model_name: str, seed: int, defaults: dict, overrides: dict):
+    """``transformers.<model_name>(<config_name>(**defaults, **overrides))`` with weights from ``seed``."""
+    import transformers
 
-    kwargs = dict(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=tie,
-        attn_implementation="sdpa",
-    )
-    kwargs.update(overrides)
-    config = LlamaConfig(**kwargs)
+    config = getattr(transformers, config_name)(**{**defaults, **overrides})
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = getattr(transformers, model_name)(config)
     model.train()
     return model
+
+
+def hf_llama(seed: int = 0, tie: bool = False, **overrides):
+    """A tiny ``transformers.LlamaForCausalLM`` (vocab 128, hidden 64, 2 layers, 4 heads, 2 KV heads)."""
+    return _hf("LlamaConfig", "LlamaForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie, attn_implementation="sdpa"),
+        overrides)
 
 
 def hf_loss(output, target: torch.Tensor) -> torch.Tensor:
@@ -100,15 +96,9 @@ def _example_fused(seed: int = 0, **overrides):
 def hf_gpt2(seed: int = 0, **overrides):
     """A tiny ``transformers.GPT2LMHeadModel``: Conv1D (addmm, [in, out] weights), fused QKV,
     LayerNorm with bias, learned position embeddings, tied LM head; dropout off."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    kwargs = dict(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0,
-                  eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    model = GPT2LMHeadModel(GPT2Config(**kwargs))
-    model.train()
-    return model
+    return _hf("GPT2Config", "GPT2LMHeadModel", seed, dict(
+        vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa"), overrides)
 
 
 def example_moe(seed: int = 0, **overrides):
@@ -121,32 +111,20 @@ def example_moe(seed: int = 0, **overrides):
 def hf_mixtral(seed: int = 0, **overrides):
     """A tiny ``transformers.MixtralForCausalLM``: stacked [E, ...] expert weights run by a grouped
     matmul on tokens sorted by expert (vocab 128, hidden 64, 2 layers, 4 experts, top-2)."""
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    kwargs = dict(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                  max_position_embeddings=64, attn_implementation="sdpa")
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    model = MixtralForCausalLM(MixtralConfig(**kwargs))
-    model.train()
-    return model
+    return _hf("MixtralConfig", "MixtralForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        attn_implementation="sdpa"), overrides)
 
 
 def hf_qwen_moe(seed: int = 0, **overrides):
     """A tiny ``transformers.Qwen2MoeForCausalLM``: stacked experts plus a gated shared expert
     that every token passes through (vocab 128, hidden 64, 2 layers, 4 experts, top-2)."""
-    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-
-    kwargs = dict(vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
-                  shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
-                  mlp_only_layers=[], max_position_embeddings=64, attn_implementation="sdpa")
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    model = Qwen2MoeForCausalLM(Qwen2MoeConfig(**kwargs))
-    model.train()
-    return model
+    return _hf("Qwen2MoeConfig", "Qwen2MoeForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+        max_position_embeddings=64, attn_implementation="sdpa"), overrides)
 
 
 MODELS = {
