@@ -124,7 +124,7 @@ def _stacked_params(gm: GraphModule, scoped: list[Node], num_experts: int) -> li
 
 
 def _numbered_experts(scoped: list[Node], scope: str, num_experts: int) -> list[str]:
-    """Paths ``<prefix>.0 .. <prefix>.E-1`` of child modules (inside ``scope``) that hold linears."""
+    """Paths ``<prefix>.0 .. <prefix>.E-1`` of child modules (inside ``scope``) that routed tokens reach."""
     by_prefix: dict[str, set[int]] = {}
     for n in scoped:
         for path, _ in (n.meta.get("nn_module_stack") or {}).values():
