@@ -27,13 +27,13 @@ import re
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from autopar.analyze import RESHAPE_OPS, module_path
 from autopar.errors import AutoparError, describe_node
 
 aten = torch.ops.aten
 
-__all__ = ["MoEBlock", "find_moe_blocks", "extract_body", "expert_width", "descendants"]
+__all__ = ["MoEBlock", "find_moe_blocks", "extract_body", "expert_width", "descendants", "in_module"]
 
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints}
 
 
 @dataclasses.dataclass
@@ -63,13 +63,13 @@ class MoEBlock:
         return int(self.tokens.meta["val"].shape[-1])
 
 
-def _module_path(node: Node) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    return list(stack.values())[-1][0] if stack else ""
-
-
 def _within(path: str, prefix: str) -> bool:
     return not prefix or path == prefix or path.startswith(prefix + ".")
+
+
+def in_module(node: Node, prefix: str) -> bool:
+    """Was ``node`` traced inside module ``prefix`` (the top level for ``""``)?"""
+    return _within(module_path(node), prefix)
 
 
 def _val(node) -> object:
@@ -145,7 +145,7 @@ def _weights(region: set[Node], index: Node, topk: Node) -> Node | None:
         for a in n.all_input_nodes:
             if a in region or not _is_float(a) or (a not in values and a is not topk):
                 continue
-            while _shape(a) != (num_tokens, k) and a.op == "call_function" and a.target in _RESHAPES:
+            while _shape(a) != (num_tokens, k) and a.op == "call_function" and a.target in RESHAPE_OPS:
                 a = a.args[0]
             if _shape(a) == (num_tokens, k):
                 return a
@@ -200,9 +200,9 @@ def _block(gm: GraphModule, topk: Node) -> MoEBlock | None:
         return None
     num_experts, k = int(_shape(topk.args[0])[-1]), int(_shape(index)[1])
     down = descendants([index])
-    mod = _module_path(topk)
+    mod = module_path(topk)
     for scope in (mod, mod.rsplit(".", 1)[0] if "." in mod else ""):
-        scoped = [n for n in down if n.op == "call_function" and _within(_module_path(n), scope)]
+        scoped = [n for n in down if n.op == "call_function" and in_module(n, scope)]
         stacked = _stacked_params(gm, scoped, num_experts)
         experts = [] if stacked else _numbered_experts(scoped, scope, num_experts)
         if stacked or experts:
@@ -212,7 +212,7 @@ def _block(gm: GraphModule, topk: Node) -> MoEBlock | None:
     if stacked:
         needed = {c for p in stacked for c in _first_users_in(p, down)}
     else:
-        needed = {n for n in scoped if any(_within(_module_path(n), e) for e in experts)}
+        needed = {n for n in scoped if any(in_module(n, e) for e in experts)}
     output = None
     for n in sorted(down, key=_order):
         if n.op == "call_function" and _is_float(n) and len(_shape(n)) == 2 \
@@ -248,7 +248,7 @@ def _block(gm: GraphModule, topk: Node) -> MoEBlock | None:
     block.expert_numel = numel // num_experts if stacked else numel
     owned = set(block.param_names) | ({block.router.args[1].target} if block.router is not None else set())
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
-    shared = {a.target for n in gm.graph.nodes if n.op == "call_function" and _within(_module_path(n), block.module)
+    shared = {a.target for n in gm.graph.nodes if n.op == "call_function" and in_module(n, block.module)
               for a in n.all_input_nodes if a.op == "get_attr" and a.target in params and a.target not in owned}
     block.shared_numel = sum(gm.get_parameter(p).numel() for p in shared)
     return block
@@ -284,7 +284,7 @@ def _stacked_bodies(block: MoEBlock, stacked: list[Node]) -> None:
 
 def _modulelist_bodies(block: MoEBlock) -> None:
     for path in block.expert_modules:
-        members = [n for n in block.region if _within(_module_path(n), path)]
+        members = [n for n in block.region if in_module(n, path)]
         ins = {a for n in members for a in n.all_input_nodes if a not in members and a.op != "get_attr"}
         outs = [n for n in members if any(u not in members for u in n.users)]
         params = []

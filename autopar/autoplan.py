@@ -13,6 +13,7 @@ dimension for clusters is :mod:`autopar.search`.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 
 import torch
@@ -42,16 +43,17 @@ def _candidates(world: int, global_batch: int, supported, num_experts: int = 0) 
     for tp in _divisors(world):
         dp = world // tp
         # MoE blocks run on sequence shards: with experts, tp needs sp
-        for sp in ((True,) if num_experts else (False, True)) if tp > 1 else (False,):
-            for mb in _divisors(global_batch // dp) if global_batch % dp == 0 else ():
-                for zero in ((0, 1, 2, 3) if dp > 1 else (0,)):
-                    for ep in [e for e in _divisors(dp) if num_experts % e == 0] if num_experts else (1,):
-                        try:
-                            plan = Plan(dp=dp, tp=tp, sp=sp, mb=mb, zero=zero, ep=ep)
-                            supported(plan)
-                        except (ValueError, TypeError):
-                            continue
-                        plans.append(plan)
+        sps = ((True,) if num_experts else (False, True)) if tp > 1 else (False,)
+        mbs = _divisors(global_batch // dp) if global_batch % dp == 0 else ()
+        zeros = (0, 1, 2, 3) if dp > 1 else (0,)
+        eps = [e for e in _divisors(dp) if num_experts % e == 0] if num_experts else (1,)
+        for sp, mb, zero, ep in itertools.product(sps, mbs, zeros, eps):
+            try:
+                plan = Plan(dp=dp, tp=tp, sp=sp, mb=mb, zero=zero, ep=ep)
+                supported(plan)
+            except (ValueError, TypeError):
+                continue
+            plans.append(plan)
     return plans
 
 

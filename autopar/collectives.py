@@ -30,6 +30,7 @@ __all__ = [
     "CommRecord",
     "CommRecorder",
     "use_groups",
+    "find_group",
     "axis_size",
     "axis_rank",
     "recorder",
@@ -109,6 +110,11 @@ def _group(axis: str) -> AxisGroup:
             f"autopar: collective on mesh axis '{axis}' called outside a ParallelModule step "
             f"(known axes: {sorted(_GROUPS)}); run the program through ParallelModule.train_step."
         ) from None
+
+
+def find_group(axis: str) -> AxisGroup | None:
+    """The group installed for ``axis``, or None outside a step or when the plan has none."""
+    return _GROUPS.get(axis)
 
 
 def axis_size(axis: str) -> int:

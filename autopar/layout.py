@@ -32,8 +32,7 @@ def shard_local(full: torch.Tensor, shards: dict, coords: dict[str, tuple[int, i
 
 
 def _broadcast_owned(t: torch.Tensor, shard, group, full_shape) -> torch.Tensor:
-    if full_shape is None:
-        raise RuntimeError("autopar: gathering an owner-held tensor needs its full shape")
+    assert full_shape is not None, "gathering an owner-held tensor needs its full shape"
     out = t if t.shape == tuple(full_shape) else t.new_empty(full_shape)
     dist.broadcast(out, group=group, group_src=shard.owner)
     return out

@@ -48,16 +48,13 @@ class Routing:
 
 
 def _ep_group(axis: str):
-    try:
-        g = C._group(axis)
-    except RuntimeError:
-        return None
-    return g if g.size > 1 else None
+    g = C.find_group(axis)
+    return g if g is not None and g.size > 1 else None
 
 
 def _record_a2a(axis: str, t: torch.Tensor, send: list[int], recv: list[int], phase: str, tag: str,
                 counts: tuple | None) -> None:
-    g = C._group(axis)
+    g = C.find_group(axis)
     row = math.prod(t.shape[1:]) * t.element_size()  # one row; t may have none
     mine = g.rank
     sent = float(row * (sum(send) - send[mine]))
@@ -68,7 +65,7 @@ def _record_a2a(axis: str, t: torch.Tensor, send: list[int], recv: list[int], ph
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], axis: str, phase: str, tag: str,
                 counts: tuple | None) -> torch.Tensor:
-    g = C._group(axis)
+    g = C.find_group(axis)
     _record_a2a(axis, x, send, recv, phase, tag, counts)
     x = x.contiguous()
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))

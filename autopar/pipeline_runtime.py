@@ -182,12 +182,7 @@ class PipelineParallelModule(ParallelModule):
     # --- training ---------------------------------------------------------------------
 
     def train_step(self, inputs, target) -> float:
-        inputs = tuple(inputs)
-        if len(inputs) != self.num_inputs:
-            raise AutoparError(f"autopar: train_step got {len(inputs)} inputs; the model was traced with "
-                               f"{self.num_inputs} (pass the same structure as example_inputs).")
-        self._recorder.clear()
-        coords = {a: g.rank for a, g in self._groups.items()}
+        inputs, coords = self._begin_step(inputs)
         pieces = local_micro_batches(inputs, target, self.plan, coords, self.device)
         local_inputs = [torch.cat([p[0][i] for p in pieces]) for i in range(self.num_inputs)]
         local_target = torch.cat([p[1] for p in pieces])

@@ -282,14 +282,18 @@ class ParallelModule:
 
     # --- training ---------------------------------------------------------------------
 
-    def train_step(self, inputs: Sequence[Any], target: Any) -> float:
-        """One optimizer step on the global batch; returns the global mean loss."""
+    def _begin_step(self, inputs: Sequence[Any]) -> tuple[tuple, dict[str, int]]:
+        """Check the inputs, reset the step's comm records; return the inputs and this rank's coordinates."""
         inputs = tuple(inputs)
         if len(inputs) != self.num_inputs:
             raise AutoparError(f"autopar: train_step got {len(inputs)} inputs; the model was traced with "
                                f"{self.num_inputs} (pass the same structure as example_inputs).")
         self._recorder.clear()
-        coords = {a: g.rank for a, g in self._groups.items()}
+        return inputs, {a: g.rank for a, g in self._groups.items()}
+
+    def train_step(self, inputs: Sequence[Any], target: Any) -> float:
+        """One optimizer step on the global batch; returns the global mean loss."""
+        inputs, coords = self._begin_step(inputs)
         with C.use_groups(self._groups, self._recorder):
             total = torch.zeros((), device=self.device)
             self._memory.begin_step()

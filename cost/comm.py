@@ -75,6 +75,7 @@ class RowSpec:
     count: sp.Expr     # calls per micro-batch if per_mb, else per optimizer step
     per_mb: bool
     what: str
+    routed: bool = False  # MoE token all-to-all: exact from a run's counts (routed_all_to_all_rows)
 
     @property
     def passes(self) -> int:
@@ -164,9 +165,9 @@ def row_specs() -> list[RowSpec]:
     nsp = 1 - SP
     rows: list[RowSpec] = []
 
-    def add(phase, dim, coll, axis, group, sent, count, per_mb, what, recv=None):
+    def add(phase, dim, coll, axis, group, sent, count, per_mb, what, recv=None, routed=False):
         rows.append(RowSpec(phase, dim, coll, axis, group, sent, sent if recv is None else recv,
-                            count, per_mb, what))
+                            count, per_mb, what, routed))
 
     # ---- tensor parallelism (and sequence parallelism on the same group)
     add("fwd", "tp", "all_reduce", "tp", tp, ar(A, tp), nsp * (2 * ld + le + FIRST), True,
@@ -222,7 +223,7 @@ def row_specs() -> list[RowSpec]:
     routed = a2a((T / tp) * k * rho, ep)
     for phase, coll, sent, recv in routed_row_formulas():
         add(phase, "ep", "all_to_all", "ep", ep, sent.subs({N_OUT: routed, N_IN: routed}), le, True,
-            TOKEN_ROWS[(phase, coll)], recv=recv.subs({N_OUT: routed, N_IN: routed}))
+            TOKEN_ROWS[(phase, coll)], recv=recv.subs({N_OUT: routed, N_IN: routed}), routed=True)
     add("fwd", "ep", "all_to_all", "ep", ep, a2a(E * 8, ep), le, True,
         "MoE dispatch: exchange of the int64 token counts per expert")
 

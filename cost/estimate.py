@@ -16,7 +16,7 @@ from autopar.errors import AutoparError
 from autopar.plan import Plan
 
 from . import symbols as S
-from .comm import TOKEN_ROWS, CommRow, routed_all_to_all_rows
+from .comm import CommRow, routed_all_to_all_rows
 from .flops import model_flops, per_token_layer_flops
 from .hardware import Cluster
 from .model import (CP_VARIANTS, DEFAULT_CONSTANTS, RECOMPUTE, SCHEDULES, compiled, evaluate,
@@ -137,7 +137,7 @@ class Cost:
             if count <= 0 or group <= 1 or (sent <= 0 and recv <= 0):
                 continue
             axis = {"dp*": dp_axis, "edp*": dp_axis if p.ep == 1 and p.tp == 1 else "edp"}.get(row.axis, row.axis)
-            if expert_counts is not None and row.what in TOKEN_ROWS.values():
+            if expert_counts is not None and row.routed:
                 continue
             out.append(CommRow(row.phase, row.dimension, row.collective, axis, int(round(group)),
                                sent, recv, int(round(count)), row.what))

@@ -59,7 +59,7 @@ def data_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
     if num_dc > 1:  # dense weights are replicated over dp*cp ranks
         ctx.grad_buckets += _buckets(gm, ctx, names, "dp_cp" if cp > 1 else "dp", True, cap)
     moe = [n for n in all_names if n in experts]
-    if moe and num_dc > 1 or moe and ctx.axis_sizes.get("tp", 1) > 1:
+    if moe and (num_dc > 1 or ctx.axis_sizes.get("tp", 1) > 1):
         # An expert's gradient on its owner sums every token routed to it from the ep group;
         # summed over the ranks holding the same experts (edp: the other dp*cp/ep token slices,
         # times tp under sp) it covers all dp*cp slices, so it is averaged by dp*cp.

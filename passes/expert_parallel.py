@@ -36,7 +36,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from autopar import moe as M
-from autopar.analyze_moe import MoEBlock, descendants, extract_body, find_moe_blocks
+from autopar.analyze_moe import MoEBlock, descendants, extract_body, find_moe_blocks, in_module
 from autopar.errors import AutoparError, describe_node
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
 
@@ -45,7 +45,7 @@ __all__ = ["expert_parallel_pass", "needs_rewrite", "AXIS"]
 AXIS = "ep"
 _PASS = "expert_parallel_pass"
 aten = torch.ops.aten
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}  # ops with a sizes list
 
 
 def _check_side_uses(block: MoEBlock, ctx: PassContext) -> None:
@@ -93,7 +93,7 @@ def _param_nodes(gm: GraphModule, names: list[str], before: Node) -> list[Node]:
     return out
 
 
-def _replace(gm: GraphModule, block: MoEBlock, i: int, ctx: PassContext) -> Node:
+def _replace(gm: GraphModule, block: MoEBlock, i: int, ctx: PassContext) -> None:
     bodies, names = [], []
     for io in block.body_io:
         body, params = extract_body(*io)
@@ -138,7 +138,6 @@ def _replace(gm: GraphModule, block: MoEBlock, i: int, ctx: PassContext) -> Node
                 f"{describe_node(outside[0])}; expected the experts region to feed only its output. "
                 "Use a plan with ep=1 and tp=1 for this model.")
         graph.erase_node(n)
-    return combine
 
 
 def _routed_bytes(dispatch: Node, combine: Node, block: MoEBlock, ctx: PassContext) -> None:
@@ -175,7 +174,7 @@ def _seq_major_tokens(gm: GraphModule, block: MoEBlock, ctx: PassContext) -> Non
     ``[b*s, h] -> [b, s, h]`` back through ``[s, b, h]`` and a transpose."""
     flats, unflats = [], []
     for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in _RESHAPES or not _within(n, block.module):
+        if n.op != "call_function" or n.target not in _RESHAPES or not in_module(n, block.module):
             continue
         src, out = _dims(n.args[0]), _dims(n)
         if len(src) == 3 and len(out) == 2 and _is_seq(src[1], ctx):
@@ -204,12 +203,6 @@ def _seq_major_tokens(gm: GraphModule, block: MoEBlock, ctx: PassContext) -> Non
         back.replace_all_uses_with(restore, delete_user_cb=lambda u: u is not restore)
 
 
-def _within(node: Node, prefix: str) -> bool:
-    stack = node.meta.get("nn_module_stack") or {}
-    path = list(stack.values())[-1][0] if stack else ""
-    return not prefix or path == prefix or path.startswith(prefix + ".")
-
-
 def _dims(node) -> tuple:
     val = node.meta.get("val") if isinstance(node, Node) else None
     return tuple(val.shape) if isinstance(val, torch.Tensor) else ()
@@ -231,6 +224,7 @@ def expert_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
         result.notes.append(f"MoE block left as traced: {ctx.structure.moe_error}")
         return result
     rewrite = needs_rewrite(plan)
+    # Found again, not taken from ctx.structure: the cleanup pass has erased nodes since analysis.
     for i, block in enumerate(find_moe_blocks(gm)):
         _check_side_uses(block, ctx)
         _layouts(block, ctx)
