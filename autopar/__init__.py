@@ -1,9 +1,9 @@
 """autopar: an auto-parallelization compiler for unmodified PyTorch models.
 
-The pipeline (see docs/ and DESIGN.md):
-  trace (autopar.trace) -> analyze (autopar.analyze) -> plan (autopar.plan)
-  -> passes (autopar.passes) -> emit/run (autopar.runtime)
-and, offline, the symbolic cost model (autopar.cost) and plan search (autopar.search).
+The pipeline (docs/architecture.md draws it and the package layers):
+  trace and analyze (autopar.frontend) -> plan (autopar.plan) -> passes (autopar.passes,
+  inserting the operators of autopar.ops) -> emit/run (autopar.runtime)
+and, offline, the symbolic cost model (autopar.cost) and plan search (autopar.planning).
 
 Public names are imported lazily so that the offline tools (`autopar plan`) start
 fast and never touch torch.distributed.
@@ -31,7 +31,7 @@ _LAZY = {
     "Cluster": ("autopar.cost", "Cluster"),
     "Cost": ("autopar.cost", "Cost"),
     "estimate": ("autopar.cost", "estimate"),
-    "search": ("autopar.search", "search"),
+    "search": ("autopar.planning.search", "search"),
     "init_distributed": ("autopar.runtime", "init_distributed"),
     "parallelize": ("autopar.runtime", "parallelize"),
     "ParallelModule": ("autopar.runtime", "ParallelModule"),

@@ -6,6 +6,8 @@ from and the source line (see :func:`describe_node`).
 """
 from __future__ import annotations
 
+import functools
+import importlib.util
 import os
 
 __all__ = ["AutoparError", "describe_node"]
@@ -35,16 +37,14 @@ def describe_node(node) -> str:
         frames = [(lines[i][5:], lines[i + 1] if i + 1 < len(lines) else "")
                   for i in range(len(lines)) if lines[i].startswith("File ")]
         # The innermost frame outside torch itself is the user's source line.
-        user = [f for f in frames if _TORCH_DIR not in f[0]] or frames
+        user = [f for f in frames if _torch_dir() not in f[0]] or frames
         if user:
             parts.append(f"at {user[-1][0]}: {user[-1][1]}")
     return ", ".join(parts)
 
 
+@functools.lru_cache(maxsize=1)
 def _torch_dir() -> str:
-    import torch
-
-    return os.path.dirname(torch.__file__)
-
-
-_TORCH_DIR = _torch_dir()
+    """Where torch is installed, found without importing it (offline planning never loads torch)."""
+    spec = importlib.util.find_spec("torch")
+    return os.path.dirname(spec.origin) if spec and spec.origin else os.sep + "torch" + os.sep

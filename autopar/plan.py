@@ -27,21 +27,22 @@ import operator
 from dataclasses import dataclass
 
 from autopar.errors import AutoparError
+from autopar.plan_rules import (CP_VARIANTS, MULTI_CHUNK_SCHEDULES, RECOMPUTE_MODES, SCHEDULES,
+                                V_SCHEDULES, check_micro_batches, chunk_rank, chunks_per_rank,
+                                micro_batches_ok, ulysses_fits, ulysses_heads_ok,
+                                valid_micro_batches)
 
-__all__ = ["Plan", "CP_VARIANTS", "SCHEDULES", "RECOMPUTE_MODES"]
-
-CP_VARIANTS = ("ring", "allgather", "ulysses")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
-RECOMPUTE_MODES = ("none", "selective", "full")
-# Schedules that run exactly two model chunks per rank (the "V" shape).
-_V_SCHEDULES = ("zbv", "dualpipev")
+# The shared rules (autopar.plan_rules) are re-exported: import them from here.
+__all__ = ["Plan", "CP_VARIANTS", "SCHEDULES", "RECOMPUTE_MODES", "V_SCHEDULES", "MULTI_CHUNK_SCHEDULES",
+           "chunks_per_rank", "chunk_rank", "micro_batches_ok", "valid_micro_batches",
+           "check_micro_batches", "ulysses_heads_ok", "ulysses_fits"]
 
 _INT_OPTIONS = ("dp", "tp", "cp", "ep", "pp", "vpp", "mb", "zero")
 _OPTIONS = ("dp", "tp", "sp", "cp", "ep", "pp", "vpp", "mb", "zero", "recompute", "capacity")
 _SYNTAX = (
-    "dp=N, tp=N, sp, cp=N[:ring|allgather|ulysses], ep=N, "
-    "pp=N[:gpipe|1f1b|interleaved|zbv|dualpipev], vpp=N, mb=N, zero=0|1|2|3, "
-    "recompute=none|selective|full, capacity=F"
+    f"dp=N, tp=N, sp, cp=N[:{'|'.join(CP_VARIANTS)}], ep=N, "
+    f"pp=N[:{'|'.join(SCHEDULES)}], vpp=N, mb=N, zero=0|1|2|3, "
+    f"recompute={'|'.join(RECOMPUTE_MODES)}, capacity=F"
 )
 
 
@@ -190,7 +191,7 @@ class Plan:
             object.__setattr__(self, "capacity", cap)
 
     def _check_vpp(self) -> None:
-        if self.schedule in _V_SCHEDULES:
+        if self.schedule in V_SCHEDULES:
             if self.vpp not in (1, 2):
                 raise AutoparError(
                     f"autopar: schedule '{self.schedule}' runs exactly 2 model chunks per "
@@ -229,8 +230,8 @@ class Plan:
             )
         if (
             "vpp" not in changes
-            and self.schedule in _V_SCHEDULES
-            and changes.get("schedule", self.schedule) not in _V_SCHEDULES
+            and self.schedule in V_SCHEDULES
+            and changes.get("schedule", self.schedule) not in V_SCHEDULES
         ):
             changes["vpp"] = 1
         if "pp" in changes and changes["pp"] == 1 and "schedule" not in changes:
@@ -362,12 +363,9 @@ class Plan:
 
     @property
     def num_chunks_per_rank(self) -> int:
-        """Model chunks each pipeline rank holds: vpp (interleaved), 2 (zbv, dualpipev), else 1."""
-        if self.schedule == "interleaved":
-            return self.vpp
-        if self.schedule in _V_SCHEDULES:
-            return 2
-        return 1
+        """Model chunks each pipeline rank holds: vpp (interleaved), 2 (zbv, dualpipev), else 1
+        (:func:`autopar.plan_rules.chunks_per_rank`)."""
+        return chunks_per_rank(self.schedule, self.vpp)
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -465,7 +463,7 @@ class Plan:
             )
         if self.cp > 1 and self.cp_variant == "ulysses":
             split = self.tp * self.cp
-            if heads % split or kv % split:
+            if not ulysses_fits(heads, kv, self.tp, self.cp):
                 # tp divides gcd(heads, kv) here, so cp must divide what is left per tp rank.
                 good_cp = [c for c in _divisors(math.gcd(heads, kv) // self.tp) if c > 1]
                 hint = (

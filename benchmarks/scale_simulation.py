@@ -51,7 +51,7 @@ def simulate(layers: int, plan: str, seq: int, micro_batch: int, log=print) -> d
         log(f"[1/3] compiling {layers}-layer Llama (hidden 8192) for '{plan}' on a fake world of {p.world_size}")
         start = time.perf_counter()
         pm = autopar.parallelize(model, (ids,), {"use_cache": False}, plan=plan, loss_fn=_loss)
-        for line in pm.ctx.log:
+        for line in pm.program.log:
             log(f"      {line}")
         log(f"      compiled in {time.perf_counter() - start:.1f} s")
         log("[2/3] one training step on the meta device")

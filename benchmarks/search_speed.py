@@ -30,7 +30,7 @@ CASES = (
 def run_case(model: str, gpus: int, seq: int, global_batch: int, repeat: int = 3) -> dict:
     """Best-of-``repeat`` wall time of one full search (top 10), with its candidate count."""
     from autopar.cost import Cluster
-    from autopar.search import search
+    from autopar.planning.search import search
 
     cluster = Cluster.for_world("h100", gpus)
     walls, total = [], 0

@@ -8,7 +8,7 @@ the calibration table.
 The model, as formulas (symbols in symbols.py; T = b*S/cp tokens of a micro-batch on a
 rank, T_sp = T/tp under SP; l_d, l_e dense / MoE layers on the rank):
 
-  bytes per collective          ring convention of DESIGN.md       comm.row_specs
+  bytes per collective          ring convention of docs/architecture.md       comm.row_specs
     TP   all-reduce 2(tp-1)/tp * b*S/cp*H*w, 2 l_d + l_e + 1 per micro-batch each way
     SP   all-gather (tp-1)*A/tp and reduce-scatter (tp-1)/tp*A, duals in backward,
          + per step 2(tp-1)/tp * norm-gradient bytes

@@ -2,7 +2,7 @@
 
 Each :class:`RowSpec` is one kind of collective call on one mesh axis with sympy
 formulas (symbols.py) for its group size, the bytes a rank sends and receives per call
-(DESIGN.md's ring convention) and the number of calls per micro-batch or per step.
+(the ring convention of docs/architecture.md) and the number of calls per micro-batch or per step.
 ``estimate.py`` evaluates them into :class:`CommRow` for ``Cost.comm_table()`` and
 ``time.py`` prices them with the per-axis alpha-beta figures of hardware.py.
 
@@ -156,47 +156,84 @@ def zero3_units():
 
 def row_specs() -> list[RowSpec]:
     """All collective kinds; rows whose count or group evaluates to 0 / 1 are dropped later."""
-    A = activation_bytes()
-    T = b * s / cp                               # tokens of one micro-batch on this rank
-    ar = lambda F, n: 2 * (n - 1) / n * F        # noqa: E731  all-reduce, sent = received
-    rs = lambda F, n: (n - 1) / n * F            # noqa: E731
-    ag = lambda shard, n: (n - 1) * shard        # noqa: E731
-    a2a = lambda buf, n: (n - 1) / n * buf       # noqa: E731
-    nsp = 1 - SP
+    return (_tensor_parallel_rows() + _context_parallel_rows() + _expert_parallel_rows()
+            + _pipeline_parallel_rows() + _data_parallel_rows() + _loss_rows())
+
+
+def _ar(F, n):
+    """Bytes a rank sends (= receives) in a ring all-reduce of ``F`` bytes over ``n`` ranks."""
+    return 2 * (n - 1) / n * F
+
+
+def _rs(F, n):
+    """Bytes a rank sends in a ring reduce-scatter of ``F`` bytes over ``n`` ranks."""
+    return (n - 1) / n * F
+
+
+def _ag(shard, n):
+    """Bytes a rank receives in an all-gather of ``shard``-byte shards over ``n`` ranks."""
+    return (n - 1) * shard
+
+
+def _a2a(buf, n):
+    """Bytes a rank sends in an all-to-all of a ``buf``-byte buffer over ``n`` ranks."""
+    return (n - 1) / n * buf
+
+
+def _tokens():
+    """Tokens of one micro-batch on this rank (``T = b*S/cp``)."""
+    return b * s / cp
+
+
+def _row_collector():
+    """An empty RowSpec list and the ``add`` that appends to it (``recv`` defaults to ``sent``)."""
     rows: list[RowSpec] = []
 
     def add(phase, dim, coll, axis, group, sent, count, per_mb, what, recv=None, routed=False):
         rows.append(RowSpec(phase, dim, coll, axis, group, sent, sent if recv is None else recv,
                             count, per_mb, what, routed))
 
-    # ---- tensor parallelism (and sequence parallelism on the same group)
-    add("fwd", "tp", "all_reduce", "tp", tp, ar(A, tp), nsp * (2 * ld + le + FIRST), True,
+    return rows, add
+
+
+def _tensor_parallel_rows() -> list[RowSpec]:
+    """Rows on the tp group: TP, SP, the SP-partial gradient sum and the vocab-parallel loss."""
+    A = activation_bytes()
+    T = _tokens()
+    nsp = 1 - SP
+    rows, add = _row_collector()
+    add("fwd", "tp", "all_reduce", "tp", tp, _ar(A, tp), nsp * (2 * ld + le + FIRST), True,
         "all-reduce after o_proj / down_proj and the vocab-parallel embedding, [b, s, h]")
-    add("bwd", "tp", "all_reduce", "tp", tp, ar(A, tp), nsp * (2 * ld + le + LAST), True,
+    add("bwd", "tp", "all_reduce", "tp", tp, _ar(A, tp), nsp * (2 * ld + le + LAST), True,
         "all-reduce of input grads at the q/k/v, gate/up and LM-head entries, [b, s, h]")
-    add("fwd", "tp", "all_gather", "tp", tp, ag(A / tp, tp), nsp * le, True,
+    add("fwd", "tp", "all_gather", "tp", tp, _ag(A / tp, tp), nsp * le, True,
         "all-gather of the MoE block output from token slices, shard [b, s/tp, h]")
-    add("bwd", "tp", "all_gather", "tp", tp, ag(A / tp, tp), nsp * le, True,
+    add("bwd", "tp", "all_gather", "tp", tp, _ag(A / tp, tp), nsp * le, True,
         "all-gather of the MoE block input grads from token slices, shard [b, s/tp, h]")
-    add("fwd", "sp", "all_gather", "tp", tp, ag(A / tp, tp), SP * (2 * ld + le + LAST), True,
+    add("fwd", "sp", "all_gather", "tp", tp, _ag(A / tp, tp), SP * (2 * ld + le + LAST), True,
         "all-gather before q/k/v, gate/up and the LM head, shard [b, s/tp, h]")
-    add("fwd", "sp", "reduce_scatter", "tp", tp, rs(A, tp), SP * (2 * ld + le + FIRST), True,
+    add("fwd", "sp", "reduce_scatter", "tp", tp, _rs(A, tp), SP * (2 * ld + le + FIRST), True,
         "reduce-scatter after o_proj / down_proj and the embedding, [b, s, h]")
-    add("bwd", "sp", "reduce_scatter", "tp", tp, rs(A, tp), SP * (2 * ld + le + LAST), True,
+    add("bwd", "sp", "reduce_scatter", "tp", tp, _rs(A, tp), SP * (2 * ld + le + LAST), True,
         "reduce-scatter of grads, dual of the forward all-gathers, [b, s, h]")
-    add("bwd", "sp", "all_gather", "tp", tp, ag(A / tp, tp), SP * (2 * ld + le + FIRST), True,
+    add("bwd", "sp", "all_gather", "tp", tp, _ag(A / tp, tp), SP * (2 * ld + le + FIRST), True,
         "all-gather of grads, dual of the forward reduce-scatters, shard [b, s/tp, h]")
     _, _, partial = local_param_elems()
     # Under ZeRO-2/3 the rank holds only its dp*cp shard of these gradients when it sums them.
-    add("grad", "sp", "all_reduce", "tp", tp, ar(partial * wgc * (1 - Z2 + Z2 / (dp * cp)), tp), 1, False,
+    add("grad", "sp", "all_reduce", "tp", tp, _ar(partial * wgc * (1 - Z2 + Z2 / (dp * cp)), tp), 1, False,
         "gradients of tp-replicated weights used on token shards (norms under SP, MoE routers)")
-    add("fwd", "loss_parallel", "all_reduce", "tp", tp, ar(T * 4, tp), 3 * LAST, True,
+    add("fwd", "loss_parallel", "all_reduce", "tp", tp, _ar(T * 4, tp), 3 * LAST, True,
         "vocab-parallel cross-entropy: fp32 max, sum of exp, target logit per token")
+    return rows
 
-    # ---- context parallelism
+
+def _context_parallel_rows() -> list[RowSpec]:
+    """Rows on the cp group: the ring K,V passes, all-gather K,V and the Ulysses all-to-alls."""
+    T = _tokens()
     kv = T * (g / tp) * d * w                   # one of K or V on this rank
     q = T * (a / tp) * d * w
     n_attn = ld + le
+    rows, add = _row_collector()
     # Backward: K,V hop cp-1 times again and the dK,dV accumulators hop cp-1 times (each starts
     # one rank after its home and ends there), as separate messages: twice the forward calls.
     for phase, what in (("fwd", "K,V (packed) to the next rank of the ring"),
@@ -206,29 +243,38 @@ def row_specs() -> list[RowSpec]:
             recv=0)
         add(phase, "cp", "recv", "cp", cp, 0, mult * CPRING * (cp - 1) * n_attn, True, what,
             recv=2 * kv)
-    add("fwd", "cp", "all_gather", "cp", cp, ag(2 * kv, cp), CPAG * n_attn, True,
+    add("fwd", "cp", "all_gather", "cp", cp, _ag(2 * kv, cp), CPAG * n_attn, True,
         "all-gather of K,V, shard [b, s/cp, 2 g/tp, d]")
-    add("bwd", "cp", "reduce_scatter", "cp", cp, rs(2 * kv * cp, cp), CPAG * n_attn, True,
+    add("bwd", "cp", "reduce_scatter", "cp", cp, _rs(2 * kv * cp, cp), CPAG * n_attn, True,
         "reduce-scatter of dK,dV over the full sequence")
-    add("fwd", "cp", "all_to_all", "cp", cp, a2a(q + 2 * kv, cp), CPUL * n_attn, True,
+    add("fwd", "cp", "all_to_all", "cp", cp, _a2a(q + 2 * kv, cp), CPUL * n_attn, True,
         "Ulysses all-to-all of q,k,v: sequence shards -> head shards")
-    add("fwd", "cp", "all_to_all", "cp", cp, a2a(q, cp), CPUL * n_attn, True,
+    add("fwd", "cp", "all_to_all", "cp", cp, _a2a(q, cp), CPUL * n_attn, True,
         "Ulysses all-to-all of the attention output: head shards -> sequence shards")
-    add("bwd", "cp", "all_to_all", "cp", cp, a2a(q, cp), CPUL * n_attn, True,
+    add("bwd", "cp", "all_to_all", "cp", cp, _a2a(q, cp), CPUL * n_attn, True,
         "Ulysses all-to-all of dO")
-    add("bwd", "cp", "all_to_all", "cp", cp, a2a(q + 2 * kv, cp), CPUL * n_attn, True,
+    add("bwd", "cp", "all_to_all", "cp", cp, _a2a(q + 2 * kv, cp), CPUL * n_attn, True,
         "Ulysses all-to-all of dq,dk,dv")
+    return rows
 
-    # ---- expert parallelism: expected routed rows n_out = n_in = (T/tp) k rho (ep-1)/ep
-    routed = a2a((T / tp) * k * rho, ep)
+
+def _expert_parallel_rows() -> list[RowSpec]:
+    """Rows on the ep group: the expected MoE token all-to-alls and the token-count exchange."""
+    # Expected routed rows n_out = n_in = (T/tp) k rho (ep-1)/ep
+    routed = _a2a((_tokens() / tp) * k * rho, ep)
+    rows, add = _row_collector()
     for phase, coll, sent, recv in routed_row_formulas():
         add(phase, "ep", "all_to_all", "ep", ep, sent.subs({N_OUT: routed, N_IN: routed}), le, True,
             TOKEN_ROWS[(phase, coll)], recv=recv.subs({N_OUT: routed, N_IN: routed}), routed=True)
-    add("fwd", "ep", "all_to_all", "ep", ep, a2a(E * 8, ep), le, True,
+    add("fwd", "ep", "all_to_all", "ep", ep, _a2a(E * 8, ep), le, True,
         "MoE dispatch: exchange of the int64 token counts per expert")
+    return rows
 
-    # ---- pipeline parallelism
-    boundary = T * h * w * (nsp + SP / tp)
+
+def _pipeline_parallel_rows() -> list[RowSpec]:
+    """Rows on the pp group: boundary activation sends / receives and the tied-embedding gradient."""
+    boundary = _tokens() * h * w * ((1 - SP) + SP / tp)
+    rows, add = _row_collector()
     add("fwd", "pp", "send", "pp", pp, boundary, NSEND, True, "activation to the next stage", recv=0)
     add("fwd", "pp", "recv", "pp", pp, 0, NRECV, True, "activation from the previous stage",
         recv=boundary)
@@ -236,33 +282,43 @@ def row_specs() -> list[RowSpec]:
         recv=0)
     add("bwd", "pp", "recv", "pp", pp, 0, NSEND, True, "output grad from the next stage",
         recv=boundary)
-    add("grad", "pp", "all_reduce", "pp_embed", 2, ar(V * h / tp * wgc, 2),
+    add("grad", "pp", "all_reduce", "pp_embed", 2, _ar(V * h / tp * wgc, 2),
         TIED * (FIRST + LAST - 2 * FIRST * LAST), False,
         "tied embedding / LM-head gradient between the first and last stage")
+    return rows
 
-    # ---- data parallelism and ZeRO
+
+def _data_parallel_rows() -> list[RowSpec]:
+    """Rows over the weight replicas: DP gradient all-reduce, ZeRO reduce-scatters and all-gathers."""
     dense, expert, _ = local_param_elems()
     # ZeRO-3 gathers (and reduce-scatters) per unit: one per layer, plus one for the rest of
     # the stage (embedding, final norm, head); rows give the average bytes per call.
     units = zero3_units()
+    rows, add = _row_collector()
     # Experts are whole on every TP rank (Megatron-Core's expert-tensor-parallel size 1), so an
     # expert's replicas are the tp * dp*cp/ep ranks of a stage that hold the same expert index.
     for label, P, axis, n, u in (("dense", dense, "dp*", dp * cp, units),
                                  ("expert", expert, "edp*", tp * dp * cp / ep, 1)):
         per_mb = 1 + Z3 * (u - 1)                # reduce-scatters per micro-batch (stage 3: per unit)
-        add("grad", "dp", "all_reduce", axis, n, ar(P * wgc, n), 1 - Z1, False,
+        add("grad", "dp", "all_reduce", axis, n, _ar(P * wgc, n), 1 - Z1, False,
             f"all-reduce of the {label} gradients (bucketed, once per step)")
-        add("grad", "dp", "reduce_scatter", axis, n, rs(P * wgc, n) / per_mb, Z1 * (1 + (m - 1) * Z2) * per_mb,
+        add("grad", "dp", "reduce_scatter", axis, n, _rs(P * wgc, n) / per_mb, Z1 * (1 + (m - 1) * Z2) * per_mb,
             False, f"ZeRO reduce-scatter of the {label} gradients (per step for 1, per micro-batch for 2, "
                    "per unit and micro-batch for 3)")
-        add("step", "zero", "all_gather", axis, n, ag(P * wp / n, n), Z1 * (1 - Z3), False,
+        add("step", "zero", "all_gather", axis, n, _ag(P * wp / n, n), Z1 * (1 - Z3), False,
             f"ZeRO all-gather of the updated {label} parameters")
-        add("fwd", "zero", "all_gather", axis, n, ag(P * wp / n, n) / u, Z3 * u, True,
+        add("fwd", "zero", "all_gather", axis, n, _ag(P * wp / n, n) / u, Z3 * u, True,
             f"ZeRO-3 all-gather of the {label} parameters before use (forward, per unit)")
-        add("bwd", "zero", "all_gather", axis, n, ag(P * wp / n, n) / u, Z3 * u, True,
+        add("bwd", "zero", "all_gather", axis, n, _ag(P * wp / n, n) / u, Z3 * u, True,
             f"ZeRO-3 all-gather of the {label} parameters again (backward, per unit)")
-    add("loss", "dp", "all_reduce", "dp*", dp * cp, ar(4, dp * cp), LAST, False,
+    return rows
+
+
+def _loss_rows() -> list[RowSpec]:
+    """Per-step fp32 loss reductions: the mean over dp*cp replicas and the broadcast over pp."""
+    rows, add = _row_collector()
+    add("loss", "dp", "all_reduce", "dp*", dp * cp, _ar(4, dp * cp), LAST, False,
         "mean of the fp32 loss over data-parallel replicas")
-    add("loss", "pp", "all_reduce", "pp", pp, ar(4, pp), 1, False,
+    add("loss", "pp", "all_reduce", "pp", pp, _ar(4, pp), 1, False,
         "the fp32 loss from the last stage to every pipeline rank (the others add 0)")
     return rows

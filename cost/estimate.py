@@ -13,14 +13,14 @@ import numpy as np
 import sympy as sp
 
 from autopar.errors import AutoparError
-from autopar.plan import Plan
+from autopar.plan import CP_VARIANTS, RECOMPUTE_MODES, SCHEDULES, Plan
 
 from . import symbols as S
 from .comm import CommRow, routed_all_to_all_rows
 from .flops import model_flops, per_token_layer_flops
 from .hardware import Cluster
-from .model import (CP_VARIANTS, DEFAULT_CONSTANTS, RECOMPUTE, SCHEDULES, compiled, evaluate,
-                    model_values, plan_values, step_time_arrays)
+from .model import (DEFAULT_CONSTANTS, compiled, evaluate, model_values, plan_values,
+                    step_time_arrays)
 from .pipeline import inflight, stage_views
 from .spec import ModelSpec
 
@@ -183,7 +183,7 @@ def _as_cluster(cluster) -> Cluster:
 def plan_flags(plan: Plan) -> dict:
     """Integer codes of a plan's options, as model.plan_values expects them."""
     return dict(tp=plan.tp, dp=plan.dp, cp=plan.cp, pp=plan.pp, ep=plan.ep, vpp=plan.num_chunks_per_rank,
-                m=plan.mb, sp=int(plan.sp), zero=plan.zero, recompute=RECOMPUTE.index(plan.recompute),
+                m=plan.mb, sp=int(plan.sp), zero=plan.zero, recompute=RECOMPUTE_MODES.index(plan.recompute),
                 cp_variant=CP_VARIANTS.index(plan.cp_variant), schedule=SCHEDULES.index(plan.schedule))
 
 

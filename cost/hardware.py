@@ -3,7 +3,7 @@
 The time model (time.py) charges every collective on a mesh axis by an alpha-beta model
 per link class: NVLink inside a node, the network across nodes. Which links an axis
 uses follows from the mesh layout ``pp x dp x cp x tp`` (outer to inner, tp fastest;
-expert groups are carved from ``dp x cp`` with stride tp, DESIGN.md): an axis of size
+expert groups are carved from ``dp x cp`` with stride tp, docs/architecture.md): an axis of size
 ``n`` and rank stride ``st`` has ``r = min(n, G // st)`` members per node (``G`` GPUs per
 node; ``r = 1`` once ``st >= G``) and spans ``N = ceil(n / r)`` nodes. Collectives are
 taken to be hierarchical (NCCL-like): the intra-node part runs on NVLink and each GPU
@@ -134,7 +134,7 @@ def axis_link_arrays(cluster: Cluster, axis: str, tp, cp, dp, pp, ep, eps: float
     """Per-axis link costs for arrays of plans.
 
     Returns ``(beta_ring, beta_a2a, alpha_ring, alpha_a2a)``: seconds per byte *sent by a
-    rank* (DESIGN.md's convention) for ring collectives (all-gather, reduce-scatter,
+    rank* (the byte convention of docs/architecture.md) for ring collectives (all-gather, reduce-scatter,
     all-reduce) and for all-to-all / P2P, and seconds of latency per call (per unit of
     the collective's ring passes; an all-reduce is two passes).
     """

@@ -16,19 +16,18 @@ from dataclasses import dataclass
 import numpy as np
 import sympy as sp
 
+from autopar.plan import CP_VARIANTS, RECOMPUTE_MODES, SCHEDULES
+
 from . import symbols as S
 from .comm import RowSpec, row_specs
 from .hardware import Cluster, axis_link_arrays
 from .memory import memory_terms, precision_bytes
-from .pipeline import SCHEDULE_NAMES, T_b, T_f, T_w, bubble_expr
+from .pipeline import T_b, T_f, T_w, bubble_expr
 from .time import CALIBRATED, compute_terms, exposure, link_symbols, optimizer_time, row_time
 
-__all__ = ["SCHEDULES", "CP_VARIANTS", "RECOMPUTE", "LINK_AXES", "Compiled", "compiled", "compiled_memory", "compiled_compute",
+__all__ = ["LINK_AXES", "Compiled", "compiled", "compiled_memory", "compiled_compute",
            "model_values", "plan_values", "link_values", "evaluate", "step_time_arrays"]
 
-SCHEDULES = SCHEDULE_NAMES
-CP_VARIANTS = ("ring", "allgather", "ulysses")
-RECOMPUTE = ("none", "selective", "full")
 # link-symbol tag -> mesh axis geometry in hardware.axis_geometry
 LINK_AXES = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": "dp_cp", "edp": "edp"}
 
@@ -145,16 +144,20 @@ def plan_values(cluster: Cluster, arrays: dict[str, np.ndarray], *, constants: d
     """Plan, view and hardware symbol values from integer-coded plan arrays.
 
     ``arrays`` keys: tp dp cp pp ep vpp m b sp zero recompute cp_variant schedule (codes
-    index SCHEDULES / CP_VARIANTS / RECOMPUTE) and the view: ld le first last nsend nrecv infl.
+    index RECOMPUTE_MODES / CP_VARIANTS / SCHEDULES of autopar.plan) and the view: ld le
+    first last nsend nrecv infl.
     """
     A = arrays
     zero, rec, cpv, sched = A["zero"], A["recompute"], A["cp_variant"], A["schedule"]
     vals = {
         "tp": A["tp"], "dp": A["dp"], "cp": A["cp"], "pp": A["pp"], "ep": A["ep"], "v": A["vpp"],
         "m": A["m"], "b": A["b"], "sp": A["sp"],
-        "r_sel": (rec == 1) * 1.0, "r_full": (rec == 2) * 1.0,
+        "r_sel": (rec == RECOMPUTE_MODES.index("selective")) * 1.0,
+        "r_full": (rec == RECOMPUTE_MODES.index("full")) * 1.0,
         "z_1": (zero >= 1) * 1.0, "z_2": (zero >= 2) * 1.0, "z_3": (zero == 3) * 1.0,
-        "cp_ring": ((cpv == 0) & (A["cp"] > 1)) * 1.0, "cp_ag": (cpv == 1) * 1.0, "cp_ul": (cpv == 2) * 1.0,
+        "cp_ring": ((cpv == CP_VARIANTS.index("ring")) & (A["cp"] > 1)) * 1.0,
+        "cp_ag": (cpv == CP_VARIANTS.index("allgather")) * 1.0,
+        "cp_ul": (cpv == CP_VARIANTS.index("ulysses")) * 1.0,
         "first": A["first"], "last": A["last"], "n_inflight": A["infl"],
         "n_send": A["nsend"], "n_recv": A["nrecv"], "l_d": A["ld"], "l_e": A["le"],
         "tp_overlap": 1.0 if tp_comm_overlap else 0.0,

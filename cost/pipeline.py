@@ -32,10 +32,9 @@ from functools import lru_cache
 
 import sympy as sp
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved", "zbv", "dualpipev")
+from autopar.plan import SCHEDULES, chunk_rank, chunks_per_rank
 
-__all__ = ["SCHEDULE_NAMES", "StageView", "chunks_per_rank", "place_layers", "stage_views", "inflight",
-           "bubble_expr", "T_f", "T_b", "T_w"]
+__all__ = ["StageView", "place_layers", "stage_views", "inflight", "bubble_expr", "T_f", "T_b", "T_w"]
 
 T_f, T_b, T_w = sp.symbols("T_f T_b T_w", nonnegative=True)
 
@@ -50,18 +49,6 @@ class StageView:
     sends: int         # forward P2P sends per micro-batch
     recvs: int         # forward P2P receives per micro-batch
     layers: tuple[int, ...]  # layer indices, in model order
-
-
-def chunks_per_rank(schedule: str, vpp: int) -> int:
-    if schedule == "interleaved":
-        return vpp
-    return 2 if schedule in ("zbv", "dualpipev") else 1
-
-
-def _chunk_rank(c: int, pp: int, schedule: str) -> int:
-    if schedule in ("zbv", "dualpipev"):
-        return c if c < pp else 2 * pp - 1 - c
-    return c % pp
 
 
 def place_layers(num_layers: int, num_chunks: int, head_layers: float) -> list[int]:
@@ -89,18 +76,18 @@ def _views(moe_flags: tuple[bool, ...], pp: int, schedule: str, vpp: int, head_l
     nchunks = pp * chunks_per_rank(schedule, vpp)
     counts = place_layers(len(moe_flags), nchunks, head_layers)
     layers: list[list[int]] = [[] for _ in range(pp)]
-    first_rank = _chunk_rank(0, pp, schedule)
-    last_rank = _chunk_rank(nchunks - 1, pp, schedule)
+    first_rank = chunk_rank(0, pp, schedule)
+    last_rank = chunk_rank(nchunks - 1, pp, schedule)
     start = 0
     sends = [0] * pp
     recvs = [0] * pp
     for c, n in enumerate(counts):
-        r = _chunk_rank(c, pp, schedule)
+        r = chunk_rank(c, pp, schedule)
         layers[r].extend(range(start, start + n))
         start += n
-        if c + 1 < nchunks and _chunk_rank(c + 1, pp, schedule) != r:
+        if c + 1 < nchunks and chunk_rank(c + 1, pp, schedule) != r:
             sends[r] += 1
-            recvs[_chunk_rank(c + 1, pp, schedule)] += 1
+            recvs[chunk_rank(c + 1, pp, schedule)] += 1
     views = []
     for r in range(pp):
         idx = tuple(sorted(layers[r]))
@@ -119,18 +106,18 @@ def stage_views(spec, pp: int, schedule: str, vpp: int, head_layers: float) -> t
 def inflight(schedule, pp, vpp, rank, m):
     """Micro-batches of the rank's activations held at the peak (see the module docstring).
 
-    ``schedule`` is a name or an array of indices into SCHEDULE_NAMES; the other
+    ``schedule`` is a name or an array of indices into SCHEDULES; the other
     arguments may be numpy arrays.
     """
     import numpy as np
 
     pp, vpp, rank, m = (np.asarray(x, dtype=np.float64) for x in (pp, vpp, rank, m))
-    code = (np.asarray(SCHEDULE_NAMES.index(schedule)) if isinstance(schedule, str)
+    code = (np.asarray(SCHEDULES.index(schedule)) if isinstance(schedule, str)
             else np.asarray(schedule))
     per_round = np.floor(m / np.maximum(1.0, np.floor(m / pp)))
     interleaved = np.minimum((vpp - 1) * per_round + 2 * (pp - rank - 1) + 1, m * vpp) / vpp
     held = np.select(
-        [code == 0, code == 2, code == 3, code == 4],
+        [code == SCHEDULES.index(name) for name in ("gpipe", "interleaved", "zbv", "dualpipev")],
         [m, interleaved, np.minimum(pp, m), np.minimum(pp + 0.5, m)],
         default=np.minimum(pp - rank, m),
     )

@@ -9,7 +9,7 @@ further from peak, more so on GPUs with more FLOPs per byte of bandwidth. eta_ma
 Element-wise work (norms, residuals, RoPE, activation functions, MoE permutes, softmax
 cross-entropy) is memory bound: bytes moved / B_hbm.
 
-Collectives. A call moving ``sent`` bytes (DESIGN.md's convention) on axis X costs
+Collectives. A call moving ``sent`` bytes (the byte convention of docs/architecture.md) on axis X costs
     sent * beta_X + passes * alpha_X,
 where beta_X, alpha_X come from the axis' layout (hardware.py: NVLink inside a node, the
 network across nodes, hierarchical rings, the collective efficiency ``epsilon`` folded

@@ -13,15 +13,12 @@ Neighbours: ``passes/runner.py`` runs it; ``autopar/trace.py`` produced the grap
 """
 from __future__ import annotations
 
-import torch
 from torch.fx import GraphModule
 
+from autopar.compat import ASSERT_METADATA_OPS, is_guards_call
 from .context import PassContext, PassResult
 
 __all__ = ["cleanup_pass"]
-
-_CHECK_OPS = {torch.ops.aten._assert_tensor_metadata.default}
-
 
 def _dedupe_tied(gm: GraphModule, result: PassResult) -> None:
     canonical: dict[int, str] = {}
@@ -43,12 +40,12 @@ def _dedupe_tied(gm: GraphModule, result: PassResult) -> None:
         result.notes.append(f"'{alias}' is tied to '{name}'")
 
 
-def cleanup_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
+def cleanup_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult("cleanup_pass")
     _dedupe_tied(gm, result)
     for node in list(gm.graph.nodes):
-        is_check = node.op == "call_function" and node.target in _CHECK_OPS
-        is_guard = node.op == "call_module" and str(node.target).startswith("_guards_fn")
+        is_check = node.op == "call_function" and node.target in ASSERT_METADATA_OPS
+        is_guard = is_guards_call(node)
         if (is_check or is_guard) and not node.users:
             gm.graph.erase_node(node)
             result.num_rewritten += 1

@@ -1,18 +1,18 @@
 """Context parallelism: the sequence is sharded over ``cp`` for the whole graph.
 
 Like data parallelism shards the batch, ``train_step`` hands each rank its load-balanced
-sequence chunks (:mod:`autopar.batching`), so the graph's symbolic sequence size is
+sequence chunks (:mod:`autopar.runtime.batching`), so the graph's symbolic sequence size is
 already local.  What this pass rewrites is what depends on *where* a token sits:
 
 1. every ``scaled_dot_product_attention`` becomes the plan's CP variant from
-   :mod:`autopar.cp_attention` (ring, allgather or ulysses).  K/V are taken from before a
+   :mod:`autopar.ops.cp_attention` (ring, allgather or ulysses).  K/V are taken from before a
    GQA ``unsqueeze/expand/reshape`` so only the K/V heads travel.  An explicit mask is
    accepted when it is provably the causal mask: its subgraph depends only on the batch
    and sequence sizes, and evaluating it at two sizes gives the lower triangle; the CP
    op then applies causality from global positions;
 2. the mask subgraphs that became dead are removed;
 3. every ``arange`` over the sequence length (position ids for RoPE or learned
-   positions) becomes :func:`autopar.cp_attention.cp_positions`, this rank's global
+   positions) becomes :func:`autopar.ops.cp_attention.cp_positions`, this rank's global
    positions.
 
 Runs after shard propagation (the attention op is local in every other axis), before
@@ -24,9 +24,11 @@ import sympy
 import torch
 from torch.fx import GraphModule, Node
 
-from autopar import cp_attention as CPA
+from autopar.compat import sym_expr
+from autopar.ops import cp_attention as CPA
 from autopar.errors import AutoparError
-from .context import PLACEMENT_KEY, PassContext, PassResult, provenance
+from autopar.plan import ulysses_heads_ok
+from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult, provenance
 from .shard_propagation import local_numel
 
 __all__ = ["context_parallel_pass", "VARIANTS"]
@@ -80,7 +82,7 @@ def _evaluate(node: Node, sizes: dict[str, int], memo: dict):
         return None
     if node.target is torch.ops.aten.sym_size.int:
         val = node.meta.get("val")
-        expr = val.node.expr if isinstance(val, torch.SymInt) else None
+        expr = sym_expr(val)
         memo[node] = sizes.get(str(expr)) if expr is not None else None
         return memo[node]
     bad = []
@@ -123,7 +125,7 @@ def _is_causal_mask(mask: Node, ctx: PassContext) -> bool:
 def _check_ulysses(plan, ctx: PassContext) -> None:
     num = plan.tp * plan.cp
     for what, count in (("attention heads", ctx.structure.num_heads), ("key/value heads", ctx.structure.num_kv_heads)):
-        if count and count % num:
+        if count and not ulysses_heads_ok(count, plan.tp, plan.cp):
             raise AutoparError(
                 f"autopar: cp={plan.cp}:ulysses with tp={plan.tp} splits the {what} over tp*cp={num} ranks, "
                 f"but the model has {count} {what}; use a tp*cp that divides {count}, or the ring or "
@@ -159,12 +161,13 @@ def _seq_arange(node: Node, ctx: PassContext) -> Node | None:
     else:
         end = node.args[0]
     if isinstance(end, Node) and isinstance(end.meta.get("val"), torch.SymInt) \
-            and str(end.meta["val"].node.expr) == str(ctx.seq_symbol):
+            and str(sym_expr(end.meta["val"])) == str(ctx.seq_symbol):
         return end
     return None
 
 
-def context_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
+def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
+    plan = ctx.plan
     result = PassResult("context_parallel_pass")
     n, variant = plan.cp, plan.cp_variant
     if variant == "ulysses":
@@ -206,8 +209,8 @@ def context_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult
                 new.meta[key] = node.meta[key]
         provenance(new, "context_parallel_pass", "cp",
                    f"{variant} attention over the cp-sharded sequence (causal={causal}, kv groups={groups})")
-        new.meta["autopar"]["bytes"] = _predicted_bytes(variant, q, k, n, ctx)
-        new.meta["autopar"]["calls"] = _CALLS[variant](n)
+        new.meta[META_KEY].bytes = _predicted_bytes(variant, q, k, n, ctx)
+        new.meta[META_KEY].calls = _CALLS[variant](n)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         result.num_inserted += 1

@@ -44,20 +44,21 @@ def _buckets(gm: GraphModule, ctx: PassContext, names: list[str], axis: str, ave
     return out
 
 
-def data_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
+def data_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult("data_parallel_pass")
     cap = ctx.bucket_bytes
     experts = set(ctx.expert_params)
     all_names = [n for n, p in gm.named_parameters() if p.requires_grad]
     names = [n for n in all_names if n not in experts]
+    buckets = result.grad_buckets
     partial_axes = sorted({a for axes in ctx.grad_partial_axes.values() for a in axes})
     for axis in partial_axes:
         members = [n for n in names if axis in ctx.grad_partial_axes.get(n, set())]
-        ctx.grad_buckets += _buckets(gm, ctx, members, axis, False, cap)
+        buckets += _buckets(gm, ctx, members, axis, False, cap)
     cp = ctx.axis_sizes.get("cp", 1)
     num_dc = ctx.axis_sizes.get("dp", 1) * cp
     if num_dc > 1:  # dense weights are replicated over dp*cp ranks
-        ctx.grad_buckets += _buckets(gm, ctx, names, "dp_cp" if cp > 1 else "dp", True, cap)
+        buckets += _buckets(gm, ctx, names, "dp_cp" if cp > 1 else "dp", True, cap)
     moe = [n for n in all_names if n in experts]
     if moe and (num_dc > 1 or ctx.axis_sizes.get("tp", 1) > 1):
         # An expert's gradient on its owner sums every token routed to it from the ep group;
@@ -65,6 +66,6 @@ def data_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
         # times tp under sp) it covers all dp*cp slices, so it is averaged by dp*cp.
         plain = ctx.axis_sizes.get("ep", 1) == 1 and ctx.axis_sizes.get("tp", 1) == 1
         axis = ("dp_cp" if cp > 1 else "dp") if plain else "edp"  # edp is dp*cp itself then
-        ctx.grad_buckets += _buckets(gm, ctx, moe, axis, True, cap, divisor=num_dc)
-    result.notes.append(f"{len(ctx.grad_buckets)} gradient buckets")
+        buckets += _buckets(gm, ctx, moe, axis, True, cap, divisor=num_dc)
+    result.notes.append(f"{len(buckets)} gradient buckets")
     return result

@@ -1,9 +1,9 @@
 """Expert parallelism: replace each MoE experts region by dispatch / experts / combine.
 
-For every MoE block that :mod:`autopar.analyze_moe` recognises (stacked 3-D expert weights
+For every MoE block that :mod:`autopar.frontend.analyze_moe` recognises (stacked 3-D expert weights
 or a ModuleList of experts), the routing glue of the traced graph (sorting by expert,
 gathering tokens, weighting, summing over the top-k slots) is replaced by three calls of
-:mod:`autopar.moe`::
+:mod:`autopar.ops.moe`::
 
     rows, routing = moe_dispatch(x, idx, E, 'ep')      # counts all-to-all, token all-to-all
     out = moe_experts(rows, routing, bodies, params, style, 'ep')   # the user's expert code
@@ -12,13 +12,13 @@ gathering tokens, weighting, summing over the top-k slots) is replaced by three 
 The experts' own code is cut out of the graph (``extract_body``) and kept as submodules
 ``moe_experts_<i>``, so what runs on a rank is exactly the user's expert, on the tokens
 routed to it.  The router, shared experts and attention stay data-parallel (untouched).
-A plan without ep, tp or capacity (:func:`needs_rewrite`) keeps the traced experts: every
+A plan without ep, tp or capacity (:func:`autopar.support.moe_needs_rewrite`) keeps the traced experts: every
 rank runs every expert on its own tokens; only the expert gradient bucket is recorded.
 
 Layouts: with ``ep > 1`` the experts are split over the ``ep`` axis (stacked parameters
 along dim 0, ModuleList experts whole on their owner rank).  Expert gradients are reduced
 over the ranks that hold the same experts (``edp``: the other ``dp*cp/ep`` token slices,
-times ``tp`` under sequence parallelism) by the DP pass (``ctx.expert_params``).
+times ``tp`` under sequence parallelism) by the DP pass (the ``expert_params`` decided here).
 
 Under tp with sp a MoE block runs on the rank's sequence shard (no TP collective around
 it, as Megatron-Core requires sequence parallelism for MoE with TP).  The block's
@@ -35,12 +35,14 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from autopar import moe as M
-from autopar.analyze_moe import MoEBlock, descendants, extract_body, find_moe_blocks, in_module
+from autopar.compat import sym_expr
+from autopar.ops import moe as M
+from autopar.frontend.analyze_moe import MoEBlock, descendants, extract_body, in_module
 from autopar.errors import AutoparError, describe_node
+from autopar.support import moe_needs_rewrite
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
 
-__all__ = ["expert_parallel_pass", "needs_rewrite", "AXIS"]
+__all__ = ["expert_parallel_pass", "AXIS"]
 
 AXIS = "ep"
 _PASS = "expert_parallel_pass"
@@ -122,11 +124,11 @@ def _replace(gm: GraphModule, block: MoEBlock, i: int, ctx: PassContext) -> None
         n.meta["nn_module_stack"] = out_node.meta.get("nn_module_stack", {})
         n.meta["stack_trace"] = out_node.meta.get("stack_trace")
     provenance(dispatch, _PASS, AXIS, f"dispatch: token counts and tokens all-to-all to the expert owners; {why}",
-               role="moe_dispatch", routed_bytes=routed)
+               role="moe_dispatch", routed=routed)
     provenance(experts, _PASS, AXIS, f"the local experts of {why}, cut from the traced graph",
                role="moe_experts")
     provenance(combine, _PASS, AXIS, f"combine: reverse all-to-all, weighted sum over top-k; {why}",
-               role="moe_combine", routed_bytes=routed)
+               role="moe_combine", routed=routed)
     _routed_bytes(dispatch, combine, block, ctx)
     out_node.replace_all_uses_with(combine)
     region = set(block.region)
@@ -148,25 +150,26 @@ def _routed_bytes(dispatch: Node, combine: Node, block: MoEBlock, ctx: PassConte
     row = block.hidden * block.tokens.meta["val"].element_size()
     rows_out, rows_in = sympy.Symbol("rows_out"), sympy.Symbol("rows_in")
     counts = (ep - 1) * (block.num_experts // ep) * 8  # int64 tokens per expert
-    dispatch.meta[META_KEY].update(bytes={"fwd": ("all_to_all", counts + rows_out * row),
-                                          "bwd": ("all_to_all", rows_in * row)}, calls={"fwd": 2, "bwd": 1})
-    combine.meta[META_KEY].update(bytes={"fwd": ("all_to_all", rows_in * row), "bwd": ("all_to_all", rows_out * row)},
-                                  calls={"fwd": 1, "bwd": 1})
+    dispatch.meta[META_KEY].bytes = {"fwd": ("all_to_all", counts + rows_out * row),
+                                     "bwd": ("all_to_all", rows_in * row)}
+    dispatch.meta[META_KEY].calls = {"fwd": 2, "bwd": 1}
+    combine.meta[META_KEY].bytes = {"fwd": ("all_to_all", rows_in * row), "bwd": ("all_to_all", rows_out * row)}
+    combine.meta[META_KEY].calls = {"fwd": 1, "bwd": 1}
 
 
-def _layouts(block: MoEBlock, ctx: PassContext) -> None:
+def _layouts(block: MoEBlock, ctx: PassContext, result: PassResult) -> None:
     ep = ctx.plan.ep
-    ctx.expert_params += [p for p in block.param_names if p not in ctx.expert_params]
+    result.expert_params += [p for p in block.param_names if p not in result.expert_params]
     if ep == 1:
         return
     num_local = block.num_experts // ep
     if block.style == "stacked":
         for name in block.param_names:
-            ctx.param_shards.setdefault(name, {})[AXIS] = ParamShard(0)
+            result.shard_param(name, AXIS, ParamShard(0), propagate=False)
         return
     for e, names in enumerate(block.expert_params):
         for name in names:
-            ctx.param_shards.setdefault(name, {})[AXIS] = ParamShard(0, owner=e // num_local)
+            result.shard_param(name, AXIS, ParamShard(0, owner=e // num_local), propagate=False)
 
 
 def _seq_major_tokens(gm: GraphModule, block: MoEBlock, ctx: PassContext) -> None:
@@ -209,25 +212,21 @@ def _dims(node) -> tuple:
 
 
 def _is_seq(size, ctx: PassContext) -> bool:
-    return isinstance(size, torch.SymInt) and size.node.expr == ctx.seq_symbol
+    return isinstance(size, torch.SymInt) and sym_expr(size) == ctx.seq_symbol
 
 
-def needs_rewrite(plan) -> bool:
-    """Experts split over ep, token shards under tp+sp, or a capacity: the routing is rewritten."""
-    return plan.ep > 1 or plan.tp > 1 or plan.capacity is not None
-
-
-def expert_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
+def expert_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
+    plan = ctx.plan
     result = PassResult(_PASS)
-    if ctx.structure.moe_error is not None and not needs_rewrite(plan):
+    if ctx.structure.moe_error is not None and not moe_needs_rewrite(plan):
         # Unrecognised experts run unchanged: each rank computes its own tokens.
         result.notes.append(f"MoE block left as traced: {ctx.structure.moe_error}")
         return result
-    rewrite = needs_rewrite(plan)
-    # Found again, not taken from ctx.structure: the cleanup pass has erased nodes since analysis.
-    for i, block in enumerate(find_moe_blocks(gm)):
+    rewrite = moe_needs_rewrite(plan)
+    # The structure was analysed after cleanup; the passes before this one leave MoE blocks alone.
+    for i, block in enumerate(ctx.structure.moe):
         _check_side_uses(block, ctx)
-        _layouts(block, ctx)
+        _layouts(block, ctx, result)
         if not rewrite:  # ep=1, tp=1, dropless: every rank runs every expert on its own tokens
             result.notes.append(f"{block.module}: {block.style} experts left as traced")
             continue

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.fx import Node
 
-from autopar import moe as M
+from autopar.ops import moe as M
 from .rules import R, RuleContext, ndim_of, pointwise_rule, register
 
 __all__ = ["topk_rule", "moe_token_rule"]

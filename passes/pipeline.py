@@ -19,8 +19,8 @@ its ``nn_module_stack``):
   keyword micro-batch to every stage, and the last chunk computes the loss in-graph (so a
   vocab-parallel loss keeps working); the schedule's ``loss_fn`` is the identity.
 
-The result is ``ctx.pipeline``, a :class:`PipelineProgram`; the runtime that drives it is
-:mod:`autopar.pipeline_runtime`.
+The result's ``pipeline`` is a :class:`PipelineProgram`; the runtime that drives it is
+:mod:`autopar.runtime.pipelined`.
 """
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ from typing import Sequence
 import torch
 from torch.fx import Graph, GraphModule, Node
 
+from autopar.compat import sym_hint
 from autopar.errors import AutoparError
+from autopar.plan import check_micro_batches, chunk_rank, chunks_per_rank, valid_micro_batches
 from .context import PassContext, PassResult
 
 __all__ = ["PipelineChunk", "PipelineProgram", "pipeline_pass", "chunk_layer_counts", "chunk_rank",
@@ -73,52 +75,12 @@ class PipelineProgram:
 
 
 def num_chunks(plan) -> int:
-    from autopar.cost.pipeline import chunks_per_rank
-
+    """Model chunks the plan cuts the model into: ``pp`` times the chunks per rank."""
     return plan.pp * chunks_per_rank(plan.schedule, plan.vpp)
 
 
-def chunk_rank(c: int, pp: int, schedule: str) -> int:
-    """Pipeline rank of chunk ``c``: looped (``c % pp``) or V-shaped for zbv / dualpipev."""
-    if schedule in ("zbv", "dualpipev"):
-        return c if c < pp else 2 * pp - 1 - c
-    return c % pp
-
-
-# ---- micro-batch counts the schedules accept (torch.distributed.pipelining 2.13) -----------
-
-def _mb_ok(schedule: str, pp: int, mb: int) -> bool:
-    if mb < 1:
-        return False
-    if schedule == "1f1b":
-        return mb >= pp
-    if schedule == "interleaved":
-        rounds = max(1, mb // pp)
-        return mb % rounds == 0
-    if schedule == "dualpipev":
-        return mb >= 2 * pp
-    return True
-
-
-def valid_micro_batches(schedule: str, pp: int, mb: int) -> list[int]:
-    """The nearest micro-batch counts below and above ``mb`` that ``schedule`` runs."""
-    out = []
-    below = next((m for m in range(mb - 1, 0, -1) if _mb_ok(schedule, pp, m)), None)
-    above = next(m for m in range(mb + 1, mb + 4 * pp + 2) if _mb_ok(schedule, pp, m))
-    if below is not None:
-        out.append(below)
-    out.append(above)
-    return out
-
-
-def check_micro_batches(plan) -> None:
-    if plan.pp > 1 and not _mb_ok(plan.schedule, plan.pp, plan.mb):
-        rule = {"1f1b": f"at least pp={plan.pp} micro-batches",
-                "interleaved": f"a micro-batch count that is a multiple of its rounds (mb // pp = {max(1, plan.mb // plan.pp)})",
-                "dualpipev": f"at least 2*pp={2 * plan.pp} micro-batches (one per chunk)"}[plan.schedule]
-        near = " or ".join(f"mb={m}" for m in valid_micro_batches(plan.schedule, plan.pp, plan.mb))
-        raise AutoparError(f"autopar: schedule '{plan.schedule}' with pp={plan.pp} needs {rule}, "
-                           f"got mb={plan.mb}; use {near}.")
+# chunk_rank, check_micro_batches and valid_micro_batches (re-exported here) are the shared
+# rules of autopar.plan_rules.
 
 
 # ---- layer placement ---------------------------------------------------------------------
@@ -179,7 +141,7 @@ def _seq_len(gm: GraphModule) -> int:
     if val is None or val.dim() < 2:
         return 1
     s = val.shape[1]
-    return int(s.node.hint) if isinstance(s, torch.SymInt) else int(s)
+    return sym_hint(s)
 
 
 def _assign(gm: GraphModule, structure, counts: list[int]):
@@ -248,8 +210,9 @@ def _build_chunk(gm, c, last, chunk, free, params, boundary_in, boundary_out, kw
     return GraphModule(gm, g), tuple(dict.fromkeys(used_params))
 
 
-def pipeline_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
-    """Cut ``gm`` into ``ctx.pipeline`` (a :class:`PipelineProgram`); ``gm`` itself is unchanged."""
+def pipeline_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
+    """Cut ``gm`` into ``result.pipeline`` (a :class:`PipelineProgram`); ``gm`` itself is unchanged."""
+    plan = ctx.plan
     result = PassResult("pipeline_pass")
     check_micro_batches(plan)
     counts = chunk_layer_counts(ctx.structure, plan, _seq_len(gm), ctx.pipeline_split)
@@ -294,6 +257,6 @@ def pipeline_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
         start += counts[c]
         result.notes.append(f"chunk {c} (rank {chunk_rank(c, plan.pp, plan.schedule)}): layers "
                             f"{list(chunks[-1].layers)}, {len(b_in)} activation input(s), {len(used)} parameters")
-    ctx.pipeline = PipelineProgram(schedule=plan.schedule, pp=plan.pp, chunks=tuple(chunks),
-                                   kwarg_names=tuple(names))
+    result.pipeline = PipelineProgram(schedule=plan.schedule, pp=plan.pp, chunks=tuple(chunks),
+                                      kwarg_names=tuple(names))
     return result

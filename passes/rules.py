@@ -21,8 +21,9 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
-from autopar import collectives as C
+from autopar.ops import collectives as C
 from autopar.errors import AutoparError, describe_node
+from .context import provenance
 
 aten = torch.ops.aten
 
@@ -78,8 +79,8 @@ class RuleContext:
             part = self.gm.graph.call_function(C.local_shard, (arg, dim, self.axis))
         part.meta["val"] = arg.meta.get("val")
         part.meta["autopar_placement"] = {self.axis: Shard(dim)}
-        part.meta["autopar"] = {"pass": "shard_propagation_pass", "axis": self.axis, "bytes": None,
-                                "reason": f"take this rank's slice of replicated {arg.name} (no communication)"}
+        provenance(part, "shard_propagation_pass", self.axis,
+                   f"take this rank's slice of replicated {arg.name} (no communication)")
         node.replace_input_with(arg, part)
         return part
 

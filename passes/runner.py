@@ -4,12 +4,14 @@ For every pass it logs the wall time and the change in op counts, lints the grap
 recompiles the module.  When a pass fails, the error names the pass and the passes that
 ran before it, so a user (or a developer) knows where in the pipeline the problem is.
 
-Neighbours: the passes themselves (``passes/*.py``), :mod:`passes.context` for the shared
-state, :func:`default_passes` for the order the runtime uses.
+Neighbours: the passes themselves (``passes/*.py``), :mod:`passes.context` for the pass
+contract (inputs, decisions, results), :func:`default_passes` for the order the runtime uses,
+:mod:`passes.compile` for the whole front half (cleanup, analysis, validation, passes).
 """
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import time
 from typing import Callable, Sequence
@@ -17,13 +19,21 @@ from typing import Callable, Sequence
 from torch.fx import GraphModule
 
 from autopar.errors import AutoparError
-from .context import PassContext, PassResult
+from .context import CompiledProgram, Decisions, PassContext, PassInputs, PassResult
+from .context_parallel import context_parallel_pass
+from .data_parallel import data_parallel_pass
+from .expert_parallel import expert_parallel_pass
+from .pipeline import pipeline_pass
+from .sequence_parallel import sequence_parallel_pass
+from .shard_propagation import shard_propagation_pass
+from .tensor_parallel import tensor_parallel_pass
+from .zero import zero3_pass
 
 __all__ = ["run_passes", "default_passes", "op_counts"]
 
 log = logging.getLogger("autopar.passes")
 
-Pass = Callable[[GraphModule, object, PassContext], PassResult]
+Pass = Callable[[GraphModule, PassContext], PassResult]
 
 
 def op_counts(gm: GraphModule) -> collections.Counter:
@@ -38,15 +48,20 @@ def _diff(before: collections.Counter, after: collections.Counter) -> str:
     return ", ".join(parts) if parts else "no op-count change"
 
 
-def run_passes(gm: GraphModule, plan, ctx: PassContext, passes: Sequence[Pass]) -> list[PassResult]:
-    results: list[PassResult] = []
+def run_passes(gm: GraphModule, inputs: PassInputs, passes: Sequence[Pass],
+               decided: Decisions | None = None) -> CompiledProgram:
+    """Run ``passes`` in order on ``gm``; each sees the frozen inputs and the decisions before it.
+
+    Returns the :class:`CompiledProgram`: the inputs, the merged decisions, and the log."""
+    decided = decided if decided is not None else Decisions()
     done: list[str] = []
+    lines: list[str] = []
     for p in passes:
         name = getattr(p, "__name__", str(p))
         before = op_counts(gm)
         start = time.perf_counter()
         try:
-            result = p(gm, plan, ctx)
+            result = p(gm, PassContext.of(inputs, decided))
             gm.graph.lint()
             gm.recompile()
         except AutoparError as exc:
@@ -55,44 +70,30 @@ def run_passes(gm: GraphModule, plan, ctx: PassContext, passes: Sequence[Pass]) 
         except Exception as exc:
             ran = ", ".join(done) or "none"
             raise RuntimeError(f"autopar: pass {name} failed (passes that ran before it: {ran}): {exc}") from exc
+        decided = decided.merge(result)
         elapsed = time.perf_counter() - start
-        change = _diff(before, op_counts(gm))
-        msg = f"{name}: {elapsed * 1e3:.1f} ms, {change}"
+        msg = f"{name}: {elapsed * 1e3:.1f} ms, {_diff(before, op_counts(gm))}"
         log.info(msg)
-        ctx.log.append(msg)
-        results.append(result)
+        lines.append(msg)
         done.append(name)
-    return results
+    fields = {f.name: getattr(PassContext.of(inputs, decided), f.name) for f in dataclasses.fields(PassContext)}
+    return CompiledProgram(**fields, log=tuple(lines))
 
 
 def default_passes(plan) -> list[Pass]:
-    """The passes for ``plan``, in order (dimensions the plan does not use are skipped)."""
-    from .cleanup import cleanup_pass
-    from .data_parallel import data_parallel_pass
-    from .sequence_parallel import sequence_parallel_pass
-    from .shard_propagation import shard_propagation_pass
-    from .tensor_parallel import tensor_parallel_pass
-
-    passes: list[Pass] = [cleanup_pass]
+    """The passes for ``plan`` after cleanup and analysis, in order (unused dimensions skipped)."""
+    passes: list[Pass] = []
     if plan.tp > 1:
         passes.append(tensor_parallel_pass)
         if plan.sp:
             passes.append(sequence_parallel_pass)
-    from .expert_parallel import expert_parallel_pass
-
     passes.append(expert_parallel_pass)  # MoE experts -> dispatch / local experts / combine (any ep)
     passes.append(shard_propagation_pass)
     if plan.cp > 1:
-        from .context_parallel import context_parallel_pass
-
         passes.append(context_parallel_pass)  # attention -> CP variant, positions -> global
     passes.append(data_parallel_pass)  # gradient sync: dp, and axes where gradients are partial
     if plan.zero == 3:
-        from .zero import zero3_pass
-
         passes.append(zero3_pass)  # parameters gathered per unit before use
     if plan.pp > 1:
-        from .pipeline import pipeline_pass
-
         passes.append(pipeline_pass)  # last: cuts the rewritten graph into chunks
     return passes

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from autopar import collectives as C
+from autopar.compat import rename_node, sym_expr
+from autopar.ops import collectives as C
 from autopar.errors import AutoparError, describe_node
 from .context import META_KEY, PassContext, PassResult, provenance
 from .tensor_parallel import AXIS
@@ -38,7 +39,7 @@ _REWRITES = {
 def _seq_dim(node: Node, ctx: PassContext) -> int:
     val = node.meta.get("val")
     for d, size in enumerate(getattr(val, "shape", ())):
-        if isinstance(size, torch.SymInt) and size.node.expr == ctx.seq_symbol:
+        if isinstance(size, torch.SymInt) and sym_expr(size) == ctx.seq_symbol:
             return d
     raise AutoparError(
         f"autopar: sequence parallelism needs the sequence dimension on the activation at "
@@ -46,14 +47,14 @@ def _seq_dim(node: Node, ctx: PassContext) -> int:
         f"sequence size {ctx.seq_symbol}; use a plan without 'sp' for this model.")
 
 
-def sequence_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
+def sequence_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult(_PASS)
     if ctx.seq_symbol is None:
         raise AutoparError("autopar: sequence parallelism needs a symbolic sequence dimension, but the "
                            "model was traced with a fixed sequence length; use a plan without 'sp'.")
     for node in list(gm.graph.nodes):
-        meta = node.meta.get(META_KEY) or {}
-        role = meta.get("role")
+        meta = node.meta.get(META_KEY)
+        role = meta.role if meta else None
         rewrite = _REWRITES.get(node.target)
         if rewrite is None or role not in rewrite[1]:
             continue
@@ -61,7 +62,7 @@ def sequence_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResul
         x = node.args[0]
         node.target = new_target
         node.args = (x, _seq_dim(x, ctx), AXIS, node.args[2])
-        node._rename(new_target.__name__)
-        provenance(node, _PASS, AXIS, f"{reason}: {meta['reason']}", role=role)
+        rename_node(node, new_target.__name__)
+        provenance(node, _PASS, AXIS, f"{reason}: {meta.reason}", role=role)
         result.num_rewritten += 1
     return result

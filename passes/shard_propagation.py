@@ -9,9 +9,9 @@ local sizes on the way.  Afterwards:
 - every node carries ``node.meta["autopar_placement"][axis]``;
 - a replicated parameter whose consumer produces a sharded output gets a gradient that is
   a partial sum over that axis (e.g. norm weights on sequence shards under SP), recorded in
-  ``ctx.grad_partial_axes`` for the gradient-sync buckets of the DP pass;
+  ``grad_partial_axes`` (in its result) for the gradient-sync buckets of the DP pass;
 - every inserted collective gets its predicted bytes (sympy, in the traced batch and
-  sequence symbols) in ``node.meta["autopar"]["bytes"]``.
+  sequence symbols) in ``node.meta["autopar"].bytes``.
 
 An op that has no rule and sees a sharded input raises an error naming the node, its
 module and its source line.
@@ -26,7 +26,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 
-from autopar import collectives as C
+from autopar.compat import sym_expr
+from autopar.ops import collectives as C
 from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult
 from .rules import R, RuleContext, is_sharded, lookup
 from . import moe_rules, view_rules  # noqa: F401  (register the view-family and MoE rules)
@@ -55,14 +56,14 @@ def tensor_inputs(node: Node) -> list[Node]:
 def local_numel(node: Node, ctx: PassContext) -> sympy.Expr:
     """Number of elements of ``node``'s value on one rank (sympy, symbolic batch/sequence)."""
     val = node.meta["val"]
-    sizes = [s.node.expr if isinstance(s, torch.SymInt) else sympy.Integer(int(s)) for s in val.shape]
+    sizes = [sym_expr(s) if isinstance(s, torch.SymInt) else sympy.Integer(int(s)) for s in val.shape]
     for axis, pl in (node.meta.get(PLACEMENT_KEY) or {}).items():
         if isinstance(pl, Shard):
             sizes[pl.dim] = sizes[pl.dim] / ctx.axis_sizes[axis]
     return sympy.simplify(math.prod(sizes, start=sympy.Integer(1)))
 
 
-def _propagate_axis(gm: GraphModule, ctx: PassContext, axis: str, local_syms: dict) -> None:
+def _propagate_axis(gm: GraphModule, ctx: PassContext, result: PassResult, axis: str, local_syms: dict) -> None:
     rc = RuleContext(gm, axis, ctx.axis_sizes[axis], local_syms)
     placements: dict[Node, Any] = {}
     for node in list(gm.graph.nodes):
@@ -97,7 +98,7 @@ def _propagate_axis(gm: GraphModule, ctx: PassContext, axis: str, local_syms: di
     for node, pl in placements.items():
         if node.op == "get_attr" and node.target in params and isinstance(pl, Replicate):
             if _feeds_local_work(node, placements):
-                ctx.grad_partial_axes.setdefault(node.target, set()).add(axis)
+                result.grad_partial_axes.setdefault(node.target, set()).add(axis)
 
 
 def _feeds_local_work(param: Node, placements: dict) -> bool:
@@ -120,7 +121,7 @@ def _feeds_local_work(param: Node, placements: dict) -> bool:
 
 
 def _predict_bytes(node: Node, ctx: PassContext) -> dict:
-    axis = node.meta[META_KEY]["axis"]
+    axis = node.meta[META_KEY].axis
     n = ctx.axis_sizes[axis]
     src = node.args[0]
     itemsize = src.meta["val"].element_size()
@@ -138,16 +139,16 @@ def _predict_bytes(node: Node, ctx: PassContext) -> dict:
     return {"fwd": ("all_reduce", 3 * tokens * 4)}
 
 
-def shard_propagation_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
+def shard_propagation_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult("shard_propagation_pass")
     local_syms: dict = {}
     for axis in ctx.sharded_axes:
-        _propagate_axis(gm, ctx, axis, local_syms)
+        _propagate_axis(gm, ctx, result, axis, local_syms)
     for node in gm.graph.nodes:
         if node.op == "call_function" and node.target in _COLLECTIVES and META_KEY in node.meta:
             buffers = _predict_bytes(node, ctx)
-            n = ctx.axis_sizes[node.meta[META_KEY]["axis"]]
-            node.meta[META_KEY]["bytes"] = {
+            n = ctx.axis_sizes[node.meta[META_KEY].axis]
+            node.meta[META_KEY].bytes = {
                 phase: (op, C.ring_bytes(op, size, n)[0]) for phase, (op, size) in buffers.items()
             }
             result.num_rewritten += 1

@@ -1,6 +1,6 @@
 """Tensor parallelism (Megatron style) on the traced graph, axis ``tp``.
 
-For every attention and MLP region found by :mod:`autopar.analyze`:
+For every attention and MLP region found by :mod:`autopar.frontend.analyze`:
 
 - column-parallel projections (q/k/v, gate/up, or the fused QKV / gate-up) keep their
   output features ``1/tp`` per rank; a fused projection is sharded part by part so each
@@ -22,10 +22,10 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from autopar import collectives as C
-from autopar.analyze import RESHAPE_OPS, LinearInfo, ModelStructure, reshape_chain
+from autopar.ops import collectives as C
+from autopar.frontend.analyze import RESHAPE_OPS, LinearInfo, ModelStructure, reshape_chain
 from autopar.errors import AutoparError, describe_node
-from .context import ParamShard, PassContext, PassResult, provenance
+from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
 
 aten = torch.ops.aten
 
@@ -60,22 +60,22 @@ def _redirect(node: Node, new: Node, only: set[Node] | None = None) -> None:
             user.replace_input_with(node, new)
 
 
-def _shard_column(ctx: PassContext, info: LinearInfo) -> None:
+def _shard_column(ctx: PassContext, result: PassResult, info: LinearInfo) -> None:
     blocks = tuple(info.split_sizes) if info.split_sizes else None
     for size in blocks or (info.out_features,):
         _check_divisible(f"output features of {info.module} ({'part ' if blocks else ''}size {size})",
                          size, ctx.axis_sizes[AXIS], info.node)
-    ctx.shard_param(info.weight, AXIS, ParamShard(1 if info.in_out else 0, blocks))
+    result.shard_param(info.weight, AXIS, ParamShard(1 if info.in_out else 0, blocks))
     if info.bias:
-        ctx.shard_param(info.bias, AXIS, ParamShard(0, blocks))
+        result.shard_param(info.bias, AXIS, ParamShard(0, blocks))
     if blocks:
         for node in reshape_chain(info.node):
             node.meta["autopar_blocks"] = blocks
 
 
-def _shard_row(gm: GraphModule, ctx: PassContext, info: LinearInfo, region: str) -> Node:
+def _shard_row(gm: GraphModule, ctx: PassContext, result: PassResult, info: LinearInfo, region: str) -> Node:
     _check_divisible(f"input features of {info.module}", info.in_features, ctx.axis_sizes[AXIS], info.node)
-    ctx.shard_param(info.weight, AXIS, ParamShard(0 if info.in_out else 1))
+    result.shard_param(info.weight, AXIS, ParamShard(0 if info.in_out else 1))
     node = info.node
     bias = None
     if info.bias:  # add the bias once, after the reduction
@@ -122,10 +122,10 @@ def _enter_region(gm: GraphModule, columns: list[LinearInfo], label: str, role: 
         _redirect(x, entry, only=users)
 
 
-def _vocab_parallel_embedding(gm: GraphModule, ctx: PassContext, node: Node) -> None:
+def _vocab_parallel_embedding(gm: GraphModule, result: PassResult, node: Node) -> None:
     weight, ids = node.args[0], node.args[1]
     padding_idx = node.args[2] if len(node.args) > 2 else -1
-    ctx.shard_param(weight.target, AXIS, ParamShard(0))
+    result.shard_param(weight.target, AXIS, ParamShard(0))
     node.target = C.vocab_parallel_embedding
     node.args = (weight, ids, AXIS, padding_idx)
     provenance(node, _PASS, AXIS, "embedding rows sharded over the vocabulary", role="embedding")
@@ -165,7 +165,7 @@ def _vocab_parallel_loss(gm: GraphModule, loss: Node) -> None:
     provenance(loss, _PASS, AXIS, "cross-entropy on vocabulary-sharded logits", role="loss")
 
 
-def tensor_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
+def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     s: ModelStructure = ctx.structure
     tp = ctx.axis_sizes[AXIS]
     result = PassResult(_PASS)
@@ -179,18 +179,18 @@ def tensor_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
             _check_divisible("number of attention heads", region.num_heads, tp, region.attention)
             _check_divisible("number of KV heads", region.num_kv_heads, tp, region.attention)
         for c in region.columns:
-            _shard_column(ctx, c)
+            _shard_column(ctx, result, c)
         _enter_region(gm, region.columns, region.module, "column_input")
         for r in region.rows:
-            _shard_row(gm, ctx, r, region.module)
+            _shard_row(gm, ctx, result, r, region.module)
         result.num_rewritten += len(region.columns) + len(region.rows)
     for emb in s.embeddings:
         if int(emb.args[0].meta["val"].shape[0]) != s.vocab:
             continue  # e.g. learned position embeddings: stay replicated
         _check_divisible("vocabulary size", s.vocab, tp, emb)
-        _vocab_parallel_embedding(gm, ctx, emb)
+        _vocab_parallel_embedding(gm, result, emb)
     if s.lm_head is not None:
-        _shard_column(ctx, s.lm_head)
+        _shard_column(ctx, result, s.lm_head)
         _enter_region(gm, [s.lm_head], s.lm_head.module, "lm_head_input")
         loss = _logits_path_to_loss(s.lm_head.node)
         if loss is not None:
@@ -201,5 +201,5 @@ def tensor_parallel_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
                                      "gather vocabulary-sharded logits (no cross-entropy loss found)", "logits")
             _redirect(s.lm_head.node, gathered)
             result.notes.append("LM head logits are gathered: no cross-entropy loss consumes them directly")
-    result.num_inserted = sum(1 for n in gm.graph.nodes if n.meta.get("autopar", {}).get("pass") == _PASS)
+    result.num_inserted = sum(1 for n in gm.graph.nodes if META_KEY in n.meta and n.meta[META_KEY].pass_name == _PASS)
     return result

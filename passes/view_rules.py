@@ -17,6 +17,8 @@ from torch.fx import Node
 
 from .rules import R, RuleContext, ndim_of, register, shape_of
 
+from autopar.compat import sym_expr
+
 aten = torch.ops.aten
 
 __all__ = ["dim_groups", "view_rule"]
@@ -25,7 +27,7 @@ _INT_MAX = 2**62
 
 
 def _expr(size) -> sympy.Expr:
-    return size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+    return sym_expr(size) if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
 
 
 def dim_groups(in_shape: tuple, out_shape: tuple) -> list[tuple[list[int], list[int]]]:

@@ -3,15 +3,15 @@
 Runs last (after shard propagation and the data-parallel pass), only for ``zero=3``.  The
 trainable parameters are grouped into units: one per decoder layer (``structure.layers``
 prefixes) and one for the rest of the model (embedding, final norm, LM head).  For each
-unit the pass inserts ``autopar.zero.zero_gather(unit)`` right before the first node that
+unit the pass inserts ``autopar.ops.zero_gather.zero_gather(unit)`` right before the first node that
 reads one of its parameters, and a ``getitem`` per parameter that replaces the parameter's
 ``get_attr``.  The parameter attributes stay in the module (the runtime keeps their
 names and layouts for state dicts) but the program no longer reads them: at run time
-:class:`autopar.zero.ZeroSync` holds the parameters only as ``dp`` shards.
+:class:`autopar.runtime.zero.ZeroSync` holds the parameters only as ``dp`` shards.
 
 The unit's parameter names are recorded in the gather node's provenance
-(``node.meta["autopar"]["params"]``), which is where the runtime reads the units from.
-Neighbours: ``passes/data_parallel.py`` (gradient buckets, stages 0-2), :mod:`autopar.zero`
+(``node.meta["autopar"].params``), which is where the runtime reads the units from.
+Neighbours: ``passes/data_parallel.py`` (gradient buckets, stages 0-2), :mod:`autopar.runtime.zero`
 (the runtime side), ``cost/comm.py`` (one gather per unit and micro-batch, forward and
 backward, and one gradient reduce-scatter per unit and micro-batch).
 """
@@ -21,7 +21,7 @@ import operator
 
 from torch.fx import GraphModule
 
-from autopar.zero import zero_gather
+from autopar.ops.zero_gather import zero_gather
 from .context import PassContext, PassResult, provenance
 
 __all__ = ["zero3_pass", "zero_units"]
@@ -39,7 +39,7 @@ def zero_units(gm: GraphModule, ctx: PassContext) -> list[list[str]]:
     return [groups[u] for u in sorted(groups)]
 
 
-def zero3_pass(gm: GraphModule, plan, ctx: PassContext) -> PassResult:
+def zero3_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult("zero3_pass")
     units = zero_units(gm, ctx)
     unit_of = {name: u for u, names in enumerate(units) for name in names}

@@ -1,4 +1,4 @@
-"""Per-rank jobs for tests/test_checkpoint.py, and the child process its crash test kills.
+"""Per-rank jobs for tests/dist/test_checkpoint.py, and the child process its crash test kills.
 
 Not a test module.  ``reshard_job`` trains under one plan, saves, loads under another plan
 and keeps training; ``python tests/checkpoint_jobs.py PATH SIDE`` (single process, no
@@ -18,11 +18,24 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.checkpoint import _full_state
 from tests.harness import OPTIMIZERS, make_batches
 from tests.jobs import BATCH, SEQ, VOCAB, build
 
-__all__ = ["reshard_job", "BATCH", "SEQ", "VOCAB"]
+__all__ = ["reshard_job", "full_state", "BATCH", "SEQ", "VOCAB"]
+
+
+def full_state(pm) -> dict[str, torch.Tensor]:
+    """Everything a checkpoint of ``pm`` holds: the union of each rank's ``checkpoint_state()``
+    (under pp a rank holds only its stage's entries), the same on every rank."""
+    mine = pm.checkpoint_state()
+    if not dist.is_initialized():
+        return mine
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        out.update(part)
+    return dict(sorted(out.items()))
 
 
 def _pm(model_name: str, plan: str, seed: int = 0):
@@ -42,11 +55,11 @@ def reshard_job(model_name: str, plan_a: str, plan_b: str, path: str, steps_befo
     pm, batches = _pm(model_name, plan_a)
     losses = [pm.train_step(*b) for b in batches[:steps_before]]
     pm.save(path)
-    saved = _full_state(pm)
+    saved = full_state(pm)
     del pm
     pm, _ = _pm(model_name, plan_b, seed=7)
     pm.load(path)
-    loaded = _full_state(pm)
+    loaded = full_state(pm)
     exact = saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
     losses += [pm.train_step(*b) for b in batches[steps_before:]]
     state = pm.state_dict()
@@ -58,7 +71,7 @@ def _child(path: str, side: str) -> None:
     pm, batches = _pm("example", "none")
     pm.train_step(*batches[0])
     pm.save(path)
-    torch.save(_full_state(pm), side)
+    torch.save(full_state(pm), side)
     pm.train_step(*batches[1])
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
 

@@ -1,7 +1,14 @@
-"""Shared pytest setup: import paths and the session-wide multi-rank pool fixture.
+"""Shared pytest setup: import paths, tier markers and the session-wide multi-rank pool fixture.
 
-The pools themselves live in ``tests/harness.py``; this file only exposes them as the
-``dist_pool`` fixture and shuts them down when the session ends.
+Tests live in three tiers, one directory each, and every test gets the marker of its
+directory (``pytest -m unit`` / ``-m dist`` / ``-m e2e``, or select the directory):
+  * ``tests/unit``: one process, no process group or subprocess (graphs, passes, plans,
+    cost model, search, schedules, layouts, errors);
+  * ``tests/dist``: multi-rank equivalence and byte tests on the gloo pools (``dist_pool``);
+  * ``tests/e2e``: the ``autopar`` CLI, the examples and the scale simulation.
+Helper modules (``tests/harness.py``, ``tests/reference.py``, ``tests/jobs.py``, ...) stay
+here at the root. The pools themselves live in ``tests/harness.py``; this file only exposes
+them as the ``dist_pool`` fixture and shuts them down when the session ends.
 """
 from __future__ import annotations
 
@@ -29,6 +36,21 @@ def dist_pool():
     """
     yield run_distributed
     shutdown_pools()
+
+
+TIERS = ("unit", "dist", "e2e")
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its tier: the first directory of its path under tests/."""
+    for item in items:
+        try:
+            tier = Path(item.path).resolve().relative_to(_TESTS_DIR).parts[0]
+        except ValueError:  # collected from outside tests/
+            continue
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
 
 
 def pytest_sessionfinish(session, exitstatus):

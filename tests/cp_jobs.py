@@ -7,7 +7,7 @@ and the error a plan that cannot work raises at run time.
 from __future__ import annotations
 
 import autopar
-from autopar import cp_attention
+from autopar.ops import cp_attention
 from tests.harness import OPTIMIZERS, make_batches
 from tests.jobs import BATCH, VOCAB, build
 
@@ -20,9 +20,8 @@ def blocks_job(model_name: str, plan: str, overrides: dict, seq: int):
     batches = make_batches(VOCAB, BATCH, seq, 1, seed=1)
     pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
                              loss_fn=loss_fn, optimizer=OPTIMIZERS["sgd"])
-    cp_attention.reset_score_blocks()
     pm.train_step(*batches[0])
-    return cp_attention.score_blocks()
+    return pm.step_context.counters[cp_attention.SCORE_BLOCKS]
 
 
 def bad_sequence_job(model_name: str, plan: str, seq: int) -> str:

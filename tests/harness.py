@@ -1,4 +1,4 @@
-"""Multi-rank test harness: pooled gloo workers plus reference-training helpers.
+"""Multi-rank test harness: pooled gloo workers that run jobs on every rank.
 
 Every numerical-equivalence and byte-equality test runs its per-rank code through
 :func:`run_distributed` (or the ``dist_pool`` fixture in ``tests/conftest.py``).
@@ -8,19 +8,17 @@ after job; a job is an importable module-level function called on every rank aft
 the default process group (gloo) is up.  A failing, crashed or hung job kills its
 pool, which restarts lazily on next use.
 
-The second half holds the single-process side of the equivalence tests:
-:func:`reference_train` trains the unparallelized model, :func:`assert_equivalent`
-compares it with what the parallel run produced, :func:`make_batches` and
-:data:`OPTIMIZERS` give both sides identical inputs.  The harness's own tests live in
-``tests/test_harness.py``.
+The single-process side of the equivalence tests (:func:`reference_train`,
+:func:`assert_equivalent`, :func:`make_batches`, :data:`OPTIMIZERS`,
+:func:`next_token_loss`) lives in ``tests/reference.py`` and is re-exported here, so
+``from tests.harness import make_batches`` keeps working.  The harness's own tests live
+in ``tests/dist/test_harness.py``.
 """
 from __future__ import annotations
 
 import atexit
-import functools
 import gc
 import importlib
-import math
 import multiprocessing as mp
 import os
 import pickle
@@ -59,6 +57,16 @@ __all__ = [
 # `tests.harness`; one module object under both names keeps a single pool registry.
 for _alias in ("harness", "tests.harness"):
     sys.modules.setdefault(_alias, sys.modules[__name__])
+
+# The reference side, re-exported (after the alias, so the names resolve under both).
+from tests.reference import (  # noqa: E402
+    OPTIMIZERS,
+    _max_abs_diff,
+    assert_equivalent,
+    make_batches,
+    next_token_loss,
+    reference_train,
+)
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -490,125 +498,3 @@ def shutdown_pools() -> None:
 
 
 atexit.register(shutdown_pools)
-
-
-# ----------------------------------------------------------------------------- references
-
-OPTIMIZERS: dict[str, Callable] = {
-    # Plain SGD keeps updates proportional to the gradient, so a gradient off by a
-    # factor (a missing 1/dp) shows; AdamW is scale-invariant but has sharded state
-    # (ZeRO) and a weight-decay path.  Both rates move tiny models by >> param_atol.
-    "sgd": functools.partial(torch.optim.SGD, lr=0.1),
-    "adamw": functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1),
-}
-
-
-def next_token_loss(output, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of logits (a tensor, tuple or HF output) against ``target``."""
-    logits = output
-    if hasattr(output, "logits"):
-        logits = output.logits
-    elif isinstance(output, (tuple, list)):
-        logits = output[0]
-    return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
-
-
-def make_batches(vocab_size: int, batch: int, seq: int, num_steps: int,
-                 seed: int) -> list[tuple[tuple[torch.Tensor], torch.Tensor]]:
-    """``num_steps`` batches of ``((input_ids,), target)``, target = input shifted by one.
-
-    Tokens are uniform in ``[0, vocab_size)``, int64, from a private generator.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(num_steps):
-        tokens = torch.randint(0, vocab_size, (batch, seq + 1), generator=gen, dtype=torch.int64)
-        out.append(((tokens[:, :-1].clone(),), tokens[:, 1:].clone()))
-    return out
-
-
-def reference_train(build_model: Callable[[], torch.nn.Module], batches, loss_fn: Callable,
-                    make_optimizer: Callable, example_kwargs: dict | None = None,
-                    ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Train the unparallelized model one optimizer step per batch.
-
-    ``build_model`` must be deterministic (seed inside it) and return the model in the
-    mode the parallel run uses (disable dropout for equivalence tests).  Returns the
-    loss of every step and CPU clones of the final state dict.
-    """
-    kwargs = dict(example_kwargs or {})
-    model = build_model()
-    optimizer = make_optimizer(model.parameters())
-    losses: list[float] = []
-    for inputs, target in batches:
-        optimizer.zero_grad()
-        loss = loss_fn(model(*inputs, **kwargs), target)
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
-    return losses, state
-
-
-def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.numel() == 0:
-        return 0.0
-    if a.is_floating_point() or a.is_complex():
-        diff = (a.double() - b.double()).abs()
-        # A NaN on either side is a mismatch, never a pass.
-        return math.inf if diff.isnan().any() else float(diff.max())
-    return 0.0 if torch.equal(a, b) else math.inf
-
-
-def assert_equivalent(ref: tuple[list[float], dict], got: tuple[list[float], dict], *,
-                      loss_atol: float = 1e-5, param_atol: float = 1e-4,
-                      num_worst: int = 5) -> None:
-    """Assert two ``(losses, state_dict)`` results match; list what differs if not.
-
-    Losses are compared step by step (absolute tolerance ``loss_atol``); state dicts
-    must have the same keys, shapes and dtypes, and every tensor's max absolute
-    difference must be within ``param_atol`` (integer tensors must be equal).
-    """
-    ref_losses, ref_state = ref
-    got_losses, got_state = got
-    problems: list[str] = []
-
-    if len(ref_losses) != len(got_losses):
-        problems.append(f"loss count: reference has {len(ref_losses)} steps, got {len(got_losses)}")
-    bad_steps = []
-    for step, (a, b) in enumerate(zip(ref_losses, got_losses)):
-        a, b = float(a), float(b)
-        if not (abs(a - b) <= loss_atol):  # written so NaN fails
-            bad_steps.append(f"step {step}: reference {a:.8g}, got {b:.8g}, |diff| {abs(a - b):.3g}")
-    if bad_steps:
-        problems.append(f"losses differ beyond {loss_atol:g} at {len(bad_steps)} step(s):\n    "
-                        + "\n    ".join(bad_steps))
-
-    missing = sorted(set(ref_state) - set(got_state))
-    extra = sorted(set(got_state) - set(ref_state))
-    if missing:
-        problems.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
-    if extra:
-        problems.append(f"unexpected keys ({len(extra)}): {', '.join(extra)}")
-
-    diffs: list[tuple[float, str]] = []
-    for key in sorted(set(ref_state) & set(got_state)):
-        a = ref_state[key].detach().cpu()
-        b = got_state[key].detach().cpu()
-        if a.shape != b.shape:
-            problems.append(f"shape of {key}: reference {tuple(a.shape)}, got {tuple(b.shape)}")
-        elif a.dtype != b.dtype:
-            problems.append(f"dtype of {key}: reference {a.dtype}, got {b.dtype}")
-        else:
-            diff = _max_abs_diff(a, b)
-            if not (diff <= param_atol):
-                diffs.append((diff, key))
-    if diffs:
-        diffs.sort(key=lambda d: (-d[0], d[1]))
-        worst = "\n    ".join(f"{key}: max |diff| {d:.3g}" for d, key in diffs[:num_worst])
-        more = f"\n    ... and {len(diffs) - num_worst} more" if len(diffs) > num_worst else ""
-        problems.append(f"{len(diffs)} of {len(set(ref_state) & set(got_state))} tensors differ "
-                        f"beyond {param_atol:g}; worst:\n    {worst}{more}")
-    if problems:
-        raise AssertionError("results are not equivalent:\n  " + "\n  ".join(problems))

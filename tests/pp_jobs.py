@@ -28,7 +28,7 @@ def pp_train_job(model_name: str, plan: str, opt_name: str, overrides: dict, ste
         "losses": losses,
         "state": {k: v.detach().cpu().clone() for k, v in state.items()},
         "comm": comm,
-        "layers": [list(c.layers) for c in pm.ctx.pipeline.chunks],
+        "layers": [list(c.layers) for c in pm.program.pipeline.chunks],
     }
 
 

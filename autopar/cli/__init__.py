@@ -1,0 +1,31 @@
+"""Command-line entry point: ``autopar inspect | plan | explain``.
+
+``inspect`` (autopar/inspect_cmd.py) prints a rank's generated program; ``plan`` and
+``explain`` (autopar/cli_plan.py) run the offline cost model and search.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    from autopar.cli import inspect_cmd, plan_cmd
+
+    inspect_cmd.register(sub)
+    plan_cmd.register(sub)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ValueError as exc:  # AutoparError and plan validation errors
+        msg = str(exc)
+        print(msg if msg.startswith("autopar:") else f"autopar: {msg}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

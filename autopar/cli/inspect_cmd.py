@@ -1,0 +1,111 @@
+"""``autopar inspect MODULE:FUNCTION --plan PLAN --world N --rank R``.
+
+Compiles a model for a plan in one process, without a cluster or process group, and
+prints the generated program of one rank with every collective marked (op, mesh axis,
+local shape, predicted bytes), followed by one summary line per collective kind.
+
+``FUNCTION()`` returns ``(model, example_inputs)`` or ``(model, example_inputs,
+example_kwargs)``; ``MODULE`` is a file path (``examples/model.py``) or an importable
+module name.  The loss traced with the model is cross-entropy of its logits against a
+target shaped like the first input (``--loss none`` traces the model alone).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+import sys
+
+from autopar.errors import AutoparError
+
+__all__ = ["register", "load_target", "lm_cross_entropy", "run_inspect"]
+
+
+def lm_cross_entropy(output, target):
+    """Cross-entropy of a language model's logits (a tensor or an object with ``.logits``)."""
+    import torch.nn.functional as F  # here, not at the top: `autopar plan` never loads torch
+
+    logits = output.logits if hasattr(output, "logits") else output
+    return F.cross_entropy(logits.flatten(0, -2), target.flatten())
+
+
+def load_target(spec: str):
+    """Call ``MODULE:FUNCTION`` and return ``(model, example_inputs, example_kwargs)``."""
+    if ":" not in spec:
+        raise AutoparError(f"autopar: expected MODULE:FUNCTION (e.g. examples/model.py:build_tiny), got '{spec}'.")
+    module_name, func_name = spec.rsplit(":", 1)
+    if module_name.endswith(".py") or os.path.sep in module_name:
+        if not os.path.exists(module_name):
+            raise AutoparError(f"autopar: no such file '{module_name}'; give a path to a Python file or a module name.")
+        loaded = importlib.util.spec_from_file_location("_autopar_inspect_target", module_name)
+        module = importlib.util.module_from_spec(loaded)
+        sys.modules[loaded.name] = module  # dataclasses in the target look their module up here
+        sys.path.insert(0, os.path.dirname(os.path.abspath(module_name)))
+        loaded.loader.exec_module(module)
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise AutoparError(f"autopar: cannot import module '{module_name}': {exc}") from exc
+    func = getattr(module, func_name, None)
+    if func is None:
+        raise AutoparError(f"autopar: '{module_name}' has no function '{func_name}'.")
+    result = func()
+    if not isinstance(result, tuple) or len(result) not in (2, 3):
+        raise AutoparError(f"autopar: {func_name}() must return (model, example_inputs) or "
+                           f"(model, example_inputs, example_kwargs); got {type(result).__name__}.")
+    model, inputs = result[0], tuple(result[1])
+    kwargs = dict(result[2]) if len(result) == 3 else {}
+    return model, inputs, kwargs
+
+
+def run_inspect(spec: str, plan: str, world: int, rank: int, loss: str = "ce", schedule: bool = False) -> str:
+    import torch
+
+    from autopar.passes.compile import compile_program
+    from autopar.plan import Plan
+    from autopar.runtime.mesh import MESH_AXES
+    from autopar.views.program import format_program
+
+    p = Plan.parse(plan)
+    if not 0 <= rank < world:
+        raise AutoparError(f"autopar: --rank {rank} is outside the world of {world} ranks (0..{world - 1}).")
+    model, inputs, kwargs = load_target(spec)
+    loss_fn = lm_cross_entropy if loss == "ce" else None
+    with torch.no_grad():
+        traced, ctx = compile_program(model, inputs, kwargs, p, loss_fn, world_size=world)
+    coords, rest = {}, rank
+    for axis in reversed(MESH_AXES):
+        coords[axis] = rest % p.degrees[axis]
+        rest //= p.degrees[axis]
+    coords = {a: coords[a] for a in MESH_AXES}
+    if ctx.pipeline is None:
+        text = format_program(traced.gm, ctx, rank_coords={"rank": rank, **coords})
+    else:  # this rank's pipeline chunks
+        text = "\n\n".join(f"# pipeline chunk {c} (layers {list(ctx.pipeline.chunks[c].layers)})\n"
+                             + format_program(ctx.pipeline.chunks[c].gm, ctx, rank_coords={"rank": rank, **coords})
+                             for c in ctx.pipeline.rank_chunks(coords["pp"]))
+    if schedule:
+        from autopar.views.schedule import format_schedule
+
+        text += "\n\n" + format_schedule(p)
+    return text
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    print(run_inspect(args.target, args.plan, args.world, args.rank, args.loss, args.schedule))
+    return 0
+
+
+def register(sub) -> None:
+    p = sub.add_parser("inspect", help="print one rank's generated program with its collectives marked")
+    p.add_argument("target", help="MODULE:FUNCTION returning (model, example_inputs[, example_kwargs])")
+    p.add_argument("--plan", required=True, help="plan text, e.g. tp=2,sp")
+    p.add_argument("--world", type=int, required=True, help="number of ranks (must equal the plan's product)")
+    p.add_argument("--rank", type=int, default=0, help="which rank's program to print")
+    p.add_argument("--loss", choices=("ce", "none"), default="ce",
+                   help="trace cross-entropy of the logits with the model (default) or the model alone")
+    p.add_argument("--schedule", action="store_true",
+                   help="also print the pipeline schedule's step x rank grid (F, B, W per micro-batch)")
+    p.set_defaults(func=_cmd)

@@ -1,0 +1,148 @@
+"""Measured against predicted memory of one plan on this machine (``autopar explain --measure``).
+
+:func:`measure_memory` spawns ``world`` local gloo processes; each loads
+``MODULE:FUNCTION`` (:func:`autopar.cli.inspect_cmd.load_target`), compiles the model for the
+plan (:func:`autopar.parallelize`, AdamW, the loss :func:`autopar.cli.inspect_cmd.lm_cross_entropy`
+against the first input shifted left by one token), runs one ``train_step`` and returns
+``pm.memory_report()`` (definitions in autopar/memory.py).  :func:`memory_comparison`
+sets those reports against the cost model's memory terms (cost/memory.py) for the same
+model (``ModelSpec.from_module``), sequence length and batch, fp32 (``dtype_bytes=4``),
+and :func:`format_memory_comparison` prints the table.  autopar/cli_plan.py wires it into
+``autopar explain``.
+"""
+from __future__ import annotations
+
+import socket
+import traceback
+from datetime import timedelta
+
+import torch
+
+from autopar.errors import AutoparError
+
+__all__ = ["measure_memory", "predicted_memory", "memory_comparison", "format_memory_comparison",
+           "MEASURE_TIMEOUT_S"]
+
+MEASURE_TIMEOUT_S = 600.0
+
+# Cost-model memory terms (cost/memory.py) that make up each measured category.
+_PREDICTED_PARTS = {
+    "params": ("params",),
+    "grads": ("grads",),
+    "optimizer": ("optimizer",),
+    "activations": ("activations", "embedding_activations", "head_activations", "recompute_buffer"),
+}
+
+
+def _shifted_target(inputs: tuple) -> torch.Tensor:
+    ids = inputs[0] if inputs else None
+    if not torch.is_tensor(ids) or ids.dim() < 2 or ids.is_floating_point():
+        raise AutoparError(
+            "autopar: --measure trains with next-token cross-entropy, so the first example input "
+            f"must be integer token ids [batch, seq]; got {type(ids).__name__}"
+            f"{'' if not torch.is_tensor(ids) else f' {ids.dtype} {tuple(ids.shape)}'}. "
+            "Return a language model and its input_ids from MODULE:FUNCTION.")
+    return torch.roll(ids, -1, dims=1)
+
+
+def _worker(rank: int, world: int, port: int, target: str, plan: str, results) -> None:
+    """One spawned rank: join the gloo world, train one step, put ``(rank, report)``."""
+    import torch.distributed as dist
+
+    try:
+        torch.set_num_threads(1)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=timedelta(seconds=MEASURE_TIMEOUT_S))
+        from autopar.runtime import parallelize
+        from autopar.cli.inspect_cmd import lm_cross_entropy, load_target
+
+        model, inputs, kwargs = load_target(target)
+        pm = parallelize(model, inputs, kwargs, plan=plan, loss_fn=lm_cross_entropy)
+        pm.train_step(inputs, _shifted_target(inputs))
+        results.put(("ok", rank, pm.memory_report()))
+    except BaseException as exc:  # reported to the parent, which raises a clear error
+        results.put(("err", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def measure_memory(target: str, plan: str, world: int, timeout: float = MEASURE_TIMEOUT_S) -> list[dict]:
+    """``memory_report()`` of every rank after one ``train_step`` of ``target`` under ``plan``."""
+    import queue
+
+    import torch.multiprocessing as mp
+
+    if world < 1:
+        raise AutoparError(f"autopar: --world must be >= 1, got {world}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, target, plan, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    reports: dict[int, dict] = {}
+    try:
+        while len(reports) < world:
+            try:
+                status, rank, payload = results.get(timeout=timeout)
+            except queue.Empty:
+                raise AutoparError(f"autopar: the {world} measuring processes did not finish within "
+                                   f"{timeout:.0f} s; try a smaller model or batch") from None
+            if status == "err":
+                raise AutoparError(f"autopar: rank {rank} failed while measuring plan '{plan}' on "
+                                   f"{target}: {payload.splitlines()[0]}\n{payload}")
+            reports[rank] = payload
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    return [reports[r] for r in range(world)]
+
+
+def predicted_memory(cost, stage: int | None = None) -> dict[str, float]:
+    """The cost model's bytes per measured category (activations: every activation term)."""
+    terms = cost.memory(stage)
+    return {cat: sum(terms.get(part, 0.0) for part in parts) for cat, parts in _PREDICTED_PARTS.items()}
+
+
+def memory_comparison(cost, reports: list[dict]) -> list[dict]:
+    """Rows (category, predicted, measured, diff) for the ranks of the cost's fullest stage.
+
+    Measured is the largest value over those ranks (ranks ``stage * world/pp ...`` of the
+    (pp, dp, cp, tp) mesh); ``diff`` is (measured - predicted) / predicted, ``None`` when
+    nothing is predicted.  ``master_params`` (ZeRO-1/2's fp32 shards) has no cost-model term.
+    """
+    plan = cost.plan
+    stage = cost.memory_rank
+    per_stage = len(reports) // plan.pp
+    ranks = reports[stage * per_stage:(stage + 1) * per_stage]
+    predicted = predicted_memory(cost, stage)
+    rows = []
+    for cat in ("params", "grads", "optimizer", "activations", "master_params"):
+        measured = max(r.get(cat, 0) for r in ranks)
+        pred = predicted.get(cat)
+        diff = (measured - pred) / pred if pred else None
+        rows.append(dict(category=cat, predicted=pred, measured=measured, diff=diff))
+    return rows
+
+
+def format_memory_comparison(rows: list[dict], plan: str, target: str, world: int) -> str:
+    """The predicted-vs-measured table, bytes per rank."""
+    out = [f"Memory per rank, predicted (cost model, fp32) vs measured (one train_step of {target} "
+           f"under '{plan}' on {world} local gloo processes; largest rank of the fullest stage):",
+           f"  {'category':<14} {'predicted':>12} {'measured':>12} {'difference':>11}"]
+    for r in rows:
+        pred = "-" if r["predicted"] is None else f"{r['predicted']:,.0f}"
+        diff = "-" if r["diff"] is None else f"{r['diff'] * 100:+.1f}%"
+        out.append(f"  {r['category']:<14} {pred:>12} {r['measured']:>12,} {diff:>11}")
+    return "\n".join(out)

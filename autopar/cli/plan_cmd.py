@@ -1,0 +1,480 @@
+"""``autopar plan`` and ``autopar explain``: the offline cost model on the command line.
+
+``plan`` searches every plan for a model on a cluster (:func:`autopar.planning.search.search`)
+and prints the best ones as a ranked table (or JSON); ``explain`` scores one plan
+(:func:`autopar.cost.estimate`) and prints its full breakdown: the collectives one rank
+issues per step (like sections 6.7 and 6.8 of the reference, with docs/architecture.md's byte
+convention), memory by category, the time budget and the pipeline bubble, optionally
+with each term's formula.
+
+autopar/cli.py builds the parser and calls :func:`register`; everything that can go
+wrong with the user's input raises :class:`autopar.errors.AutoparError`, which cli.py
+prints. The cost model lives in ``autopar.cost`` (cost/), the search in
+autopar/search.py. ``explain --measure MODULE:FUNCTION --world N`` also runs one training
+step of that model on N local gloo processes and prints predicted against measured memory
+(autopar/measure_cmd.py).
+"""
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import os
+import sys
+import time
+
+from autopar.errors import AutoparError
+
+__all__ = [
+    "register",
+    "run_plan",
+    "run_explain",
+    "load_model_spec",
+    "make_cluster",
+    "dominant_terms",
+    "plan_record",
+    "format_plan_table",
+    "explain_record",
+    "format_explain",
+]
+
+_GIB = 2.0**30
+_MIB = 2.0**20
+
+
+# ---------------------------------------------------------------------- parser
+def register(subparsers) -> None:
+    """Add the ``plan`` and ``explain`` subcommands to the ``autopar`` parser."""
+    plan = subparsers.add_parser(
+        "plan",
+        help="search the best parallel plans for a model on a cluster (offline)",
+        description="Score every parallel plan with the cost model and print the best ones.",
+    )
+    _add_common(plan)
+    plan.add_argument("--top", type=int, default=10, metavar="K",
+                      help="how many plans to print (default 10)")
+    plan.add_argument("--no-progress", action="store_true",
+                      help="do not report search progress on stderr")
+    plan.set_defaults(func=run_plan)
+
+    explain = subparsers.add_parser(
+        "explain",
+        help="show the cost breakdown of one plan: collectives, memory, time, bubble",
+        description="Score one plan with the cost model and print every term.",
+    )
+    _add_common(explain, required=False)
+    explain.add_argument("--plan", required=True,
+                         help="plan text, e.g. 'tp=8,sp,pp=4:1f1b,dp=32,zero=1,mb=8'")
+    explain.add_argument("--stage", type=int, default=None, metavar="I",
+                         help="pipeline stage whose collectives are listed (default: the slowest)")
+    explain.add_argument("--formulas", action="store_true",
+                         help="print the symbolic formula of every time and memory term")
+    explain.add_argument("--measure", metavar="MODULE:FUNCTION", default=None,
+                         help="also run one training step of FUNCTION()'s (model, input_ids) under the "
+                              "plan on --world local gloo processes and print predicted against "
+                              "measured memory; model, sequence and batch come from the example inputs")
+    explain.add_argument("--world", type=int, default=None, metavar="N",
+                         help="processes for --measure (the plan's world size)")
+    explain.set_defaults(func=run_explain)
+
+
+def _add_common(p: argparse.ArgumentParser, required: bool = True) -> None:
+    # explain checks these itself: --measure takes them from the measured model instead.
+    p.add_argument("--model", required=required,
+                   help="a preset (llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, "
+                        "reference-moe) or the path of a transformers config.json")
+    p.add_argument("--gpu", default="h100", help="GPU preset: a100, h100, h200 (default h100)")
+    p.add_argument("--gpus", type=int, required=required, metavar="N", help="number of GPUs")
+    p.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
+                   help="GPUs per node (default 8)")
+    p.add_argument("--seq", type=int, required=required, metavar="S", help="sequence length")
+    p.add_argument("--global-batch", type=int, required=required, metavar="B",
+                   help="sequences per optimizer step")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+# ---------------------------------------------------------------------- inputs
+def load_model_spec(model: str):
+    """A ModelSpec from a preset name or a config.json path (file or directory)."""
+    from autopar.cost import ModelSpec
+    from autopar.cost.spec import PRESETS
+
+    looks_like_path = (
+        model.endswith(".json") or os.sep in model or (os.altsep or os.sep) in model
+        or os.path.exists(model)
+    )
+    if not looks_like_path:
+        if model.lower().replace("_", "-") not in PRESETS:
+            raise AutoparError(
+                f"autopar: unknown model {model!r}; expected a preset "
+                f"({', '.join(sorted(PRESETS))}) or the path of a transformers config.json"
+            )
+        return ModelSpec.preset(model)
+    path = os.path.join(model, "config.json") if os.path.isdir(model) else model
+    if not os.path.isfile(path):
+        raise AutoparError(
+            f"autopar: model config {path!r} does not exist; pass the path of a transformers "
+            f"config.json (or its directory), or a preset such as llama3-70b"
+        )
+    return ModelSpec.from_hf_config(path)
+
+
+def make_cluster(gpu: str, gpus: int, gpus_per_node: int):
+    """A Cluster of ``gpus`` GPUs; fewer GPUs than one node make a single partial node."""
+    from autopar.cost import Cluster
+    from autopar.cost.hardware import GPU_PRESETS
+
+    if gpu.lower() not in GPU_PRESETS:
+        raise AutoparError(
+            f"autopar: unknown GPU {gpu!r}; expected one of {', '.join(GPU_PRESETS)}"
+        )
+    if gpus < 1 or gpus_per_node < 1:
+        raise AutoparError(
+            f"autopar: --gpus and --gpus-per-node must be >= 1, got {gpus} and {gpus_per_node}"
+        )
+    if gpus < gpus_per_node:
+        return Cluster(gpu=gpu, num_nodes=1, gpus_per_node=gpus)
+    if gpus % gpus_per_node:
+        lo = gpus // gpus_per_node * gpus_per_node
+        raise AutoparError(
+            f"autopar: {gpus} GPUs do not fill whole nodes of {gpus_per_node}; use a multiple "
+            f"of {gpus_per_node} (e.g. {lo} or {lo + gpus_per_node}), or set --gpus-per-node"
+        )
+    return Cluster(gpu=gpu, num_nodes=gpus // gpus_per_node, gpus_per_node=gpus_per_node)
+
+
+def _check_positive(args) -> None:
+    for flag, value in (("--seq", args.seq), ("--global-batch", args.global_batch),
+                        ("--top", getattr(args, "top", 1))):
+        if value < 1:
+            raise AutoparError(f"autopar: {flag} must be a positive integer, got {value}")
+
+
+# ---------------------------------------------------------------------- cost terms
+def _time_terms(cost, formulas: bool):
+    """Time-category terms of ``cost.breakdown()``, without formulas when it can skip them."""
+    if not formulas and "formulas" in inspect.signature(cost.breakdown).parameters:
+        terms = cost.breakdown(formulas=False)
+    else:
+        terms = cost.breakdown()
+    return terms
+
+
+def _group_of(term) -> str | None:
+    """Bucket a time term: compute, comm per dimension (exposed part only), bubble, optimizer."""
+    if term.category == "compute":
+        return "compute"
+    if term.category == "comm":
+        if not term.name.endswith("(exposed)"):
+            return None  # the full transfer time; only what is not hidden counts
+        parts = term.name.split(".")
+        return f"{parts[2]} comm" if len(parts) > 2 else "comm"
+    if term.category == "bubble":
+        return "bubble"
+    if term.category == "step":
+        return "optimizer"
+    return None
+
+
+def dominant_terms(cost, terms=None, top: int = 3) -> list[tuple[str, float]]:
+    """The ``top`` largest shares of the step time as (label, seconds), largest first."""
+    terms = _time_terms(cost, False) if terms is None else terms
+    totals: dict[str, float] = {}
+    for t in terms:
+        group = _group_of(t)
+        if group is not None and t.value > 0:
+            totals[group] = totals.get(group, 0.0) + float(t.value)
+    return sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+
+
+# ---------------------------------------------------------------------- plan
+def plan_record(rank: int, plan, cost, terms=None) -> dict:
+    """One ranked plan as a JSON-ready dict."""
+    dom = dominant_terms(cost, terms)
+    return {
+        "rank": rank,
+        "plan": str(plan),
+        "step_time_s": cost.step_time,
+        "mfu": cost.mfu,
+        "memory_per_gpu_bytes": cost.memory_per_gpu,
+        "tokens_per_s": cost.tokens_per_s,
+        "bubble_s": cost.bubble,
+        "dominant_terms": [
+            {"term": name, "seconds": sec, "share": sec / cost.step_time} for name, sec in dom
+        ],
+    }
+
+
+def format_plan_table(records: list[dict]) -> str:
+    """Readable ranked table of :func:`plan_record` dicts."""
+    width = max([len("plan")] + [len(r["plan"]) for r in records])
+    head = (f"{'#':>3}  {'plan':<{width}}  {'step':>9}  {'MFU':>6}  {'mem/GPU':>9}  "
+            f"{'tokens/s':>11}  dominant terms (share of step)")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        dom = ", ".join(f"{d['term']} {d['share'] * 100:.0f}%" for d in r["dominant_terms"])
+        lines.append(
+            f"{r['rank']:>3}  {r['plan']:<{width}}  {_fmt_time(r['step_time_s']):>9}  "
+            f"{r['mfu'] * 100:>5.1f}%  {r['memory_per_gpu_bytes'] / _GIB:>5.1f} GiB  "
+            f"{r['tokens_per_s']:>11,.0f}  {dom}"
+        )
+    return "\n".join(lines)
+
+
+def run_plan(args) -> int:
+    """``autopar plan``: search, then print the ranked table (or JSON)."""
+    from autopar.planning.search import search
+
+    _check_positive(args)
+    spec = load_model_spec(args.model)
+    cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node)
+    state = {"total": 0, "last": 0.0}
+    show = not args.no_progress
+    tty = sys.stderr.isatty()
+
+    def progress(done: int, total: int) -> None:
+        state["total"] = total
+        now = time.perf_counter()
+        if show and (done == total or now - state["last"] > 0.5):
+            state["last"] = now
+            end = "\n" if (done == total or not tty) else ""
+            print(f"\rautopar: scored {done:,}/{total:,} candidate plans", end=end,
+                  file=sys.stderr, flush=True)
+
+    if show:
+        print(f"autopar: searching plans for {spec.name} on {cluster.world_size} x "
+              f"{cluster.gpu} (seq {args.seq}, global batch {args.global_batch})",
+              file=sys.stderr, flush=True)
+    start = time.perf_counter()
+    results = search(spec, cluster, args.seq, args.global_batch, top=args.top, progress=progress)
+    elapsed = time.perf_counter() - start
+    if not results:
+        raise AutoparError(
+            f"autopar: no plan for {spec.name} fits in {cluster.usable_memory / _GIB:.1f} GiB per "
+            f"{cluster.gpu} on {cluster.world_size} GPUs; use more GPUs, a larger GPU, a shorter "
+            f"sequence or a smaller global batch"
+        )
+    records = [plan_record(i + 1, plan, cost) for i, (plan, cost) in enumerate(results)]
+    if args.json:
+        print(json.dumps({
+            "model": spec.name, "gpu": cluster.gpu, "gpus": cluster.world_size,
+            "gpus_per_node": cluster.gpus_per_node, "seq_len": args.seq,
+            "global_batch": args.global_batch, "candidates": state["total"],
+            "search_seconds": elapsed, "plans": records,
+        }, indent=2))
+    else:
+        print(f"{spec.name} on {cluster.world_size} x {cluster.gpu}, seq {args.seq}, global batch "
+              f"{args.global_batch}: best {len(records)} of {state['total']:,} candidate plans "
+              f"({elapsed:.1f} s)")
+        print(format_plan_table(records))
+    return 0
+
+
+# ---------------------------------------------------------------------- explain
+def _row_dict(row) -> dict:
+    return {
+        "phase": row.phase, "dimension": row.dimension, "collective": row.collective,
+        "axis": row.axis, "group_size": row.group_size, "bytes_sent": row.bytes_sent,
+        "bytes_recv": row.bytes_recv, "count": row.count,
+        "bytes_sent_per_step": row.bytes_sent * row.count, "what": row.what,
+    }
+
+
+def _time_entries(terms, formulas: bool) -> list[dict]:
+    """Time terms as their share of the step ("seconds" = time on the critical path).
+
+    A collective appears once: ``seconds`` is its exposed time, ``transfer_seconds`` the
+    whole transfer (the rest hides behind compute).
+    """
+    out = []
+    for i, t in enumerate(terms):
+        if t.category == "memory" or t.name.endswith("(exposed)"):
+            continue
+        entry = {"name": t.name, "category": t.category, "seconds": float(t.value)}
+        if formulas:
+            entry["formula"] = str(t.formula)
+        if t.category == "comm":
+            partner = terms[i + 1] if i + 1 < len(terms) else None
+            if partner is not None and partner.name == t.name + " (exposed)":
+                entry["transfer_seconds"] = entry["seconds"]
+                entry["seconds"] = float(partner.value)
+                if formulas:
+                    entry["transfer_formula"] = entry["formula"]
+                    entry["formula"] = str(partner.formula)
+        out.append(entry)
+    return out
+
+
+def explain_record(cost, *, stage: int | None = None, formulas: bool = False) -> dict:
+    """The full breakdown of one scored plan as a JSON-ready dict."""
+    plan = cost.plan
+    stage = cost.bottleneck_rank if stage is None else stage
+    if not 0 <= stage < plan.pp:
+        raise AutoparError(
+            f"autopar: --stage {stage} is outside the pipeline; plan '{plan}' has stages "
+            f"0..{plan.pp - 1}"
+        )
+    terms = _time_terms(cost, formulas)
+    memory = cost.memory(stage)
+    mem_formulas = {t.name.split(".", 1)[1]: str(t.formula) for t in terms
+                    if t.category == "memory"} if formulas else {}
+    rows = cost.comm_table(stage)
+    by_dim: dict[str, float] = {}
+    for r in rows:
+        by_dim[r.dimension] = by_dim.get(r.dimension, 0.0) + r.bytes_sent * r.count
+    return {
+        "plan": str(plan), "model": cost.spec.name, "gpu": cost.cluster.gpu,
+        "gpus": cost.cluster.world_size, "seq_len": cost.seq_len,
+        "global_batch": cost.global_batch,
+        "micro_batch_size": cost.global_batch // (plan.dp * plan.mb),
+        "micro_batches": plan.mb, "step_time_s": cost.step_time, "mfu": cost.mfu,
+        "tokens_per_s": cost.tokens_per_s, "memory_per_gpu_bytes": cost.memory_per_gpu,
+        "usable_memory_bytes": cost.cluster.usable_memory, "fits": cost.memory_per_gpu <= cost.cluster.usable_memory,
+        "bottleneck_stage": cost.bottleneck_rank, "memory_stage": cost.memory_rank,
+        "stage": stage,
+        "comm": [_row_dict(r) for r in rows],
+        "comm_bytes_sent_per_step_by_dimension": by_dim,
+        "memory": {name: {"bytes": value, **({"formula": mem_formulas[name]} if name in mem_formulas else {})}
+                   for name, value in memory.items()},
+        "time": _time_entries(terms, formulas),
+        "dominant_terms": [{"term": n, "seconds": s, "share": s / cost.step_time}
+                           for n, s in dominant_terms(cost, terms, top=5)],
+        "bubble": {"schedule": plan.schedule if plan.pp > 1 else None, "pp": plan.pp,
+                   "seconds": cost.bubble, "fraction_of_step": cost.bubble / cost.step_time},
+    }
+
+
+def format_explain(rec: dict) -> str:
+    """Readable report of :func:`explain_record`."""
+    out = [
+        f"plan {rec['plan']}   model {rec['model']}   {rec['gpus']} x {rec['gpu']}   seq "
+        f"{rec['seq_len']}   global batch {rec['global_batch']} "
+        f"({rec['micro_batches']} micro-batches of {rec['micro_batch_size']} per replica)",
+        f"  step time {_fmt_time(rec['step_time_s'])}   MFU {rec['mfu'] * 100:.1f}%   "
+        f"{rec['tokens_per_s']:,.0f} tokens/s",
+        f"  memory/GPU {_fmt_bytes(rec['memory_per_gpu_bytes'])} of "
+        f"{_fmt_bytes(rec['usable_memory_bytes'])} usable "
+        f"({'fits' if rec['fits'] else 'DOES NOT FIT'}, fullest stage {rec['memory_stage']})",
+        "",
+        f"Collectives of one rank of pipeline stage {rec['stage']} per optimizer step "
+        f"(bytes sent/received per call, ring convention)",
+    ]
+    head = (f"  {'phase':<5} {'dim':<13} {'collective':<14} {'axis':<5} {'n':>4} "
+            f"{'sent/call':>11} {'recv/call':>11} {'calls':>6} {'sent/step':>11}  what")
+    out += [head, "  " + "-" * (len(head) - 2)]
+    for r in rec["comm"]:
+        out.append(
+            f"  {r['phase']:<5} {r['dimension']:<13} {r['collective']:<14} {r['axis']:<5} "
+            f"{r['group_size']:>4} {_fmt_bytes(r['bytes_sent']):>11} "
+            f"{_fmt_bytes(r['bytes_recv']):>11} {r['count']:>6} "
+            f"{_fmt_bytes(r['bytes_sent_per_step']):>11}  {r['what']}"
+        )
+    if not rec["comm"]:
+        out.append("  (none: a single rank issues no collectives)")
+    total = sum(rec["comm_bytes_sent_per_step_by_dimension"].values())
+    if total:
+        out.append("  sent per step by dimension: " + ", ".join(
+            f"{d} {_fmt_bytes(v)}" for d, v in sorted(
+                rec["comm_bytes_sent_per_step_by_dimension"].items(), key=lambda kv: -kv[1])))
+    out += ["", f"Memory per GPU, stage {rec['stage']}"]
+    for name, m in rec["memory"].items():
+        line = f"  {name:<18} {_fmt_bytes(m['bytes']):>11}"
+        out.append(line + (f"   = {m['formula']}" if "formula" in m else ""))
+    out.append(f"  {'total':<18} {_fmt_bytes(sum(m['bytes'] for m in rec['memory'].values())):>11}")
+    out += ["", "Time per step on the slowest pipeline stage (exposed = on the critical path; "
+            "the rest of a transfer hides behind compute)"]
+    for t in sorted(rec["time"], key=lambda t: (-t["seconds"], -t.get("transfer_seconds", 0))):
+        if t["seconds"] <= 0 and t.get("transfer_seconds", 0) <= 0:
+            continue
+        line = f"  {t['name']:<36} {_fmt_time(t['seconds']):>10}"
+        if "transfer_seconds" in t:
+            line += f"  (transfer {_fmt_time(t['transfer_seconds'])})"
+        out.append(line + (f"   = {t['formula']}" if "formula" in t else ""))
+    out.append(f"  {'step':<36} {_fmt_time(rec['step_time_s']):>10}")
+    out.append("  largest shares of the step: " + ", ".join(
+        f"{d['term']} {d['share'] * 100:.1f}%" for d in rec["dominant_terms"]))
+    b = rec["bubble"]
+    out += ["", "Pipeline bubble"]
+    if b["pp"] > 1:
+        out.append(f"  {b['schedule']} over {b['pp']} stages: {_fmt_time(b['seconds'])} "
+                   f"({b['fraction_of_step'] * 100:.1f}% of the step)")
+    else:
+        out.append("  none (no pipeline parallelism)")
+    return "\n".join(out)
+
+
+def run_explain(args) -> int:
+    """``autopar explain``: score one plan and print its breakdown (or JSON)."""
+    from autopar.cost import estimate
+    from autopar.plan import Plan
+
+    if args.measure is not None:
+        return _run_explain_measured(args)
+    missing = [flag for flag, value in (("--model", args.model), ("--gpus", args.gpus), ("--seq", args.seq),
+                                        ("--global-batch", args.global_batch)) if value is None]
+    if missing:
+        raise AutoparError(f"autopar: explain needs {', '.join(missing)}; give them, or --measure "
+                           f"MODULE:FUNCTION --world N to take the model from a run on this machine")
+    _check_positive(args)
+    spec = load_model_spec(args.model)
+    cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node)
+    plan = Plan.parse(args.plan)
+    if plan.world_size != cluster.world_size:
+        raise AutoparError(
+            f"autopar: plan '{plan}' uses pp*dp*cp*tp = {plan.world_size} GPUs but --gpus is "
+            f"{cluster.world_size}; change a degree (usually dp) or --gpus so that they match"
+        )
+    cost = estimate(spec, cluster, plan, args.seq, args.global_batch)
+    rec = explain_record(cost, stage=args.stage, formulas=args.formulas)
+    print(json.dumps(rec, indent=2) if args.json else format_explain(rec))
+    return 0
+
+
+def _run_explain_measured(args) -> int:
+    """``explain --measure``: the breakdown for the measured model, then predicted vs measured memory."""
+    from autopar.cost import Cluster, ModelSpec, estimate
+    from autopar.cli.inspect_cmd import load_target
+    from autopar.cli.measure_cmd import format_memory_comparison, measure_memory, memory_comparison
+    from autopar.plan import Plan
+
+    given = [flag for flag, value in (("--model", args.model), ("--seq", args.seq),
+                                      ("--global-batch", args.global_batch)) if value is not None]
+    if given:
+        raise AutoparError(f"autopar: --measure takes the model, sequence length and batch from "
+                           f"{args.measure}'s example inputs; drop {', '.join(given)}")
+    plan = Plan.parse(args.plan)
+    world = args.world if args.world is not None else args.gpus
+    if world is None or world != plan.world_size:
+        raise AutoparError(f"autopar: plan '{plan}' uses pp*dp*cp*tp = {plan.world_size} processes but "
+                           f"--world is {world}; pass --world {plan.world_size}")
+    model, inputs, kwargs = load_target(args.measure)
+    if not inputs or not hasattr(inputs[0], "shape") or len(inputs[0].shape) < 2:
+        raise AutoparError(f"autopar: --measure needs input_ids [batch, seq] as {args.measure}'s first "
+                           f"example input")
+    batch, seq = int(inputs[0].shape[0]), int(inputs[0].shape[1])
+    spec = ModelSpec.from_module(model, inputs, kwargs)
+    cost = estimate(spec, Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world), plan, seq, batch,
+                    dtype_bytes=4)
+    reports = measure_memory(args.measure, str(plan), world)
+    rows = memory_comparison(cost, reports)
+    rec = explain_record(cost, stage=args.stage, formulas=args.formulas)
+    if args.json:
+        rec["measured_memory"] = {"ranks": reports, "comparison": rows}
+        print(json.dumps(rec, indent=2))
+    else:
+        print(format_explain(rec))
+        print()
+        print(format_memory_comparison(rows, str(plan), args.measure, world))
+    return 0
+
+
+# ---------------------------------------------------------------------- formatting
+def _fmt_time(t: float) -> str:
+    return f"{t * 1e3:.2f} ms" if t < 1 else f"{t:.3f} s"
+
+
+def _fmt_bytes(x: float) -> str:
+    for unit, scale in (("GiB", _GIB), ("MiB", _MIB), ("KiB", 1024.0)):
+        if abs(x) >= scale:
+            return f"{x / scale:.2f} {unit}"
+    return f"{x:.0f} B"

@@ -1,0 +1,116 @@
+"""Every private PyTorch API autopar relies on, in one place.
+
+PyTorch does not promise to keep these; when an upgrade changes one, the test in
+``tests/unit/test_compat.py`` that exercises it fails with its name, and this file is the
+only one to change.  Each function says what it wraps and why no public API does the job.
+Nothing here is imported at ``import autopar`` time: offline planning never loads torch.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["sym_expr", "sym_hint", "flatten_mesh", "rename_node", "tensor_base", "set_buffer",
+           "ASSERT_METADATA_OPS", "is_guards_call", "recording_stage_class", "compute_kinds", "pipeline_order"]
+
+
+def sym_expr(size: Any):
+    """The sympy expression of a symbolic size (``SymInt.node.expr``), or None for a plain int.
+
+    torch.export records symbolic batch and sequence sizes as SymInts; the passes compare
+    them with the traced symbols, which only the private ``node`` exposes."""
+    return size.node.expr if isinstance(size, torch.SymInt) else None
+
+
+def sym_hint(size: Any) -> int:
+    """The example value behind a symbolic size (``SymInt.node.hint``), or the int itself."""
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+def flatten_mesh(mesh, dims: tuple[str, ...], name: str):
+    """The 1-D mesh over ``dims`` of ``mesh`` flattened into one axis ``name``
+    (``DeviceMesh._flatten``: the only way to get one process group over two mesh axes
+    that DeviceMesh keeps consistent with its other groups)."""
+    return mesh[dims]._flatten(name)
+
+
+def rename_node(node, name: str) -> None:
+    """Rename an FX node in place (``Node._rename``), keeping the graph's names unique."""
+    node._rename(name)
+
+
+def tensor_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor ``t`` is a view of, or ``t`` itself (``Tensor._base``): saved-tensor hooks
+    see views of a gathered parameter and must recognise the buffer they came from."""
+    return t._base if t._base is not None else t
+
+
+def set_buffer(module: torch.nn.Module, leaf: str, value: torch.Tensor) -> None:
+    """Replace buffer ``leaf`` of ``module`` keeping its persistence flag (``Module._buffers``;
+    ``register_buffer`` would reset a non-persistent buffer to persistent)."""
+    module._buffers[leaf] = value
+
+
+# torch.export's shape and dtype checks (an aten op with a leading underscore).
+ASSERT_METADATA_OPS = frozenset({torch.ops.aten._assert_tensor_metadata.default})
+
+
+def is_guards_call(node) -> bool:
+    """The ``_guards_fn`` submodule call torch.export adds to check input shapes."""
+    return node.op == "call_module" and str(node.target).startswith("_guards_fn")
+
+
+def recording_stage_class(on_ops):
+    """A ``PipelineStage`` subclass that passes every P2P op list it posts to
+    ``on_ops(ops, phase, stage_index)``.  The ``get_*_ops`` methods are PipelineStage
+    internals; they are the one place where every send and receive buffer is known."""
+    from torch.distributed.pipelining import PipelineStage
+
+    def recording(name: str, phase: str):
+        def method(self, chunk_id):
+            ops = getattr(PipelineStage, name)(self, chunk_id)
+            on_ops(ops, phase, self.stage_index)
+            return ops
+
+        method.__name__ = name
+        return method
+
+    methods = {name: recording(name, phase) for name, phase in (
+        ("get_fwd_recv_ops", "fwd"), ("get_fwd_send_ops", "fwd"),
+        ("get_bwd_recv_ops", "bwd"), ("get_bwd_send_ops", "bwd"))}
+    return type("RecordingStage", (PipelineStage,), methods)
+
+
+def _computation_type():
+    from torch.distributed.pipelining.schedules import _ComputationType
+
+    return _ComputationType
+
+
+def compute_kinds() -> dict:
+    """torch's private action types -> autopar's action kinds ``F``, ``B``, ``W``."""
+    T = _computation_type()
+    return {T.FORWARD: "F", T.FULL_BACKWARD: "B", T.BACKWARD_INPUT: "B", T.BACKWARD_WEIGHT: "W"}
+
+
+def pipeline_order(schedule) -> list[list[tuple[str, int, int]]]:
+    """Per rank, the compute actions a multi-stage torch schedule runs, as ``(kind, stage, mb)``
+    tuples grouped per time slot (two for an overlapped forward-backward pair).
+
+    Reads the private ``pipeline_order`` and ``_ComputationType`` of the schedule object."""
+    T = _computation_type()
+    kinds = compute_kinds()
+    out = []
+    for rank in sorted(schedule.pipeline_order):
+        slots = []
+        for a in schedule.pipeline_order[rank]:
+            if a is None:
+                continue
+            subs = a.sub_actions if a.computation_type == T.OVERLAP_F_B else (a,)
+            acts = tuple((kinds[s.computation_type], s.stage_index, s.microbatch_index)
+                         for s in subs if s.computation_type in kinds)
+            if acts:
+                slots.append(acts)
+        out.append(slots)
+    return out

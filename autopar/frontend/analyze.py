@@ -1,0 +1,325 @@
+"""Find the structure of a traced decoder: embedding, layers, attention, MLP, norms, head, loss.
+
+Second stage of the pipeline.  Recognition goes by the ops and the dataflow, helped by
+``node.meta['nn_module_stack']``, never by model or module names:
+
+- an *attention region* is the innermost module that holds an attention op
+  (``scaled_dot_product_attention``, or a softmax between two matmuls);
+- an *MLP region* is a module outside attention whose linears form two levels: linears
+  fed from outside the module (column-parallel candidates) and a linear fed by them;
+- in every region the first-level linears are *columns* and the linears that consume
+  them and write back to the residual stream are *rows*;
+- a column whose output is split into several parts (``split``/``split_with_sizes``/
+  ``chunk`` on the feature dimension) is a *fused* projection (QKV, gate/up);
+- the *LM head* is the linear outside every region whose output width is the vocabulary.
+
+Linear layers are ``aten.linear`` (weight ``[out, in]``) or ``aten.addmm`` with a
+``[in, out]`` weight (Conv1D style); :class:`LinearInfo` records which.
+
+Neighbours: :mod:`autopar.frontend.trace` produces the graph; ``passes/tensor_parallel.py`` consumes
+:class:`ModelStructure`; :func:`model_dims` feeds ``autopar.cost.ModelSpec.from_module``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+import torch
+from torch.fx import GraphModule, Node
+
+from autopar.errors import AutoparError
+from autopar.frontend.analyze_moe import expert_width, find_moe_blocks
+from autopar.frontend.fx_utils import RESHAPE_OPS, module_path, reshape_chain, within as _within
+from autopar.frontend.trace import trace_model
+
+aten = torch.ops.aten
+
+__all__ = ["LinearInfo", "Region", "ModelStructure", "analyze", "model_dims", "structure_dims", "module_path",
+           "reshape_chain",
+           "ATTENTION_OPS", "RESHAPE_OPS"]
+
+ATTENTION_OPS = {
+    aten.scaled_dot_product_attention.default,
+}
+_SPLIT_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
+_NORM_OPS = {aten.rsqrt.default, aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default}
+
+
+@dataclasses.dataclass
+class LinearInfo:
+    node: Node
+    weight: str  # get_attr target (graph parameter name)
+    bias: str | None
+    in_out: bool  # True for Conv1D-style addmm with a [in, out] weight
+    in_features: int
+    out_features: int
+    module: str
+    split_sizes: list[int] | None = None  # fused projection: sizes of its parts
+
+    @property
+    def input(self) -> Node:
+        return self.node.args[1] if self.in_out else self.node.args[0]
+
+
+@dataclasses.dataclass
+class Region:
+    kind: str  # "attention" | "mlp"
+    module: str
+    columns: list[LinearInfo]
+    rows: list[LinearInfo]
+    attention: Node | None = None
+    num_heads: int = 0
+    num_kv_heads: int = 0
+    head_dim: int = 0
+
+
+@dataclasses.dataclass
+class ModelStructure:
+    embeddings: list[Node]
+    layers: list[str]
+    regions: list[Region]
+    norm_weights: list[str]
+    lm_head: LinearInfo | None
+    loss: Node | None
+    hidden: int
+    vocab: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn: int
+    tied_embeddings: bool
+    moe: list = dataclasses.field(default_factory=list)  # autopar.frontend.analyze_moe.MoEBlock per MoE layer
+    moe_error: AutoparError | None = None  # a top-k routing whose experts were not recognised
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def num_experts(self) -> int:
+        return self.moe[0].num_experts if self.moe else 0
+
+    def summary(self) -> str:
+        lines = [
+            f"layers={self.num_layers} hidden={self.hidden} heads={self.num_heads} "
+            f"kv_heads={self.num_kv_heads} head_dim={self.head_dim} ffn={self.ffn} vocab={self.vocab} "
+            f"tied={self.tied_embeddings}"
+        ]
+        for r in self.regions:
+            cols = ", ".join(c.module + (f" (fused {c.split_sizes})" if c.split_sizes else "") for c in r.columns)
+            rows = ", ".join(c.module for c in r.rows)
+            lines.append(f"  {r.kind:9s} {r.module}: columns [{cols}] rows [{rows}]")
+        for b in self.moe:
+            lines.append(f"  moe       {b.module}: {b.style} experts, E={b.num_experts}, top-{b.top_k}")
+        if self.lm_head is not None:
+            lines.append(f"  lm_head   {self.lm_head.module}")
+        return "\n".join(lines)
+
+
+def _attr(node: Any) -> str | None:
+    return node.target if isinstance(node, Node) and node.op == "get_attr" else None
+
+
+def _linear_info(node: Node) -> LinearInfo | None:
+    if node.target == aten.linear.default:
+        weight = _attr(node.args[1])
+        if weight is None:
+            return None
+        bias = _attr(node.args[2]) if len(node.args) > 2 else None
+        out_f, in_f = node.args[1].meta["val"].shape
+        return LinearInfo(node, weight, bias, False, int(in_f), int(out_f), module_path(node))
+    if node.target == aten.addmm.default:
+        weight = _attr(node.args[2])
+        if weight is None:
+            return None
+        in_f, out_f = node.args[2].meta["val"].shape
+        return LinearInfo(node, weight, _attr(node.args[0]), True, int(in_f), int(out_f), module_path(node))
+    return None
+
+
+def _ancestors(node: Node, stop: set[Node]) -> set[Node]:
+    """Nodes in ``stop`` reachable backwards from ``node`` (not through other ``stop`` nodes)."""
+    found: set[Node] = set()
+    seen: set[Node] = set()
+    todo = list(node.all_input_nodes)
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n in stop:
+            found.add(n)
+            continue
+        todo.extend(n.all_input_nodes)
+    return found
+
+
+def _split_sizes(linear: Node) -> list[int] | None:
+    """Sizes of the parts if ``linear``'s output is split on its last dim (fused projection)."""
+    last = reshape_chain(linear)[-1]
+    users = list(last.users)
+    if len(users) != 1 or users[0].target not in _SPLIT_OPS:
+        return None
+    split = users[0]
+    ndim = last.meta["val"].dim()
+    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if dim % ndim != ndim - 1 or last.meta["val"].shape[-1] != linear.meta["val"].shape[-1]:
+        return None
+    width = int(linear.meta["val"].shape[-1])
+    if split.target == aten.split_with_sizes.default:
+        return [int(s) for s in split.args[1]]
+    if split.target == aten.chunk.default:
+        return [width // int(split.args[1])] * int(split.args[1])
+    size = int(split.args[1])
+    return [size] * (width // size)
+
+
+def _attention_dims(op: Node) -> tuple[int, int, int]:
+    q, k = op.args[0].meta["val"], op.args[1].meta["val"]
+    num_heads, head_dim = int(q.shape[-3]), int(q.shape[-1])
+    num_kv_heads = int(k.shape[-3])
+    if op.kwargs.get("enable_gqa"):
+        return num_heads, num_kv_heads, head_dim
+    # GQA written as expand + reshape of K: find the pre-expansion head count.
+    node = op.args[1]
+    while isinstance(node, Node) and node.op == "call_function":
+        if node.target == aten.expand.default and node.args[0].meta["val"].dim() == 5:
+            num_kv_heads = int(node.args[0].meta["val"].shape[1])
+            break
+        if node.target in (aten.linear.default, aten.addmm.default):
+            break
+        node = node.args[0]
+    return num_heads, num_kv_heads, head_dim
+
+
+def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node]) -> list[Region]:
+    regions: list[Region] = []
+    claimed: set[Node] = set()
+    attention_ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
+    groups: list[tuple[str, str, Node | None]] = [("attention", module_path(op), op) for op in attention_ops]
+    for info in linears.values():
+        parent = info.module.rsplit(".", 1)[0] if "." in info.module else ""
+        if not any(_within(info.module, g[1]) for g in groups) and parent:
+            if not any(g[1] == parent for g in groups):
+                groups.append(("mlp", parent, None))
+    stop = set(linears)
+    for kind, path, op in groups:
+        members = [n for n, i in linears.items() if _within(i.module, path) and n not in claimed | exclude]
+        if len(members) < 2:
+            continue
+        member_set = set(members)
+        columns, rows = [], []
+        for n in members:
+            (rows if _ancestors(n, stop) & member_set else columns).append(n)
+        if not columns or not rows:
+            continue
+        region = Region(kind, path, [linears[n] for n in columns], [linears[n] for n in rows], op)
+        for c in region.columns:
+            c.split_sizes = _split_sizes(c.node)
+        if op is not None:
+            region.num_heads, region.num_kv_heads, region.head_dim = _attention_dims(op)
+        claimed |= member_set
+        regions.append(region)
+    return regions
+
+
+def _layers(gm: GraphModule, experts: set[str] = frozenset()) -> list[str]:
+    paths: dict[str, set[int]] = {}
+    for n in gm.graph.nodes:
+        for path, _ in (n.meta.get("nn_module_stack") or {}).values():
+            m = re.match(r"^(.*)\.(\d+)$", path)
+            if m and path not in experts:
+                paths.setdefault(m.group(1), set()).add(int(m.group(2)))
+    if not paths:
+        return []
+    prefix, idx = max(paths.items(), key=lambda kv: len(kv[1]))
+    return [f"{prefix}.{i}" for i in sorted(idx)]
+
+
+def analyze(gm: GraphModule) -> ModelStructure:
+    """Recognise the decoder structure of a traced training graph."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function"]
+    linears = {n: info for n in nodes if (info := _linear_info(n)) is not None}
+    embeddings = [n for n in nodes if n.target == aten.embedding.default and _attr(n.args[0])]
+    vocab = int(embeddings[0].args[0].meta["val"].shape[0]) if embeddings else 0
+    hidden = int(embeddings[0].args[0].meta["val"].shape[1]) if embeddings else 0
+    # The LM head: the last linear from the hidden size to the vocabulary.
+    lm_head = None
+    for n, info in linears.items():
+        if vocab and info.out_features == vocab and info.in_features == hidden:
+            lm_head = info
+    try:
+        moe, moe_error = find_moe_blocks(gm), None
+    except AutoparError as exc:  # fatal only for plans that must rewrite the experts (ep, tp)
+        moe, moe_error = [], exc
+    # Everything of a MoE block (router, experts, shared experts) runs on token shards, not TP-split.
+    in_experts = {n for b in moe for n in b.region} | {n for b in moe for n in linears
+                                                       if _within(module_path(n), b.module)}
+    regions = _regions(gm, linears, ({lm_head.node} if lm_head else set()) | in_experts)
+    heads = [r for r in regions if r.kind == "attention"]
+    norm_weights: list[str] = []
+    norm_modules = {module_path(n) for n in nodes if n.target in _NORM_OPS}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and module_path(next(iter(n.users), n)) in norm_modules:
+            if n.target not in norm_weights and n.meta["val"].dim() == 1:
+                norm_weights.append(n.target)
+    losses = [n for n in nodes if n.target == aten.cross_entropy_loss.default]
+    mlps = [r for r in regions if r.kind == "mlp"]
+    ffn = max((c.out_features // max(1, len(c.split_sizes or [1])) for r in mlps for c in r.columns), default=0)
+    first = heads[0] if heads else None
+    return ModelStructure(
+        embeddings=embeddings,
+        layers=_layers(gm, {e for b in moe for e in b.expert_modules}),
+        regions=regions,
+        norm_weights=norm_weights,
+        lm_head=lm_head,
+        loss=losses[-1] if losses else None,
+        hidden=hidden or (first.columns[0].in_features if first else 0),
+        vocab=vocab,
+        num_heads=first.num_heads if first else 0,
+        num_kv_heads=first.num_kv_heads if first else 0,
+        head_dim=first.head_dim if first else 0,
+        ffn=ffn,
+        tied_embeddings=bool(lm_head and embeddings and lm_head.weight == embeddings[0].args[0].target),
+        moe=moe,
+        moe_error=moe_error,
+    )
+
+
+def model_dims(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = None) -> dict:
+    """Dimensions of ``model`` for ``autopar.cost.ModelSpec`` (traced, not read from names)."""
+    s = analyze(trace_model(model, example_inputs, example_kwargs).gm)
+    if not s.regions:
+        raise AutoparError(
+            f"autopar: found no attention or MLP region in {type(model).__name__}; expected a decoder "
+            "with linear projections around an attention op. Describe the model with ModelSpec(...) instead."
+        )
+    return {"name": type(model).__name__, **structure_dims(s)}
+
+
+def structure_dims(s: ModelStructure) -> dict:
+    """``ModelSpec`` fields (all but the name) of an analyzed model."""
+    mlp = next((r for r in s.regions if r.kind == "mlp"), None)
+    gated = bool(mlp and (len(mlp.columns) >= 2 or any(c.split_sizes for c in mlp.columns)))
+    moe = {}
+    if s.moe:
+        width, gated_experts = expert_width(s.moe[0])
+        gated = gated if mlp else gated_experts
+        moe = {"num_experts": s.moe[0].num_experts, "top_k": s.moe[0].top_k, "moe_ffn": width,
+               "num_shared_experts": s.moe[0].shared_numel // ((3 if gated_experts else 2) * s.hidden * width),
+               "moe_layer_freq": max(1, s.num_layers // len(s.moe)),
+               "first_dense_layers": s.num_layers - len(s.moe) * max(1, s.num_layers // len(s.moe))}
+    return {
+        "num_layers": s.num_layers,
+        "hidden": s.hidden,
+        "num_heads": s.num_heads,
+        "num_kv_heads": s.num_kv_heads,
+        "head_dim": s.head_dim,
+        "ffn": s.ffn or moe.get("moe_ffn", 0),
+        "vocab": s.vocab,
+        "gated_mlp": gated,
+        "tied_embeddings": s.tied_embeddings,
+        **moe,
+    }
+

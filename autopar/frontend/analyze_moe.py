@@ -1,0 +1,368 @@
+"""Recognise mixture-of-experts blocks in a traced graph, by dataflow and module structure.
+
+Part of the analysis stage (:mod:`autopar.frontend.analyze` calls :func:`find_moe_blocks`).  A MoE
+block computes ``y[t] = sum_k w[t, k] * expert[idx[t, k]](x[t])``.  What is found, never by
+model or module names:
+
+- the *routing*: an ``aten.topk`` over a router's ``E`` outputs; its indices are ``idx
+  [T, k]`` and the float ``[T, k]`` tensor the experts are weighted with is ``w`` (softmax
+  before or after top-k, optionally renormalised: whatever the graph computes);
+- the *experts region*: every node that depends on ``idx`` up to the first ``[T, h]`` node
+  ``y`` that all experts feed; the region's float ``[T, h]`` input is the tokens ``x``;
+- the *experts*, in one of two styles:
+  * ``stacked``: 3-D parameters ``[E, ...]`` used by a grouped matmul on tokens sorted by
+    expert with per-expert offsets (transformers 5.x Mixtral / Qwen-MoE);
+  * ``modulelist``: ``E`` numbered child modules, each an MLP run on the tokens routed to it.
+
+For each style the per-expert computation (the *body*) is cut out of the region as its own
+small graph, so the EP pass (``passes/expert_parallel.py``) can run exactly the user's
+expert code on the tokens that reach a rank, while the routing glue around it (sorting,
+gathering, weighting, summing) is replaced by :mod:`autopar.ops.moe`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import torch
+from torch.fx import Graph, GraphModule, Node
+
+from autopar.compat import sym_expr
+from autopar.frontend.fx_utils import RESHAPE_OPS, module_path, within as _within
+from autopar.errors import AutoparError, describe_node
+
+aten = torch.ops.aten
+
+__all__ = ["MoEBlock", "find_moe_blocks", "extract_body", "expert_width", "descendants", "in_module"]
+
+
+
+@dataclasses.dataclass
+class MoEBlock:
+    module: str  # module holding the routing (for messages)
+    style: str  # "stacked" | "modulelist"
+    num_experts: int
+    top_k: int
+    router: Node | None  # the linear producing the router logits
+    index: Node  # idx [T, k], int64
+    weights: Node  # w [T, k], float
+    tokens: Node  # x [T, h]
+    output: Node  # y [T, h]
+    region: list[Node]  # the nodes the EP pass replaces, in graph order
+    expert_params: list[list[str]]  # modulelist: per expert; stacked: one list of [E, ...] params
+    expert_modules: list[str]  # modulelist: module path of each expert
+    body_io: list[tuple[Node, Node | None, Node]]  # per body: (tokens in, offsets in, output)
+    expert_numel: int = 0  # parameter elements of one expert
+    shared_numel: int = 0  # parameter elements of the block's always-on (shared) experts and their gates
+
+    @property
+    def param_names(self) -> list[str]:
+        return [p for group in self.expert_params for p in group]
+
+    @property
+    def hidden(self) -> int:
+        return int(self.tokens.meta["val"].shape[-1])
+
+
+def in_module(node: Node, prefix: str) -> bool:
+    """Was ``node`` traced inside module ``prefix`` (the top level for ``""``)?"""
+    return _within(module_path(node), prefix)
+
+
+def _val(node) -> object:
+    return node.meta.get("val") if isinstance(node, Node) else None
+
+
+def _shape(node) -> tuple:
+    """Sizes as ints or sympy expressions (compared structurally: no guards on unbacked sizes)."""
+    v = _val(node)
+    if not isinstance(v, torch.Tensor):
+        return ()
+    return tuple(sym_expr(s) if isinstance(s, torch.SymInt) else int(s) for s in v.shape)
+
+
+def _reach(roots: list[Node], step) -> set[Node]:
+    out: set[Node] = set()
+    todo = list(roots)
+    while todo:
+        for n in step(todo.pop()):
+            if n not in out:
+                out.add(n)
+                todo.append(n)
+    return out
+
+
+def descendants(roots: list[Node]) -> set[Node]:
+    """Every node that (transitively) uses one of ``roots``."""
+    return _reach(roots, lambda n: n.users)
+
+
+def _ancestors(node: Node) -> set[Node]:
+    return _reach([node], lambda n: n.all_input_nodes)
+
+
+def _is_float(node) -> bool:
+    v = _val(node)
+    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+
+
+def _stacked_params(gm: GraphModule, scoped: list[Node], num_experts: int) -> list[Node]:
+    """3-D ``[E, ...]`` parameters that scoped nodes use, directly or through views."""
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    found: list[Node] = []
+    for n in scoped:
+        for a in n.all_input_nodes:
+            while a.op == "call_function" and len(a.all_input_nodes) == 1 and a not in scoped:
+                a = a.all_input_nodes[0]
+            if a.op == "get_attr" and a.target in params and len(_shape(a)) == 3 \
+                    and int(_shape(a)[0]) == num_experts and a not in found:
+                found.append(a)
+    return found
+
+
+def _numbered_experts(scoped: list[Node], scope: str, num_experts: int) -> list[str]:
+    """Paths ``<prefix>.0 .. <prefix>.E-1`` of child modules (inside ``scope``) that routed tokens reach."""
+    by_prefix: dict[str, set[int]] = {}
+    for n in scoped:
+        for path, _ in (n.meta.get("nn_module_stack") or {}).values():
+            m = re.match(r"^(.*)\.(\d+)$", path)
+            if m and _within(m.group(1), scope):
+                by_prefix.setdefault(m.group(1), set()).add(int(m.group(2)))
+    for prefix, idx in by_prefix.items():
+        if idx == set(range(num_experts)):
+            return [f"{prefix}.{i}" for i in range(num_experts)]
+    return []
+
+
+def _weights(region: set[Node], index: Node, topk: Node) -> Node | None:
+    """The float [T, k] tensor the region weights expert outputs with (found through reshapes)."""
+    num_tokens, k = _shape(index)
+    values = descendants([topk])
+    for n in sorted(region, key=_order):
+        for a in n.all_input_nodes:
+            if a in region or not _is_float(a) or (a not in values and a is not topk):
+                continue
+            while _shape(a) != (num_tokens, k) and a.op == "call_function" and a.target in RESHAPE_OPS:
+                a = a.args[0]
+            if _shape(a) == (num_tokens, k):
+                return a
+    return None
+
+
+def _order(node: Node) -> int:
+    return node.meta["_autopar_order"]
+
+
+def _first_users_in(node: Node, region: set[Node]) -> set[Node]:
+    """The first nodes of ``region`` that ``node`` reaches (through nodes outside it)."""
+    found, seen, todo = set(), set(), [node]
+    while todo:
+        for u in todo.pop().users:
+            if u in region:
+                found.add(u)
+            elif u not in seen:
+                seen.add(u)
+                todo.append(u)
+    return found
+
+
+def _router(topk: Node) -> Node | None:
+    seen, todo = set(), [topk]
+    while todo:
+        n = todo.pop()
+        if n.op == "call_function" and n.target in (aten.linear.default, aten.mm.default, aten.addmm.default):
+            return n
+        for a in n.all_input_nodes:
+            if a not in seen and a.op == "call_function":
+                seen.add(a)
+                todo.append(a)
+    return None
+
+
+def find_moe_blocks(gm: GraphModule) -> list[MoEBlock]:
+    """Every MoE block of the graph, in graph order (see the module docstring)."""
+    for i, n in enumerate(gm.graph.nodes):
+        n.meta["_autopar_order"] = i
+    blocks = []
+    for topk in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == aten.topk.default]:
+        block = _block(gm, topk)
+        if block is not None:
+            blocks.append(block)
+    return blocks
+
+
+def _block(gm: GraphModule, topk: Node) -> MoEBlock | None:
+    index = next((u for u in topk.users if u.target.__name__ == "getitem" and u.args[1] == 1), None)
+    if index is None or len(_shape(index)) != 2:
+        return None
+    num_experts, k = int(_shape(topk.args[0])[-1]), int(_shape(index)[1])
+    down = descendants([index])
+    mod = module_path(topk)
+    for scope in (mod, mod.rsplit(".", 1)[0] if "." in mod else ""):
+        scoped = [n for n in down if n.op == "call_function" and in_module(n, scope)]
+        stacked = _stacked_params(gm, scoped, num_experts)
+        experts = [] if stacked else _numbered_experts(scoped, scope, num_experts)
+        if stacked or experts:
+            break
+    else:
+        return None
+    if stacked:
+        needed = {c for p in stacked for c in _first_users_in(p, down)}
+    else:
+        needed = {n for n in scoped if any(in_module(n, e) for e in experts)}
+    output = None
+    for n in sorted(down, key=_order):
+        if n.op == "call_function" and _is_float(n) and len(_shape(n)) == 2 \
+                and _shape(n)[0] == _shape(index)[0] and needed <= (_ancestors(n) | {n}):
+            output = n
+            break
+    if output is None:
+        raise AutoparError(f"autopar: found a top-k routing at {describe_node(topk)} with {num_experts} experts "
+                           "but no [tokens, hidden] output that combines every expert; expected "
+                           "y[t] = sum_k w[t, k] * expert[idx[t, k]](x[t]). Use a plan with ep=1 and tp=1 "
+                           "for this model, or report the MoE layout.")
+    region = (down & _ancestors(output)) | {output}
+    # Asserts and size checks on the routed token counts die with the region.
+    after = descendants([output])
+    for n in sorted(down - region - after, key=_order, reverse=True):
+        if all(u in region for u in n.users):
+            region.add(n)
+    tokens = next((a for n in sorted(region, key=_order) for a in n.all_input_nodes
+                   if a not in region and _is_float(a) and _shape(a) == _shape(output)), None)
+    weights = _weights(region, index, topk)
+    if tokens is None or weights is None:
+        raise AutoparError(f"autopar: the experts region ending at {describe_node(output)} has no "
+                           f"{'[tokens, hidden] input' if tokens is None else '[tokens, top-k] weight input'}; "
+                           "expected y[t] = sum_k w[t, k] * expert[idx[t, k]](x[t]). Use a plan with ep=1 and tp=1.")
+    block = MoEBlock(module=scope or mod, style="stacked" if stacked else "modulelist", num_experts=num_experts,
+                     top_k=k, router=_router(topk), index=index, weights=weights, tokens=tokens, output=output,
+                     region=sorted(region, key=_order), expert_params=[], expert_modules=experts, body_io=[])
+    if stacked:
+        _stacked_bodies(block, stacked)
+    else:
+        _modulelist_bodies(block)
+    numel = sum(gm.get_parameter(p).numel() for p in block.expert_params[0])
+    block.expert_numel = numel // num_experts if stacked else numel
+    owned = set(block.param_names) | ({block.router.args[1].target} if block.router is not None else set())
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    shared = {a.target for n in gm.graph.nodes if n.op == "call_function" and in_module(n, block.module)
+              for a in n.all_input_nodes if a.op == "get_attr" and a.target in params and a.target not in owned}
+    block.shared_numel = sum(gm.get_parameter(p).numel() for p in shared)
+    return block
+
+
+def _stacked_bodies(block: MoEBlock, stacked: list[Node]) -> None:
+    region = set(block.region)
+    x_rows = [n for n in block.region if n.target == aten.index.Tensor and n.args[0] is block.tokens]
+    if len(x_rows) != 1:
+        raise AutoparError(f"autopar: the stacked experts at {describe_node(block.output)} gather the tokens "
+                           f"{len(x_rows)} times; expected one gather of the tokens sorted by expert.")
+    rows = x_rows[0]
+    weighted = descendants([block.weights])
+    outs = [n for n in block.region if _shape(n)[:1] == _shape(rows)[:1] and len(_shape(n)) == 2
+            and _shape(n)[1] == block.hidden and n not in weighted and n is not rows and _is_float(n)]
+    if not outs:
+        raise AutoparError(f"autopar: no per-row expert output before the weighting in {block.module}.")
+    out = max(outs, key=_order)
+    offsets = [a for a in _walk_inputs(out, rows) if a in region and rows not in _ancestors(a) | {a}]
+    if len(offsets) != 1 or _shape(offsets[0]) != (block.num_experts,):
+        raise AutoparError(f"autopar: the stacked experts at {describe_node(out)} depend on "
+                           f"{[o.name for o in offsets]} besides the sorted tokens and the parameters; "
+                           "expected one per-expert offsets tensor. Use a plan with ep=1 and tp=1.")
+    _, used = extract_body(rows, offsets[0], out)
+    if set(used) != {p.target for p in stacked}:
+        raise AutoparError(f"autopar: the expert output {describe_node(out)} (the last per-row value before the "
+                           f"routing weights) uses {sorted(used)}, not every stacked expert weight "
+                           f"{sorted(p.target for p in stacked)}; expected the weights applied after the experts. "
+                           "Use a plan with ep=1 and tp=1 for this model.")
+    block.expert_params = [[p.target for p in stacked]]
+    block.body_io = [(rows, offsets[0], out)]
+
+
+def _modulelist_bodies(block: MoEBlock) -> None:
+    for path in block.expert_modules:
+        members = [n for n in block.region if in_module(n, path)]
+        ins = {a for n in members for a in n.all_input_nodes if a not in members and a.op != "get_attr"}
+        outs = [n for n in members if any(u not in members for u in n.users)]
+        params = []
+        for n in members:
+            for a in n.all_input_nodes:
+                if a.op == "get_attr" and a.target not in params:
+                    params.append(a.target)
+        if len(ins) != 1 or len(outs) != 1:
+            raise AutoparError(f"autopar: expert module '{path}' takes {len(ins)} tensors and returns {len(outs)}; "
+                               "expected an expert that maps its tokens [n, hidden] to [n, hidden].")
+        block.expert_params.append(params)
+        block.body_io.append((next(iter(ins)), None, outs[0]))
+
+
+def _walk_inputs(out: Node, tokens: Node) -> list[Node]:
+    """Nodes where a backward walk from ``out`` leaves the body (stops at tokens and parameters)."""
+    seen, stops, todo = set(), [], [out]
+    while todo:
+        n = todo.pop()
+        for a in n.all_input_nodes:
+            if a in seen or a is tokens or a.op == "get_attr":
+                continue
+            seen.add(a)
+            if a.op == "call_function" and (tokens in _ancestors(a) or _param_only(a)):
+                todo.append(a)
+            else:
+                stops.append(a)
+    return stops
+
+
+def _param_only(node: Node) -> bool:
+    return all(a.op == "get_attr" or (a.op == "call_function" and _param_only(a)) for a in node.all_input_nodes)
+
+
+def extract_body(tokens: Node, offsets: Node | None, out: Node) -> tuple[GraphModule, list[str]]:
+    """The computation from ``tokens`` (and ``offsets``) to ``out`` as its own GraphModule.
+
+    Its placeholders are ``tokens``, then ``offsets`` (if given), then every parameter it
+    uses, in the returned order; the body holds no state of its own.
+    """
+    inputs = [tokens] + ([offsets] if offsets is not None else [])
+    routed = descendants(inputs)
+    members: set[Node] = {out}
+    used_params: list[Node] = []
+    todo = [out]
+    while todo:
+        n = todo.pop()
+        for a in n.all_input_nodes:
+            if a in inputs or a in members:
+                continue
+            if a.op == "get_attr":
+                if a not in used_params:
+                    used_params.append(a)
+                continue
+            if a.op != "call_function" or not (a in routed or _param_only(a)):
+                raise AutoparError(f"autopar: the expert computation at {describe_node(n)} also reads "
+                                   f"'{a.name}'; expected experts that depend only on their tokens and "
+                                   "parameters. Use a plan with ep=1 and tp=1 for this model.")
+            members.add(a)
+            todo.append(a)
+    graph = Graph()
+    env: dict[Node, Node] = {tokens: graph.placeholder("tokens")}
+    if offsets is not None:
+        env[offsets] = graph.placeholder("offsets")
+    used_params.sort(key=_order)
+    for i, p in enumerate(used_params):
+        env[p] = graph.placeholder(f"p{i}")
+    for n in sorted(members, key=_order):
+        env[n] = graph.node_copy(n, lambda a: env[a])
+    graph.output(env[out])
+    body = GraphModule(torch.nn.Module(), graph)
+    for n in body.graph.nodes:
+        n.meta.pop("_autopar_order", None)
+    return body, [p.target for p in used_params]
+
+
+def expert_width(block: MoEBlock) -> tuple[int, bool]:
+    """(intermediate width, gated) of one expert, from its parameter count and its body's ops:
+    a gated expert multiplies two projections of its tokens (``act(gate(x)) * up(x)``)."""
+    body, _ = extract_body(*block.body_io[0])
+    gated = any(n.target == aten.mul.Tensor and all(isinstance(a, Node) and a.op != "get_attr" and
+                                                   "offsets" not in a.name for a in n.args)
+                for n in body.graph.nodes if n.op == "call_function")
+    return block.expert_numel // ((3 if gated else 2) * block.hidden), gated

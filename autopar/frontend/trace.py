@@ -1,0 +1,142 @@
+"""Trace an unmodified model, with its loss, to an aten-level FX graph.
+
+First stage of the pipeline (docs/architecture.md): ``torch.export.export(..., strict=False)`` of a
+small wrapper that calls the user's model and then the user's loss function, so the loss
+lives in the same graph as the model and the tensor-parallel pass can compute it
+vocab-parallel.  Batch and sequence dimensions are traced symbolically so the same graph
+runs on the local shards that data, sequence and context parallelism give each rank.
+
+Neighbours: :mod:`autopar.frontend.analyze` reads the graph this module returns; the passes in
+``passes/`` rewrite it; :mod:`autopar.runtime` runs it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.nn as nn
+from torch.export import Dim
+
+from autopar.compat import sym_expr
+from autopar.errors import AutoparError
+
+__all__ = ["Traced", "trace_model", "MODEL_PREFIX"]
+
+# The wrapper registers the user's model under this attribute, so every parameter of
+# the traced graph is named "model.<original name>".
+MODEL_PREFIX = "model."
+
+
+class _TrainWrapper(nn.Module):
+    """Calls ``loss_fn(model(*inputs, **kwargs), target)``; holds no state of its own."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable | None, num_inputs: int, kwargs: dict):
+        super().__init__()
+        self.model = model
+        self._loss_fn = loss_fn
+        self._num_inputs = num_inputs
+        self._kwargs = kwargs
+
+    def forward(self, *args):
+        inputs = args[: self._num_inputs]
+        out = self.model(*inputs, **self._kwargs)
+        if self._loss_fn is None:
+            return out
+        return self._loss_fn(out, args[self._num_inputs])
+
+
+@dataclasses.dataclass
+class Traced:
+    """The traced training graph and what the later stages need to know about it."""
+
+    gm: torch.fx.GraphModule
+    num_inputs: int  # model inputs; the target (if any) is the next placeholder
+    has_target: bool
+    batch_symbol: Any  # sympy symbol of the batch dimension (None if specialised)
+    seq_symbol: Any  # sympy symbol of the sequence dimension (None if specialised)
+    example_inputs: tuple
+    example_target: Any
+
+    @property
+    def placeholders(self) -> list[torch.fx.Node]:
+        return [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+
+
+def _dynamic_spec(t: Any, batch: Any, seq: Any) -> Any:
+    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        return None
+    spec = {0: batch}
+    if t.dim() >= 2:
+        spec[1] = seq
+    return spec
+
+
+def _symbol(size: Any) -> Any:
+    return sym_expr(size)
+
+
+def _export_failure(model: nn.Module, exc: Exception) -> AutoparError:
+    cause = str(exc).strip().splitlines()
+    first = cause[0] if cause else type(exc).__name__
+    return AutoparError(
+        f"autopar: torch.export (non-strict) could not trace {type(model).__name__}: "
+        f"{type(exc).__name__}: {first}\n"
+        "  expected: a model whose forward(*example_inputs, **example_kwargs) runs under "
+        "torch.export with symbolic batch and sequence sizes.\n"
+        "  try: pass example_kwargs that disable caches and optional outputs (for Hugging Face "
+        "models: {'use_cache': False}); use an example batch and sequence of at least 2; make "
+        "data-dependent Python control flow depend on configuration instead of tensor values; "
+        "check that the model runs eagerly on the example inputs."
+    )
+
+
+def trace_model(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    example_kwargs: dict | None = None,
+    loss_fn: Callable | None = None,
+    example_target: Any = None,
+) -> Traced:
+    """Export ``loss_fn(model(*example_inputs, **example_kwargs), example_target)``.
+
+    ``example_target`` defaults to a tensor shaped and typed like the first example input
+    (next-token labels of a language model).  The model itself is not modified.
+    """
+    example_inputs = tuple(example_inputs)
+    example_kwargs = dict(example_kwargs or {})
+    if not example_inputs or not isinstance(example_inputs[0], torch.Tensor):
+        raise AutoparError(
+            "autopar: example_inputs must be a non-empty tuple whose first element is a tensor "
+            f"(found {type(example_inputs[0]).__name__ if example_inputs else 'an empty tuple'}); "
+            "pass e.g. example_inputs=(input_ids,)."
+        )
+    if loss_fn is not None and example_target is None:
+        example_target = torch.zeros_like(example_inputs[0])
+    args = example_inputs + ((example_target,) if loss_fn is not None else ())
+    wrapper = _TrainWrapper(model, loss_fn, len(example_inputs), example_kwargs)
+    batch, seq = Dim.AUTO, Dim.AUTO
+    dynamic_shapes = tuple(_dynamic_spec(a, batch, seq) for a in args)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(wrapper, args, strict=False, dynamic_shapes=(dynamic_shapes,))
+    except AutoparError:
+        raise
+    except Exception as exc:  # any export failure becomes an actionable autopar error
+        raise _export_failure(model, exc) from exc
+    gm = ep.module()
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    shape = placeholders[0].meta["val"].shape
+    batch_symbol = _symbol(shape[0])
+    seq_symbol = _symbol(shape[1]) if len(shape) >= 2 else None
+    return Traced(
+        gm=gm,
+        num_inputs=len(example_inputs),
+        has_target=loss_fn is not None,
+        batch_symbol=batch_symbol,
+        seq_symbol=seq_symbol,
+        example_inputs=example_inputs,
+        example_target=example_target,
+    )

@@ -1,0 +1,301 @@
+"""Autograd-correct collectives that the generated programs call, and their byte recorder.
+
+The passes insert calls to the functions in this module as ``call_function`` nodes, so a
+generated program reads like ordinary PyTorch: ``all_gather(x, 1, 'tp')``.  Every function
+takes a *mesh axis name*; the process group behind it is looked up at run time from the
+groups of the active step context (:mod:`autopar.ops.step`), so one graph serves
+every rank of a stage and prints without a process group.
+
+Each collective's backward is its dual (docs/architecture.md): all-gather <-> reduce-scatter, the TP
+region's entry identity <-> all-reduce, all-reduce <-> identity.  They are small
+``torch.autograd.Function``s around ``torch.distributed`` because the same code must run
+under NCCL and gloo and must count the bytes of every call, forward and backward, which
+the functional-collective ops do not report.  The groups behind the axis names and the
+recorder belong to the active :class:`autopar.ops.step.StepContext`.
+
+Every call appends a :class:`CommRecord` (bytes this rank sends and receives by the ring
+convention of docs/architecture.md) to the active :class:`CommRecorder`.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from autopar.ops.step import AxisGroup, CommRecord, CommRecorder, current, find_current
+
+__all__ = [
+    "AxisGroup",
+    "CommRecord",
+    "CommRecorder",
+    "find_group",
+    "axis_size",
+    "axis_rank",
+    "recorder",
+    "ring_bytes",
+    "all_gather",
+    "reduce_scatter",
+    "all_reduce",
+    "region_entry",
+    "local_shard",
+    "vocab_parallel_embedding",
+    "vocab_parallel_cross_entropy",
+    "record",
+    "loss_all_reduce",
+    "record_p2p",
+]
+
+
+def _group(axis: str) -> AxisGroup:
+    return current().group(axis)
+
+
+def find_group(axis: str) -> AxisGroup | None:
+    """The group installed for ``axis``, or None outside a step or when the plan has none."""
+    step = find_current()
+    return None if step is None else step.groups.get(axis)
+
+
+def recorder() -> CommRecorder:
+    """The active step's recorder."""
+    return current().recorder
+
+
+def axis_size(axis: str) -> int:
+    return _group(axis).size
+
+
+def axis_rank(axis: str) -> int:
+    return _group(axis).rank
+
+
+def ring_bytes(op: str, nbytes: float, n: int) -> tuple[float, float]:
+    """(sent, received) by this rank for one collective, the ring convention of docs/architecture.md.
+
+    ``nbytes`` is the shard for all_gather, the full buffer for reduce_scatter and
+    all_reduce, the local buffer for all_to_all (even split) and the buffer for P2P.
+    """
+    if op == "all_gather":
+        return (n - 1) * nbytes, (n - 1) * nbytes
+    if op == "reduce_scatter":
+        return (n - 1) * nbytes / n, (n - 1) * nbytes / n
+    if op == "all_reduce":
+        return 2 * (n - 1) * nbytes / n, 2 * (n - 1) * nbytes / n
+    if op == "all_to_all":
+        return (n - 1) * nbytes / n, (n - 1) * nbytes / n
+    if op in ("send", "recv"):
+        return float(nbytes), float(nbytes)
+    raise ValueError(f"unknown collective {op!r}")
+
+
+def record(op: str, axis: str, t: torch.Tensor, phase: str, tag: str, nbytes: float | None = None) -> None:
+    g = _group(axis)
+    size = t.numel() * t.element_size() if nbytes is None else nbytes
+    sent, recv = ring_bytes(op, size, g.size)
+    current().recorder.records.append(
+        CommRecord(op, axis, g.size, sent, recv, phase, tuple(t.shape), str(t.dtype).replace("torch.", ""), tag)
+    )
+
+
+def record_p2p(op: str, axis: str, t: torch.Tensor, phase: str, tag: str) -> None:
+    """Record one point-to-point transfer: a ``send`` sends the buffer, a ``recv`` receives it."""
+    g = _group(axis)
+    size = t.numel() * t.element_size()
+    sent, recv = (float(size), 0.0) if op == "send" else (0.0, float(size))
+    current().recorder.records.append(
+        CommRecord(op, axis, g.size, sent, recv, phase, tuple(t.shape), str(t.dtype).replace("torch.", ""), tag)
+    )
+
+
+def _gather(x: torch.Tensor, dim: int, axis: str, phase: str, tag: str) -> torch.Tensor:
+    g = _group(axis)
+    record("all_gather", axis, x, phase, tag)
+    src = x.movedim(dim, 0).contiguous()
+    out = torch.empty((g.size * src.shape[0],) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(out, src, group=g.group)
+    return out.movedim(0, dim).contiguous()  # user code may .view() it
+
+
+def _scatter(x: torch.Tensor, dim: int, axis: str, phase: str, tag: str) -> torch.Tensor:
+    g = _group(axis)
+    record("reduce_scatter", axis, x, phase, tag)
+    src = x.movedim(dim, 0).contiguous()
+    if src.shape[0] % g.size:
+        raise RuntimeError(
+            f"autopar: reduce-scatter over '{axis}' needs dim {dim} of shape {tuple(x.shape)} divisible by "
+            f"{g.size}; choose a sequence length divisible by the tp degree."
+        )
+    out = torch.empty((src.shape[0] // g.size,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, src, group=g.group)
+    return out.movedim(0, dim).contiguous()  # user code may .view() it
+
+
+def _reduce(x: torch.Tensor, axis: str, phase: str, tag: str, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    g = _group(axis)
+    record("all_reduce", axis, x, phase, tag)
+    out = x.contiguous().clone()
+    dist.all_reduce(out, op=op, group=g.group)
+    return out
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis, tag):
+        ctx.dim, ctx.axis, ctx.tag = dim, axis, tag
+        return _gather(x, dim, axis, "fwd", tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _scatter(grad, ctx.dim, ctx.axis, "bwd", ctx.tag), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis, tag):
+        ctx.dim, ctx.axis, ctx.tag = dim, axis, tag
+        return _scatter(x, dim, axis, "fwd", tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather(grad, ctx.dim, ctx.axis, "bwd", ctx.tag), None, None, None
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, tag):
+        return _reduce(x, axis, "fwd", tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _RegionEntry(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, tag):
+        ctx.axis, ctx.tag = axis, tag
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce(grad, ctx.axis, "bwd", ctx.tag), None, None
+
+
+def all_gather(x: torch.Tensor, dim: int, axis: str, tag: str = "") -> torch.Tensor:
+    """Concatenate the shards of ``x`` along ``dim`` over ``axis``; backward reduce-scatters."""
+    return _AllGather.apply(x, dim, axis, tag)
+
+
+def reduce_scatter(x: torch.Tensor, dim: int, axis: str, tag: str = "") -> torch.Tensor:
+    """Sum partial ``x`` over ``axis`` and keep this rank's shard of ``dim``; backward all-gathers."""
+    return _ReduceScatter.apply(x, dim, axis, tag)
+
+
+def all_reduce(x: torch.Tensor, axis: str, tag: str = "") -> torch.Tensor:
+    """Sum partial ``x`` over ``axis``; backward is the identity."""
+    return _AllReduce.apply(x, axis, tag)
+
+
+def loss_all_reduce(x: torch.Tensor, axis: str, tag: str) -> torch.Tensor:
+    """Sum a detached scalar (the step's loss) over ``axis``, recorded with phase ``loss``."""
+    return _reduce(x.detach(), axis, "loss", tag)
+
+
+def region_entry(x: torch.Tensor, axis: str, tag: str = "") -> torch.Tensor:
+    """Identity into a tensor-parallel region; backward all-reduces the input gradient."""
+    return _RegionEntry.apply(x, axis, tag)
+
+
+class _LocalShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis):
+        g = _group(axis)
+        ctx.dim, ctx.size, ctx.rank, ctx.full = dim, g.size, g.rank, x.shape[dim]
+        return x.chunk(g.size, dim=dim)[g.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        # The other ranks' slices get zeros here: the replicated input's gradient is a
+        # partial sum over the axis (shard propagation marks it so; gradient sync sums it).
+        shape = list(grad.shape)
+        shape[ctx.dim] = ctx.full
+        out = grad.new_zeros(shape)
+        out.narrow(ctx.dim, ctx.rank * grad.shape[ctx.dim], grad.shape[ctx.dim]).copy_(grad)
+        return out, None, None
+
+
+def local_shard(x: torch.Tensor, dim: int, axis: str) -> torch.Tensor:
+    """This rank's slice of a replicated ``x`` along ``dim`` (no communication)."""
+    return _LocalShard.apply(x, dim, axis)
+
+
+def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axis: str, padding_idx: int = -1) -> torch.Tensor:
+    """Look up ``ids`` in this rank's rows of a vocabulary-sharded table; a partial sum over ``axis``.
+
+    Rows this rank does not own contribute zeros; the caller all-reduces (or
+    reduce-scatters, under SP) the result.
+    """
+    num_local = weight.shape[0]
+    start = axis_rank(axis) * num_local
+    outside = (ids < start) | (ids >= start + num_local)
+    local_ids = (ids - start).masked_fill(outside, 0)
+    local_pad = padding_idx - start if 0 <= padding_idx - start < num_local else None
+    out = F.embedding(local_ids, weight, padding_idx=local_pad)
+    return out.masked_fill(outside.unsqueeze(-1), 0.0)
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, axis, ignore_index, reduction, tag):
+        num_local = logits.shape[-1]
+        start = axis_rank(axis) * num_local
+        x = logits.float()
+        local_max = x.amax(dim=-1)
+        global_max = _reduce(local_max, axis, "fwd", tag + " (max)", op=dist.ReduceOp.MAX)
+        shifted = x - global_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = _reduce(exp.sum(dim=-1), axis, "fwd", tag + " (sum exp)")
+        valid = target != ignore_index
+        mine = valid & (target >= start) & (target < start + num_local)
+        local_target = (target - start).masked_fill(~mine, 0)
+        picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * mine
+        picked = _reduce(picked, axis, "fwd", tag + " (target logit)")
+        per_token = (sum_exp.log() - picked) * valid
+        num_valid = valid.sum()
+        ctx.save_for_backward(exp, sum_exp, local_target, mine, valid, num_valid)
+        ctx.reduction, ctx.in_dtype = reduction, logits.dtype
+        if reduction == 0:
+            return per_token.to(logits.dtype)
+        total = per_token.sum()
+        return (total / num_valid if reduction == 1 else total).to(logits.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        exp, sum_exp, local_target, mine, valid, num_valid = ctx.saved_tensors
+        softmax = exp / sum_exp.unsqueeze(-1)
+        onehot = torch.zeros_like(softmax).scatter_(-1, local_target.unsqueeze(-1), 1.0) * mine.unsqueeze(-1)
+        g = (softmax - onehot) * valid.unsqueeze(-1)
+        if ctx.reduction == 0:
+            g = g * grad.float().unsqueeze(-1)
+        elif ctx.reduction == 1:
+            g = g * (grad.float() / num_valid)
+        else:
+            g = g * grad.float()
+        return g.to(ctx.in_dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    axis: str,
+    ignore_index: int = -100,
+    reduction: int = 1,
+    tag: str = "",
+) -> torch.Tensor:
+    """Cross-entropy of vocabulary-sharded logits, without gathering them.
+
+    ``reduction`` follows aten: 0 none, 1 mean (over non-ignored targets), 2 sum.  Three
+    all-reduces of one fp32 value per token (max, sum of exp, target logit) run forward;
+    backward needs no communication.
+    """
+    return _VocabParallelCrossEntropy.apply(logits, target, axis, ignore_index, reduction, tag)

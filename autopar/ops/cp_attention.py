@@ -1,0 +1,350 @@
+"""Context-parallel attention: the functions the CP pass puts in place of each attention op.
+
+The sequence is sharded over the ``cp`` mesh axis with causal load balancing: the global
+sequence is cut into ``2*cp`` chunks and rank ``i`` holds chunks ``i`` and ``2*cp-1-i``
+(:func:`cp_positions`; :mod:`autopar.runtime.batching` slices the batch the same way).  Every
+variant computes attention block by block over pairs (query chunk, key chunk) and skips
+the pairs the causal mask hides entirely, so the work per rank is balanced
+(the step counter ``cp_score_blocks`` counts the computed pairs).  Causality comes from *global* positions,
+never from the local order, so gathered K/V need not be reordered.
+
+Variants (``passes/context_parallel.py`` picks one per plan):
+
+- :func:`ring_attention`: K,V travel around the ring by P2P (async isend/irecv overlapped
+  with the block computation), merged with an online softmax (log-sum-exp).  The explicit
+  backward uses the saved log-sum-exp and circulates the dK,dV accumulators with K,V.
+- :func:`allgather_attention`: all-gather of packed K,V, local queries against the full
+  K,V; the all-gather's backward reduce-scatters dK,dV (:mod:`autopar.ops.collectives`).
+- :func:`ulysses_attention`: one all-to-all of packed q,k,v from sequence shards to head
+  shards, full-sequence attention on ``heads/cp`` heads, one all-to-all back.
+
+K and V arrive with their own (GQA) head count; ``num_kv_groups`` query heads share one
+K/V head, and the expansion happens after communication, so only the K/V heads travel.
+Every collective records its bytes through :mod:`autopar.ops.collectives`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from autopar.ops import collectives as C
+from autopar.plan import ulysses_heads_ok
+from autopar.ops.step import find_current
+
+__all__ = [
+    "cp_chunk_indices",
+    "cp_positions",
+    "ring_attention",
+    "allgather_attention",
+    "ulysses_attention",
+    "SCORE_BLOCKS",
+]
+
+SCORE_BLOCKS = "cp_score_blocks"  # the step counter of attention score blocks computed forward
+
+
+def _count_block() -> None:
+    step = find_current()  # the kernels also run outside a step (tests compare them with sdpa)
+    if step is not None:
+        step.counters[SCORE_BLOCKS] += 1
+
+
+def cp_chunk_indices(seq_len: int, rank: int, size: int) -> torch.Tensor:
+    """Global token indices held by ``rank`` of ``size``: chunks ``rank`` and ``2*size-1-rank``."""
+    chunk = seq_len // (2 * size)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk)
+    second = torch.arange((2 * size - 1 - rank) * chunk, (2 * size - rank) * chunk)
+    return torch.cat([first, second])
+
+
+def _positions(local_len: int, rank: int, size: int, device=None) -> torch.Tensor:
+    return cp_chunk_indices(local_len * size, rank, size).to(device)
+
+
+def cp_positions(local_len: int, axis: str, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
+    """This rank's global position ids (replaces ``arange(local_len)`` in the graph)."""
+    pos = _positions(int(local_len), C.axis_rank(axis), C.axis_size(axis), device)
+    return pos.to(dtype or torch.int64)
+
+
+# --- blockwise attention with a log-sum-exp merge (no communication) ---------------------
+
+
+def _acc(x: torch.Tensor) -> torch.dtype:
+    """Softmax statistics in at least fp32 (bf16/fp16 inputs), in fp64 for fp64 inputs."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
+    return x if groups == 1 else x.repeat_interleave(groups, dim=1)
+
+
+def _fold(dx: torch.Tensor, groups: int) -> torch.Tensor:
+    if groups == 1:
+        return dx
+    b, h, s, d = dx.shape
+    return dx.view(b, h // groups, groups, s, d).sum(2)
+
+
+def _pairs(q_pos, k_pos, chunk, causal):
+    """(query slice, key slice, mask or None) for every chunk pair not hidden by the mask."""
+    out = []
+    for i in range(q_pos.numel() // chunk):
+        qs = slice(i * chunk, (i + 1) * chunk)
+        for j in range(k_pos.numel() // chunk):
+            ks = slice(j * chunk, (j + 1) * chunk)
+            if not causal:
+                out.append((qs, ks, None))
+                continue
+            qp, kp = q_pos[qs], k_pos[ks]
+            if int(qp.max()) < int(kp.min()):
+                continue  # every key of this chunk lies after every query: skipped, not computed
+            out.append((qs, ks, None if int(qp.min()) >= int(kp.max()) else qp[:, None] >= kp[None, :]))
+    return out
+
+
+def _attend(q, k, v, q_pos, k_pos, scale, causal, groups, chunk, out=None, lse=None):
+    """Merge attention of ``q`` over (``k``, ``v``) into ``(out, lse)``; returns them."""
+    if out is None:
+        out = torch.zeros_like(q)
+        lse = torch.full(q.shape[:-1], -math.inf, dtype=_acc(q), device=q.device)
+    k, v = _expand(k, groups), _expand(v, groups)
+    for qs, ks, mask in _pairs(q_pos, k_pos, chunk, causal):
+        _count_block()
+        s = (q[:, :, qs] @ k[:, :, ks].transpose(-1, -2)).to(_acc(q)) * scale
+        if mask is not None:
+            s = s.masked_fill(~mask, -math.inf)
+        blk_lse = torch.logsumexp(s, dim=-1)
+        safe = torch.where(torch.isinf(blk_lse), torch.zeros_like(blk_lse), blk_lse)
+        blk_out = (s - safe[..., None]).exp().to(q.dtype) @ v[:, :, ks]
+        old = lse[:, :, qs]
+        new = torch.logaddexp(old, blk_lse)
+        new_safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+        w_old = (old - new_safe).exp()[..., None].to(q.dtype)
+        w_blk = (blk_lse - new_safe).exp()[..., None].to(q.dtype)
+        out[:, :, qs] = out[:, :, qs] * w_old + blk_out * w_blk
+        lse[:, :, qs] = new
+    return out, lse
+
+
+def _attend_backward(q, k, v, out, dout, lse, q_pos, k_pos, scale, causal, groups, chunk,
+                     dq=None, delta=None):
+    """Gradients of the final attention output restricted to this (k, v) block, from the saved lse.
+
+    Returns ``(dq, dk, dv)``; ``dq`` accumulates in place when given.
+    """
+    if dq is None:
+        dq = torch.zeros_like(q)
+    if delta is None:
+        delta = (dout.to(_acc(q)) * out.to(_acc(q))).sum(-1)
+    ke, ve = _expand(k, groups), _expand(v, groups)
+    dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
+    for qs, ks, mask in _pairs(q_pos, k_pos, chunk, causal):
+        s = (q[:, :, qs] @ ke[:, :, ks].transpose(-1, -2)).to(_acc(q)) * scale
+        p = (s - lse[:, :, qs][..., None]).exp()
+        if mask is not None:
+            p = p.masked_fill(~mask, 0.0)
+        do = dout[:, :, qs]
+        dv[:, :, ks] += p.to(q.dtype).transpose(-1, -2) @ do
+        dp = (do @ ve[:, :, ks].transpose(-1, -2)).to(_acc(q))
+        ds = (p * (dp - delta[:, :, qs][..., None]) * scale).to(q.dtype)
+        dq[:, :, qs] += ds @ ke[:, :, ks]
+        dk[:, :, ks] += ds.transpose(-1, -2) @ q[:, :, qs]
+    return dq, _fold(dk, groups), _fold(dv, groups)
+
+
+class _LocalAttention(torch.autograd.Function):
+    """Blockwise attention of local queries over given K,V with explicit positions."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, k_pos, scale, causal, groups, chunk):
+        out, lse = _attend(q, k, v, q_pos, k_pos, scale, causal, groups, chunk)
+        ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos)
+        ctx.args = (scale, causal, groups, chunk)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse, q_pos, k_pos = ctx.saved_tensors
+        dq, dk, dv = _attend_backward(q, k, v, out, dout.contiguous(), lse, q_pos, k_pos, *ctx.args)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+def _scale(q, scale):
+    return scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+
+
+# --- all-gather -----------------------------------------------------------------------
+
+
+def allgather_attention(q, k, v, axis: str, scale=None, causal: bool = True, num_kv_groups: int = 1,
+                        tag: str = "") -> torch.Tensor:
+    """All-gather packed K,V over ``axis``; local queries against the full K,V."""
+    n, r = C.axis_size(axis), C.axis_rank(axis)
+    local = q.shape[2]
+    heads_kv = k.shape[1]
+    kv = C.all_gather(torch.cat([k, v], dim=1), 2, axis, tag or "cp all-gather K,V")
+    k_full, v_full = kv[:, :heads_kv], kv[:, heads_kv:]
+    q_pos = _positions(local, r, n, q.device)
+    k_pos = torch.cat([_positions(local, j, n, q.device) for j in range(n)])
+    return _LocalAttention.apply(q, k_full, v_full, q_pos, k_pos, _scale(q, scale), causal, num_kv_groups,
+                                 max(1, local // 2))
+
+
+# --- Ulysses ----------------------------------------------------------------------------
+
+
+def _a2a(buf: torch.Tensor, axis: str, phase: str, tag: str) -> torch.Tensor:
+    """All-to-all over dim 0 (one slice per rank of ``axis``)."""
+    g = C._group(axis)
+    buf = buf.contiguous()
+    C.record("all_to_all", axis, buf, phase, tag)
+    out = torch.empty_like(buf, memory_format=torch.contiguous_format)
+    dist.all_to_all_single(out, buf, group=g.group)
+    return out
+
+
+def _seq_to_heads(parts, n, axis, phase, tag):
+    """[B, H_i, S_l, d] per part -> [B, H_i/n, n*S_l, d] per part (one packed all-to-all)."""
+    b, _, s_l, d = parts[0].shape
+    sizes = [p.shape[1] // n for p in parts]
+    buf = torch.cat([p.reshape(b, n, h, s_l, d) for p, h in zip(parts, sizes)], dim=2)
+    got = _a2a(buf.movedim(1, 0), axis, phase, tag)  # [n (source), B, sum(h), S_l, d]
+    got = got.movedim(0, 2).reshape(b, sum(sizes), n * s_l, d)
+    return list(got.split(sizes, dim=1))
+
+
+def _heads_to_seq(parts, n, axis, phase, tag):
+    """Inverse of :func:`_seq_to_heads`: [B, h_i, n*S_l, d] -> [B, n*h_i, S_l, d]."""
+    b, _, s, d = parts[0].shape
+    s_l = s // n
+    sizes = [p.shape[1] for p in parts]
+    buf = torch.cat(parts, dim=1).reshape(b, sum(sizes), n, s_l, d).movedim(2, 0)
+    got = _a2a(buf, axis, phase, tag)  # [n (head group), B, sum(h), S_l, d]
+    got = got.movedim(0, 1)  # [B, n, sum(h), S_l, d]
+    return [x.reshape(b, n * h, s_l, d) for x, h in zip(got.split(sizes, dim=2), sizes)]
+
+
+class _ToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, axis, tag):
+        ctx.axis, ctx.tag, ctx.n = axis, tag, C.axis_size(axis)
+        return tuple(_seq_to_heads([q, k, v], ctx.n, axis, "fwd", tag))
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        return (*_heads_to_seq([dq, dk, dv], ctx.n, ctx.axis, "bwd", ctx.tag), None, None)
+
+
+class _ToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, o, axis, tag):
+        ctx.axis, ctx.tag, ctx.n = axis, tag, C.axis_size(axis)
+        return _heads_to_seq([o], ctx.n, axis, "fwd", tag)[0]
+
+    @staticmethod
+    def backward(ctx, do):
+        return _seq_to_heads([do], ctx.n, ctx.axis, "bwd", ctx.tag)[0], None, None
+
+
+def ulysses_attention(q, k, v, axis: str, scale=None, causal: bool = True, num_kv_groups: int = 1,
+                      tag: str = "") -> torch.Tensor:
+    """All-to-all sequence shards -> head shards, full-sequence attention, and back."""
+    n = C.axis_size(axis)
+    local = q.shape[2]
+    for name, t in (("query", q), ("key/value", k)):
+        if not ulysses_heads_ok(t.shape[1], 1, n):  # heads here are already local to a tp rank
+            raise RuntimeError(f"autopar: Ulysses needs the {t.shape[1]} local {name} heads divisible by "
+                               f"cp={n}; choose a cp degree that divides the heads per tp rank.")
+    qh, kh, vh = _ToHeads.apply(q, k, v, axis, tag or "cp Ulysses q,k,v")
+    pos = torch.cat([_positions(local, j, n, q.device) for j in range(n)])
+    oh = _LocalAttention.apply(qh, kh, vh, pos, pos, _scale(q, scale), causal, num_kv_groups, max(1, local // 2))
+    return _ToSeq.apply(oh, axis, tag or "cp Ulysses output")
+
+
+# --- ring -------------------------------------------------------------------------------
+
+
+class _Exchange:
+    """One ring hop: async send to the next rank and receive from the previous one."""
+
+    def __init__(self, t: torch.Tensor, axis: str, phase: str, tag: str, channel: int = 0):
+        g = C._group(axis)
+        nxt, prv = (g.rank + 1) % g.size, (g.rank - 1) % g.size
+        self.buf = torch.empty_like(t, memory_format=torch.contiguous_format)
+        C.record_p2p("send", axis, t, phase, tag)
+        C.record_p2p("recv", axis, self.buf, phase, tag)
+        send = t.contiguous()
+        self._keep = send
+        # K,V and dK,dV hops between the same pair of ranks use distinct tags (channel).
+        self.works = [dist.isend(send, dist.get_global_rank(g.group, nxt), group=g.group, tag=channel),
+                      dist.irecv(self.buf, dist.get_global_rank(g.group, prv), group=g.group, tag=channel)]
+
+    def wait(self) -> torch.Tensor:
+        for w in self.works:
+            w.wait()
+        return self.buf
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, axis, scale, causal, groups, tag):
+        n, r = C.axis_size(axis), C.axis_rank(axis)
+        local = q.shape[2]
+        chunk = max(1, local // 2)
+        heads_kv = k.shape[1]
+        q_pos = _positions(local, r, n, q.device)
+        kv = torch.cat([k, v], dim=1).contiguous()
+        out = lse = None
+        for step in range(n):
+            hop = _Exchange(kv, axis, "fwd", tag) if step < n - 1 else None  # overlaps the block below
+            src = (r - step) % n
+            out, lse = _attend(q, kv[:, :heads_kv], kv[:, heads_kv:], q_pos, _positions(local, src, n, q.device),
+                               scale, causal, groups, chunk, out, lse)
+            if hop is not None:
+                kv = hop.wait()
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (axis, scale, causal, groups, tag)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        # Rank r handles block (r-1-t) at step t, so each dK,dV accumulator starts one rank after
+        # its home and ends there after cp-1 hops; K,V hop cp-1 times alongside (the last block is local).
+        q, k, v, out, lse = ctx.saved_tensors
+        axis, scale, causal, groups, tag = ctx.args
+        n, r = C.axis_size(axis), C.axis_rank(axis)
+        local = q.shape[2]
+        chunk = max(1, local // 2)
+        heads_kv = k.shape[1]
+        dout = dout.contiguous()
+        q_pos = _positions(local, r, n, q.device)
+        delta = (dout.to(_acc(q)) * out.to(_acc(q))).sum(-1)
+        dq = torch.zeros_like(q)
+        kv_local = torch.cat([k, v], dim=1).contiguous()
+        kv = _Exchange(kv_local, axis, "bwd", tag).wait() if n > 1 else kv_local
+        dkv = None
+        for step in range(n):
+            src = (r - 1 - step) % n
+            if step == n - 1:
+                kv = kv_local
+            hop = _Exchange(kv, axis, "bwd", tag) if step < n - 2 else None
+            _, dk, dv = _attend_backward(q, kv[:, :heads_kv], kv[:, heads_kv:], out, dout, lse, q_pos,
+                                         _positions(local, src, n, q.device), scale, causal, groups, chunk,
+                                         dq=dq, delta=delta)
+            blk = torch.cat([dk, dv], dim=1)
+            dkv = blk if dkv is None else dkv + blk
+            if step < n - 1:
+                dkv = _Exchange(dkv, axis, "bwd", tag, channel=1).wait()
+            if hop is not None:
+                kv = hop.wait()
+        return dq, dkv[:, :heads_kv], dkv[:, heads_kv:], None, None, None, None, None
+
+
+def ring_attention(q, k, v, axis: str, scale=None, causal: bool = True, num_kv_groups: int = 1,
+                   tag: str = "") -> torch.Tensor:
+    """Ring attention over ``axis``: K,V rotate by P2P, online-softmax merge, explicit backward."""
+    return _RingAttention.apply(q, k, v, axis, _scale(q, scale), causal, num_kv_groups,
+                                tag or "cp ring K,V / dK,dV")

@@ -1,0 +1,166 @@
+"""Expert-parallel MoE at run time: token dispatch, the local experts, and combine.
+
+The EP pass (``passes/expert_parallel.py``) replaces each recognised experts region
+(:mod:`autopar.frontend.analyze_moe`) by three calls that the generated program makes:
+
+- ``moe_dispatch(x, idx, num_experts, 'ep')``: sort the (token, slot) pairs by expert,
+  exchange the per-expert token counts with an all-to-all, then all-to-all the token rows
+  (uneven split sizes) to the ranks that own their experts, grouped by local expert;
+- ``moe_experts(rows, routing, bodies, params, style)``: run the user's own expert code
+  (cut out of the traced graph) on the rows of each local expert;
+- ``moe_combine(out, w, routing, 'ep')``: the reverse all-to-all, then the weighted sum
+  over the top-k slots in the original token order.
+
+The token all-to-alls are autograd functions whose backward is the reverse all-to-all
+(the duals of docs/architecture.md).  Without an ``ep`` group (ep=1) the same code runs locally.  Every
+all-to-all is recorded with the realised per-expert counts (``CommRecord.counts``), from
+which the cost model predicts its bytes exactly (``autopar.cost.routed_all_to_all_rows``).
+
+Experts are stored with rank ``r`` of the ``ep`` axis owning experts
+``[r * E/ep, (r + 1) * E/ep)``: stacked ``[E, ...]`` parameters are sharded along dim 0,
+a ModuleList expert's parameters live whole on their owner (``ParamShard.owner``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.distributed as dist
+
+from autopar.ops import collectives as C
+
+__all__ = ["Routing", "capacity_keep", "moe_dispatch", "moe_experts", "moe_combine"]
+
+
+@dataclasses.dataclass
+class Routing:
+    """What dispatch learned; combine and both backwards reuse it (no tensors need grads)."""
+
+    order: torch.Tensor  # the kept (token, slot) pairs, sorted by expert
+    num_tokens: int
+    top_k: int
+    local_counts: list[int]  # rows per local expert after regrouping
+    send_splits: list[int] | None = None  # rows to each ep rank
+    recv_splits: list[int] | None = None  # rows from each ep rank
+    regroup: torch.Tensor | None = None  # received rows (source-major) -> local-expert-major
+    counts: tuple | None = None  # (sent per expert [E], received [ep][E/ep]) for the recorder
+
+
+def _ep_group(axis: str):
+    g = C.find_group(axis)
+    return g if g is not None and g.size > 1 else None
+
+
+def _record_a2a(axis: str, t: torch.Tensor, send: list[int], recv: list[int], phase: str, tag: str,
+                counts: tuple | None) -> None:
+    g = C.find_group(axis)
+    row = math.prod(t.shape[1:]) * t.element_size()  # one row; t may have none
+    mine = g.rank
+    sent = float(row * (sum(send) - send[mine]))
+    received = float(row * (sum(recv) - recv[mine]))
+    C.recorder().records.append(C.CommRecord("all_to_all", axis, g.size, sent, received, phase, tuple(t.shape),
+                                             str(t.dtype).replace("torch.", ""), tag, counts))
+
+
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], axis: str, phase: str, tag: str,
+                counts: tuple | None) -> torch.Tensor:
+    g = C.find_group(axis)
+    _record_a2a(axis, x, send, recv, phase, tag, counts)
+    x = x.contiguous()
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=g.group)
+    return out
+
+
+class _TokenAllToAll(torch.autograd.Function):
+    """Rows to their destination ranks; backward sends the row gradients back (the dual)."""
+
+    @staticmethod
+    def forward(ctx, x, send, recv, axis, tag, counts):
+        ctx.send, ctx.recv, ctx.axis, ctx.tag, ctx.counts = send, recv, axis, tag, counts
+        return _all_to_all(x, send, recv, axis, "fwd", tag, counts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (_all_to_all(grad, ctx.recv, ctx.send, ctx.axis, "bwd", ctx.tag + " (backward)", ctx.counts),
+                None, None, None, None, None)
+
+
+def capacity_keep(sorted_experts: torch.Tensor, counts: torch.Tensor, capacity: int) -> torch.Tensor:
+    """Mask of the pairs (sorted by expert, then token order) within their expert's capacity."""
+    starts = torch.cumsum(counts, 0) - counts
+    position = torch.arange(sorted_experts.numel(), device=counts.device) - starts[sorted_experts]
+    return position < capacity
+
+
+def moe_dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int, axis: str,
+                 capacity_factor: float | None = None) -> tuple:
+    """Token rows for this rank's experts, grouped by local expert, and the :class:`Routing`.
+
+    With ``capacity_factor`` F each expert takes at most ``ceil(F * T * k / E)`` of this rank's
+    T tokens (earlier tokens first); the others are dropped: their expert output is zero and
+    the token continues on the residual stream only (a semantic change; default dropless).
+    """
+    num_tokens, top_k = idx.shape
+    flat = idx.reshape(-1)
+    sorted_experts, order = torch.sort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts)
+    if capacity_factor is not None:
+        capacity = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+        keep = capacity_keep(sorted_experts, counts, capacity)
+        order, counts = order[keep], counts.clamp(max=capacity)
+    rows = x[order // top_k]
+    g = _ep_group(axis)
+    if g is None:
+        return rows, Routing(order, num_tokens, top_k, counts.tolist())
+    ep, num_local = g.size, num_experts // g.size
+    send_counts = counts.view(ep, num_local).contiguous()
+    recv_counts = _all_to_all(send_counts, [1] * ep, [1] * ep, axis, "fwd",
+                              "MoE dispatch: token counts per expert", None)
+    send_splits = send_counts.sum(1).tolist()
+    recv_splits = recv_counts.sum(1).tolist()
+    table = recv_counts.tolist()  # [source rank][local expert]
+    info = (tuple(counts.tolist()), tuple(tuple(r) for r in table))
+    tokens = _TokenAllToAll.apply(rows, send_splits, recv_splits, axis, "MoE dispatch: tokens to expert owners",
+                                  info)
+    # Received rows come source-major; a stable sort by local expert makes them expert-major.
+    expert_of_row = torch.arange(num_local, device=x.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
+    regroup_t = torch.sort(expert_of_row, stable=True).indices
+    local_counts = recv_counts.sum(0).tolist()
+    routing = Routing(order, num_tokens, top_k, local_counts, send_splits, recv_splits, regroup_t, info)
+    return tokens[regroup_t], routing
+
+
+def moe_experts(rows: torch.Tensor, routing: Routing, bodies, params: list, style: str, axis: str) -> torch.Tensor:
+    """The user's experts on the rows of this rank's experts (``bodies`` cut from the traced graph)."""
+    g = _ep_group(axis)
+    rank = g.rank if g is not None else 0
+    num_local = len(routing.local_counts)
+    if style == "stacked":
+        offsets = torch.tensor(routing.local_counts, device=rows.device).cumsum(0).to(torch.int32)
+        return bodies[0](rows, offsets, *params)
+    per_expert = len(params) // len(bodies)
+    outs = []
+    for j, chunk in enumerate(torch.split(rows, routing.local_counts)):
+        e = rank * num_local + j
+        outs.append(bodies[e](chunk, *params[e * per_expert:(e + 1) * per_expert]))
+    return torch.cat(outs) if outs else rows
+
+
+def moe_combine(out: torch.Tensor, weights: torch.Tensor, routing: Routing, axis: str) -> torch.Tensor:
+    """Expert outputs back to their tokens' ranks, weighted and summed over the top-k slots."""
+    if routing.regroup is not None:
+        back = torch.empty_like(routing.regroup)
+        back[routing.regroup] = torch.arange(routing.regroup.numel(), device=back.device)
+        out = _TokenAllToAll.apply(out[back], routing.recv_splits, routing.send_splits, axis,
+                                   "MoE combine: expert outputs to token owners", routing.counts)
+    weighted = out * weights.reshape(-1)[routing.order].unsqueeze(-1)
+    slots = routing.num_tokens * routing.top_k
+    if routing.order.numel() == slots:  # dropless: every (token, slot) pair has a row
+        inverse = torch.empty_like(routing.order)
+        inverse[routing.order] = torch.arange(slots, device=inverse.device)
+        per_slot = weighted[inverse]
+    else:  # dropped pairs contribute zero: the token keeps only its residual
+        per_slot = weighted.new_zeros((slots,) + tuple(weighted.shape[1:])).index_copy(0, routing.order, weighted)
+    return per_slot.view(routing.num_tokens, routing.top_k, -1).sum(dim=1)

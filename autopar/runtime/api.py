@@ -1,0 +1,75 @@
+"""The public entry points of the runtime: ``init_distributed`` and ``parallelize``.
+
+``parallelize`` runs the whole pipeline on the user's (unmodified) model: the front half
+(trace, analyze, validate, rewrite) is :func:`autopar.passes.compile.compile_program`; the
+result becomes this rank's :class:`autopar.runtime.module.ParallelModule`, which builds the
+device mesh and cuts this rank's parameters out of the user's full tensors.
+``plan="auto"`` lets the cost model choose (:mod:`autopar.planning.autoplan`).
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.errors import AutoparError
+from autopar.frontend.analyze import analyze
+from autopar.frontend.trace import trace_model
+from autopar.passes.compile import DEFAULT_BUCKET_BYTES, compile_program
+from autopar.plan import Plan
+from autopar.planning.autoplan import choose_plan
+from autopar.runtime.mesh import world
+from autopar.runtime.module import ParallelModule
+
+__all__ = ["init_distributed", "parallelize"]
+
+
+def init_distributed(backend: str | None = None) -> None:
+    """Initialise the default process group from torchrun's environment (NCCL on GPUs, else gloo)."""
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group(backend)
+
+
+def parallelize(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    example_kwargs: dict | None = None,
+    plan: str | Plan = "none",
+    loss_fn: Callable | None = None,
+    optimizer: Callable[..., torch.optim.Optimizer] | None = None,
+    *,
+    example_target: Any = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    pipeline_split: Sequence[int] | None = None,
+) -> ParallelModule:
+    """Compile ``model`` for ``plan`` on the current process group; the model is not modified.
+
+    ``loss_fn(output, target)`` is traced with the model; ``optimizer`` is a factory called
+    with this rank's parameters (default: ``torch.optim.AdamW``).  ``pipeline_split``: layers
+    per pipeline chunk (default: balanced by the cost model).
+    """
+    if loss_fn is None:
+        raise AutoparError("autopar: parallelize needs loss_fn(output, target) to train the model; "
+                           "for a Hugging Face model, e.g. lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()).")
+    world_size, _ = world()
+    if isinstance(plan, str) and plan.strip().lower() == "auto":
+        plan = _auto_plan(model, example_inputs, example_kwargs, loss_fn, example_target, world_size)
+    traced, program = compile_program(model, example_inputs, example_kwargs, plan, loss_fn,
+                                      world_size=world_size, example_target=example_target,
+                                      bucket_bytes=bucket_bytes, pipeline_split=pipeline_split)
+    return ParallelModule(model, traced, program, program.plan, optimizer or torch.optim.AdamW)
+
+
+def _auto_plan(model, example_inputs, example_kwargs, loss_fn, example_target, world_size: int) -> Plan:
+    structure = analyze(trace_model(model, example_inputs, example_kwargs, loss_fn, example_target).gm)
+    ids = example_inputs[0]
+    seq = ids.shape[1] if ids.dim() > 1 else 1
+    return choose_plan(structure, world_size, seq, ids.shape[0])

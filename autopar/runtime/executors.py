@@ -1,0 +1,61 @@
+"""How one rank runs its program for a step: the executors of :class:`ParallelModule`.
+
+An executor knows which parameters this rank holds (``owner``), builds what runs them once
+the parameters are local (``setup``), runs forward and backward of this rank's
+micro-batches (``run``) and gives the program of a stage that ``pm.code()`` prints.  Two exist:
+
+* :class:`FlatExecutor`: one program, every parameter on every rank of the stage, the
+  micro-batches in turn (gradient accumulation), the memory meter around each;
+* :class:`autopar.runtime.pipelined.PipelineExecutor`: the chunks of the pipeline pass
+  driven by a ``torch.distributed.pipelining`` schedule.
+
+Everything else -- parameters, state dicts, gradient sync, the loss, checkpoints -- is
+the same code in :class:`autopar.runtime.module.ParallelModule` for both.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autopar.errors import AutoparError
+from autopar.runtime.batching import local_micro_batches
+
+__all__ = ["FlatExecutor", "StepOutput"]
+
+
+class StepOutput:
+    """What ``run`` returns: this rank's mean loss over its micro-batches, if it computes the loss."""
+
+    def __init__(self, loss: torch.Tensor | None):
+        self.loss = loss
+
+
+class FlatExecutor:
+    """Run the whole rewritten graph on each of this rank's micro-batches."""
+
+    def __init__(self, gm: torch.fx.GraphModule, program, plan):
+        self.gm, self.program, self.plan = gm, program, plan
+
+    def owner(self, name: str) -> int | None:
+        """Pipeline rank holding parameter ``name`` (None: every rank of the stage)."""
+        return None
+
+    def setup(self, pm) -> None:
+        """Nothing to build: the graph runs as it is."""
+
+    def run(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
+        total = torch.zeros((), device=pm.device)
+        for chunk_inputs, chunk_target in local_micro_batches(inputs, target, self.plan, coords, pm.device):
+            # ZeRO: per-micro-batch gathers / reduce-scatters; the meter counts saved activations.
+            with pm.memory.micro_batch(self.gm), pm.grad_sync.micro_batch():
+                loss = self.gm(*chunk_inputs, chunk_target)
+                (loss / self.plan.mb).backward()
+            total += loss.detach().float() / self.plan.mb
+        return StepOutput(total)
+
+    def describe_stage(self, stage: int) -> torch.fx.GraphModule:
+        if stage != 0:
+            raise AutoparError(f"autopar: stage {stage} does not exist; plan '{self.plan}' has 1 pipeline "
+                               "stage (0).")
+        return self.gm

@@ -1,0 +1,95 @@
+"""Gradient synchronisation after backward, and the optimizer step around it.
+
+The data-parallel pass (``passes/data_parallel.py``) decides the buckets; this module
+executes them: for each bucket, flatten the gradients, all-reduce them over the bucket's
+mesh axis (sum for partial gradients, average over ``dp``), and write them back.  Every
+collective is recorded with phase ``grad``.
+
+:class:`GradSync` is the gradient-sync strategy :class:`autopar.runtime.module.ParallelModule`
+calls; ZeRO stages replace it with :class:`autopar.runtime.zero.ZeroSync`.  Both expose the
+same interface, which is all that the module, checkpoints (:mod:`autopar.runtime.checkpoint`)
+and the memory meter (:mod:`autopar.runtime.memory`) use:
+
+* ``optimizer``; ``micro_batch()`` around each micro-batch's forward and backward;
+  ``sync_and_step()`` once per step; ``full_parameters(write_back)`` around reading or
+  writing whole parameters;
+* ``optimizer_state()`` / ``load_optimizer_state(entries)``: the optimizer state per graph
+  parameter as tp-local tensors (whole over ``dp``), whatever the strategy shards;
+* ``memory_tensors()``: what the strategy holds besides the module's parameters.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+
+from autopar.ops import collectives as C
+
+__all__ = ["GradSync"]
+
+
+class GradSync:
+    """Bucketed all-reduce of gradients, then a plain optimizer step on local parameters."""
+
+    stage = 0
+
+    def __init__(self, gm: torch.fx.GraphModule, buckets, groups: dict, make_optimizer):
+        self.gm = gm
+        self.buckets = list(buckets)
+        self.groups = groups
+        self.optimizer = make_optimizer([p for p in gm.parameters() if p.requires_grad])
+
+    def micro_batch(self):
+        """Context around one micro-batch's forward and backward (ZeRO strategies act here)."""
+        return contextlib.nullcontext()
+
+    def full_parameters(self, write_back: bool = False):
+        """Context in which the module holds whole parameters (always true without ZeRO)."""
+        return contextlib.nullcontext()
+
+    def sync_and_step(self) -> None:
+        self.sync()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def sync(self) -> None:
+        for bucket in self.buckets:
+            params = [self.gm.get_parameter(n) for n in bucket.params]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            group = self.groups[bucket.axis]
+            if group.size > 1:
+                C.record("all_reduce", bucket.axis, flat, "grad", f"gradient bucket ({len(params)} tensors)")
+                dist.all_reduce(flat, group=group.group)
+            if bucket.average and (bucket.divisor or group.size) > 1:
+                flat /= bucket.divisor or group.size
+            offset = 0
+            for p, grad in zip(params, grads):
+                n = grad.numel()
+                p.grad = flat[offset:offset + n].view_as(grad)
+                offset += n
+
+    # --- what checkpoints and the memory meter read -------------------------------------
+
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Graph parameter name -> {state key: this rank's tensor} (tp-local, as the parameter)."""
+        by_id = {id(p): n for n, p in self.gm.named_parameters()}
+        out: dict[str, dict] = {}
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                for key, value in self.optimizer.state.get(p, {}).items():
+                    out.setdefault(by_id[id(p)], {})[key] = value
+        return out
+
+    def load_optimizer_state(self, entries: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Inverse of :meth:`optimizer_state` (entries already cut to this rank's tp shard)."""
+        for name, p in self.gm.named_parameters():
+            found = entries.get(name)
+            if found:
+                self.optimizer.state[p] = {k: v.to(device=p.device, dtype=p.dtype) if v.dim() else v.clone()
+                                           for k, v in found.items()}
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Tensors held outside the module's parameters: extra ``params``, ``master_params``, ``grads``."""
+        return {"params": [], "master_params": [], "grads": []}

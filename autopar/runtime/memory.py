@@ -1,0 +1,97 @@
+"""Measured memory of one rank during ``train_step``: parameters, gradients, optimizer state, activations.
+
+:class:`MemoryMeter` is owned by :class:`autopar.runtime.module.ParallelModule`, which calls it
+around each micro-batch and around the optimizer step; ``ParallelModule.memory_report()``
+returns :meth:`MemoryMeter.report` for the last step.  Definitions (bytes on this rank):
+
+  * ``params``: the parameters the program holds (under ZeRO-3 only the ``dp`` shards);
+  * ``master_params``: ZeRO-1/2's flat fp32 shards that the optimizer steps on (a copy
+    that the cost model's fp32 accounting does not list separately);
+  * ``grads``: gradients held when backward of the last micro-batch has finished, before
+    the gradient sync (full under stages 0-1, the ``dp`` shards under 2-3);
+  * ``optimizer``: the optimizer's state tensors after the step (scalar ``step`` counters
+    excluded);
+  * ``activations`` (absent under pp, whose micro-batches torch's schedule runs): the peak
+    over micro-batches of the bytes saved for backward when the micro-batch's forward has
+    finished (distinct storages; parameters, buffers and gathered
+    ZeRO-3 parameters excluded), which is when saved activations peak.
+
+Saved tensors are seen by a ``saved_tensors_hooks`` pack hook; under ZeRO-3 the inner hooks
+of :mod:`autopar.runtime.zero` forward every non-parameter tensor to :func:`autopar.ops.step.observe_saved`.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from autopar.ops.step import activate, current
+
+__all__ = ["MemoryMeter"]
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class MemoryMeter:
+    """Per-step memory measurements of one rank (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._excluded: set[int] = set()
+        self._seen: dict[int, int] = {}
+        self._peak = 0
+        self._metered = False  # a pipelined step runs its micro-batches inside torch's schedule, unmetered
+        self._report: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def micro_batch(self, gm: torch.nn.Module) -> Iterator[None]:
+        """Wrap one micro-batch's forward and backward (activations are counted at pack time)."""
+        self._excluded = {t.untyped_storage().data_ptr() for t in list(gm.parameters()) + list(gm.buffers())
+                          if t.numel()}
+        self._seen = {}
+        self._metered = True
+        try:
+            with activate(current(), memory=self), torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                yield
+        finally:
+            self._seen = {}
+
+    def begin_step(self) -> None:
+        self._peak = 0
+        self._metered = False
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.observe(t)
+        return t
+
+    def observe(self, t: torch.Tensor) -> None:
+        """Count ``t`` as saved for backward (once per storage; parameters excluded)."""
+        if t.device.type == "meta":
+            return
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self._excluded or ptr in self._seen:
+            return
+        self._seen[ptr] = storage.nbytes()
+        self._peak = max(self._peak, sum(self._seen.values()))
+
+    def before_sync(self, gm: torch.nn.Module, sync) -> None:
+        """After the last backward: parameters and gradients as held now."""
+        held = sync.memory_tensors()
+        module = list(gm.parameters())
+        self._report = {
+            "params": _nbytes(module) + _nbytes(held["params"]),
+            "master_params": _nbytes(held["master_params"]),
+            "grads": _nbytes([p.grad for p in module] + held["grads"]),
+        }
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+        self._report["optimizer"] = _nbytes(state)
+        if self._metered:
+            self._report["activations"] = self._peak
+
+    def report(self) -> dict[str, int]:
+        return dict(self._report)

@@ -1,0 +1,72 @@
+"""The device mesh and this rank's process groups, one per mesh axis.
+
+The world is ``pp x dp x cp x tp``, outer to inner, so tp varies fastest and consecutive
+ranks (one node, NVLink) form the tp groups (docs/architecture.md, "Mesh and ranks").
+Groups come from ``init_device_mesh`` with named axes; two more are derived:
+
+* ``dp_cp``: dense gradients and the loss are averaged over ``dp * cp`` ranks under CP;
+* ``ep`` / ``edp``: expert parallelism folds over the ``dp * cp`` ranks of one stage
+  (:func:`expert_groups`).
+
+Neighbours: :class:`autopar.runtime.module.ParallelModule` owns the groups and hands them
+to the step context (:mod:`autopar.ops.step`) that the program's operators read.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from autopar.compat import flatten_mesh
+from autopar.ops.step import AxisGroup
+
+__all__ = ["MESH_AXES", "world", "build_groups", "expert_groups", "local_device"]
+
+MESH_AXES = ("pp", "dp", "cp", "tp")
+
+
+def world() -> tuple[int, int]:
+    """(world size, rank) of the default process group, (1, 0) without one."""
+    if dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
+
+
+def local_device() -> torch.device:
+    """The device a rank computes on: its CUDA device under NCCL, else the CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def expert_groups(plan) -> dict[str, AxisGroup]:
+    """The ``ep`` groups (ranks of one stage and tp index holding different tokens, ep consecutive
+    dp*cp indices) and the ``edp`` groups (ranks holding the same experts: the other dp*cp/ep
+    token slices times tp), built on every rank in the same order."""
+    num_dc = plan.dp * plan.cp
+    ranks = np.arange(plan.world_size).reshape(plan.pp, num_dc // plan.ep, plan.ep, plan.tp)
+    ep_lists = ranks.transpose(0, 1, 3, 2).reshape(-1, plan.ep).tolist()
+    edp_lists = ranks.transpose(0, 2, 1, 3).reshape(-1, num_dc // plan.ep * plan.tp).tolist()
+    out = {}
+    for axis, lists in (("ep", ep_lists), ("edp", edp_lists)):
+        group, _ = dist.new_subgroups_by_enumeration(lists)
+        size = len(lists[0])
+        out[axis] = AxisGroup(group, size, dist.get_rank(group) if size > 1 else 0)
+    return out
+
+
+def build_groups(plan, *, experts: bool) -> dict[str, AxisGroup]:
+    """This rank's group on every axis the plan's program uses (empty without a process group)."""
+    if not dist.is_initialized():
+        return {}
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    mesh = init_device_mesh(device, tuple(plan.degrees[a] for a in MESH_AXES), mesh_dim_names=MESH_AXES)
+    groups = {a: AxisGroup(mesh.get_group(a), mesh.size(i), mesh.get_local_rank(a))
+              for i, a in enumerate(MESH_AXES)}
+    if plan.cp > 1:  # dense gradients and the loss are averaged over dp*cp (cost model axis "dp_cp")
+        flat = flatten_mesh(mesh, ("dp", "cp"), "dp_cp")
+        groups["dp_cp"] = AxisGroup(flat.get_group(), flat.size(), flat.get_local_rank())
+    if experts:
+        groups.update(expert_groups(plan))
+    return groups

@@ -1,0 +1,365 @@
+"""ZeRO stages 1-3 over the ``dp`` axis: the gradient-sync strategy that shards state.
+
+:class:`ZeroSync` replaces :class:`autopar.runtime.grad_sync.GradSync` when ``plan.zero > 0``; the
+runtime (:mod:`autopar.runtime`) calls the same three entry points on either strategy:
+``micro_batch()`` around each micro-batch's forward and backward, ``sync_and_step()``
+once per step, and ``full_parameters()`` around reading or writing whole parameters.
+
+Layout.  The parameters of one unit (a ``dp`` gradient bucket of the data-parallel pass for
+stages 1-2; one decoder layer, or the rest of the model, for stage 3, as grouped by
+``passes/zero.py``) are flattened into one buffer with two segments: ``A``, the ordinary
+parameters, and ``B``, those whose gradients are partial sums over another axis (norm
+weights under SP, axis ``tp``).  Each segment is zero-padded to a multiple of ``dp`` and
+rank ``r`` owns ``[A_r, B_r]``, so a reduce-scatter / all-gather of the rank-major buffer
+``[A_0 B_0 | A_1 B_1 | ...]`` moves exactly the padded sizes.  The optimizer (the user's
+factory) gets one flat fp32 shard parameter per unit.  Padding is zero when every segment's
+element count is divisible by ``dp`` (true for every test model), and then the bytes equal
+the cost model's ``P*w/dp`` terms exactly; otherwise each call moves the padded size.
+
+Stages (bytes recorded by :func:`autopar.ops.collectives.record`, phases as in the cost model):
+  * 1: after the last micro-batch, partial gradients are all-reduced over their axis, each
+    bucket is reduce-scattered (phase ``grad``), the optimizer steps on the shards and the
+    updated shards are all-gathered into the parameters (phase ``step``);
+  * 2: each micro-batch's gradients are reduce-scattered at the end of its backward and the
+    full gradients freed (accumulation happens in the shards); partial gradients are summed
+    over their axis once per step on the ``B`` shards (sum and scatter commute);
+  * 3: parameters live only as shards; the graph calls :func:`zero_gather` per unit, which
+    all-gathers before first use (phase ``fwd``); saved-tensor hooks keep no gathered
+    parameter for backward but re-gather the unit when backward first needs it (phase
+    ``bwd``) and drop it when the unit's gradient is reduce-scattered (phase ``grad``), once
+    per unit and micro-batch.
+
+Why not FSDP2 or ``ZeroRedundancyOptimizer``: ``fully_shard`` wraps ``nn.Module``s and
+their parameters as DTensors on a mesh, while our program is one flattened FX graph whose
+parameters are plain local tensors already cut by the TP pass, and whose every collective
+must be recorded with its bytes; ``ZeroRedundancyOptimizer`` shards whole parameters
+(uneven per rank, so bytes never match ``P/dp``) and broadcasts instead of all-gathering.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import weakref
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.compat import tensor_base
+from autopar.errors import AutoparError
+from autopar.ops import collectives as C
+from autopar.ops.step import activate, current, observe_saved
+from autopar.ops.zero_gather import zero_gather
+from autopar.passes.context import META_KEY
+
+__all__ = ["ZeroSync", "FlatLayout"]
+_HANDLE = object()  # marks a packed saved tensor that is a view of a gathered unit
+
+
+class FlatLayout:
+    """Where each parameter of a unit sits in the flat ``[A | B]`` buffer and in the shards."""
+
+    def __init__(self, names: list[str], shapes: dict[str, torch.Size], partial: set[str], n: int):
+        self.names = list(names)
+        self.a_names = [x for x in names if x not in partial]
+        self.b_names = [x for x in names if x in partial]
+        self.shapes = {x: shapes[x] for x in names}
+        self.n = n
+        self.na = sum(math.prod(self.shapes[x]) for x in self.a_names)
+        self.nb = sum(math.prod(self.shapes[x]) for x in self.b_names)
+        self.sa = -(-self.na // n)
+        self.sb = -(-self.nb // n)
+        self.offsets: dict[str, int] = {}
+        offset = 0
+        for x in self.a_names + self.b_names:
+            self.offsets[x] = offset
+            offset += math.prod(self.shapes[x])
+
+    @property
+    def shard_numel(self) -> int:
+        return self.sa + self.sb
+
+    @property
+    def numel(self) -> int:
+        return self.na + self.nb
+
+    def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``[A | B]`` (unpadded) from per-parameter tensors."""
+        return torch.cat([tensors[x].reshape(-1) for x in self.a_names + self.b_names])
+
+    def rank_major(self, flat: torch.Tensor) -> torch.Tensor:
+        """``[A | B]`` -> the padded buffer ``[A_0 B_0 | A_1 B_1 | ...]`` of ``n * shard`` elements."""
+        a = nn.functional.pad(flat[:self.na], (0, self.n * self.sa - self.na)).view(self.n, self.sa)
+        b = nn.functional.pad(flat[self.na:], (0, self.n * self.sb - self.nb)).view(self.n, self.sb)
+        return torch.cat([a, b], dim=1).reshape(-1)
+
+    def from_rank_major(self, buf: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`rank_major`: the unpadded ``[A | B]``."""
+        rows = buf.view(self.n, self.sa + self.sb)
+        if self.sb == 0:
+            return buf[:self.na]
+        return torch.cat([rows[:, :self.sa].reshape(-1)[:self.na], rows[:, self.sa:].reshape(-1)[:self.nb]])
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {x: flat[o:o + math.prod(self.shapes[x])].view(self.shapes[x]) for x, o in self.offsets.items()}
+
+
+class ZeroSync:
+    """ZeRO stage 1, 2 or 3 on the ``dp`` axis (see the module docstring)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, program, buckets, groups: dict, make_optimizer, stage: int):
+        self.gm, self.groups, self.stage = gm, groups, stage
+        self.buckets = list(buckets)
+        ctx = program
+        self.n = groups["dp"].size if "dp" in groups else 1
+        partial = {x for x, axes in ctx.grad_partial_axes.items() if axes}
+        axis_sets = {frozenset(ctx.grad_partial_axes[x]) for x in partial}
+        if len(axis_sets) > 1:
+            raise AutoparError(f"autopar: ZeRO found gradients partial over different axis sets {sorted(map(sorted, axis_sets))}; "
+                               "expected one set; use zero=0 for this plan.")
+        self.partial_axes = sorted(next(iter(axis_sets))) if axis_sets else []
+        self.partial = partial
+        if stage == 3:
+            units = _ordered_units(gm)
+        else:
+            units = [list(b.params) for b in self.buckets if b.axis == "dp"]
+            if not units:  # dp=1: the data-parallel pass made no dp bucket; one unit, one shard
+                units = [[x for x, p in gm.named_parameters() if p.requires_grad]]
+        params = dict(gm.named_parameters())
+        self.units = [list(u) for u in units]
+        self.layouts = [FlatLayout(u, {x: params[x].shape for x in u}, partial, self.n) for u in self.units]
+        rank = groups["dp"].rank if "dp" in groups else 0
+        self.shards: list[nn.Parameter] = []
+        for u, lay in zip(self.units, self.layouts):
+            flat = lay.rank_major(lay.flatten({x: params[x].detach() for x in u}).float())
+            shard = flat.view(self.n, -1)[rank].clone()
+            self.shards.append(nn.Parameter(shard, requires_grad=True))
+        self.dtypes = [params[u[0]].dtype for u in self.units]
+        self.optimizer = make_optimizer(self.shards)
+        self._live: dict[int, tuple] = {}
+        self._regathered: dict[int, torch.Tensor] = {}
+        if stage == 3:
+            self._free_parameters()
+
+    # --- runtime entry points ---------------------------------------------------------
+
+    @contextlib.contextmanager
+    def micro_batch(self) -> Iterator[None]:
+        """Wrap one micro-batch's forward and backward."""
+        if self.stage < 3:
+            yield
+            if self.stage == 2:
+                for unit in range(len(self.units)):
+                    self._scatter_param_grads(unit)
+            return
+        try:
+            with activate(current(), zero=self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._live.clear()
+            self._regathered.clear()
+
+    def sync_and_step(self) -> None:
+        if self.stage == 1:
+            self._all_reduce_partial_full()
+            for unit in range(len(self.units)):
+                self._scatter_param_grads(unit)
+        else:
+            self._all_reduce_partial_shards()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.stage < 3:
+            self._gather_into_params()
+
+    @contextlib.contextmanager
+    def full_parameters(self, write_back: bool = False) -> Iterator[None]:
+        """Whole parameters in the module while the block runs; ``write_back`` re-cuts the shards."""
+        if self.stage == 3:
+            with torch.no_grad():
+                for unit, lay in enumerate(self.layouts):
+                    flat = self._all_gather(unit, self.shards[unit].detach(), None)
+                    for x, v in lay.views(flat).items():
+                        self.gm.get_parameter(x).data = v.clone()
+        try:
+            yield
+        finally:
+            if write_back:
+                self._recut_shards()
+            if self.stage == 3:
+                self._free_parameters()
+
+    # --- what checkpoints and the memory meter read (interface of GradSync) -----------------
+
+    def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Graph parameter name -> {state key: tp-local tensor}: each unit's shards gathered over dp."""
+        out: dict[str, dict] = {}
+        for shard, lay in zip(self.shards, self.layouts):
+            for key, value in self.optimizer.state.get(shard, {}).items():
+                if not torch.is_tensor(value) or value.dim() == 0:
+                    for x in lay.names:
+                        out.setdefault(x, {})[key] = value
+                    continue
+                buf = value.detach().contiguous()
+                if self.n > 1:
+                    full = torch.empty(self.n * lay.shard_numel, dtype=buf.dtype, device=buf.device)
+                    dist.all_gather_single(full, buf, group=self.groups["dp"].group)
+                    buf = full
+                for x, v in lay.views(lay.from_rank_major(buf)).items():
+                    out.setdefault(x, {})[key] = v.clone()
+        return out
+
+    def load_optimizer_state(self, entries: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Inverse of :meth:`optimizer_state`: cut this rank's dp shard of every unit's state."""
+        rank = self.groups["dp"].rank if "dp" in self.groups else 0
+        for shard, lay in zip(self.shards, self.layouts):
+            per_name = {x: entries.get(x, {}) for x in lay.names}
+            keys = set.intersection(*(set(e) for e in per_name.values()))
+            new = {}
+            for key in sorted(keys):
+                first = per_name[lay.names[0]][key]
+                if first.dim() == 0:
+                    new[key] = first.clone()
+                    continue
+                flat = lay.rank_major(lay.flatten({x: per_name[x][key].to(shard.device) for x in lay.names}))
+                new[key] = flat.view(self.n, -1)[rank].clone().to(shard.dtype)
+            if new:
+                self.optimizer.state[shard] = new
+
+    def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The flat fp32 shards: parameters under stage 3, master copies under stages 1-2."""
+        return {"params": list(self.shards) if self.stage == 3 else [],
+                "master_params": list(self.shards) if self.stage in (1, 2) else [],
+                "grads": [s.grad for s in self.shards if s.grad is not None]}
+
+    # --- the program's zero_gather (autopar/ops/zero_gather.py) --------------------------
+
+    def gather_for_forward(self, unit: int, shard: torch.Tensor) -> torch.Tensor:
+        """The unit's full flat buffer, gathered in forward and tracked for saved-tensor packing."""
+        flat = self._all_gather(unit, shard, "fwd")
+        # A fresh tensor, not a view: saved-tensor packing finds gathered parameters by their base.
+        return flat if tensor_base(flat) is flat else flat.clone()
+
+    def unit_views(self, unit: int, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        self._live[id(flat)] = (weakref.ref(flat), unit)
+        views = self.layouts[unit].views(flat)
+        return tuple(views[x] for x in self.layouts[unit].names)
+
+    def scatter_in_backward(self, unit: int, grad: torch.Tensor) -> torch.Tensor:
+        self._regathered.pop(unit, None)  # every use of the unit in backward has run
+        return self._reduce_scatter(unit, grad)
+
+    # --- collectives ------------------------------------------------------------------
+
+    def _all_gather(self, unit: int, shard: torch.Tensor, phase: str | None) -> torch.Tensor:
+        """The unit's ``[A | B]`` in the parameters' dtype; ``phase=None`` does not record."""
+        lay = self.layouts[unit]
+        src = shard.detach().to(self.dtypes[unit]).contiguous()
+        if self.n == 1:
+            return lay.from_rank_major(src.clone())
+        if phase is not None:
+            C.record("all_gather", "dp", src, phase, f"ZeRO unit {unit} ({len(lay.names)} tensors)")
+        buf = torch.empty(self.n * lay.shard_numel, dtype=src.dtype, device=src.device)
+        dist.all_gather_single(buf, src, group=self.groups["dp"].group)
+        return lay.from_rank_major(buf)
+
+    def _reduce_scatter(self, unit: int, flat_grad: torch.Tensor) -> torch.Tensor:
+        """Average the unit's full ``[A | B]`` gradient over dp; returns this rank's fp32 shard."""
+        lay = self.layouts[unit]
+        buf = lay.rank_major(flat_grad.contiguous())
+        if self.n == 1:
+            return buf.float()
+        C.record("reduce_scatter", "dp", buf, "grad", f"ZeRO gradient unit {unit} ({len(lay.names)} tensors)")
+        out = torch.empty(lay.shard_numel, dtype=buf.dtype, device=buf.device)
+        dist.reduce_scatter_single(out, buf, group=self.groups["dp"].group)
+        return out.float() / self.n
+
+    def _scatter_param_grads(self, unit: int) -> None:
+        lay = self.layouts[unit]
+        params = {x: self.gm.get_parameter(x) for x in lay.names}
+        grads = {x: p.grad if p.grad is not None else torch.zeros_like(p) for x, p in params.items()}
+        shard_grad = self._reduce_scatter(unit, lay.flatten(grads))
+        shard = self.shards[unit]
+        shard.grad = shard_grad if shard.grad is None else shard.grad + shard_grad
+        for p in params.values():
+            p.grad = None
+
+    def _all_reduce_partial_full(self) -> None:
+        """Stage 1: sum partial gradients over their axes on the full gradients (as GradSync)."""
+        for bucket in self.buckets:
+            if bucket.axis == "dp":
+                continue
+            params = [self.gm.get_parameter(x) for x in bucket.params]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            C.record("all_reduce", bucket.axis, flat, "grad", f"partial gradient bucket ({len(params)} tensors)")
+            dist.all_reduce(flat, group=self.groups[bucket.axis].group)
+            offset = 0
+            for p, g in zip(params, grads):
+                p.grad = flat[offset:offset + g.numel()].view_as(g)
+                offset += g.numel()
+
+    def _all_reduce_partial_shards(self) -> None:
+        """Stages 2-3: sum the ``B`` shards (partial gradients) over their axes, one call per axis."""
+        parts = [(s, lay) for s, lay in zip(self.shards, self.layouts) if lay.sb and s.grad is not None]
+        if not parts:
+            return
+        flat = torch.cat([s.grad[lay.sa:] for s, lay in parts])
+        for axis in self.partial_axes:
+            if self.groups[axis].size == 1:
+                continue
+            C.record("all_reduce", axis, flat, "grad", f"partial gradient shards ({len(parts)} units)")
+            dist.all_reduce(flat, group=self.groups[axis].group)
+        offset = 0
+        for s, lay in parts:
+            s.grad[lay.sa:] = flat[offset:offset + lay.sb]
+            offset += lay.sb
+
+    def _gather_into_params(self) -> None:
+        with torch.no_grad():
+            for unit, lay in enumerate(self.layouts):
+                flat = self._all_gather(unit, self.shards[unit], "step")
+                for x, v in lay.views(flat).items():
+                    self.gm.get_parameter(x).copy_(v)
+
+    # --- stage 3 ----------------------------------------------------------------------
+
+    def _free_parameters(self) -> None:
+        for u in self.units:
+            for x in u:
+                p = self.gm.get_parameter(x)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                p.grad = None
+
+    def _recut_shards(self) -> None:
+        rank = self.groups["dp"].rank if "dp" in self.groups else 0
+        with torch.no_grad():
+            for unit, lay in enumerate(self.layouts):
+                params = {x: self.gm.get_parameter(x).detach() for x in lay.names}
+                flat = lay.rank_major(lay.flatten(params).float())
+                self.shards[unit].copy_(flat.view(self.n, -1)[rank])
+
+    def _pack(self, t: torch.Tensor):
+        base = tensor_base(t)
+        entry = self._live.get(id(base))
+        if entry is not None and entry[0]() is base:
+            return (_HANDLE, entry[1], t.size(), t.stride(), t.storage_offset())
+        observe_saved(t)  # these hooks shadow the memory meter's
+        return t
+
+    def _unpack(self, packed):
+        if not (isinstance(packed, tuple) and packed and packed[0] is _HANDLE):
+            return packed
+        _, unit, size, stride, offset = packed
+        flat = self._regathered.get(unit)
+        if flat is None:
+            flat = self._all_gather(unit, self.shards[unit], "bwd")
+            self._regathered[unit] = flat
+        return flat.as_strided(size, stride, offset)
+
+
+def _ordered_units(gm: torch.fx.GraphModule) -> list[list[str]]:
+    """Units in the order the program gathers them (from the nodes ``passes/zero.py`` inserted)."""
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is zero_gather]
+    nodes.sort(key=lambda n: n.args[0])
+    return [list(n.meta[META_KEY].params) for n in nodes]

@@ -1,0 +1,68 @@
+"""Compile a model for a plan without a process group: trace, analyze, validate, run the passes.
+
+:func:`compile_program` is the front half of ``autopar.parallelize`` and all of
+``autopar inspect``: the user's model is traced with its loss (:mod:`autopar.frontend.trace`),
+its structure found (:mod:`autopar.frontend.analyze`), the plan validated against it and
+against what the runtime supports (:mod:`autopar.support`), and the graph rewritten by
+the passes in :func:`passes.runner.default_passes`.  The runtime
+(:mod:`autopar.runtime`) turns the result into one rank's program.
+"""
+from __future__ import annotations
+
+import dataclasses
+from types import MappingProxyType
+from typing import Any, Callable, Sequence
+
+from autopar.errors import AutoparError
+from autopar.frontend.analyze import analyze
+from autopar.frontend.trace import trace_model
+from autopar.plan import Plan, check_micro_batches
+from autopar.support import check_supported, moe_needs_rewrite
+from .cleanup import cleanup_pass
+from .context import PassInputs
+from .runner import default_passes, run_passes
+
+__all__ = ["compile_program", "DEFAULT_BUCKET_BYTES"]
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def compile_program(model, example_inputs: Sequence[Any], example_kwargs: dict | None,
+                    plan: "str | Plan", loss_fn: Callable | None, *, world_size: int,
+                    example_target: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                    pipeline_split: Sequence[int] | None = None):
+    """Trace, clean up, analyze, validate and rewrite; no process group needed.
+
+    Returns ``(traced, program)``: the traced model (its ``gm`` rewritten in place) and the
+    :class:`passes.context.CompiledProgram` with every pass's decisions."""
+    plan = Plan.parse(plan)
+    check_supported(plan)
+    if plan.pp > 1:
+        check_micro_batches(plan)  # a rule of the plan alone: refused before tracing
+    traced = trace_model(model, example_inputs, example_kwargs, loss_fn, example_target)
+    inputs = PassInputs(plan=plan, structure=None, axis_sizes=MappingProxyType({**plan.degrees, "ep": plan.ep}),
+                        seq_symbol=traced.seq_symbol, batch_symbol=traced.batch_symbol,
+                        num_inputs=traced.num_inputs, bucket_bytes=bucket_bytes,
+                        pipeline_split=tuple(pipeline_split) if pipeline_split is not None else None)
+    # Cleanup first, so the structure found next refers to the graph the passes rewrite.
+    cleaned = run_passes(traced.gm, inputs, [cleanup_pass])
+    structure = analyze(traced.gm)
+    _validate(plan, structure, world_size)
+    program = run_passes(traced.gm, dataclasses.replace(inputs, structure=structure), default_passes(plan))
+    return traced, dataclasses.replace(program, log=cleaned.log + program.log)
+
+
+def _validate(plan: Plan, structure, world_size: int) -> None:
+    """The plan against the model's structure and what the runtime supports (``autopar:`` errors)."""
+    if structure.moe_error is not None and moe_needs_rewrite(plan):
+        raise structure.moe_error
+    check_supported(plan, moe_rewrite=bool(structure.moe) and moe_needs_rewrite(plan))
+    plan.validate(world_size=world_size, num_heads=structure.num_heads or None,
+                  num_kv_heads=structure.num_kv_heads or None,
+                  vocab=structure.vocab if plan.tp > 1 and structure.embeddings else None,
+                  num_experts=structure.num_experts)
+    if structure.moe and plan.tp > 1 and not plan.sp:
+        raise AutoparError(
+            f"autopar: plan '{plan}' uses tp={plan.tp} without sp on a mixture-of-experts model; MoE blocks "
+            "run on each rank's sequence shard (experts are not split by tp), so add sp to the plan "
+            f"('{dataclasses.replace(plan, sp=True)}'), as Megatron-Core also requires.")

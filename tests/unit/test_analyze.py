@@ -1,0 +1,107 @@
+"""Tracing and structure recognition on the example decoder and HF Llama (one process)."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autopar.frontend.analyze import analyze, model_dims
+from autopar.errors import AutoparError
+from autopar.frontend.trace import trace_model
+from tests.models import MODELS, example_model, hf_llama, make_batch
+
+
+def _structure(name, **overrides):
+    factory, loss_fn, kwargs = MODELS[name]
+    model = factory(**overrides) if overrides else factory()
+    ids, _ = make_batch(128, 4, 16, 0)
+    return analyze(trace_model(model, (ids,), kwargs, loss_fn).gm)
+
+
+@pytest.mark.parametrize("name", ["example", "example_tied", "example_fused", "hf_llama"])
+def test_regions_found_by_structure(name):
+    s = _structure(name)
+    assert s.num_layers == 2
+    assert [r.kind for r in s.regions].count("attention") == 2
+    assert [r.kind for r in s.regions].count("mlp") == 2
+    for r in s.regions:
+        assert len(r.rows) == 1
+        if r.kind == "attention":
+            assert (r.num_heads, r.num_kv_heads, r.head_dim) == (4, 2, 16)
+            assert r.rows[0].module.endswith("o_proj")
+    assert (s.hidden, s.vocab, s.ffn) == (64, 128, 128)
+    assert s.lm_head is not None and s.loss is not None
+    assert len(s.norm_weights) == 2 * 2 + 1
+
+
+def test_fused_projections_record_their_parts():
+    s = _structure("example_fused")
+    attn = next(r for r in s.regions if r.kind == "attention")
+    mlp = next(r for r in s.regions if r.kind == "mlp")
+    (qkv,) = attn.columns
+    assert qkv.split_sizes == [64, 32, 32]  # q: 4 heads x 16, k and v: 2 heads x 16
+    (gate_up,) = mlp.columns
+    assert gate_up.split_sizes == [128, 128]
+
+
+def test_tied_embeddings_detected():
+    assert _structure("example_tied").tied_embeddings
+    assert not _structure("example").tied_embeddings
+
+
+def test_model_dims_feed_the_cost_model():
+    ids, _ = make_batch(128, 4, 16, 0)
+    dims = model_dims(hf_llama(), (ids,), {"use_cache": False})
+    assert dims["num_layers"] == 2 and dims["num_heads"] == 4 and dims["num_kv_heads"] == 2
+    assert dims["gated_mlp"] and dims["vocab"] == 128 and dims["ffn"] == 128
+
+
+def test_graph_has_symbolic_batch_and_sequence():
+    ids, _ = make_batch(128, 4, 16, 0)
+    traced = trace_model(example_model(), (ids,), None, MODELS["example"][1])
+    assert traced.batch_symbol is not None and traced.seq_symbol is not None
+    # the same graph runs on another batch and sequence size (what each rank sees)
+    ids2, tgt2 = make_batch(128, 2, 8, 1)
+    model = example_model()
+    expected = MODELS["example"][1](model(ids2), tgt2)
+    torch.testing.assert_close(traced.gm(ids2, tgt2), expected)
+
+
+def test_trace_does_not_modify_the_model():
+    model = example_model()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids, _ = make_batch(128, 4, 16, 0)
+    trace_model(model, (ids,), None, MODELS["example"][1])
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+class _Untraceable(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.float().sum() > 0:  # data-dependent Python control flow
+            return self.proj(x.float())
+        return x.float()
+
+
+def test_export_failure_is_an_autopar_error():
+    with pytest.raises(AutoparError, match=r"^autopar: torch.export .* could not trace _Untraceable") as info:
+        trace_model(_Untraceable(), (torch.ones(2, 8, dtype=torch.long),), None, None)
+    assert "try:" in str(info.value)
+
+
+def test_bad_example_inputs():
+    with pytest.raises(AutoparError, match="example_inputs must be a non-empty tuple"):
+        trace_model(example_model(), (), None, None)
+
+
+def test_conv1d_style_model_regions():
+    s = _structure("hf_gpt2")
+    attn = [r for r in s.regions if r.kind == "attention"]
+    assert len(attn) == 2 and all(r.columns[0].in_out for r in attn)
+    assert attn[0].columns[0].split_sizes == [64, 64, 64]  # fused c_attn behind a view
+    assert s.tied_embeddings and s.lm_head is not None

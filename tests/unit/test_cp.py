@@ -1,0 +1,91 @@
+"""Context parallelism in one process: plan errors, the inspected program, block attention.
+
+The multi-rank half (equivalence with single-process training, bytes against
+``autopar.estimate(...).comm_table()``, load balance, inspect bytes against a run) is
+tests/dist/test_cp.py.
+"""
+from __future__ import annotations
+
+import pytest
+
+from autopar.errors import AutoparError
+from tests.harness import make_batches
+from tests.jobs import BATCH, SEQ, VOCAB, build
+
+MODEL_NAMES = ["example", "hf_llama"]
+
+
+@pytest.mark.parametrize("model_name,overrides,plan,world", [
+    ("example", {}, "cp=2:ulysses,tp=2", 4),                      # 2 K/V heads over tp*cp = 4
+    ("example", {"num_heads": 2, "num_kv_heads": 2}, "cp=4:ulysses", 4),  # 2 heads over cp = 4
+])
+def test_ulysses_heads_not_divisible(model_name, overrides, plan, world):
+    from autopar.runtime import compile_program
+
+    model, loss_fn, kwargs = build(model_name, overrides)
+    (inputs, _), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
+    with pytest.raises(AutoparError, match=r"^autopar: cp=\d:ulysses .*tp\*cp"):
+        compile_program(model, inputs, kwargs, plan, loss_fn, world_size=world)
+
+
+# Per attention op at cp=2: ring sends K,V once forward, K,V and dK,dV backward; allgather
+# gathers once and reduce-scatters once; Ulysses has two all-to-alls each way.  2 layers.
+@pytest.mark.parametrize("variant,ops", [("ring", ["send on cp (fwd): 2 ", "send on cp (bwd): 4 "]),
+                                         ("allgather", ["all_gather on cp (fwd): 2 ", "reduce_scatter on cp (bwd): 2 "]),
+                                         ("ulysses", ["all_to_all on cp (fwd): 4 ", "all_to_all on cp (bwd): 4 "])])
+@pytest.mark.parametrize("model_name", MODEL_NAMES)
+def test_inspect_shows_cp_collectives(model_name, variant, ops):
+    from autopar.views.program import format_program
+    from autopar.runtime import compile_program
+
+    model, loss_fn, kwargs = build(model_name, {})
+    (inputs, _), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
+    traced, ctx = compile_program(model, inputs, kwargs, f"cp=2:{variant}", loss_fn, world_size=2)
+    text = format_program(traced.gm, ctx)
+    for op in ops:
+        assert op + "in total" in text
+    assert text.count(f"{variant}_attention(") == 2 and "<<cp>>" in text
+    assert "cp_positions(" in text  # the position arange now yields global positions
+    assert "scaled_dot_product_attention(" not in text.replace("tag='cp", "")
+    assert "all_reduce over dp_cp" in text
+
+
+def test_data_dependent_mask_is_refused():
+    """A padding attention_mask makes the mask depend on input data: not the causal mask."""
+    import torch
+
+    from autopar.runtime import compile_program
+
+    model, loss_fn, _ = build("hf_llama", {})
+    (inputs, _), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
+    kwargs = {"use_cache": False, "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long)}
+    with pytest.raises(AutoparError, match=r"^autopar: context parallelism supports causal attention.*input data"):
+        compile_program(model, inputs, kwargs, "cp=2:ring", loss_fn, world_size=2)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_blockwise_attention_matches_sdpa(causal):
+    """One process: the block attention with explicit backward, on tokens in load-balanced order
+    (chunks 0,3 then 1,2) and GQA (2 query heads per K/V head), equals sdpa on the ordered sequence."""
+    import torch
+    import torch.nn.functional as F
+
+    from autopar.ops.cp_attention import _LocalAttention, cp_chunk_indices
+
+    torch.manual_seed(0)
+    b, heads, kv_heads, seq, d = 2, 4, 2, 16, 8
+    q = torch.randn(b, heads, seq, d, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(b, kv_heads, seq, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, kv_heads, seq, d, dtype=torch.float64, requires_grad=True)
+    order = torch.cat([cp_chunk_indices(seq, 0, 2), cp_chunk_indices(seq, 1, 2)])
+    assert order.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
+    out = _LocalAttention.apply(q[:, :, order], k[:, :, order], v[:, :, order], order, order,
+                                d ** -0.5, causal, heads // kv_heads, 4)
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
+                                         is_causal=causal)
+    torch.testing.assert_close(out, ref[:, :, order])
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want = torch.autograd.grad(ref[:, :, order], (q, k, v), grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)

@@ -1,0 +1,48 @@
+"""Pipeline parallelism in one process: plans the pipeline pass refuses, and why.
+
+The multi-rank half (equivalence with single-process training, P2P bytes against
+``autopar.estimate(...).comm_table(stage)``, uneven and user splits, state dicts) is
+tests/dist/test_pp.py.
+"""
+from __future__ import annotations
+
+import pytest
+
+import autopar
+from autopar.errors import AutoparError
+from tests.harness import make_batches
+from tests.jobs import BATCH, SEQ, VOCAB, build
+
+
+def _compile(plan, overrides=None, split=None, world=2):
+    from autopar.runtime import compile_program
+
+    model, loss_fn, kwargs = build("example", overrides or {})
+    (inputs, _), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
+    return compile_program(model, inputs, kwargs, plan, loss_fn, world_size=world, pipeline_split=split)
+
+
+def test_more_chunks_than_layers_names_valid_plans():
+    with pytest.raises(AutoparError, match=r"autopar: .*4 pipeline chunks .* only 2 decoder layers.*"
+                                           r"use pp=2:1f1b \(one chunk per rank\) or pp=1"):
+        _compile("pp=2:interleaved,vpp=2,mb=4")
+    with pytest.raises(AutoparError, match=r"autopar: .*4 pipeline chunks .* only 2 .*use pp=2 or pp=1"):
+        _compile("pp=4:1f1b,mb=8", world=4)
+
+
+@pytest.mark.parametrize("plan,nearest", [
+    ("pp=2:1f1b,mb=1", "mb=2"),                      # 1F1B needs mb >= pp
+    ("pp=4:1f1b,mb=3", "mb=4"),
+    ("pp=2:dualpipev,mb=3", "mb=4"),                # DualPipeV: mb >= 2*pp (its number of chunks)
+    ("pp=2:interleaved,vpp=2,mb=5", "mb=4 or mb=6"),  # mb // pp rounds must divide mb
+])
+def test_unsupported_micro_batch_count_names_nearest(plan, nearest):
+    overrides = {"num_layers": 4}
+    world = autopar.Plan.parse(plan).world_size
+    with pytest.raises(AutoparError, match=f"autopar: .*; use {nearest}"):
+        _compile(plan, overrides, world=world)
+
+
+def test_bad_user_split():
+    with pytest.raises(AutoparError, match=r"autopar: pipeline split \[2, 1\] .* 2 layers"):
+        _compile("pp=2:1f1b,mb=2", split=(2, 1))
