@@ -31,7 +31,7 @@ __all__ = ["Term", "Cost", "estimate", "head_layers"]
 class Term:
     name: str
     category: str      # "compute" | "comm" | "bubble" | "memory" | "step"
-    formula: sp.Expr
+    formula: sp.Expr | None  # None when breakdown(formulas=False) skipped the substitution
     value: float       # seconds per step (time terms) or bytes (memory terms)
 
     def __str__(self) -> str:
@@ -94,25 +94,29 @@ class Cost:
         r = self.memory_rank if rank is None else rank
         return {n.split(".", 1)[1]: self._value(n, r) for n in self._out if n.startswith("memory.")}
 
-    def breakdown(self) -> list[Term]:
-        """Each term: per-step time on the slowest rank, bubble, and memory on the fullest."""
+    def breakdown(self, *, formulas: bool = True) -> list[Term]:
+        """Each term: per-step time on the slowest rank, bubble, and memory on the fullest.
+
+        ``formulas=False`` leaves ``Term.formula`` None: the values alone are cheap, while
+        substituting the plan into every sympy formula takes seconds (``autopar plan``'s table)."""
         model, r, mb = self._model, self.bottleneck_rank, self.plan.mb
         exprs = dict(zip(model.names, model.exprs))
+        formula = self._formula if formulas else (lambda expr: None)
         terms: list[Term] = []
         for name in exprs:
             if name.startswith("compute.") and self._value(name, r) > 0:
-                terms.append(Term(name, "compute", self._formula(S.m * exprs[name]), mb * self._value(name, r)))
+                terms.append(Term(name, "compute", formula(S.m * exprs[name]), mb * self._value(name, r)))
         for i, row in enumerate(model.rows):
             value = self._value(f"row{i}.time", r)
             if value > 0 and self._value(f"row{i}.count", r) > 0:
                 label = f"comm.{row.phase}.{row.dimension}.{row.collective}"
-                terms.append(Term(label, "comm", self._formula(exprs[f"row{i}.time"]), value))
-                terms.append(Term(label + " (exposed)", "comm", self._formula(exprs[f"row{i}.exposed"]),
+                terms.append(Term(label, "comm", formula(exprs[f"row{i}.time"]), value))
+                terms.append(Term(label + " (exposed)", "comm", formula(exprs[f"row{i}.exposed"]),
                                   self._value(f"row{i}.exposed", r)))
-        terms.append(Term("bubble", "bubble", self._formula(self._bubble_formula()), self.bubble))
-        terms.append(Term("optimizer", "step", self._formula(exprs["optimizer"]), self._value("optimizer", r)))
+        terms.append(Term("bubble", "bubble", formula(self._bubble_formula()), self.bubble))
+        terms.append(Term("optimizer", "step", formula(exprs["optimizer"]), self._value("optimizer", r)))
         for name, value in self.memory().items():
-            terms.append(Term(f"memory.{name}", "memory", self._formula(exprs[f"memory.{name}"]), value))
+            terms.append(Term(f"memory.{name}", "memory", formula(exprs[f"memory.{name}"]), value))
         return terms
 
     def _bubble_formula(self):

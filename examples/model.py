@@ -8,6 +8,8 @@ length, grouped-query attention by expanding K/V, a SwiGLU MLP, optionally fused
 q/k/v and gate/up projections, and a tied or untied LM head.  With ``num_experts > 0``
 the MLP of every layer is a mixture of experts (:class:`MoE`): a linear router, top-k
 selection, and a ``ModuleList`` of SwiGLU experts run on the tokens routed to them.
+Optional dropout (``hidden_dropout``, ``attention_dropout``, ``mlp_dropout``; none by
+default, and then no dropout op in the graph) covers replicated and tp-sharded regions.
 
 ``tests/models.py`` builds it (and a tiny Hugging Face Llama) for the test suite;
 ``examples/train_llama.py`` trains it; ``autopar inspect examples/model.py:build_tiny`` (or
@@ -57,6 +59,12 @@ class DecoderConfig:
     softmax_before_topk: bool = True  # else: top-k of the logits, softmax over the k chosen
     normalize_topk: bool = True  # renormalise the top-k weights to sum to 1 (softmax first only)
     router_bias: tuple[float, ...] | None = None  # fixed logit offsets per expert (skewed routing)
+    # Dropout in train mode (0: none, and no dropout op in the graph): on the embedding output
+    # and each residual branch (Megatron's hidden dropout), on the attention probabilities,
+    # and on the MLP's hidden activations before the down projection (as T5 does).
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    mlp_dropout: float = 0.0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
@@ -79,6 +87,9 @@ class DecoderConfig:
             raise ValueError(f"DecoderConfig: router_bias needs {self.num_experts} entries, got {len(self.router_bias)}")
         if self.head_dim % 2:
             raise ValueError(f"DecoderConfig: rotary embeddings need an even head_dim, got {self.head_dim}")
+        for name in ("hidden_dropout", "attention_dropout", "mlp_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                raise ValueError(f"DecoderConfig.{name} must be in [0, 1), got {getattr(self, name)}")
 
     @property
     def head_dim(self) -> int:
@@ -97,6 +108,11 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
+
+
+def _dropout(x: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """``F.dropout`` when ``p > 0`` (so a model without dropout has no dropout op at all)."""
+    return F.dropout(x, p, training) if p > 0 else x
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -127,6 +143,7 @@ class Attention(nn.Module):
             self.k_proj = nn.Linear(cfg.hidden_size, kv_size, bias=False)
             self.v_proj = nn.Linear(cfg.hidden_size, kv_size, bias=False)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        self.attention_dropout = cfg.attention_dropout
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
@@ -146,7 +163,8 @@ class Attention(nn.Module):
             k = k.reshape(batch, self.num_heads, seq, self.head_dim)
             v = v.unsqueeze(2).expand(batch, self.num_kv_heads, group, seq, self.head_dim)
             v = v.reshape(batch, self.num_heads, seq, self.head_dim)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        p = self.attention_dropout if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **({"dropout_p": p} if p > 0 else {}))
         out = out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
         return self.o_proj(out)
 
@@ -162,13 +180,14 @@ class MLP(nn.Module):
             self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
             self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.dropout = cfg.mlp_dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if hasattr(self, "gate_up_proj"):
             gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(_dropout(F.silu(gate) * up, self.dropout, self.training))
 
 
 class MoE(nn.Module):
@@ -215,10 +234,11 @@ class DecoderLayer(nn.Module):
         self.attn = Attention(cfg)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.norm_eps)
         self.mlp = MoE(cfg) if cfg.num_experts else MLP(cfg)
+        self.dropout = cfg.hidden_dropout
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin)
-        return x + self.mlp(self.post_attn_norm(x))
+        x = x + _dropout(self.attn(self.input_norm(x), cos, sin), self.dropout, self.training)
+        return x + _dropout(self.mlp(self.post_attn_norm(x)), self.dropout, self.training)
 
 
 class Decoder(nn.Module):
@@ -257,7 +277,7 @@ class Decoder(nn.Module):
         positions = torch.arange(seq, device=input_ids.device, dtype=torch.float32)
         freqs = torch.outer(positions, self.inv_freq)
         angles = torch.cat((freqs, freqs), dim=-1)
-        x = self.embed_tokens(input_ids)
+        x = _dropout(self.embed_tokens(input_ids), self.config.hidden_dropout, self.training)
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin)

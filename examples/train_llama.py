@@ -13,13 +13,25 @@ rank 0, so the two runs can be compared line by line.
 The model is the example decoder in ``examples/model.py`` (``--model example``) or a
 tiny Hugging Face ``LlamaForCausalLM`` built from a config (``--model hf``, needs
 ``transformers``; nothing is downloaded).
+
+A fuller recipe, the same on both paths:
+
+    torchrun --nproc-per-node 4 examples/train_llama.py --plan tp=2,sp,dp=2 --steps 20 \
+        --max-grad-norm 1.0 --warmup 4 --cosine --eval-every 5 --stats
+
+clips the global gradient norm, warms the learning rate up linearly and decays it on a
+cosine, evaluates a held-out batch every 5 steps (``eval step {i} loss {loss}``) and prints
+each step's gradient norm, learning rate and throughput (``stats step {i} ...``: autopar's
+``pm.last_step_stats``, with the cost model's predicted step time and MFU on GPUs).
 """
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -71,17 +83,67 @@ def batch_for_step(args, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return make_batch(VOCAB, args.batch, args.seq, seed=args.seed * 1_000_003 + step)
 
 
+def eval_batch(args) -> tuple[torch.Tensor, torch.Tensor]:
+    """A held-out batch, never trained on."""
+    return make_batch(VOCAB, args.batch, args.seq, seed=args.seed * 1_000_003 - 1)
+
+
+def lr_factor(args, step: int) -> float:
+    """Linear warm-up over ``--warmup`` steps, then constant or (``--cosine``) down to 10%."""
+    if step < args.warmup:
+        return (step + 1) / args.warmup
+    if not args.cosine:
+        return 1.0
+    progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def scheduler_factory(args):
+    """What ``autopar.parallelize(lr_scheduler=...)`` expects: called with the optimizer."""
+    return functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=functools.partial(lr_factor, args))
+
+
+def _report(args, step: int, rank: int, loss: float, grad_norm, lr: float, seconds: float,
+            evaluate, predicted: dict | None = None) -> None:
+    evaluated = evaluate() if args.eval_every and (step + 1) % args.eval_every == 0 else None  # every rank
+    if rank != 0:
+        return
+    print(f"step {step} loss {loss:.6f}", flush=True)
+    if args.stats:
+        norm = "-" if grad_norm is None else f"{grad_norm:.4f}"
+        extra = "".join(f" {k} {v:.4g}" for k, v in (predicted or {}).items())
+        print(f"stats step {step} grad_norm {norm} lr {lr:.3g} tokens/s {args.batch * args.seq / seconds:.1f}"
+              f"{extra}", flush=True)
+    if evaluated is not None:
+        print(f"eval step {step} loss {evaluated:.6f}", flush=True)
+
+
 def _train_plain(args, model, loss_fn, kwargs, optimizer_factory, rank: int) -> None:
     model.train()
     optimizer = optimizer_factory(model.parameters())
+    scheduler = scheduler_factory(args)(optimizer)
+
+    def evaluate() -> float:
+        model.eval()
+        with torch.no_grad():
+            ids, target = eval_batch(args)
+            value = loss_fn(model(ids, **kwargs), target).item()
+        model.train()
+        return value
+
     for step in range(args.steps):
+        start = time.perf_counter()
         ids, target = batch_for_step(args, step)
         optimizer.zero_grad(set_to_none=True)
+        lr = optimizer.param_groups[0]["lr"]
         loss = loss_fn(model(ids, **kwargs), target)
         loss.backward()
+        norm = None
+        if args.max_grad_norm is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
         optimizer.step()
-        if rank == 0:
-            print(f"step {step} loss {loss.item():.6f}", flush=True)
+        scheduler.step()
+        _report(args, step, rank, loss.item(), norm, lr, time.perf_counter() - start, evaluate)
 
 
 def _train_autopar(args, model, loss_fn, kwargs, optimizer_factory) -> None:
@@ -98,12 +160,21 @@ def _train_autopar(args, model, loss_fn, kwargs, optimizer_factory) -> None:
         plan=args.plan,
         loss_fn=loss_fn,
         optimizer=optimizer_factory,
+        max_grad_norm=args.max_grad_norm,
+        lr_scheduler=scheduler_factory(args),
     )
+
+    def evaluate() -> float:
+        return pm.eval_step(eval_batch(args)[:1], eval_batch(args)[1])
+
     for step in range(args.steps):
         ids, target = batch_for_step(args, step)
+        lr = pm.optimizer.param_groups[0]["lr"]
         loss = pm.train_step((ids,), target)
-        if rank == 0:
-            print(f"step {step} loss {float(loss):.6f}", flush=True)
+        stats = pm.last_step_stats
+        predicted = {k: v for k, v in stats.items() if k.startswith("predicted")}
+        _report(args, step, rank, float(loss), pm.last_grad_norm if args.max_grad_norm else None, lr,
+                stats["seconds"], evaluate, predicted)
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -119,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=8, help="global batch size")
     parser.add_argument("--seq", type=int, default=32, help="sequence length")
     parser.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw")
+    parser.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm")
+    parser.add_argument("--warmup", type=int, default=0, help="linear learning-rate warm-up steps")
+    parser.add_argument("--cosine", action="store_true", help="cosine decay to 10%% after the warm-up")
+    parser.add_argument("--eval-every", type=int, default=0, help="evaluate a held-out batch every N steps")
+    parser.add_argument("--stats", action="store_true", help="print gradient norm, lr and throughput per step")
     args = parser.parse_args(argv)
 
     plain = args.plan.strip().lower() != "auto"

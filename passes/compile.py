@@ -48,7 +48,7 @@ def compile_program(model, example_inputs: Sequence[Any], example_kwargs: dict |
     cleaned = run_passes(traced.gm, inputs, [cleanup_pass])
     structure = analyze(traced.gm)
     _validate(plan, structure, world_size)
-    program = run_passes(traced.gm, dataclasses.replace(inputs, structure=structure), default_passes(plan))
+    program = run_passes(traced.gm, dataclasses.replace(inputs, structure=structure), default_passes(plan, traced.gm))
     return traced, dataclasses.replace(program, log=cleaned.log + program.log)
 
 

@@ -22,6 +22,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
 from autopar.ops import collectives as C
+from autopar.ops import random as RNG
 from autopar.errors import AutoparError, describe_node
 from .context import provenance
 
@@ -139,7 +140,7 @@ _PARTIAL_SAFE = {
     aten.le.Tensor, aten.le.Scalar, aten.gt.Tensor, aten.gt.Scalar, aten.ge.Tensor, aten.ge.Scalar,
     aten.__and__.Tensor, aten.__or__.Tensor, aten.logical_not.default, aten.bitwise_not.default,
     aten.abs.default, aten.square.default, aten.reciprocal.default, aten.erf.default,
-    aten.clamp.default, aten.softplus.default,
+    aten.clamp.default, aten.softplus.default, RNG.dropout,
 )
 def pointwise_rule(node: Node, pls: list, rc: RuleContext):
     out_ndim = ndim_of(node)
@@ -265,7 +266,7 @@ def batched_matmul_rule(node: Node, pls: list, rc: RuleContext):
     raise rc.fail(node, f"operands {a}, {b} are not sharded on a common batch dim")
 
 
-@register(aten.scaled_dot_product_attention.default)
+@register(aten.scaled_dot_product_attention.default, RNG.attention)
 def sdpa_rule(node: Node, pls: list, rc: RuleContext):
     q, k, v = pls[:3]
     nd = ndim_of(node)

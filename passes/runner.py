@@ -22,6 +22,7 @@ from autopar.errors import AutoparError
 from .context import CompiledProgram, Decisions, PassContext, PassInputs, PassResult
 from .context_parallel import context_parallel_pass
 from .data_parallel import data_parallel_pass
+from .dropout import dropout_pass, has_dropout
 from .expert_parallel import expert_parallel_pass
 from .pipeline import pipeline_pass
 from .sequence_parallel import sequence_parallel_pass
@@ -80,8 +81,9 @@ def run_passes(gm: GraphModule, inputs: PassInputs, passes: Sequence[Pass],
     return CompiledProgram(**fields, log=tuple(lines))
 
 
-def default_passes(plan) -> list[Pass]:
-    """The passes for ``plan`` after cleanup and analysis, in order (unused dimensions skipped)."""
+def default_passes(plan, gm: GraphModule | None = None) -> list[Pass]:
+    """The passes for ``plan`` after cleanup and analysis, in order (unused dimensions skipped;
+    the dropout pass only when ``gm`` has a dropout that draws a mask, or ``gm`` is not given)."""
     passes: list[Pass] = []
     if plan.tp > 1:
         passes.append(tensor_parallel_pass)
@@ -91,6 +93,8 @@ def default_passes(plan) -> list[Pass]:
     passes.append(shard_propagation_pass)
     if plan.cp > 1:
         passes.append(context_parallel_pass)  # attention -> CP variant, positions -> global
+    if gm is None or has_dropout(gm):
+        passes.append(dropout_pass)  # dropout -> its stream's generator, by placement
     passes.append(data_parallel_pass)  # gradient sync: dp, and axes where gradients are partial
     if plan.zero == 3:
         passes.append(zero3_pass)  # parameters gathered per unit before use

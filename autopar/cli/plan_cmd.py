@@ -17,7 +17,6 @@ step of that model on N local gloo processes and prints predicted against measur
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import os
 import sys
@@ -152,12 +151,8 @@ def _check_positive(args) -> None:
 
 # ---------------------------------------------------------------------- cost terms
 def _time_terms(cost, formulas: bool):
-    """Time-category terms of ``cost.breakdown()``, without formulas when it can skip them."""
-    if not formulas and "formulas" in inspect.signature(cost.breakdown).parameters:
-        terms = cost.breakdown(formulas=False)
-    else:
-        terms = cost.breakdown()
-    return terms
+    """The terms of ``cost.breakdown()``, with their sympy formulas only when asked for."""
+    return cost.breakdown(formulas=formulas)
 
 
 def _group_of(term) -> str | None:

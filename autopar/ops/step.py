@@ -78,6 +78,12 @@ class StepContext:
     zero: Any = None
     memory: Any = None
     counters: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    training: bool = True  # False while pm.eval_step runs: train-mode-only operators (dropout) are off
+    # Dropout's random streams (autopar/ops/random.py): the base seed, the same on every rank
+    # (torch.initial_seed() when the context is made, or rank 0's: random.common_seed), and
+    # one generator per stream and device, kept across steps so successive draws advance it.
+    seed: int = dataclasses.field(default_factory=lambda: _initial_seed())
+    generators: dict = dataclasses.field(default_factory=dict)
 
     def begin(self) -> None:
         """Start a new step: forget the previous step's records and counters."""
@@ -91,6 +97,12 @@ class StepContext:
             raise RuntimeError(f"autopar: collective on mesh axis '{axis}', which this program's mesh does not "
                                f"have (known axes: {sorted(self.groups)}); this is an autopar bug, please report "
                                "it with the plan.") from None
+
+
+def _initial_seed() -> int:
+    import torch  # lazily: the rest of this module needs only the standard library
+
+    return torch.initial_seed()
 
 
 _CURRENT: contextvars.ContextVar[StepContext | None] = contextvars.ContextVar("autopar_step", default=None)

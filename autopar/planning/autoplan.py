@@ -22,7 +22,7 @@ from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.support import moe_needs_rewrite, unsupported
 
-__all__ = ["choose_plan", "local_gpu"]
+__all__ = ["choose_plan", "local_gpu", "predict_step"]
 
 log = logging.getLogger("autopar.planning.autoplan")
 
@@ -59,15 +59,38 @@ def _candidates(world: int, global_batch: int, num_experts: int = 0) -> list[Pla
     return plans
 
 
-def choose_plan(structure, world: int, seq_len: int, global_batch: int, *,
-                dtype_bytes: int = 4) -> Plan:
-    """The fastest runtime-supported plan for ``world`` ranks that fits, by the cost model."""
+def _spec_and_cluster(structure, world: int):
+    from autopar.cost import Cluster, ModelSpec
     from autopar.frontend.analyze import structure_dims
-    from autopar.cost import Cluster, ModelSpec, estimate
 
     spec = ModelSpec(name="traced", **{**structure_dims(structure), "num_layers": max(1, structure.num_layers)})
     cluster = Cluster.for_world(local_gpu(), world) if world <= 8 or world % 8 == 0 else Cluster(
         gpu=local_gpu(), num_nodes=1, gpus_per_node=world)
+    return spec, cluster
+
+
+def predict_step(structure, plan: Plan, seq_len: int, global_batch: int, *, dtype_bytes: int = 2) -> dict[str, float]:
+    """The cost model's step time, MFU and tokens/s of ``plan`` on this machine's GPUs
+    (``pm.last_step_stats``); empty on a CPU, whose figures the model is not calibrated for."""
+    if local_gpu() == "cpu":
+        return {}
+    from autopar.cost import estimate
+
+    spec, cluster = _spec_and_cluster(structure, plan.world_size)
+    try:
+        cost = estimate(spec, cluster, plan, seq_len=seq_len, global_batch=global_batch, dtype_bytes=dtype_bytes)
+    except ValueError:
+        return {}
+    return {"predicted_seconds": cost.step_time, "predicted_mfu": cost.mfu,
+            "predicted_tokens_per_s": seq_len * global_batch / cost.step_time}
+
+
+def choose_plan(structure, world: int, seq_len: int, global_batch: int, *,
+                dtype_bytes: int = 4) -> Plan:
+    """The fastest runtime-supported plan for ``world`` ranks that fits, by the cost model."""
+    from autopar.cost import estimate
+
+    spec, cluster = _spec_and_cluster(structure, world)
     best = None
     for plan in _candidates(world, global_batch, spec.num_experts):
         try:

@@ -5,6 +5,7 @@ Public: :func:`init_distributed`, :func:`parallelize`, :class:`ParallelModule`, 
 group) lives in :mod:`autopar.passes.compile` and is re-exported here.  The modules:
 ``api`` (entry points), ``module`` (ParallelModule), ``executors`` / ``pipelined`` (flat
 and pipelined execution), ``mesh`` (process groups), ``batching`` (what a rank computes),
+``data`` (``BatchSlice`` and ``DistributedBatchSampler``: loading only this rank's data),
 ``layout`` (cutting and gathering parameters), ``grad_sync`` / ``zero`` (gradient-sync
 strategies), ``memory`` (the meter), ``checkpoint`` (DCP save and load).
 """

@@ -49,12 +49,17 @@ def parallelize(
     example_target: Any = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     pipeline_split: Sequence[int] | None = None,
+    max_grad_norm: float | None = None,
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
 ) -> ParallelModule:
     """Compile ``model`` for ``plan`` on the current process group; the model is not modified.
 
     ``loss_fn(output, target)`` is traced with the model; ``optimizer`` is a factory called
     with this rank's parameters (default: ``torch.optim.AdamW``).  ``pipeline_split``: layers
-    per pipeline chunk (default: balanced by the cost model).
+    per pipeline chunk (default: balanced by the cost model).  ``max_grad_norm``: clip the
+    global gradient norm (every shard, each parameter once) before each step; ``pm.last_grad_norm``
+    is the norm before clipping (None without clipping).  ``lr_scheduler``: a factory called with the optimizer of
+    this rank, stepped once per ``train_step`` and saved in checkpoints.
     """
     if loss_fn is None:
         raise AutoparError("autopar: parallelize needs loss_fn(output, target) to train the model; "
@@ -65,7 +70,10 @@ def parallelize(
     traced, program = compile_program(model, example_inputs, example_kwargs, plan, loss_fn,
                                       world_size=world_size, example_target=example_target,
                                       bucket_bytes=bucket_bytes, pipeline_split=pipeline_split)
-    return ParallelModule(model, traced, program, program.plan, optimizer or torch.optim.AdamW)
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise AutoparError(f"autopar: max_grad_norm={max_grad_norm}; expected a positive number (or None: no clipping).")
+    return ParallelModule(model, traced, program, program.plan, optimizer or torch.optim.AdamW,
+                          max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler)
 
 
 def _auto_plan(model, example_inputs, example_kwargs, loss_fn, example_target, world_size: int) -> Plan:

@@ -1,12 +1,25 @@
-"""Cut the global batch into what one rank computes: its data-parallel slice, in micro-batches.
+"""Cut a batch into what one rank computes: its data-parallel rows and context-parallel
+positions, in micro-batches.
 
-``train_step`` receives the *global* batch, identical on every rank.  Rank coordinates on
-the mesh decide what this rank keeps: ``batch / dp`` samples for its ``dp`` coordinate,
-split into ``mb`` micro-batches for gradient accumulation, and under context parallelism
-its load-balanced sequence chunks (:func:`autopar.ops.cp_attention.cp_chunk_indices`).
+One set of rules, two entry points:
 
-Neighbours: :mod:`autopar.runtime` calls :func:`local_micro_batches`;
-:mod:`autopar.runtime.grad_sync` reduces what the micro-batches produced.
+* :func:`local_micro_batches` takes the *global* batch (``train_step(inputs, target)``,
+  identical on every rank) and keeps this rank's part: the contiguous ``batch / dp`` rows
+  of its ``dp`` coordinate (:func:`rank_rows`) and, under context parallelism, its two
+  load-balanced sequence chunks (:func:`rank_positions`, from
+  :func:`autopar.ops.cp_attention.cp_chunk_indices`);
+* :func:`split_micro_batches` takes a batch that is already this rank's part
+  (``train_step(..., local=True)``, cut by :meth:`autopar.runtime.data.BatchSlice.take`)
+  and only splits it.
+
+Both then split the rows into ``mb`` micro-batches (:func:`micro_rows`) for gradient
+accumulation, with the same cutting helpers, so the two give identical micro-batches.
+Which batch and sequence sizes a plan accepts is :meth:`autopar.plan.Plan.validate`'s rule.
+
+Neighbours: :meth:`autopar.runtime.module.ParallelModule.micro_batches` calls the entry
+points; :mod:`autopar.runtime.data` builds the user-facing ``BatchSlice`` and sampler on
+:func:`rank_rows` / :func:`rank_positions`; :mod:`autopar.runtime.grad_sync` reduces what
+the micro-batches produced.
 """
 from __future__ import annotations
 
@@ -16,58 +29,97 @@ import torch
 
 from autopar.errors import AutoparError
 
-__all__ = ["local_micro_batches", "check_batch"]
+__all__ = ["local_micro_batches", "split_micro_batches", "check_batch", "rank_rows", "rank_positions",
+           "micro_rows", "cut_rows", "cut_positions", "global_sizes"]
 
 
-def check_batch(inputs: tuple, plan) -> None:
-    """Raise an ``autopar:`` error if the global batch cannot be split as the plan needs."""
-    batch = inputs[0].shape[0]
-    parts = plan.dp * plan.mb
-    if batch % parts:
-        raise AutoparError(
-            f"autopar: the global batch of {batch} does not split into dp*mb = {plan.dp}*{plan.mb} "
-            f"parts; use a batch that is a multiple of {parts}.")
-    if plan.cp > 1 and inputs[0].dim() > 1 and inputs[0].shape[1] % (2 * plan.cp):
-        seq = inputs[0].shape[1]
-        raise AutoparError(
-            f"autopar: context parallelism cuts the sequence of {seq} tokens into 2*cp = {2 * plan.cp} "
-            f"load-balanced chunks; use a sequence length that is a multiple of {2 * plan.cp} (e.g. "
-            f"{(seq // (2 * plan.cp) + 1) * 2 * plan.cp}) or a smaller cp.")
-    if plan.sp and inputs[0].dim() > 1 and (inputs[0].shape[1] // plan.cp) % plan.tp:
-        seq = inputs[0].shape[1]
-        raise AutoparError(
-            f"autopar: sequence parallelism splits the sequence of {seq} tokens over tp={plan.tp} "
-            f"ranks; use a sequence length that is a multiple of {plan.tp} (e.g. "
-            f"{(seq // plan.tp + 1) * plan.tp}) or drop 'sp'.")
+def global_sizes(inputs: tuple, plan, *, local: bool = False) -> tuple[int, int | None]:
+    """``(batch, seq)`` of the global batch that ``inputs`` is (or, ``local``, this rank's part of)."""
+    ids = inputs[0]
+    seq = ids.shape[1] if ids.dim() > 1 else None
+    if not local:
+        return ids.shape[0], seq
+    return ids.shape[0] * plan.dp, (seq * plan.cp if seq is not None else None)
 
 
-def _part(t: Any, batch: int, index: int, count: int, device: torch.device) -> Any:
+def check_batch(inputs: tuple, plan, *, local: bool = False) -> None:
+    """Raise an ``autopar:`` error if the batch cannot be split as the plan needs (the rule
+    of :meth:`~autopar.plan.Plan.validate`; ``local``: ``inputs`` are this rank's part)."""
+    batch, seq = global_sizes(inputs, plan, local=local)
+    try:
+        plan.validate(global_batch=batch, seq_len=seq)
+    except AutoparError as exc:
+        if not local:
+            raise
+        given = f"{inputs[0].shape[0]} rows" + (f" of {inputs[0].shape[1]} tokens" if seq is not None else "")
+        raise AutoparError(f"{exc} (with local=True this rank was given {given}: the global batch is "
+                           f"rows*dp = {batch}" + (f", the sequence tokens*cp = {seq}" if plan.cp > 1 else "")
+                           + ")") from None
+
+
+def rank_rows(batch: int, plan, dp_rank: int) -> range:
+    """The rows of a global batch of ``batch`` that data-parallel rank ``dp_rank`` computes."""
+    plan.validate(global_batch=batch)
+    size = batch // plan.dp
+    return range(dp_rank * size, (dp_rank + 1) * size)
+
+
+def rank_positions(seq: int, plan, cp_rank: int) -> torch.Tensor | None:
+    """The global token positions context-parallel rank ``cp_rank`` computes (None without cp):
+    chunks ``cp_rank`` and ``2*cp-1-cp_rank`` of ``2*cp`` (causal load balancing)."""
+    if plan.cp == 1:
+        return None
+    plan.validate(seq_len=seq)
+    from autopar.ops.cp_attention import cp_chunk_indices
+
+    return cp_chunk_indices(seq, cp_rank, plan.cp)
+
+
+def micro_rows(rows: range, mb: int) -> list[range]:
+    """``rows`` in ``mb`` contiguous equal parts (the micro-batches, in order)."""
+    size = len(rows) // mb
+    return [range(rows.start + m * size, rows.start + (m + 1) * size) for m in range(mb)]
+
+
+def cut_rows(t: Any, batch: int, rows: range, device: torch.device | None = None) -> Any:
+    """Rows ``rows`` of a tensor with ``batch`` rows (moved to ``device``); anything else as it is."""
     if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
-        size = batch // count
-        return t[index * size:(index + 1) * size].to(device)
+        t = t[rows.start:rows.stop]
+        return t.to(device) if device is not None else t
     return t
 
 
-def _cp_part(t: Any, seq: int, rank: int, size: int) -> Any:
-    """Causal load balancing: ``2*size`` chunks of the sequence, this rank keeps ``rank`` and ``2*size-1-rank``."""
-    if size > 1 and isinstance(t, torch.Tensor) and t.dim() > 1 and t.shape[1] == seq:
-        from autopar.ops.cp_attention import cp_chunk_indices
-
-        return t.index_select(1, cp_chunk_indices(seq, rank, size).to(t.device))
+def cut_positions(t: Any, seq: int | None, positions: torch.Tensor | None) -> Any:
+    """Positions ``positions`` of dim 1 of a tensor with ``seq`` there; anything else as it is."""
+    if positions is not None and isinstance(t, torch.Tensor) and t.dim() > 1 and t.shape[1] == seq:
+        return t.index_select(1, positions.to(t.device))
     return t
+
+
+def _split(inputs: tuple, target: Any, rows: range, positions: torch.Tensor | None,
+           plan, device: torch.device) -> list[tuple[tuple, Any]]:
+    batch = inputs[0].shape[0]
+    seq = inputs[0].shape[1] if inputs[0].dim() > 1 else None
+
+    def cut(t: Any, part: range) -> Any:
+        return cut_positions(cut_rows(t, batch, part, device), seq, positions)
+
+    return [(tuple(cut(t, part) for t in inputs), cut(target, part)) for part in micro_rows(rows, plan.mb)]
 
 
 def local_micro_batches(inputs: tuple, target: Any, plan, coords: dict[str, int],
                         device: torch.device) -> list[tuple[tuple, Any]]:
-    """This rank's micro-batches ``[(inputs, target), ...]``; ``coords`` maps axis -> rank on it."""
+    """This rank's micro-batches ``[(inputs, target), ...]`` of the global batch; ``coords``
+    maps axis -> rank on it."""
     check_batch(inputs, plan)
-    batch = inputs[0].shape[0]
-    count = plan.dp * plan.mb
-    seq = inputs[0].shape[1] if inputs[0].dim() > 1 else None
-    cp_rank = coords.get("cp", 0)
-    chunks = []
-    for m in range(plan.mb):
-        index = coords.get("dp", 0) * plan.mb + m
-        chunks.append((tuple(_cp_part(_part(t, batch, index, count, device), seq, cp_rank, plan.cp) for t in inputs),
-                       _cp_part(_part(target, batch, index, count, device), seq, cp_rank, plan.cp)))
-    return chunks
+    batch, seq = global_sizes(inputs, plan)
+    rows = rank_rows(batch, plan, coords.get("dp", 0))
+    positions = rank_positions(seq, plan, coords.get("cp", 0)) if seq is not None else None
+    return _split(inputs, target, rows, positions, plan, device)
+
+
+def split_micro_batches(inputs: tuple, target: Any, plan, device: torch.device) -> list[tuple[tuple, Any]]:
+    """The micro-batches ``[(inputs, target), ...]`` of a batch that is already this rank's part
+    (its rows and, under cp, its positions): only the split into ``mb``, nothing cut."""
+    check_batch(inputs, plan, local=True)
+    return _split(inputs, target, range(inputs[0].shape[0]), None, plan, device)

@@ -19,7 +19,6 @@ from typing import Any
 import torch
 
 from autopar.errors import AutoparError
-from autopar.runtime.batching import local_micro_batches
 
 __all__ = ["FlatExecutor", "StepOutput"]
 
@@ -46,12 +45,19 @@ class FlatExecutor:
 
     def run(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
         total = torch.zeros((), device=pm.device)
-        for chunk_inputs, chunk_target in local_micro_batches(inputs, target, self.plan, coords, pm.device):
+        for chunk_inputs, chunk_target in pm.micro_batches(inputs, target, coords):
             # ZeRO: per-micro-batch gathers / reduce-scatters; the meter counts saved activations.
             with pm.memory.micro_batch(self.gm), pm.grad_sync.micro_batch():
                 loss = self.gm(*chunk_inputs, chunk_target)
                 (loss / self.plan.mb).backward()
             total += loss.detach().float() / self.plan.mb
+        return StepOutput(total)
+
+    def evaluate(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
+        """Forward only (the caller holds ``torch.no_grad`` and eval mode): the mean loss."""
+        total = torch.zeros((), device=pm.device)
+        for chunk_inputs, chunk_target in pm.micro_batches(inputs, target, coords):
+            total += self.gm(*chunk_inputs, chunk_target).detach().float() / self.plan.mb
         return StepOutput(total)
 
     def describe_stage(self, stage: int) -> torch.fx.GraphModule:

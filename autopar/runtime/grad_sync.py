@@ -10,9 +10,12 @@ calls; ZeRO stages replace it with :class:`autopar.runtime.zero.ZeroSync`.  Both
 same interface, which is all that the module, checkpoints (:mod:`autopar.runtime.checkpoint`)
 and the memory meter (:mod:`autopar.runtime.memory`) use:
 
-* ``optimizer``; ``micro_batch()`` around each micro-batch's forward and backward;
-  ``sync_and_step()`` once per step; ``full_parameters(write_back)`` around reading or
+* ``optimizer``; ``micro_batch()`` around each micro-batch's forward and backward, and
+  ``forward_only()`` around an evaluation forward; ``sync()`` then ``step()`` once per
+  step (clipping sits between them); ``full_parameters(write_back)`` around reading or
   writing whole parameters;
+* ``grad_square_sum(weights)`` / ``scale_grads(coef)``: the pieces of the global gradient
+  norm this rank holds, and their scaling (:mod:`autopar.runtime.clipping`);
 * ``optimizer_state()`` / ``load_optimizer_state(entries)``: the optimizer state per graph
   parameter as tp-local tensors (whole over ``dp``), whatever the strategy shards;
 * ``memory_tensors()``: what the strategy holds besides the module's parameters.
@@ -44,14 +47,31 @@ class GradSync:
         """Context around one micro-batch's forward and backward (ZeRO strategies act here)."""
         return contextlib.nullcontext()
 
+    def forward_only(self):
+        """Context around a forward without backward (evaluation): nothing to do without ZeRO-3."""
+        return contextlib.nullcontext()
+
     def full_parameters(self, write_back: bool = False):
         """Context in which the module holds whole parameters (always true without ZeRO)."""
         return contextlib.nullcontext()
 
-    def sync_and_step(self) -> None:
-        self.sync()
+    def step(self) -> None:
+        """The optimizer step on the synchronised gradients, which are then dropped."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def grad_square_sum(self, weights: dict[str, float], device: torch.device) -> torch.Tensor:
+        """Sum over this rank's gradients of ``weights[name] * ||grad||^2`` (float64, on ``device``)."""
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for name, p in self.gm.named_parameters():
+            if p.grad is not None and p.grad.numel():
+                total += weights[name] * p.grad.detach().double().square().sum()
+        return total
+
+    def scale_grads(self, coef: float) -> None:
+        for p in self.gm.parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef)
 
     def sync(self) -> None:
         for bucket in self.buckets:

@@ -6,7 +6,8 @@ Groups come from ``init_device_mesh`` with named axes; two more are derived:
 
 * ``dp_cp``: dense gradients and the loss are averaged over ``dp * cp`` ranks under CP;
 * ``ep`` / ``edp``: expert parallelism folds over the ``dp * cp`` ranks of one stage
-  (:func:`expert_groups`).
+  (:func:`expert_groups`);
+* ``world``: every rank, for the global gradient norm (:mod:`autopar.runtime.clipping`).
 
 Neighbours: :class:`autopar.runtime.module.ParallelModule` owns the groups and hands them
 to the step context (:mod:`autopar.ops.step`) that the program's operators read.
@@ -64,6 +65,7 @@ def build_groups(plan, *, experts: bool) -> dict[str, AxisGroup]:
     mesh = init_device_mesh(device, tuple(plan.degrees[a] for a in MESH_AXES), mesh_dim_names=MESH_AXES)
     groups = {a: AxisGroup(mesh.get_group(a), mesh.size(i), mesh.get_local_rank(a))
               for i, a in enumerate(MESH_AXES)}
+    groups["world"] = AxisGroup(dist.group.WORLD, dist.get_world_size(), dist.get_rank())  # the gradient norm
     if plan.cp > 1:  # dense gradients and the loss are averaged over dp*cp (cost model axis "dp_cp")
         flat = flatten_mesh(mesh, ("dp", "cp"), "dp_cp")
         groups["dp_cp"] = AxisGroup(flat.get_group(), flat.size(), flat.get_local_rank())

@@ -8,9 +8,10 @@ pipelined, :mod:`autopar.runtime.executors`, :mod:`autopar.runtime.pipelined`). 
 serves every plan: the executor says which parameters this rank holds and runs the
 micro-batches; everything else is shared.
 
-``train_step`` takes the *global* batch (the same on every rank), lets the executor slice
-and run what this rank computes, synchronises gradients, steps the optimizer and returns
-the global mean loss.  ``state_dict`` / ``load_state_dict`` speak full tensors under the
+``train_step`` takes the *global* batch (the same on every rank; or with ``local=True``
+this rank's part of it, see ``batch_slice`` and :mod:`autopar.runtime.data`), lets the
+executor slice and run what this rank computes, synchronises gradients, steps the
+optimizer and returns the global mean loss.  ``state_dict`` / ``load_state_dict`` speak full tensors under the
 original model's names on every rank; ``checkpoint_state`` / ``load_checkpoint_state`` are
 the same for the tensors this rank holds, with optimizer state, for
 :mod:`autopar.runtime.checkpoint`.
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import pickle
+import time
 from typing import Any, Callable, Sequence
 
 import torch
@@ -28,9 +31,14 @@ import torch.nn as nn
 from autopar.compat import set_buffer
 from autopar.errors import AutoparError
 from autopar.ops import collectives as C
+from autopar.ops import random as random_ops
 from autopar.ops.step import StepContext, activate
 from autopar.runtime import checkpoint
-from autopar.runtime.checkpoint import MODEL_PREFIX, OPTIM_PREFIX
+from autopar.planning.autoplan import predict_step
+from autopar.runtime.batching import global_sizes, local_micro_batches, split_micro_batches
+from autopar.runtime.checkpoint import MODEL_PREFIX, OPTIM_PREFIX, SCHEDULER_KEY
+from autopar.runtime.clipping import clip_gradients, norm_weights
+from autopar.runtime.data import BatchSlice
 from autopar.runtime.executors import FlatExecutor
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.layout import gather_full, shard_local
@@ -46,13 +54,17 @@ __all__ = ["ParallelModule"]
 class ParallelModule:
     """One rank's compiled training program (see :func:`autopar.parallelize`)."""
 
-    def __init__(self, model: nn.Module, traced, program, plan, make_optimizer: Callable):
+    _local_batch = False  # whether the current step was given this rank's part of the batch (local=True)
+
+    def __init__(self, model: nn.Module, traced, program, plan, make_optimizer: Callable, *,
+                 max_grad_norm: float | None = None, lr_scheduler: Callable | None = None):
         self.plan = plan
         self.gm = traced.gm
         self.program = program
         self.num_inputs = traced.num_inputs
         self.groups = build_groups(plan, experts=bool(program.expert_params))
         self.step_context = StepContext(groups=self.groups)
+        self.step_context.seed = random_ops.common_seed()  # rank 0's torch.initial_seed(), on every rank
         self.device = local_device()
         if any(p.is_meta for p in model.parameters()):
             # Scale simulation: a full-size model on the meta device (with a fake process
@@ -73,6 +85,14 @@ class ParallelModule:
         else:
             self.grad_sync = GradSync(self.gm, buckets, self.groups, make_optimizer)
         self.optimizer = self.grad_sync.optimizer
+        self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
+        self.max_grad_norm = max_grad_norm
+        self.last_grad_norm: float | None = None
+        self.last_step_stats: dict[str, Any] = {}
+        self._prediction: dict[str, float] | None = None
+        holders = max(1, plan.world_size // plan.pp) if self.groups else 1
+        self._norm_weights = norm_weights(program.param_shards, holders, {a: g.size for a, g in self.groups.items()},
+                                          [n for n, _ in self.gm.named_parameters()])
         self.memory = MemoryMeter()
         self.executor.setup(self)
 
@@ -180,8 +200,8 @@ class ParallelModule:
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """What this rank holds, as full tensors on the CPU under plan-independent keys:
-        ``model.<name>`` for parameters and buffers, ``optim.<name>.<key>`` for optimizer state
-        (collective: call on every rank)."""
+        ``model.<name>`` for parameters and buffers, ``optim.<name>.<key>`` for optimizer state,
+        ``sched.state`` for the learning-rate scheduler (collective: call on every rank)."""
         state = {}
         with self.grad_sync.full_parameters():
             for orig, name in self._aliases.items():
@@ -192,10 +212,15 @@ class ParallelModule:
             for key, value in sorted(entries.items()):
                 value = value if torch.is_tensor(value) else torch.tensor(value)
                 state[f"{OPTIM_PREFIX}{to_orig[name]}.{key}"] = self._full(name, value.detach()).cpu()
+        if self.lr_scheduler is not None:  # the same on every rank; stored as its pickled state dict
+            blob = pickle.dumps(self.lr_scheduler.state_dict())
+            state[SCHEDULER_KEY] = torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
         return state
 
     def checkpoint_wants(self, key: str) -> bool:
         """Whether this rank loads checkpoint entry ``key`` (its own parameters' entries)."""
+        if key == SCHEDULER_KEY:
+            return self.lr_scheduler is not None
         if key.startswith(MODEL_PREFIX):
             name = self._aliases.get(key[len(MODEL_PREFIX):])
             return name is not None and self.holds(name)
@@ -217,6 +242,11 @@ class ParallelModule:
             if found and self.holds(name):
                 entries[name] = {key: self._local(name, v) for key, v in found.items()}
         self.grad_sync.load_optimizer_state(entries)
+        if self.lr_scheduler is not None and SCHEDULER_KEY in state:
+            self.lr_scheduler.load_state_dict(pickle.loads(state[SCHEDULER_KEY].numpy().tobytes()))
+            # The next step runs at the restored rate (a scheduler sets it only when it steps).
+            for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
+                group["lr"] = lr
 
     def save(self, path) -> None:
         """Write model and optimizer state to ``path`` with torch.distributed.checkpoint (every rank)."""
@@ -226,24 +256,86 @@ class ParallelModule:
         """Read a checkpoint written by :meth:`save` under any plan (every rank)."""
         checkpoint.load(self, path)
 
+    def export_weights(self, path) -> str:
+        """Write the full weights under the original names as safetensors (rank 0 writes; call on every rank)."""
+        return checkpoint.export_safetensors(self, path)
+
     # --- training -----------------------------------------------------------------------
 
-    def train_step(self, inputs: Sequence[Any], target: Any) -> float:
-        """One optimizer step on the global batch; returns the global mean loss."""
-        inputs = tuple(inputs)
-        if len(inputs) != self.num_inputs:
-            raise AutoparError(f"autopar: train_step got {len(inputs)} inputs; the model was traced with "
-                               f"{self.num_inputs} (pass the same structure as example_inputs).")
+    def train_step(self, inputs: Sequence[Any], target: Any, *, local: bool = False) -> float:
+        """One optimizer step on the global batch; returns the global mean loss.
+
+        ``local=True``: ``inputs`` and ``target`` are this rank's part of the global batch
+        (``self.batch_slice(...).take``), not the whole of it; the step is the same."""
+        inputs = self._check_inputs(inputs)
+        self._local_batch = local
+        start = time.perf_counter()
         self.step_context.begin()
         coords = {a: g.rank for a, g in self.groups.items()}
         with activate(self.step_context):
             self.memory.begin_step()
             out = self.executor.run(self, inputs, target, coords)
             self.memory.before_sync(self.gm, self.grad_sync)
-            self.grad_sync.sync_and_step()
+            self.grad_sync.sync()
+            # Only when clipping: the norm costs an all-reduce the cost model does not list.
+            if self.max_grad_norm is not None and self.device.type != "meta":  # meta: no values
+                self.last_grad_norm = clip_gradients(self.grad_sync, self._norm_weights, self.max_grad_norm,
+                                                     self.groups, self.device)
+            self.grad_sync.step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
             self.memory.after_step(self.optimizer)
             total = self._global_loss(out.loss)
+        loss = float("nan") if total.is_meta else float(total)
+        self._record_stats(inputs, time.perf_counter() - start)
+        return loss
+
+    def eval_step(self, inputs: Sequence[Any], target: Any, *, local: bool = False) -> float:
+        """The global mean loss of ``inputs`` in eval mode: no gradients kept, no update
+        (``local``: this rank's part of the batch, as in :meth:`train_step`)."""
+        inputs = self._check_inputs(inputs)
+        self._local_batch = local
+        self.step_context.begin()
+        coords = {a: g.rank for a, g in self.groups.items()}
+        with torch.no_grad(), activate(self.step_context, training=False), self.grad_sync.forward_only():
+            out = self.executor.evaluate(self, inputs, target, coords)
+            total = self._global_loss(out.loss)
         return float("nan") if total.is_meta else float(total)
+
+    def _record_stats(self, inputs: tuple, seconds: float) -> None:
+        tokens = int(inputs[0].numel()) if torch.is_tensor(inputs[0]) else 0
+        if self._local_batch and tokens:  # the global batch's tokens, as in the global mode
+            tokens *= self.plan.dp * (self.plan.cp if inputs[0].dim() > 1 else 1)
+        self.last_step_stats = {"tokens": tokens, "seconds": seconds,
+                                "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
+                                **self._predicted(inputs)}
+
+    def micro_batches(self, inputs: tuple, target: Any, coords: dict[str, int]) -> list[tuple[tuple, Any]]:
+        """This rank's micro-batches ``[(inputs, target), ...]`` of the batch given to the step
+        (the global batch, or with ``local=True`` this rank's part of it)."""
+        if self._local_batch:
+            return split_micro_batches(inputs, target, self.plan, self.device)
+        return local_micro_batches(inputs, target, self.plan, coords, self.device)
+
+    def batch_slice(self, global_batch_size: int, seq_len: int | None = None) -> BatchSlice:
+        """Which part of a global batch this rank computes (rows; under cp, sequence positions),
+        for ``train_step(..., local=True)``; see :mod:`autopar.runtime.data`."""
+        return BatchSlice.for_rank(self.plan, {a: g.rank for a, g in self.groups.items()},
+                                   global_batch_size, seq_len)
+
+    def _predicted(self, inputs: tuple) -> dict[str, float]:
+        """The cost model's step time and MFU for this plan, when the hardware is known (a GPU)."""
+        if self._prediction is None:
+            batch, seq = global_sizes(inputs, self.plan, local=self._local_batch)
+            self._prediction = predict_step(self.program.structure, self.plan, seq or 1, int(batch))
+        return self._prediction
+
+    def _check_inputs(self, inputs: Sequence[Any]) -> tuple:
+        inputs = tuple(inputs)
+        if len(inputs) != self.num_inputs:
+            raise AutoparError(f"autopar: got {len(inputs)} inputs; the model was traced with "
+                               f"{self.num_inputs} (pass the same structure as example_inputs).")
+        return inputs
 
     def _global_loss(self, local: torch.Tensor | None) -> torch.Tensor:
         """The mean over data-parallel ranks of the ranks computing the loss, then shared over pp."""

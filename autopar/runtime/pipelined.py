@@ -25,7 +25,6 @@ from autopar.compat import pipeline_order, recording_stage_class
 from autopar.errors import AutoparError
 from autopar.ops import collectives as C
 from autopar.ops.schedules import SCHEDULE_CLASSES, Act, rank_orders, single_stage
-from autopar.runtime.batching import local_micro_batches
 from autopar.runtime.executors import StepOutput
 
 __all__ = ["PipelineExecutor"]
@@ -82,13 +81,19 @@ class PipelineExecutor:
         assert got == expected, f"torch's {self.plan.schedule} order differs from autopar.ops.schedules on rank {pp_rank}"
 
     def run(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
-        pieces = local_micro_batches(inputs, target, self.plan, coords, pm.device)
+        return self._drive(self._schedule.step, pm, inputs, target, coords, return_outputs=False)
+
+    def evaluate(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
+        """Forward only through the schedule (``schedule.eval``): the last stage's mean loss."""
+        return self._drive(self._schedule.eval, pm, inputs, target, coords, return_outputs=False)
+
+    def _drive(self, call, pm, inputs: tuple, target: Any, coords: dict[str, int], **options) -> StepOutput:
+        pieces = pm.micro_batches(inputs, target, coords)
         local_inputs = [torch.cat([p[0][i] for p in pieces]) for i in range(len(inputs))]
         local_target = torch.cat([p[1] for p in pieces])
         kwargs = dict(zip(self.pipeline.kwarg_names, local_inputs + [local_target]))
         losses: list = []
-        self._schedule.step(target=local_target if self._last else None, losses=losses, return_outputs=False,
-                            **kwargs)
+        call(target=local_target if self._last else None, losses=losses, **options, **kwargs)
         if not self._last:
             return StepOutput(None)
         return StepOutput(torch.stack([l.detach().float() for l in losses]).mean())

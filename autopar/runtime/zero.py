@@ -2,7 +2,7 @@
 
 :class:`ZeroSync` replaces :class:`autopar.runtime.grad_sync.GradSync` when ``plan.zero > 0``; the
 runtime (:mod:`autopar.runtime`) calls the same three entry points on either strategy:
-``micro_batch()`` around each micro-batch's forward and backward, ``sync_and_step()``
+``micro_batch()`` around each micro-batch's forward and backward, ``sync()`` and ``step()``
 once per step, and ``full_parameters()`` around reading or writing whole parameters.
 
 Layout.  The parameters of one unit (a ``dp`` gradient bucket of the data-parallel pass for
@@ -101,6 +101,20 @@ class FlatLayout:
             return buf[:self.na]
         return torch.cat([rows[:, :self.sa].reshape(-1)[:self.na], rows[:, self.sa:].reshape(-1)[:self.nb]])
 
+    def shard_segments(self, rank: int) -> list[tuple[str, int, int]]:
+        """``(name, start, stop)``: the pieces of each parameter inside rank ``rank``'s shard
+        ``[A_r | B_r]`` (offsets into the shard; padding belongs to no parameter)."""
+        out = []
+        for names, base, size, shard_off in ((self.a_names, 0, self.sa, 0), (self.b_names, self.na, self.sb, self.sa)):
+            lo, hi = rank * size, (rank + 1) * size  # this rank's window of the segment
+            for x in names:
+                start = self.offsets[x] - base
+                stop = start + math.prod(self.shapes[x])
+                a, b = max(start, lo), min(stop, hi)
+                if a < b:
+                    out.append((x, shard_off + a - lo, shard_off + b - lo))
+        return out
+
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {x: flat[o:o + math.prod(self.shapes[x])].view(self.shapes[x]) for x, o in self.offsets.items()}
 
@@ -160,17 +174,51 @@ class ZeroSync:
             self._live.clear()
             self._regathered.clear()
 
-    def sync_and_step(self) -> None:
+    def sync(self) -> None:
+        """Gradients into their reduced ``dp`` shards (partial sums summed over their axes)."""
         if self.stage == 1:
             self._all_reduce_partial_full()
             for unit in range(len(self.units)):
                 self._scatter_param_grads(unit)
         else:
             self._all_reduce_partial_shards()
+
+    def step(self) -> None:
+        """The optimizer step on the shards; stages 1-2 gather the updated parameters back."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.stage < 3:
             self._gather_into_params()
+
+    @contextlib.contextmanager
+    def forward_only(self) -> Iterator[None]:
+        """An evaluation forward: ZeRO-3 gathers its units, nothing is scattered or kept."""
+        if self.stage < 3:
+            yield
+            return
+        try:
+            with activate(current(), zero=self):
+                yield
+        finally:
+            self._live.clear()
+
+    def grad_square_sum(self, weights: dict[str, float], device: torch.device) -> torch.Tensor:
+        """Sum of ``weights[name] * dp * grad^2`` over the elements of this rank's shards: each
+        rank's shard is a distinct ``1/dp`` of the unit (padding is zero)."""
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        rank = self.groups["dp"].rank if "dp" in self.groups else 0
+        for shard, lay in zip(self.shards, self.layouts):
+            if shard.grad is None:
+                continue
+            grad = shard.grad.detach().double()
+            for name, start, stop in lay.shard_segments(rank):
+                total += weights[name] * self.n * grad[start:stop].square().sum()
+        return total
+
+    def scale_grads(self, coef: float) -> None:
+        for shard in self.shards:
+            if shard.grad is not None:
+                shard.grad.mul_(coef)
 
     @contextlib.contextmanager
     def full_parameters(self, write_back: bool = False) -> Iterator[None]:

@@ -1,20 +1,21 @@
 """Checkpoints under every runtime dimension: save under one plan, load under another, train on.
 
-Each case trains one AdamW step under ``plan_a``, saves, loads into a fresh module (other
-seed) under ``plan_b`` and trains two more steps.  Together the cases save and load under
+Each case trains one AdamW step under ``plan_a`` with a learning-rate schedule, saves, loads
+into a fresh module (other seed) under ``plan_b`` and trains two more steps.  Together the cases save and load under
 pp (with tp, dp and mb), cp, sp, ep, zero and dp; ``tests/dist/test_checkpoint.py`` covers
 more ZeRO and TP pairs.  What must hold: the three losses and the final state dict equal
-uninterrupted single-process training, and the full model + optimizer state read back is
-bit-identical to what was written (the union over ranks: under pp each rank saves only
+uninterrupted single-process training with the same schedule, and the full model, optimizer
+and scheduler state read back is bit-identical to what was written (the union over ranks: under pp each rank saves only
 its own stage).
 """
 from __future__ import annotations
 
 import pytest
 
-from tests.checkpoint_jobs import BATCH, SEQ, VOCAB, reshard_job
-from tests.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
+from tests.checkpoint_jobs import reshard_job
+from tests.harness import assert_equivalent
 from tests.jobs import build
+from tests.training_jobs import reference_recipe
 
 CASES = [
     ("example", "pp=2,tp=2,dp=2,mb=2", "cp=2,tp=2,sp,dp=2", 8),
@@ -26,13 +27,12 @@ CASES = [
 
 @pytest.mark.parametrize("model_name,plan_a,plan_b,world", CASES, ids=[f"{m}:{a}->{b}" for m, a, b, _ in CASES])
 def test_checkpoint_between_plans(dist_pool, tmp_path, model_name, plan_a, plan_b, world):
-    results = dist_pool(reshard_job, model_name, plan_a, plan_b, str(tmp_path / "ckpt"), world=world)
+    results = dist_pool(reshard_job, model_name, plan_a, plan_b, str(tmp_path / "ckpt"), scheduled=True,
+                        world=world)
     num_trained = len(list(build(model_name, {})[0].parameters()))
     for r in results:
         assert r["exact"]
         assert r["num_optim"] == 3 * num_trained  # AdamW: step, exp_avg, exp_avg_sq per parameter
         assert r["losses"] == results[0]["losses"]
-    _, loss_fn, kwargs = build(model_name, {})
-    batches = make_batches(VOCAB, BATCH, SEQ, 3, seed=1)
-    reference = reference_train(lambda: build(model_name, {})[0], batches, loss_fn, OPTIMIZERS["adamw"], kwargs)
-    assert_equivalent(reference, (results[0]["losses"], results[0]["state"]))
+    reference = reference_recipe(model_name, "adamw", None, {})
+    assert_equivalent((reference["losses"], reference["state"]), (results[0]["losses"], results[0]["state"]))
