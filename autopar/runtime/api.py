@@ -51,6 +51,7 @@ def parallelize(
     pipeline_split: Sequence[int] | None = None,
     max_grad_norm: float | None = None,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+    mixed_precision: str | None = None,
 ) -> ParallelModule:
     """Compile ``model`` for ``plan`` on the current process group; the model is not modified.
 
@@ -59,7 +60,8 @@ def parallelize(
     per pipeline chunk (default: balanced by the cost model).  ``max_grad_norm``: clip the
     global gradient norm (every shard, each parameter once) before each step; ``pm.last_grad_norm``
     is the norm before clipping (None without clipping).  ``lr_scheduler``: a factory called with the optimizer of
-    this rank, stepped once per ``train_step`` and saved in checkpoints.
+    this rank, stepped once per ``train_step`` and saved in checkpoints.  ``mixed_precision``:
+    only None today (bf16 with fp32 masters is planned; other values are refused).
     """
     if loss_fn is None:
         raise AutoparError("autopar: parallelize needs loss_fn(output, target) to train the model; "
@@ -70,6 +72,11 @@ def parallelize(
     traced, program = compile_program(model, example_inputs, example_kwargs, plan, loss_fn,
                                       world_size=world_size, example_target=example_target,
                                       bucket_bytes=bucket_bytes, pipeline_split=pipeline_split)
+    if mixed_precision is not None:
+        raise AutoparError(
+            f"autopar: mixed_precision={mixed_precision!r} is not supported yet; the runtime trains in the "
+            "model's own dtype. Use mixed_precision=None (cast the model yourself, e.g. model.to(torch.bfloat16), "
+            "for pure-bf16 training), and see docs/quickstart.md ('Training options').")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise AutoparError(f"autopar: max_grad_norm={max_grad_norm}; expected a positive number (or None: no clipping).")
     return ParallelModule(model, traced, program, program.plan, optimizer or torch.optim.AdamW,

@@ -97,3 +97,11 @@ def test_single_process_plan_trains():
         opt.step()
         assert abs(pm.train_step((ids,), target) - expected.item()) < 1e-6
     assert pm.comm_stats() == []
+
+
+def test_mixed_precision_is_refused_clearly():
+    factory, loss_fn, kwargs = MODELS["example"]
+    ids, _ = make_batch(128, 2, 8, seed=0)
+    with pytest.raises(AutoparError, match=r"^autopar: mixed_precision='bf16' is not supported yet"):
+        autopar.parallelize(factory(), example_inputs=(ids,), example_kwargs=kwargs, loss_fn=loss_fn,
+                            mixed_precision="bf16")
