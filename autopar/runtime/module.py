@@ -327,7 +327,9 @@ class ParallelModule:
         """The cost model's step time and MFU for this plan, when the hardware is known (a GPU)."""
         if self._prediction is None:
             batch, seq = global_sizes(inputs, self.plan, local=self._local_batch)
-            self._prediction = predict_step(self.program.structure, self.plan, seq or 1, int(batch))
+            width = next((dtype.itemsize for _, dtype in self._full_meta.values() if dtype.is_floating_point), 4)
+            self._prediction = predict_step(self.program.structure, self.plan, seq or 1, int(batch),
+                                            dtype_bytes=width)  # the precision the model trains in
         return self._prediction
 
     def _check_inputs(self, inputs: Sequence[Any]) -> tuple:
