@@ -12,7 +12,8 @@ from typing import Any
 import torch
 
 __all__ = ["sym_expr", "sym_hint", "flatten_mesh", "rename_node", "tensor_base", "set_buffer",
-           "ASSERT_METADATA_OPS", "is_guards_call", "recording_stage_class", "compute_kinds", "pipeline_order"]
+           "ASSERT_METADATA_OPS", "is_guards_call", "recording_stage_class", "compute_kinds", "pipeline_order",
+           "top_saved_tensors_hooks"]
 
 
 def sym_expr(size: Any):
@@ -33,6 +34,14 @@ def flatten_mesh(mesh, dims: tuple[str, ...], name: str):
     (``DeviceMesh._flatten``: the only way to get one process group over two mesh axes
     that DeviceMesh keeps consistent with its other groups)."""
     return mesh[dims]._flatten(name)
+
+
+def map_tensors(tree: Any, fn) -> Any:
+    """``fn`` applied to every tensor of a nested output (tuples, dicts, Hugging Face
+    ``ModelOutput``s, which transformers registers with torch's private pytree)."""
+    from torch.utils import _pytree
+
+    return _pytree.tree_map_only(torch.Tensor, fn, tree)
 
 
 def rename_node(node, name: str) -> None:
@@ -64,7 +73,11 @@ def is_guards_call(node) -> bool:
 def recording_stage_class(on_ops):
     """A ``PipelineStage`` subclass that passes every P2P op list it posts to
     ``on_ops(ops, phase, stage_index)``.  The ``get_*_ops`` methods are PipelineStage
-    internals; they are the one place where every send and receive buffer is known."""
+    internals; they are the one place where every send and receive buffer is known.
+
+    An instance's ``after_backward`` attribute (None by default), if set, is called after
+    each of its backward actions (full, input-only or weight): torch's weight backward
+    accumulates ``param.grad`` by hand, so post-accumulate-grad hooks do not fire there."""
     from torch.distributed.pipelining import PipelineStage
 
     def recording(name: str, phase: str):
@@ -76,9 +89,21 @@ def recording_stage_class(on_ops):
         method.__name__ = name
         return method
 
+    def notifying(name: str):
+        def method(self, *args, **kwargs):
+            out = getattr(PipelineStage, name)(self, *args, **kwargs)
+            if self.after_backward is not None:
+                self.after_backward()
+            return out
+
+        method.__name__ = name
+        return method
+
     methods = {name: recording(name, phase) for name, phase in (
         ("get_fwd_recv_ops", "fwd"), ("get_fwd_send_ops", "fwd"),
         ("get_bwd_recv_ops", "bwd"), ("get_bwd_send_ops", "bwd"))}
+    methods.update({name: notifying(name) for name in ("backward_one_chunk", "backward_weight_one_chunk")})
+    methods["after_backward"] = None
     return type("RecordingStage", (PipelineStage,), methods)
 
 
@@ -114,3 +139,11 @@ def pipeline_order(schedule) -> list[list[tuple[str, int, int]]]:
                 slots.append(acts)
         out.append(slots)
     return out
+
+
+def top_saved_tensors_hooks():
+    """The innermost ``saved_tensors_hooks`` pair now active, ``(pack, unpack)``, or None
+    (``torch._C._autograd._top_saved_tensors_default_hooks``): activation recompute
+    (:mod:`autopar.ops.recompute`) pushes hooks inside torch checkpoint's own and must
+    delegate to them; hooks do not chain, and no public API returns the active pair."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from autopar.errors import AutoparError
 
 __all__ = ["CP_VARIANTS", "SCHEDULES", "RECOMPUTE_MODES", "V_SCHEDULES", "MULTI_CHUNK_SCHEDULES",
+           "SPLIT_BACKWARD_SCHEDULES",
            "chunks_per_rank", "chunk_rank", "micro_batches_ok", "valid_micro_batches",
            "check_micro_batches", "ulysses_heads_ok", "ulysses_fits"]
 
@@ -31,6 +32,9 @@ V_SCHEDULES = ("zbv", "dualpipev")
 """Schedules that run exactly two model chunks per rank, placed in a "V"."""
 MULTI_CHUNK_SCHEDULES = ("interleaved",) + V_SCHEDULES
 """Schedules that hold several model chunks per rank (the others hold one)."""
+SPLIT_BACKWARD_SCHEDULES = ("zbv", "dualpipev")
+"""Schedules that split a backward into input gradients, then weight gradients: two autograd
+passes per chunk and micro-batch (each recomputes a checkpointed region again)."""
 
 
 def chunks_per_rank(schedule: str, vpp: int) -> int:

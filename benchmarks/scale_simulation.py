@@ -1,15 +1,21 @@
-"""Scale simulation: compile and step a full-size model in one CPU process, count its bytes.
+"""Scale simulation: compile and step one rank of a full-size model in one CPU process, count its bytes.
 
-A Llama-3-70B-shaped ``transformers.LlamaForCausalLM`` (80 layers, hidden 8192) is built
-on the meta device (no memory), compiled by ``autopar.parallelize`` for a plan under a
-*fake* process group of the full world size (``torch.distributed`` backend "fake": every
-collective is a no-op), and stepped once.  The runtime records every collective of this
-rank exactly as on a real cluster, so the per-rank bytes can be compared with the cost
-model's ``comm_table()`` for the same shapes; parameter bytes per rank are compared
-with the cost model's memory terms.
+A Llama-shaped ``transformers.LlamaForCausalLM`` at full width (``--model``: a dense preset of
+``autopar.ModelSpec``, default Llama-3-70B, hidden 8192; ``--layers`` overrides the depth) is
+built on the meta device (no memory), compiled by ``autopar.parallelize`` for ``--plan`` as rank
+``--rank`` of a *fake* process group of the plan's world size (``torch.distributed`` backend
+"fake": every collective is a no-op), so it is that rank's pipeline stage that compiles, and
+stepped once.  The runtime records every collective of the rank exactly as on a real cluster;
+they are compared call for call and byte for byte with the cost model's ``comm_table(stage)``
+for the same shapes, and the rank's parameter bytes with the cost model's parameter memory
+(fp32, ``dtype_bytes=4``, the meta model's dtype).  The exit status is non-zero when anything
+differs.
 
-Run: ``python benchmarks/scale_simulation.py [--layers 80] [--plan tp=8,sp,dp=16] [--seq 8192]``
-(progress is printed as it goes; the 80-layer compile takes a few minutes on 2 cores).
+Mixture-of-experts presets are refused: routing depends on the data, and a meta-device step
+has none (price them offline with ``autopar.estimate(..., routing_imbalance=...)``).
+
+Run: ``python benchmarks/scale_simulation.py --plan PLAN [--layers L] [--rank R] [--model PRESET]
+[--seq S] [--micro-batch B]`` (progress is printed as it goes).
 """
 from __future__ import annotations
 
@@ -27,67 +33,120 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import autopar  # noqa: E402
 
-__all__ = ["simulate", "main"]
+__all__ = ["simulate", "compare", "main"]
 
 
 def _loss(out, target):
     return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
 
 
-def simulate(layers: int, plan: str, seq: int, micro_batch: int, log=print) -> dict:
+def _spec(model: str, layers: int | None) -> "autopar.ModelSpec":
+    import dataclasses
+
+    spec = autopar.ModelSpec.preset(model)
+    if spec.is_moe:
+        raise SystemExit(f"scale_simulation: {model} is a mixture-of-experts model; a meta-device step has no "
+                         "routing, so its all-to-all bytes cannot be measured. Price it with autopar.estimate "
+                         "(routing_imbalance=...) instead.")
+    return dataclasses.replace(spec, num_layers=layers) if layers else spec
+
+
+def _config(spec, seq: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
+                       num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
+                       num_key_value_heads=spec.num_kv_heads or spec.num_heads, head_dim=spec.head_dim,
+                       max_position_embeddings=seq, tie_word_embeddings=spec.tied_embeddings,
+                       attn_implementation="sdpa")
+
+
+def simulate(layers: int | None, plan: str, seq: int, micro_batch: int, *, rank: int = 0,
+             model: str = "llama3-70b", log=print) -> dict:
+    """Compile and step rank ``rank`` under a fake world; what it measured and what the cost model says."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaForCausalLM
 
     p = autopar.Plan.parse(plan)
-    cfg = LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=layers,
-                      num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=seq,
-                      attn_implementation="sdpa")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p.world_size)
+    if not 0 <= rank < p.world_size:
+        raise SystemExit(f"scale_simulation: --rank {rank} is outside the plan's world of {p.world_size} ranks")
+    spec = _spec(model, layers)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p.world_size)
     try:
         with torch.device("meta"):
-            model = LlamaForCausalLM(cfg)
+            net = LlamaForCausalLM(_config(spec, seq))
         batch = micro_batch * p.dp * p.mb
         ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
-        log(f"[1/3] compiling {layers}-layer Llama (hidden 8192) for '{plan}' on a fake world of {p.world_size}")
+        log(f"[1/3] compiling {spec.num_layers}-layer {model} (hidden {spec.hidden}) for '{plan}' as rank {rank} "
+            f"of a fake world of {p.world_size}")
         start = time.perf_counter()
-        pm = autopar.parallelize(model, (ids,), {"use_cache": False}, plan=plan, loss_fn=_loss)
+        pm = autopar.parallelize(net, (ids,), {"use_cache": False}, plan=plan, loss_fn=_loss)
+        seconds = time.perf_counter() - start
         for line in pm.program.log:
             log(f"      {line}")
-        log(f"      compiled in {time.perf_counter() - start:.1f} s")
+        log(f"      compiled in {seconds:.1f} s")
         log("[2/3] one training step on the meta device")
         pm.train_step((ids,), ids)
         log("[3/3] comparing with the cost model")
-        spec = autopar.ModelSpec(name="llama3-70b-shaped", num_layers=layers, hidden=8192, num_heads=64,
-                                 num_kv_heads=8, ffn=28672, vocab=128256)
-        cluster = autopar.Cluster.for_world("h100", p.world_size)
-        cost = autopar.estimate(spec, cluster, plan, seq_len=seq, global_batch=batch, dtype_bytes=4)
-        measured = collections.defaultdict(float)
+        stage = pm.coords().get("pp", (0, 1))[0]
+        cost = autopar.estimate(spec, autopar.Cluster.for_world("h100", p.world_size), plan, seq_len=seq,
+                                global_batch=batch, dtype_bytes=4)
+        measured = collections.defaultdict(lambda: [0.0, 0])
         for r in pm.comm_stats():
-            measured[(r["phase"], r["op"], r["axis"])] += r["bytes_sent"]
-        predicted = collections.defaultdict(float)
-        for row in cost.comm_table():
-            predicted[(row.phase, row.collective, row.axis)] += row.bytes_sent * row.count
-        local_params = sum(t.numel() * t.element_size() for t in pm.gm.parameters())
-        return {"measured": dict(measured), "predicted": dict(predicted), "param_bytes": local_params,
-                "predicted_param_bytes": cost.memory()["params"]}
+            entry = measured[(r["phase"], r["op"], r["axis"])]
+            entry[0] += r["bytes_sent"] + r["bytes_recv"]
+            entry[1] += 1
+        predicted = collections.defaultdict(lambda: [0.0, 0])
+        for row in cost.comm_table(stage):
+            entry = predicted[(row.phase, row.collective, row.axis)]
+            entry[0] += (row.bytes_sent + row.bytes_recv) * row.count
+            entry[1] += row.count
+        held = set(pm.gm.parameters())
+        local_params = sum(t.numel() * t.element_size() for t in held)
+        held_masters = pm.memory_report().get("params", local_params)
+        return {"measured": {k: tuple(v) for k, v in measured.items()},
+                "predicted": {k: tuple(v) for k, v in predicted.items()},
+                "param_bytes": held_masters, "predicted_param_bytes": cost.memory(stage)["params"],
+                "stage": stage, "compile_seconds": seconds, "zero": p.zero}
     finally:
         dist.destroy_process_group()
 
 
+def compare(result: dict, out=print) -> bool:
+    """Print measured against predicted per collective; True when everything is equal."""
+    ok = True
+    out(f"\n{'phase':6s} {'collective':15s} {'axis':9s} {'calls':>6s} {'measured (bytes moved)':>24s} "
+        f"{'calls':>6s} {'cost model':>24s}  equal")
+    for key in sorted(set(result["measured"]) | set(result["predicted"])):
+        (m, mc), (p, pc) = result["measured"].get(key, (0.0, 0)), result["predicted"].get(key, (0.0, 0))
+        # Gradient all-reduces, and ZeRO-1/2's reduce-scatters and gathers of the updated
+        # parameters, run per bucket (bucket_bytes): the cost model's one row per step carries
+        # their bytes, not the bucket count (ZeRO-3's per-unit calls are counted).
+        per_bucket = {("grad", "all_reduce")} | ({("grad", "reduce_scatter"), ("step", "all_gather")}
+                                                 if result["zero"] in (1, 2) else set())
+        bucketed = key[:2] in per_bucket and key[2] in ("dp", "dp_cp", "edp")
+        equal = (bucketed or mc == round(pc)) and abs(m - p) <= 1e-9 * max(m, p, 1.0)
+        ok &= equal
+        out(f"{key[0]:6s} {key[1]:15s} {key[2]:9s} {mc:6d} {m:24,.0f} {pc:6.0f} {p:24,.0f}  {equal}")
+    params_equal = result["param_bytes"] == result["predicted_param_bytes"]
+    ok &= params_equal
+    out(f"parameter bytes on this rank (stage {result['stage']}): measured {result['param_bytes']:,}, "
+        f"cost model {result['predicted_param_bytes']:,.0f}  {params_equal}")
+    out(f"compiled in {result['compile_seconds']:.1f} s; {'all equal' if ok else 'DIFFERENCES FOUND'}")
+    return ok
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=80)
     ap.add_argument("--plan", default="tp=8,sp,dp=16")
+    ap.add_argument("--layers", type=int, default=None, help="depth (default: the preset's)")
+    ap.add_argument("--rank", type=int, default=0, help="the rank to compile (its pipeline stage)")
+    ap.add_argument("--model", default="llama3-70b", help="a dense autopar.ModelSpec preset")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--micro-batch", type=int, default=1)
     args = ap.parse_args(argv)
-    r = simulate(args.layers, args.plan, args.seq, args.micro_batch)
-    print(f"\n{'phase':6s} {'collective':15s} {'axis':5s} {'measured (bytes sent)':>24s} {'cost model':>24s}  equal")
-    for key in sorted(set(r["measured"]) | set(r["predicted"])):
-        m, p = r["measured"].get(key, 0.0), r["predicted"].get(key, 0.0)
-        print(f"{key[0]:6s} {key[1]:15s} {key[2]:5s} {m:24,.0f} {p:24,.0f}  {abs(m - p) <= 1e-9 * max(m, p, 1)}")
-    print(f"parameter bytes on this rank: measured {r['param_bytes']:,}, cost model {r['predicted_param_bytes']:,.0f}")
-    return 0
+    r = simulate(args.layers, args.plan, args.seq, args.micro_batch, rank=args.rank, model=args.model)
+    return 0 if compare(r) else 1
 
 
 if __name__ == "__main__":

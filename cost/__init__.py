@@ -20,7 +20,7 @@ rank, T_sp = T/tp under SP; l_d, l_e dense / MoE layers on the rank):
     PP   T*H*w*(1 - sp + sp/tp) per boundary send
     DP   2(n-1)/n * P*w_gc (ZeRO 0) or (n-1)/n * P*w_gc (ZeRO >= 1) + ZeRO gathers
   FLOPs                         2*T*(params touched) + 2*b*S^2*a*d/(tp*cp)  flops.gemm_classes
-  memory                        P*(w_p, w_g, w_o) / n under ZeRO            memory.memory_terms
+  memory                        P*(w_p or w_z, w_g, w_o) / n under ZeRO      memory.memory_terms
                                 + n_inflight * sum of per-layer activations  memory.derived_layer_bytes
   compute time                  F / (P_peak * eta_max * n/(n + kappa*1.5*w*P_peak/B_hbm))
                                 + element-wise bytes / B_hbm                time.compute_terms
@@ -30,8 +30,8 @@ rank, T_sp = T/tp under SP; l_d, l_e dense / MoE layers on the rank):
                                 bubble per schedule                          pipeline.bubble_expr
   derived                       tokens/s = B*S/step; MFU = model FLOPs / (step * GPUs * P_peak)
 
-model.py lambdifies all of it once and evaluates it over arrays of plans; calibration.py
-fits eta_max, kappa, epsilon and phi to calibration.md.
+model.py lambdifies all of it once (the generated code cached on disk, cache.py) and evaluates it
+over arrays of plans; calibration.py fits eta_max, kappa, epsilon and phi to calibration.md.
 """
 from .comm import CommRow
 from .estimate import Cost, Term, estimate

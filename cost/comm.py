@@ -26,7 +26,13 @@ Layer structure seen by the rows, per stage (``l_d`` dense and ``l_e`` MoE layer
     for dense weights, dp*cp/ep for experts), the parameter all-gather after the step (1-2)
     or per unit and micro-batch forward and backward (3; units = the stage's layers + 1 for
     embedding and head, as ``passes/zero.py`` groups them; expert rows count one unit).
-    Gradients partial over tp are summed once per step, on the dp*cp shard under ZeRO-2/3.
+    Gradients partial over tp are summed once per step, on the dp*cp shard under ZeRO-2/3;
+  * full recompute (passes/recompute.py): backward runs each layer's forward collectives
+    again but the trailing one (after down_proj or the MoE block), with phase ``bwd``: with
+    SP the all-gathers before q/k/v and gate/up and the reduce-scatter after o_proj, without
+    SP the all-reduce after o_proj; ZeRO-3 re-gathers a unit once in backward as without
+    recompute.  Selective recompute's regions hold no collective.  Recomputed CP attention
+    and MoE all-to-alls are not modelled (the runtime refuses recompute with cp or MoE).
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from .symbols import (CPAG, CPRING, CPUL, E, FIRST, V, LAST, NRECV, NSEND, SP, Z1, Z2, Z3, a, b, cp,
+from .symbols import (CPAG, CPRING, CPUL, E, FIRST, V, LAST, NRECV, NSEND, RFULL, SP, Z1, Z2, Z3, a, b, cp,
                       d, dp, ep, f, fe, g, gated, h, k, ld, le, m, nn, nsh, pp, qb, rho, s, tp,
                       w, wgc, wp)
 
@@ -218,6 +224,14 @@ def _tensor_parallel_rows() -> list[RowSpec]:
         "reduce-scatter of grads, dual of the forward all-gathers, [b, s, h]")
     add("bwd", "sp", "all_gather", "tp", tp, _ag(A / tp, tp), SP * (2 * ld + le + FIRST), True,
         "all-gather of grads, dual of the forward reduce-scatters, shard [b, s/tp, h]")
+    # Full recompute runs each layer's forward again in backward, but for its trailing collective
+    # (after down_proj or the MoE block), which passes/recompute.py leaves outside the region.
+    add("bwd", "tp", "all_reduce", "tp", tp, _ar(A, tp), RFULL * nsp * (ld + le), True,
+        "recomputed forward (full recompute): all-reduce after o_proj, [b, s, h]")
+    add("bwd", "sp", "all_gather", "tp", tp, _ag(A / tp, tp), RFULL * SP * (2 * ld + le), True,
+        "recomputed forward (full recompute): all-gather before q/k/v and gate/up, shard [b, s/tp, h]")
+    add("bwd", "sp", "reduce_scatter", "tp", tp, _rs(A, tp), RFULL * SP * (ld + le), True,
+        "recomputed forward (full recompute): reduce-scatter after o_proj, [b, s, h]")
     _, _, partial = local_param_elems()
     # Under ZeRO-2/3 the rank holds only its dp*cp shard of these gradients when it sums them.
     add("grad", "sp", "all_reduce", "tp", tp, _ar(partial * wgc * (1 - Z2 + Z2 / (dp * cp)), tp), 1, False,

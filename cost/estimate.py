@@ -100,23 +100,28 @@ class Cost:
         ``formulas=False`` leaves ``Term.formula`` None: the values alone are cheap, while
         substituting the plan into every sympy formula takes seconds (``autopar plan``'s table)."""
         model, r, mb = self._model, self.bottleneck_rank, self.plan.mb
-        exprs = dict(zip(model.names, model.exprs))
-        formula = self._formula if formulas else (lambda expr: None)
+        # The sympy formulas are touched only when asked for (from the disk cache they are rebuilt).
+        exprs = dict(zip(model.names, model.exprs)) if formulas else {}
+
+        def formula(name, scale=1):
+            return self._formula(scale * exprs[name]) if formulas else None
+
         terms: list[Term] = []
-        for name in exprs:
+        for name in model.names:
             if name.startswith("compute.") and self._value(name, r) > 0:
-                terms.append(Term(name, "compute", formula(S.m * exprs[name]), mb * self._value(name, r)))
+                terms.append(Term(name, "compute", formula(name, S.m), mb * self._value(name, r)))
         for i, row in enumerate(model.rows):
             value = self._value(f"row{i}.time", r)
             if value > 0 and self._value(f"row{i}.count", r) > 0:
                 label = f"comm.{row.phase}.{row.dimension}.{row.collective}"
-                terms.append(Term(label, "comm", formula(exprs[f"row{i}.time"]), value))
-                terms.append(Term(label + " (exposed)", "comm", formula(exprs[f"row{i}.exposed"]),
+                terms.append(Term(label, "comm", formula(f"row{i}.time"), value))
+                terms.append(Term(label + " (exposed)", "comm", formula(f"row{i}.exposed"),
                                   self._value(f"row{i}.exposed", r)))
-        terms.append(Term("bubble", "bubble", formula(self._bubble_formula()), self.bubble))
-        terms.append(Term("optimizer", "step", formula(exprs["optimizer"]), self._value("optimizer", r)))
+        bubble = self._formula(self._bubble_formula()) if formulas else None
+        terms.append(Term("bubble", "bubble", bubble, self.bubble))
+        terms.append(Term("optimizer", "step", formula("optimizer"), self._value("optimizer", r)))
         for name, value in self.memory().items():
-            terms.append(Term(f"memory.{name}", "memory", formula(exprs[f"memory.{name}"]), value))
+            terms.append(Term(f"memory.{name}", "memory", formula(f"memory.{name}"), value))
         return terms
 
     def _bubble_formula(self):

@@ -1,15 +1,21 @@
 """Memory per GPU: parameters, gradients, optimizer state, activations.
 
 Precision conventions (``estimate(..., dtype_bytes=...)``):
-  * ``dtype_bytes=2`` (mixed precision, Megatron): bf16 parameters (2 B), fp32 main
-    gradients (``grad_bytes``, default 4 B), fp32 master weights + Adam m, v (12 B):
+  * ``dtype_bytes=2`` (mixed precision, Megatron; the runtime's ``mixed_precision="bf16"``):
+    bf16 parameters (w_p = 2 B), fp32 main gradients (``grad_bytes``, default w_g = 4 B),
+    reduced in the dtype they are held in (w_gc = w_g: Megatron-LM forces fp32
+    accumulation and all-reduce with bf16), fp32 master weights + Adam m, v (w_o = 12 B):
     18 B per parameter before ZeRO (the ZeRO paper's 16 B assumes 2-byte gradients:
-    pass ``grad_bytes=2``);
+    pass ``grad_bytes=2``, which also reduces them in bf16);
   * ``dtype_bytes=4`` (all fp32, the CPU tests with torch AdamW): 4 B parameters, 4 B
     gradients, Adam m, v (8 B), no master copy.
 ZeRO over the ``n`` ranks holding copies (dp*cp for dense weights, dp*cp/ep for
 experts): stage >= 1 divides the optimizer state by n, >= 2 the gradients, 3 the
-parameters (plus a double buffer of one gathered layer).
+parameters (plus a double buffer of one gathered layer, in w_p).  Under stage 3 the
+shard held is w_z bytes per element beyond the optimizer term: w_z = w_p in fp32; with
+mixed precision w_z = 0, because the fp32 master shard (in w_o) is the parameter shard,
+cast to bf16 as it is gathered (FSDP2's MixedPrecisionPolicy layout, not DeepSpeed's,
+which keeps a bf16 shard besides the master).
 
 Activations per layer and micro-batch, bytes, with T = b*S/cp tokens on the rank and
 T_sp = T/tp under SP (T otherwise) -- our derivation of what autopar's eager programs save
@@ -35,8 +41,10 @@ expand + reshape, no dropout; checked tensor by tensor against ``ParallelModule.
              output, dropout mask, dropped probabilities; recomputed by selective)
   CP allgather: the gathered K,V are kept, + (cp - 1)*T*2g*d*w/tp
 Selective recompute recomputes attention (drops its output and LSE) and the MLP
-activation function (drops silu(gate) and the product, or gelu(up)). Full recompute keeps
-only each layer's input T_sp*h*w, plus one layer's activations while it recomputes.
+activation function (drops silu(gate) and the product, or gelu(up)), plus, while backward
+recomputes one of them, the larger of the two (``recompute_buffer``). Full recompute keeps
+only each layer's input T_sp*h*w, plus one layer's activations while it recomputes
+(passes/recompute.py cuts these regions; ParallelModule.memory_report measures both parts).
 Outside the layers, for one micro-batch: the first stage keeps the int64 token ids its
 embedding saves (8*T); the last stage the final norm (as above), the LM head's input
 (T*h*w, all-gathered under SP) and the loss buffers: fp32 log-softmax of the logits (a loss
@@ -55,17 +63,20 @@ import sympy as sp
 
 from .comm import local_param_elems
 from .symbols import (FIRST, FLASH, CPAG, INFL, LAST, RFULL, RSEL, SP, Z1, Z2, Z3, E, V, a, b, cp, d, dp, ep, f,
-                      fe, g, gated, h, k, ld, le, nsh, rho, s, tp, w, wg, wo, wp)
+                      fe, g, gated, h, k, ld, le, nsh, rho, s, tp, w, wg, wo, wp, wz)
 
 __all__ = ["memory_terms", "derived_layer_bytes", "derived_outside_bytes", "korthikanti_layer_bytes",
            "precision_bytes"]
 
 
 def precision_bytes(dtype_bytes: int, grad_bytes: int | None = None) -> dict[str, float]:
-    """Bytes per parameter element: (param, grad held, grad reduced, optimizer state)."""
+    """Bytes per parameter element: param, grad held, grad reduced, optimizer state (with the
+    master copy), ZeRO-3 shard beyond the master (see the module docstring)."""
     if dtype_bytes >= 4:
-        return dict(w_p=dtype_bytes, w_g=grad_bytes or dtype_bytes, w_gc=dtype_bytes, w_o=2 * dtype_bytes)
-    return dict(w_p=dtype_bytes, w_g=grad_bytes or 4, w_gc=dtype_bytes, w_o=12)
+        return dict(w_p=dtype_bytes, w_g=grad_bytes or dtype_bytes, w_gc=dtype_bytes, w_o=2 * dtype_bytes,
+                    w_z=dtype_bytes)
+    grad = grad_bytes or 4
+    return dict(w_p=dtype_bytes, w_g=grad, w_gc=grad, w_o=12, w_z=0)
 
 
 def _at_least_two(x):
@@ -79,7 +90,7 @@ def _norm_bytes(tokens):
 
 
 def derived_layer_bytes():
-    """(dense layer, MoE layer, full-recompute working set) activation bytes per micro-batch."""
+    """(dense layer, MoE layer, recompute working set) activation bytes per micro-batch."""
     T = b * s / cp
     t_sp = T * (1 - SP + SP / tp)
     norms = 2 * _norm_bytes(t_sp)
@@ -106,7 +117,11 @@ def derived_layer_bytes():
     layer_input = t_sp * h * w
     dense = RFULL * layer_input + keep * (full_dense - RSEL * (attn_out + mlp_act))
     moe = RFULL * layer_input + keep * (full_moe - RSEL * (attn_out + moe_act))
-    working = RFULL * (ld * full_dense + le * full_moe) / (ld + le)
+    # What one recomputation holds in backward: a whole layer (full); under selective the larger
+    # of the two regions a layer recomputes, one at a time (attention output + LSE, MLP activations).
+    larger = lambda x, y: sp.Max(x, y, evaluate=False)  # noqa: E731
+    working = (RFULL * (ld * full_dense + le * full_moe)
+               + RSEL * (ld * larger(attn_out, mlp_act) + le * larger(attn_out, moe_act))) / (ld + le)
     return dense, moe, working
 
 
@@ -134,7 +149,8 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
     dense, expert, _ = local_param_elems()
     n_dense, n_exp = dp * cp, tp * dp * cp / ep  # experts are whole on each TP rank
     shard = lambda P, n, z: P * (1 - z + z / n)  # noqa: E731
-    params = (shard(dense, n_dense, Z3) + shard(expert, n_exp, Z3)) * wp
+    # Unsharded parameters in w_p; under ZeRO-3 the shard in w_z (0 when the master is it).
+    params = (dense + expert) * (1 - Z3) * wp + Z3 * (dense / n_dense + expert / n_exp) * wz
     grads = (shard(dense, n_dense, Z2) + shard(expert, n_exp, Z2)) * wg
     optimizer = (shard(dense, n_dense, Z1) + shard(expert, n_exp, Z1)) * wo
     zero3_buffer = Z3 * 2 * (dense + expert) / (ld + le) * wp

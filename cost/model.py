@@ -2,22 +2,26 @@
 
 ``compiled(activation_formula, full)`` gathers the per-stage formulas of flops.py,
 memory.py, comm.py and time.py into one list, lambdifies it once (numpy, common
-subexpressions shared) and caches it. ``evaluate`` fills the symbols with numbers --
-model and hardware as scalars, plans (and the pipeline rank being scored) as arrays --
-and returns one array per output. ``estimate.py`` scores one plan on every pipeline
-rank, ``autopar.search`` millions of (plan, rank) pairs in a few calls; sympy is never
-called per candidate.
+subexpressions shared) and caches it, in the process and on disk (cache.py: the
+generated numpy source, keyed by a hash of the cost model's sources and the sympy and
+numpy versions, so that a warm process neither builds nor lambdifies a formula).
+``evaluate`` fills the symbols with numbers -- model and hardware as scalars, plans (and
+the pipeline rank being scored) as arrays -- and returns one array per output.
+``estimate.py`` scores one plan on every pipeline rank, ``autopar.search`` millions of
+(plan, rank) pairs in a few calls; sympy is never called per candidate.
 """
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import sympy as sp
 
 from autopar.plan import CP_VARIANTS, RECOMPUTE_MODES, SCHEDULES
 
+from . import cache as _cache
 from . import symbols as S
 from .comm import RowSpec, row_specs
 from .hardware import Cluster, axis_link_arrays
@@ -25,24 +29,53 @@ from .memory import memory_terms, precision_bytes
 from .pipeline import T_b, T_f, T_w, bubble_expr
 from .time import CALIBRATED, compute_terms, exposure, link_symbols, optimizer_time, row_time
 
-__all__ = ["LINK_AXES", "Compiled", "compiled", "compiled_memory", "compiled_compute",
+__all__ = ["LINK_AXES", "Compiled", "RowInfo", "compiled", "compiled_memory", "compiled_compute",
            "model_values", "plan_values", "link_values", "evaluate", "step_time_arrays"]
 
 # link-symbol tag -> mesh axis geometry in hardware.axis_geometry
 LINK_AXES = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": "dp_cp", "edp": "edp"}
 
-_NP_MODULES = [{"Max": lambda *x: functools.reduce(np.maximum, x),
-                "Min": lambda *x: functools.reduce(np.minimum, x)}, "numpy"]
+_NP_FUNCTIONS = {"Max": lambda *x: functools.reduce(np.maximum, x),
+                 "Min": lambda *x: functools.reduce(np.minimum, x)}
+_NP_MODULES = [_NP_FUNCTIONS, "numpy"]
+
+# (rows, output names, output formulas) of one compiled variant
+Outputs = tuple[list[RowSpec], list[str], list[sp.Expr]]
+
+
+@dataclass(frozen=True)
+class RowInfo:
+    """A collective kind of ``comm.row_specs()`` without its formulas (outputs ``row{i}.*`` carry them)."""
+
+    phase: str
+    dimension: str
+    collective: str
+    axis: str
+    per_mb: bool
+    what: str
+    routed: bool = False
 
 
 @dataclass
 class Compiled:
-    rows: list[RowSpec]
+    """Output names, input symbol names and the numpy function of one compiled variant.
+
+    ``exprs`` (the sympy formulas, one per output) are built on first use when the
+    function came from the disk cache."""
+
+    rows: list[RowInfo]
     names: list[str]
-    exprs: list[sp.Expr]
-    inputs: list[sp.Symbol]
+    input_names: list[str]
     fn: object
     bubble_fns: dict
+    _outputs: Callable[[], Outputs] = field(repr=False)
+    _exprs: list | None = field(default=None, repr=False)
+
+    @property
+    def exprs(self) -> list[sp.Expr]:
+        if self._exprs is None:
+            self._exprs = self._outputs()[2]
+        return self._exprs
 
 
 def _link_symbol_list():
@@ -53,28 +86,55 @@ def _link_symbol_list():
     return out
 
 
+def _lambdified(entry: str, outputs: Callable[[], Outputs], bubbles: bool = False) -> Compiled:
+    """``outputs()`` lambdified (with each schedule's bubble formula if ``bubbles``), through the disk cache."""
+    key = _cache.source_key()
+    stored = _cache.load(entry, key)
+    if stored is not None:
+        try:
+            fns = _cache.load_functions(stored["functions"], _NP_FUNCTIONS)
+            return Compiled([RowInfo(*row) for row in stored["rows"]], stored["names"], stored["inputs"],
+                            fns.pop("fn"), {name[len("bubble."):]: fn for name, fn in fns.items()}, outputs)
+        except Exception:  # noqa: BLE001 -- a foreign or damaged entry: compile instead
+            pass
+    rows, names, exprs = outputs()
+    inputs = sorted(set().union(*(e.free_symbols for e in exprs)), key=lambda x: x.name)
+    fns = {"fn": sp.lambdify(inputs, exprs, modules=_NP_MODULES, cse=True)}
+    if bubbles:
+        fns.update({f"bubble.{name}": sp.lambdify([T_f, T_b, T_w, S.pp, S.vpp], bubble_expr(name),
+                                                  modules=_NP_MODULES) for name in SCHEDULES})
+    info = [RowInfo(r.phase, r.dimension, r.collective, r.axis, r.per_mb, r.what, r.routed) for r in rows]
+    model = Compiled(info, names, [x.name for x in inputs], fns["fn"],
+                     {name[len("bubble."):]: fn for name, fn in fns.items() if name != "fn"}, outputs, exprs)
+    functions = _cache.dump_functions(fns, _NP_FUNCTIONS)
+    if functions is not None:
+        _cache.store(entry, key, {"rows": [list(vars(r).values()) for r in info], "names": names,
+                                  "inputs": model.input_names, "functions": functions})
+    return model
+
+
+def _memory_outputs(activation_formula: str) -> Outputs:
+    return [], ["memory"], [sp.sympify(sum(memory_terms(activation_formula).values()))]
+
+
 @functools.lru_cache(maxsize=8)
 def compiled_memory(activation_formula: str = "derived") -> Compiled:
     """Only the memory total (search prunes with it before scoring time)."""
-    expr = sp.sympify(sum(memory_terms(activation_formula).values()))
-    inputs = sorted(expr.free_symbols, key=lambda x: x.name)
-    fn = sp.lambdify(inputs, [expr], modules=_NP_MODULES, cse=True)
-    return Compiled([], ["memory"], [expr], inputs, fn, {})
+    return _lambdified(f"memory-{activation_formula}", functools.partial(_memory_outputs, activation_formula))
+
+
+def _compute_outputs() -> Outputs:
+    comp = compute_terms()
+    return [], ["T_f", "T_b", "T_w"], [sp.sympify(comp[k]) for k in ("fwd", "bwd", "wgrad")]
 
 
 @functools.lru_cache(maxsize=2)
 def compiled_compute() -> Compiled:
     """Only compute time per micro-batch (T_f, T_b without communication): a lower bound for search."""
-    comp = compute_terms()
-    names = ["T_f", "T_b", "T_w"]
-    exprs = [sp.sympify(comp[k]) for k in ("fwd", "bwd", "wgrad")]
-    inputs = sorted(set().union(*(e.free_symbols for e in exprs)), key=lambda x: x.name)
-    fn = sp.lambdify(inputs, exprs, modules=_NP_MODULES, cse=True)
-    return Compiled([], names, exprs, inputs, fn, {})
+    return _lambdified("compute", _compute_outputs)
 
 
-@functools.lru_cache(maxsize=8)
-def compiled(activation_formula: str = "derived", full: bool = False) -> Compiled:
+def _model_outputs(activation_formula: str, full: bool) -> Outputs:
     rows = row_specs()
     comp = compute_terms()
     exposed = {"fwd": sp.Integer(0), "bwd": sp.Integer(0), "step": sp.Integer(0)}
@@ -103,13 +163,13 @@ def compiled(activation_formula: str = "derived", full: bool = False) -> Compile
         outputs += [("exposed.fwd", exposed["fwd"]), ("exposed.bwd", exposed["bwd"])]
         outputs += [(f"memory.{name}", expr) for name, expr in mem.items()]
         outputs += row_outputs
-    names = [n for n, _ in outputs]
-    exprs = [sp.sympify(e) for _, e in outputs]
-    inputs = sorted(set().union(*(e.free_symbols for e in exprs)), key=lambda x: x.name)
-    fn = sp.lambdify(inputs, exprs, modules=_NP_MODULES, cse=True)
-    bubble_fns = {name: sp.lambdify([T_f, T_b, T_w, S.pp, S.vpp], bubble_expr(name), modules=_NP_MODULES)
-                  for name in SCHEDULES}
-    return Compiled(rows, names, exprs, inputs, fn, bubble_fns)
+    return rows, [n for n, _ in outputs], [sp.sympify(e) for _, e in outputs]
+
+
+@functools.lru_cache(maxsize=8)
+def compiled(activation_formula: str = "derived", full: bool = False) -> Compiled:
+    return _lambdified(f"model-{activation_formula}-{'full' if full else 'search'}",
+                       functools.partial(_model_outputs, activation_formula, full), bubbles=True)
 
 
 def model_values(spec, *, dtype_bytes: int, grad_bytes: int | None, routing_imbalance: float,
@@ -176,10 +236,10 @@ def plan_values(cluster: Cluster, arrays: dict[str, np.ndarray], *, constants: d
 
 def evaluate(model: Compiled, values: dict) -> dict[str, np.ndarray]:
     args = []
-    for sym in model.inputs:
-        if sym.name not in values:
-            raise KeyError(f"cost model input {sym.name!r} has no value")
-        args.append(values[sym.name])
+    for name in model.input_names:
+        if name not in values:
+            raise KeyError(f"cost model input {name!r} has no value")
+        args.append(values[name])
     if not args:
         return {}
     sizes = [np.size(v) for v in args if np.ndim(v)]

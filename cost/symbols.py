@@ -26,7 +26,7 @@ __all__ = [
     "gated", "ld", "le", "L", "Le",
     "tp", "dp", "cp", "pp", "ep", "vpp", "m", "SP", "RSEL", "RFULL",
     "Z1", "Z2", "Z3", "CPRING", "CPAG", "CPUL", "FIRST", "LAST", "INFL", "NSEND", "NRECV",
-    "rho", "FLASH", "wg", "wgc", "wo", "wp",
+    "rho", "FLASH", "wg", "wgc", "wo", "wp", "wz",
     "peak", "hbm_bw", "eta_max", "kappa", "eps", "phi",
     "MODEL_SYMBOLS", "PLAN_SYMBOLS", "ALL_SYMBOLS", "axis_link_symbols",
 ]
@@ -60,7 +60,8 @@ FLASH = sp.Symbol("flash", nonnegative=True)            # 1: fused (flash) atten
 wp = sp.Symbol("w_p", **_pos)    # parameter
 wg = sp.Symbol("w_g", **_pos)    # gradient held in memory
 wgc = sp.Symbol("w_gc", **_pos)  # gradient as reduced over dp
-wo = sp.Symbol("w_o", nonnegative=True)  # optimizer state per parameter
+wo = sp.Symbol("w_o", nonnegative=True)  # optimizer state per parameter (with the fp32 master, if any)
+wz = sp.Symbol("w_z", nonnegative=True)  # ZeRO-3 parameter shard, beyond the master copy counted in w_o
 
 # ---- hardware and calibration
 peak, hbm_bw = sp.symbols("P_peak B_hbm", **_pos)
@@ -75,4 +76,4 @@ def axis_link_symbols(axis: str):
 MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, nn, qb, gated, L, Le)
 PLAN_SYMBOLS = (tp, dp, cp, pp, ep, vpp, m, SP, RSEL, RFULL, Z1, Z2, Z3, CPRING, CPAG, CPUL,
                 FIRST, LAST, INFL, NSEND, NRECV, ld, le, rho, FLASH)
-ALL_SYMBOLS = MODEL_SYMBOLS + PLAN_SYMBOLS + (wp, wg, wgc, wo, peak, hbm_bw, eta_max, kappa, eps, phi)
+ALL_SYMBOLS = MODEL_SYMBOLS + PLAN_SYMBOLS + (wp, wg, wgc, wo, wz, peak, hbm_bw, eta_max, kappa, eps, phi)

@@ -23,10 +23,15 @@ clips the global gradient norm, warms the learning rate up linearly and decays i
 cosine, evaluates a held-out batch every 5 steps (``eval step {i} loss {loss}``) and prints
 each step's gradient norm, learning rate and throughput (``stats step {i} ...``: autopar's
 ``pm.last_step_stats``, with the cost model's predicted step time and MFU on GPUs).
+
+``--bf16`` trains in bf16 mixed precision: ``mixed_precision="bf16"`` with a plan (on GPUs
+under torchrun this is the usual way to train), and on the plain path the same recipe by
+hand (a bf16 copy for forward and backward, the loss on fp32 logits, fp32 masters stepped).
 """
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import math
 import os
@@ -118,17 +123,28 @@ def _report(args, step: int, rank: int, loss: float, grad_norm, lr: float, secon
         print(f"eval step {step} loss {evaluated:.6f}", flush=True)
 
 
+def _fp32_outputs(output):
+    """The model's floating outputs in fp32 (the bf16 recipe computes the loss in fp32)."""
+    if hasattr(output, "logits"):
+        output.logits = output.logits.float()
+        return output
+    return output.float()
+
+
 def _train_plain(args, model, loss_fn, kwargs, optimizer_factory, rank: int) -> None:
     model.train()
     optimizer = optimizer_factory(model.parameters())
     scheduler = scheduler_factory(args)(optimizer)
+    # --bf16: a bf16 working copy runs forward and backward; the fp32 model holds the masters.
+    work = copy.deepcopy(model).to(torch.bfloat16) if args.bf16 else model
+    run = (lambda ids: _fp32_outputs(work(ids, **kwargs))) if args.bf16 else (lambda ids: model(ids, **kwargs))
 
     def evaluate() -> float:
-        model.eval()
+        work.eval()
         with torch.no_grad():
             ids, target = eval_batch(args)
-            value = loss_fn(model(ids, **kwargs), target).item()
-        model.train()
+            value = loss_fn(run(ids), target).item()
+        work.train()
         return value
 
     for step in range(args.steps):
@@ -136,13 +152,20 @@ def _train_plain(args, model, loss_fn, kwargs, optimizer_factory, rank: int) -> 
         ids, target = batch_for_step(args, step)
         optimizer.zero_grad(set_to_none=True)
         lr = optimizer.param_groups[0]["lr"]
-        loss = loss_fn(model(ids, **kwargs), target)
+        loss = loss_fn(run(ids), target)
         loss.backward()
+        if args.bf16:  # the bf16 gradients into the fp32 masters' .grad
+            for master, p in zip(model.parameters(), work.parameters()):
+                master.grad, p.grad = p.grad.float(), None
         norm = None
         if args.max_grad_norm is not None:
             norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm))
         optimizer.step()
         scheduler.step()
+        if args.bf16:
+            with torch.no_grad():
+                for master, p in zip(model.parameters(), work.parameters()):
+                    p.copy_(master)
         _report(args, step, rank, loss.item(), norm, lr, time.perf_counter() - start, evaluate)
 
 
@@ -162,6 +185,7 @@ def _train_autopar(args, model, loss_fn, kwargs, optimizer_factory) -> None:
         optimizer=optimizer_factory,
         max_grad_norm=args.max_grad_norm,
         lr_scheduler=scheduler_factory(args),
+        mixed_precision="bf16" if args.bf16 else None,
     )
 
     def evaluate() -> float:
@@ -195,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cosine", action="store_true", help="cosine decay to 10%% after the warm-up")
     parser.add_argument("--eval-every", type=int, default=0, help="evaluate a held-out batch every N steps")
     parser.add_argument("--stats", action="store_true", help="print gradient norm, lr and throughput per step")
+    parser.add_argument("--bf16", action="store_true",
+                        help="bf16 mixed precision (bf16 compute, fp32 masters, gradients and loss)")
     args = parser.parse_args(argv)
 
     plain = args.plan.strip().lower() != "auto"

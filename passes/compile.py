@@ -30,7 +30,7 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 def compile_program(model, example_inputs: Sequence[Any], example_kwargs: dict | None,
                     plan: "str | Plan", loss_fn: Callable | None, *, world_size: int,
                     example_target: Any = None, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                    pipeline_split: Sequence[int] | None = None):
+                    pipeline_split: Sequence[int] | None = None, upcast_outputs: bool = False):
     """Trace, clean up, analyze, validate and rewrite; no process group needed.
 
     Returns ``(traced, program)``: the traced model (its ``gm`` rewritten in place) and the
@@ -39,7 +39,7 @@ def compile_program(model, example_inputs: Sequence[Any], example_kwargs: dict |
     check_supported(plan)
     if plan.pp > 1:
         check_micro_batches(plan)  # a rule of the plan alone: refused before tracing
-    traced = trace_model(model, example_inputs, example_kwargs, loss_fn, example_target)
+    traced = trace_model(model, example_inputs, example_kwargs, loss_fn, example_target, upcast_outputs)
     inputs = PassInputs(plan=plan, structure=None, axis_sizes=MappingProxyType({**plan.degrees, "ep": plan.ep}),
                         seq_symbol=traced.seq_symbol, batch_symbol=traced.batch_symbol,
                         num_inputs=traced.num_inputs, bucket_bytes=bucket_bytes,

@@ -13,7 +13,16 @@ already local.  What this pass rewrites is what depends on *where* a token sits:
 2. the mask subgraphs that became dead are removed;
 3. every ``arange`` over the sequence length (position ids for RoPE or learned
    positions) becomes :func:`autopar.ops.cp_attention.cp_positions`, this rank's global
-   positions.
+   positions;
+4. placements on ``cp`` are propagated over every node (:func:`passes.shard_propagation.propagate`
+   with the rule registry, sizes already local): the inputs' sequence dim is this rank's
+   tokens, and every value whose shape holds the sequence length must hold this rank's
+   tokens there.  A value computed from the local length without the global positions (an
+   ``arange`` in another form, a slice of a position table), an op across the sequence other
+   than the attention (softmax, a reduction, a slice, a concatenation, eager attention's score
+   matmul) and a loss that is not a mean over the tokens are refused, naming the node; a
+   cumulative sum along the sequence (OPT's positions from its attention mask) becomes
+   :func:`autopar.ops.cp_attention.cp_cumsum`, the same sum in global order.
 
 Runs after shard propagation (the attention op is local in every other axis), before
 the data-parallel pass, which then averages dense gradients over ``dp_cp``.
@@ -22,14 +31,17 @@ from __future__ import annotations
 
 import sympy
 import torch
+from torch.distributed.tensor import Shard
 from torch.fx import GraphModule, Node
 
-from autopar.compat import sym_expr
+from autopar.compat import sym_expr, sym_hint
 from autopar.ops import cp_attention as CPA
 from autopar.errors import AutoparError
 from autopar.plan import ulysses_heads_ok
 from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult, provenance
-from .shard_propagation import local_numel
+from .gradient_placement import requires_grad_nodes
+from .rules import R, RuleContext
+from .shard_propagation import local_numel, propagate
 
 __all__ = ["context_parallel_pass", "VARIANTS"]
 
@@ -99,6 +111,8 @@ def _evaluate(node: Node, sizes: dict[str, int], memo: dict):
 
     args = arg(node.args)
     kwargs = {k: arg(v) for k, v in node.kwargs.items()}
+    if str(kwargs.get("device")) == "meta":  # a model traced on meta (scale simulation): evaluate on the CPU
+        kwargs["device"] = torch.device("cpu")
     memo[node] = None if bad else node.target(*args, **kwargs)
     return memo[node]
 
@@ -166,6 +180,35 @@ def _seq_arange(node: Node, ctx: PassContext) -> Node | None:
     return None
 
 
+def _propagate_tokens(gm: GraphModule, ctx: PassContext, result: PassResult) -> None:
+    """Placements on ``cp`` over every node (step 4 of the module doc); rewrites cumulative sums
+    along the sequence and predicts their bytes."""
+    n = ctx.axis_sizes["cp"]
+    # train_step cuts dim 1 of every input as long as the sequence (the target too, which is
+    # traced with its own symbols): those dims hold this rank's tokens.
+    inputs = [p for p in gm.graph.nodes if p.op == "placeholder" and isinstance(p.meta.get("val"), torch.Tensor)
+              and p.meta["val"].dim() > 1 and isinstance(p.meta["val"].shape[1], torch.SymInt)]
+    if ctx.seq_symbol is None or not inputs:
+        raise AutoparError("autopar: context parallelism needs inputs traced with a symbolic sequence length "
+                           "(dim 1 of the first input); use a plan without cp for this model.")
+    length = sym_hint(inputs[0].meta["val"].shape[1])
+    cut = {p: sym_expr(p.meta["val"].shape[1]) for p in inputs if sym_hint(p.meta["val"].shape[1]) == length}
+    rc = RuleContext(gm, "cp", n, {}, local_sizes=True, token_symbols=frozenset(cut.values()),
+                     pass_name="context_parallel_pass")
+    propagate(gm, rc, lambda node: Shard(1) if node in cut else R)
+    needs_grad = requires_grad_nodes(gm)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is CPA.cp_cumsum:
+            x = node.args[0]
+            itemsize = torch.empty((), dtype=node.meta["val"].dtype).element_size()
+            length = sym_expr(x.meta["val"].shape[node.args[1]])
+            totals = 2 * local_numel(x, ctx) / length * itemsize  # one slice per chunk, sequence summed away
+            node.meta[META_KEY].bytes = {"fwd": ("all_gather", (n - 1) * totals)}
+            if x in needs_grad:
+                node.meta[META_KEY].bytes["bwd"] = ("reduce_scatter", (n - 1) * totals)
+            result.num_rewritten += 1
+
+
 def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     plan = ctx.plan
     result = PassResult("context_parallel_pass")
@@ -230,5 +273,6 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     if result.num_inserted == 0:
         raise AutoparError("autopar: cp>1 found no scaled_dot_product_attention op to parallelize; context "
                            "parallelism needs attention through torch.nn.functional.scaled_dot_product_attention.")
+    _propagate_tokens(gm, ctx, result)
     result.notes.append(f"{result.num_inserted} attention ops -> {variant}, {result.num_rewritten} position aranges")
     return result

@@ -12,8 +12,9 @@ gathering tokens, weighting, summing over the top-k slots) is replaced by three 
 The experts' own code is cut out of the graph (``extract_body``) and kept as submodules
 ``moe_experts_<i>``, so what runs on a rank is exactly the user's expert, on the tokens
 routed to it.  The router, shared experts and attention stay data-parallel (untouched).
-A plan without ep, tp or capacity (:func:`autopar.support.moe_needs_rewrite`) keeps the traced experts: every
-rank runs every expert on its own tokens; only the expert gradient bucket is recorded.
+A plan without ep, tp, cp or capacity (:func:`autopar.support.moe_needs_rewrite`, and cp: the
+traced block sorts tokens across the sequence) keeps the traced experts: every rank runs every
+expert on its own tokens; only the expert gradient bucket is recorded.
 
 Layouts: with ``ep > 1`` the experts are split over the ``ep`` axis (stacked parameters
 along dim 0, ModuleList experts whole on their owner rank).  Expert gradients are reduced
@@ -222,12 +223,14 @@ def expert_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         # Unrecognised experts run unchanged: each rank computes its own tokens.
         result.notes.append(f"MoE block left as traced: {ctx.structure.moe_error}")
         return result
-    rewrite = moe_needs_rewrite(plan)
+    # Under cp the traced experts' token sort is an op across the sequence that shard propagation
+    # cannot follow; the rewritten block's dispatch / experts / combine keep each rank's tokens.
+    rewrite = moe_needs_rewrite(plan) or plan.cp > 1
     # The structure was analysed after cleanup; the passes before this one leave MoE blocks alone.
     for i, block in enumerate(ctx.structure.moe):
         _check_side_uses(block, ctx)
         _layouts(block, ctx, result)
-        if not rewrite:  # ep=1, tp=1, dropless: every rank runs every expert on its own tokens
+        if not rewrite:  # ep=1, tp=1, cp=1, dropless: every rank runs every expert on its own tokens
             result.notes.append(f"{block.module}: {block.style} experts left as traced")
             continue
         _replace(gm, block, i, ctx)

@@ -63,6 +63,7 @@ class PipelineProgram:
     pp: int
     chunks: tuple[PipelineChunk, ...]
     kwarg_names: tuple[str, ...]  # model inputs then the target
+    tied: str | None = None  # the embedding weight the LM head shares: used by the first and last chunk
 
     def chunk_rank(self, c: int) -> int:
         return chunk_rank(c, self.pp, self.schedule)
@@ -71,7 +72,24 @@ class PipelineProgram:
         return [c for c in range(len(self.chunks)) if self.chunk_rank(c) == rank]
 
     def param_chunk(self) -> dict[str, int]:
-        return {p: ch.index for ch in self.chunks for p in ch.params}
+        """Parameter -> the first chunk that uses it (its owner; the tied weight's is chunk 0)."""
+        out: dict[str, int] = {}
+        for ch in self.chunks:
+            for p in ch.params:
+                out.setdefault(p, ch.index)
+        return out
+
+    def param_ranks(self, name: str) -> tuple[int, ...]:
+        """The pipeline ranks holding parameter ``name``: its owner's, and for the tied weight
+        the last chunk's too (one rank under the V-shaped schedules, which place both there)."""
+        ranks = [self.chunk_rank(ch.index) for ch in self.chunks if name in ch.params]
+        return tuple(dict.fromkeys(ranks))
+
+    def tied_ranks(self) -> tuple[int, ...]:
+        """The pipeline ranks whose copies of the tied weight sum their gradients (Megatron's
+        embedding group); empty without a tied weight or when one rank holds both uses."""
+        ranks = self.param_ranks(self.tied) if self.tied else ()
+        return ranks if len(ranks) > 1 else ()
 
 
 def num_chunks(plan) -> int:
@@ -86,14 +104,11 @@ def num_chunks(plan) -> int:
 # ---- layer placement ---------------------------------------------------------------------
 
 def _spec(structure):
+    """The cost model's view of the traced model (MoE layers included), as ModelSpec.from_module builds it."""
     from autopar.cost.spec import ModelSpec
+    from autopar.frontend.analyze import structure_dims
 
-    mlp = next((r for r in structure.regions if r.kind == "mlp"), None)
-    gated = bool(mlp and (len(mlp.columns) >= 2 or any(c.split_sizes for c in mlp.columns)))
-    return ModelSpec(name="traced", num_layers=structure.num_layers, hidden=structure.hidden,
-                     num_heads=structure.num_heads, num_kv_heads=structure.num_kv_heads,
-                     head_dim=structure.head_dim, ffn=structure.ffn, vocab=structure.vocab,
-                     gated_mlp=gated, tied_embeddings=structure.tied_embeddings)
+    return ModelSpec(name="traced", **structure_dims(structure))
 
 
 def chunk_layer_counts(structure, plan, seq_len: int, split: Sequence[int] | None = None) -> list[int]:
@@ -175,7 +190,7 @@ def _assign(gm: GraphModule, structure, counts: list[int]):
 
 
 def _build_chunk(gm, c, last, chunk, free, params, boundary_in, boundary_out, kw_placeholders, out_node):
-    g = Graph()
+    g = Graph(owning_module=gm)  # dead-code elimination looks up called submodules (recomputed regions)
     env: dict[Node, Node] = {}
     for i, v in enumerate(boundary_in):
         env[v] = g.placeholder(f"act_{i}")
@@ -216,11 +231,9 @@ def pipeline_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult("pipeline_pass")
     check_micro_batches(plan)
     counts = chunk_layer_counts(ctx.structure, plan, _seq_len(gm), ctx.pipeline_split)
-    if ctx.structure.tied_embeddings:
-        raise AutoparError(
-            "autopar: pipeline parallelism with an LM head tied to the embedding is not supported by the "
-            "runtime yet (the two stages would share one weight); untie the weights "
-            "(e.g. tie_word_embeddings=False) or use pp=1.")
+    # A tied LM head: the last chunk holds a copy of the embedding weight, and the copies' gradients
+    # are summed every step (the runtime's embedding group, as Megatron-Core does).
+    tied = ctx.structure.lm_head.weight if ctx.structure.tied_embeddings and ctx.structure.lm_head else None
     chunk, free, params = _assign(gm, ctx.structure, counts)
     n_chunks = len(counts)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -248,7 +261,7 @@ def pipeline_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         b_out = boundaries[c] if c < n_chunks - 1 else []
         cgm, used = _build_chunk(gm, c, c == n_chunks - 1, chunk, free, params, b_in, b_out, kw, loss)
         for p in used:
-            if param_owner.setdefault(p, c) != c:
+            if param_owner.setdefault(p, c) != c and not (p == tied and c == n_chunks - 1):
                 raise AutoparError(
                     f"autopar: parameter '{p}' is used by pipeline chunks {param_owner[p]} and {c}; "
                     "shared weights across stages are not supported, use pp=1 or untie them.")
@@ -258,5 +271,7 @@ def pipeline_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         result.notes.append(f"chunk {c} (rank {chunk_rank(c, plan.pp, plan.schedule)}): layers "
                             f"{list(chunks[-1].layers)}, {len(b_in)} activation input(s), {len(used)} parameters")
     result.pipeline = PipelineProgram(schedule=plan.schedule, pp=plan.pp, chunks=tuple(chunks),
-                                      kwarg_names=tuple(names))
+                                      kwarg_names=tuple(names), tied=tied)
+    if tied:
+        result.notes.append(f"tied weight {tied}: held by pipeline ranks {list(result.pipeline.param_ranks(tied))}")
     return result

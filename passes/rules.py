@@ -17,18 +17,22 @@ import dataclasses
 import operator
 from typing import Any, Callable
 
+import sympy
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
+from autopar.compat import sym_expr
 from autopar.ops import collectives as C
+from autopar.ops import cp_attention as CPA
 from autopar.ops import random as RNG
 from autopar.errors import AutoparError, describe_node
 from .context import provenance
 
 aten = torch.ops.aten
 
-__all__ = ["RuleContext", "register", "lookup", "ShardingError", "is_sharded", "R", "P"]
+__all__ = ["RuleContext", "register", "lookup", "ShardingError", "is_sharded", "is_loss_share", "tensor_inputs",
+           "axis_of", "R", "P"]
 
 R = Replicate()
 P = Partial()
@@ -53,6 +57,23 @@ def lookup(op) -> Callable | None:
     return _REGISTRY.get(op)
 
 
+def tensor_inputs(node: Node) -> list[Node]:
+    """``node``'s tensor-valued inputs in argument order: the order rules get placements in."""
+    out: list[Node] = []
+
+    def visit(a: Any) -> None:
+        if isinstance(a, Node):
+            if isinstance(a.meta.get("val"), (torch.Tensor, tuple, list)) or a.op == "get_attr":
+                out.append(a)
+        elif isinstance(a, (list, tuple)):
+            for x in a:
+                visit(x)
+
+    visit(node.args)
+    visit(tuple(node.kwargs.values()))
+    return out
+
+
 def is_sharded(p: Any) -> bool:
     if isinstance(p, (tuple, list)):
         return any(is_sharded(x) for x in p)
@@ -61,32 +82,87 @@ def is_sharded(p: Any) -> bool:
 
 @dataclasses.dataclass
 class RuleContext:
-    """What a rule may know and do: the axis, its size, and local-shape rewriting."""
+    """What a rule may know and do: the axis, its size, and local-shape rewriting.
+
+    ``local_sizes``: the axis shards the *data* and the graph's sizes are already this rank's
+    (context parallelism: ``train_step`` hands each rank its sequence chunks, so the traced
+    sequence symbols ``token_symbols`` of the inputs are the local length).  Rules then keep
+    size arguments as they are, a sharded dim is the one whose size holds a sequence symbol
+    (its *token dim*), and every value whose shape holds one must be placed on it
+    (:meth:`check_tokens`)."""
 
     gm: torch.fx.GraphModule
     axis: str
     size: int
     local_syms: dict[Node, set[str]]  # symint nodes already local on some axes
+    local_sizes: bool = False
+    token_symbols: frozenset = frozenset()  # under local_sizes: the sequence symbols of the inputs
+    pass_name: str = "shard_propagation_pass"
 
     def fail(self, node: Node, found: str, hint: str = "") -> ShardingError:
         return ShardingError(
             f"autopar: cannot shard {describe_node(node)} on mesh axis '{self.axis}': {found}. "
-            + (hint or "Try a plan without this dimension (e.g. drop tp/sp) for this model, or report the op.")
+            + (hint or f"Try a plan without this dimension (e.g. drop {_PLAN_TOKENS.get(self.axis, self.axis)}) "
+                       "for this model, or report the op.")
         )
 
     def shard_operand(self, node: Node, arg: Node, dim: int) -> Node:
         """Replace ``node``'s replicated input ``arg`` by this rank's slice along ``dim``."""
+        if self.local_sizes:  # the graph's sizes are local: a replicated operand this long is not a slice
+            raise self.fail(node, f"replicated {arg.name} meets this rank's tokens along dim {dim}")
         with self.gm.graph.inserting_before(node):
             part = self.gm.graph.call_function(C.local_shard, (arg, dim, self.axis))
         part.meta["val"] = arg.meta.get("val")
         part.meta["autopar_placement"] = {self.axis: Shard(dim)}
-        provenance(part, "shard_propagation_pass", self.axis,
+        provenance(part, self.pass_name, self.axis,
                    f"take this rank's slice of replicated {arg.name} (no communication)")
         node.replace_input_with(arg, part)
         return part
 
+    def token_dim(self, node: Node, val: Any = None) -> int | None:
+        """Under ``local_sizes``: the dim of ``node``'s value whose size holds the sequence symbol
+        (None without one); refused when several do or the symbol is split across dims."""
+        val = node.meta.get("val") if val is None else val
+        if not isinstance(val, torch.Tensor) or not self.token_symbols:
+            return None
+        dims = [d for d, s in enumerate(val.shape) if _size_expr(s).free_symbols & self.token_symbols]
+        if not dims:
+            return None
+        if len(dims) > 1:
+            raise self.fail(node, f"its shape {tuple(val.shape)} holds the sequence length in dims {dims}: "
+                                  "it relates positions to positions (scores or a mask over the sequence)",
+                            f"{self.axis} needs attention through scaled_dot_product_attention and "
+                            f"position-wise work elsewhere; use a plan without {self.axis} for this model.")
+        size = _size_expr(val.shape[dims[0]])
+        (symbol, *more) = size.free_symbols & self.token_symbols
+        ratio = sympy.simplify(size / symbol)
+        if more or ratio.has(symbol) or (ratio.is_Rational and not ratio.is_Integer):
+            raise self.fail(node, f"dim {dims[0]} of shape {tuple(val.shape)} splits the sequence",
+                            f"Reshape only whole sequence dims under {self.axis}.")
+        return dims[0]
+
+    def check_tokens(self, node: Node, pl: Any) -> None:
+        """Under ``local_sizes``: a value whose shape holds the sequence length must be placed on
+        that dim, or it was computed from the local length without this rank's positions."""
+        val = node.meta.get("val")
+        vals, pls = (val, pl) if isinstance(val, (tuple, list)) else ((val,), (pl,))
+        for v, p in zip(vals, pls if isinstance(pls, (tuple, list)) else [pls] * len(vals)):
+            dim = self.token_dim(node, v)
+            if dim is None or p == Shard(dim):
+                continue
+            raise self.fail(node, f"its shape {tuple(v.shape)} has the sequence length in dim {dim} but it is "
+                                  f"placed {p}, not on this rank's tokens: it was computed from the local "
+                                  "sequence length without this rank's global positions (or slices, "
+                                  "concatenates or reduces along the sequence)",
+                            f"{self.axis} rewrites only arange(seq) positions, constant masks, cumulative "
+                            "sums and scaled_dot_product_attention over the sequence; use a plan without "
+                            f"{self.axis} for this model, or pass position_ids.")
+
     def local_size(self, node: Node, elem: Any) -> Any:
-        """Local value of a global size ``elem`` (int, -1 or symint node) divided by the axis size."""
+        """Local value of a global size ``elem`` (int, -1 or symint node) divided by the axis size
+        (under ``local_sizes`` the graph's sizes are local already: ``elem`` itself)."""
+        if self.local_sizes:
+            return elem
         if isinstance(elem, int):
             if elem == -1:
                 return -1
@@ -103,6 +179,20 @@ class RuleContext:
             self.local_syms[div] = self.local_syms.get(elem, set()) | {self.axis}
             return div
         raise self.fail(node, f"unsupported size argument {elem!r}")
+
+
+def _size_expr(size: Any) -> sympy.Expr:
+    return sym_expr(size) if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+
+
+# The plan token that adds each mesh axis (for "use a plan without ..." hints).
+_PLAN_TOKENS = {"tp": "tp/sp", "cp": "cp", "ep": "ep", "dp": "dp"}
+
+
+def is_loss_share(pl: Any) -> bool:
+    """A data-sharded axis's placement of the loss: each rank's mean over its own tokens, which
+    the runtime averages over the ranks holding the other tokens (as over dp)."""
+    return isinstance(pl, Partial) and pl.reduce_op == "avg"
 
 
 def shape_of(node: Any) -> tuple:
@@ -159,11 +249,15 @@ def pointwise_rule(node: Node, pls: list, rc: RuleContext):
     if partial:
         if shard_dim is not None:
             raise rc.fail(node, "mixes a partial sum with a sharded operand")
+        kinds = {pl for pl in pls if isinstance(pl, Partial)}
+        if len(kinds) > 1:  # a sum of shares and a mean of shares (a loss) do not add up
+            raise rc.fail(node, f"combines partial values of different reductions {sorted(map(str, kinds))}")
+        (kind,) = kinds
         num_partial_ok = len(tensor_args) if node.target in (aten.add.Tensor, aten.sub.Tensor) else 1
         if node.target in _LINEAR_IN_FIRST and partial == 1 and isinstance(pls[0], Partial):
-            return P
+            return kind
         if node.target in _PARTIAL_SAFE and partial == num_partial_ok:
-            return P
+            return kind
         raise rc.fail(node, "a partial sum reaches an op that is not linear in it",
                       "The reduction after a row-parallel projection should come first; report the model.")
     if shard_dim is None:
@@ -181,7 +275,7 @@ def pointwise_rule(node: Node, pls: list, rc: RuleContext):
 
 @register(aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction,
           aten._softmax.default, aten.softmax.int, aten._log_softmax.default, aten.log_softmax.int,
-          aten.cumsum.default, aten.argmax.default)
+          aten.argmax.default)
 def reduction_rule(node: Node, pls: list, rc: RuleContext):
     pl = pls[0]
     if not isinstance(pl, Shard):
@@ -190,20 +284,66 @@ def reduction_rule(node: Node, pls: list, rc: RuleContext):
         return R
     in_ndim = ndim_of(node.args[0])
     dims = node.args[1] if len(node.args) > 1 else None
-    if dims is None:
-        raise rc.fail(node, "reduces over all dims of a sharded tensor")
+    if dims is None or dims == []:
+        dims = list(range(in_ndim))
+        if node.target not in _SHARE_OF_LOSS:
+            raise rc.fail(node, "reduces over all dims of a sharded tensor")
     dims = [dims] if isinstance(dims, int) else list(dims)
     dims = [_norm(d, in_ndim) for d in dims]
-    if pl.dim in dims:
-        raise rc.fail(node, f"reduces over the sharded dim {pl.dim}",
-                      "Only reductions over unsharded dims are supported under this plan.")
     keepdim = node.target in (aten._softmax.default, aten.softmax.int, aten._log_softmax.default,
-                              aten.log_softmax.int, aten.cumsum.default)
+                              aten.log_softmax.int)
     if not keepdim:
         keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    if pl.dim in dims:
+        if rc.local_sizes and node.target in _SHARE_OF_LOSS and not keepdim and len(set(dims)) == in_ndim:
+            return _SHARE_OF_LOSS[node.target]  # e.g. a mean loss over this rank's tokens
+        raise rc.fail(node, f"reduces over the sharded dim {pl.dim}",
+                      "Only reductions over unsharded dims are supported under this plan.")
     if keepdim:
         return Shard(pl.dim)
     return Shard(pl.dim - sum(1 for d in dims if d < pl.dim))
+
+
+# A reduction of every element over a data-sharded axis (cp): each rank's mean of its own tokens
+# is its share of the mean (equal shares), each rank's sum its part of the sum.
+_SHARE_OF_LOSS = {aten.mean.dim: Partial("avg"), aten.mean.default: Partial("avg"),
+                  aten.sum.dim_IntList: P, aten.sum.default: P}
+
+
+@register(aten.mean.default, aten.sum.default)
+def full_reduction_rule(node: Node, pls: list, rc: RuleContext):
+    pl = pls[0]
+    if isinstance(pl, Replicate):
+        return R
+    if isinstance(pl, Shard) and rc.local_sizes:
+        return _SHARE_OF_LOSS[node.target]
+    raise rc.fail(node, f"reduces every element of a tensor placed {pl}")
+
+
+@register(aten.cumsum.default, CPA.cp_cumsum)
+def cumsum_rule(node: Node, pls: list, rc: RuleContext):
+    """A cumulative sum along this rank's tokens of a data-sharded axis (cp: OPT's positions from
+    the attention mask) becomes :func:`autopar.ops.cp_attention.cp_cumsum`, the same prefix sum
+    in global token order; along any other sharded dim it is refused."""
+    pl = pls[0]
+    x = node.args[0]
+    dim = _norm(node.args[1], ndim_of(x))
+    if not (isinstance(pl, Shard) and pl.dim == dim):
+        if isinstance(pl, Partial):
+            raise rc.fail(node, "a cumulative sum of a partial sum")
+        return pl
+    if node.target is CPA.cp_cumsum:
+        return pl
+    if not rc.local_sizes:
+        raise rc.fail(node, f"a cumulative sum along the sharded dim {dim}")
+    if _size_expr(shape_of(x)[dim]) not in rc.token_symbols:
+        raise rc.fail(node, f"a cumulative sum along dim {dim} of shape {shape_of(x)}, which merges the "
+                            "sequence with other dims")
+    dtype = node.kwargs.get("dtype", node.args[2] if len(node.args) > 2 else None)
+    node.target, node.args, node.kwargs = CPA.cp_cumsum, (x, dim, rc.axis), {"dtype": dtype}
+    provenance(node, rc.pass_name, rc.axis,
+               "cumulative sum in global token order: this rank's chunk totals all-gathered as offsets")
+    return pl
 
 
 # --- matmuls ----------------------------------------------------------------------------
@@ -263,7 +403,23 @@ def batched_matmul_rule(node: Node, pls: list, rc: RuleContext):
             return Shard(da)
     if isinstance(a, Shard) and isinstance(b, Replicate) and a.dim + nd - ndim_of(node.args[0]) < nd - 1:
         return Shard(a.dim + nd - ndim_of(node.args[0]))
+    if isinstance(a, Replicate) and isinstance(b, Shard) and ndim_of(node.args[1]) >= 2 \
+            and b.dim == ndim_of(node.args[1]) - 1:  # columns of b: e.g. inv_freq @ positions (RoPE)
+        return Shard(nd - 1)
     raise rc.fail(node, f"operands {a}, {b} are not sharded on a common batch dim")
+
+
+@register(aten.outer.default)
+def outer_rule(node: Node, pls: list, rc: RuleContext):
+    """``outer(a, b)[i, j] = a[i] * b[j]``: a's shard is the rows, b's the columns (not both)."""
+    a, b = pls
+    if isinstance(a, Partial) or isinstance(b, Partial):
+        if isinstance(a, Replicate) or isinstance(b, Replicate):
+            return a if isinstance(a, Partial) else b
+        raise rc.fail(node, f"outer product of {a} and {b}")
+    if isinstance(a, Shard) and isinstance(b, Shard):
+        raise rc.fail(node, "outer product of two sharded vectors")
+    return Shard(0) if isinstance(a, Shard) else Shard(1) if isinstance(b, Shard) else R
 
 
 @register(aten.scaled_dot_product_attention.default, RNG.attention)
@@ -300,6 +456,41 @@ def local_shard_rule(node: Node, pls: list, rc: RuleContext):
     return Shard(node.args[1]) if node.args[2] == rc.axis else pls[0]
 
 
+@register(aten.ones.default, aten.zeros.default, aten.full.default, aten.empty.memory_format,
+          aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default)
+def fill_rule(node: Node, pls: list, rc: RuleContext):
+    """A constant fill is the same on every rank; on a data-sharded axis (cp), one as long as the
+    sequence is also exactly this rank's part of the global constant (OPT's all-ones mask)."""
+    dim = rc.token_dim(node) if rc.local_sizes else None
+    return R if dim is None else Shard(dim)
+
+
+@register(aten.ones_like.default, aten.zeros_like.default, aten.full_like.default, aten.empty_like.default)
+def fill_like_rule(node: Node, pls: list, rc: RuleContext):
+    """A constant in the shape of a shard is that shard of the constant."""
+    return pls[0] if isinstance(pls[0], Shard) else R
+
+
+@register(CPA.cp_positions)
+def cp_positions_rule(node: Node, pls: list, rc: RuleContext):
+    """This rank's global positions: its tokens on the cp axis, the same on every rank of another."""
+    return Shard(0) if node.args[1] == rc.axis else R
+
+
+@register(CPA.ring_attention, CPA.allgather_attention, CPA.ulysses_attention)
+def cp_attention_rule(node: Node, pls: list, rc: RuleContext):
+    """Context-parallel attention of this rank's queries, keys and values ([b, h, s, d]) over the
+    whole sequence (the op exchanges the keys and values): its output holds the same tokens."""
+    q, k, v = pls[:3]
+    seq = ndim_of(node) - 2
+    if axis_of(node) != rc.axis:
+        if q == k == v:
+            return q
+    elif all(p == Shard(seq) for p in (q, k, v)):
+        return q
+    raise rc.fail(node, f"context-parallel attention of q/k/v placed {q}, {k}, {v}")
+
+
 @register(aten.embedding.default)
 def embedding_rule(node: Node, pls: list, rc: RuleContext):
     w, ids = pls[:2]
@@ -309,10 +500,34 @@ def embedding_rule(node: Node, pls: list, rc: RuleContext):
                   "The TP pass replaces vocabulary-sharded embeddings with vocab_parallel_embedding.")
 
 
+def _token_loss(node: Node, logits: Any, target: Any, reduction: int, weighted: bool, rc: RuleContext,
+                class_dim: int | None = None):
+    """Cross-entropy of this rank's tokens on a data-sharded axis (cp): per-token losses stay on
+    the tokens, their mean is this rank's share of the mean, their sum its part of the sum."""
+    x = node.args[0]
+    if class_dim is None:
+        class_dim = 1 if ndim_of(x) >= 2 else 0
+    if not isinstance(logits, Shard) or logits.dim == class_dim:
+        raise rc.fail(node, f"cross-entropy of logits placed {logits}")
+    token = logits.dim - (1 if logits.dim > class_dim else 0)
+    if target != Shard(token):
+        raise rc.fail(node, f"cross-entropy of logits placed {logits} against a target placed {target}")
+    if reduction == 0:
+        return Shard(token)
+    if weighted and reduction == 1:
+        raise rc.fail(node, "a class-weighted mean cross-entropy: its denominator is a sum of weights, "
+                            "which differs between ranks' tokens", "Use unweighted cross-entropy under this plan.")
+    return Partial("avg") if reduction == 1 else P
+
+
 @register(aten.cross_entropy_loss.default)
 def cross_entropy_rule(node: Node, pls: list, rc: RuleContext):
     if all(isinstance(p, Replicate) for p in pls):
         return R
+    if rc.local_sizes:
+        names = ("input", "target", "weight", "reduction")
+        bound = {**dict(zip(names, node.args)), **node.kwargs}
+        return _token_loss(node, pls[0], pls[1], bound.get("reduction", 1), bound.get("weight") is not None, rc)
     raise rc.fail(node, f"cross-entropy of {pls[0]} logits",
                   "Vocabulary-sharded logits are handled by the TP pass; sequence-sharded logits are not supported.")
 
@@ -335,13 +550,14 @@ def getitem_rule(node: Node, pls: list, rc: RuleContext):
 
 # --- autopar runtime ops ----------------------------------------------------------------
 
-def _axis_of(node: Node) -> str:
+def axis_of(node: Node) -> str:
+    """The mesh axis an autopar runtime op node works on."""
     return node.kwargs.get("axis") or next(a for a in node.args if isinstance(a, str))
 
 
-@register(C.all_gather)
+@register(C.all_gather, C.gather_replicated)
 def all_gather_rule(node: Node, pls: list, rc: RuleContext):
-    if _axis_of(node) != rc.axis:
+    if axis_of(node) != rc.axis:
         return pls[0]
     dim = _norm(node.args[1], ndim_of(node))
     if pls[0] != Shard(dim):
@@ -351,7 +567,7 @@ def all_gather_rule(node: Node, pls: list, rc: RuleContext):
 
 @register(C.reduce_scatter)
 def reduce_scatter_rule(node: Node, pls: list, rc: RuleContext):
-    if _axis_of(node) != rc.axis:
+    if axis_of(node) != rc.axis:
         return pls[0]
     if not isinstance(pls[0], Partial):
         raise rc.fail(node, f"reduce-scatter of an input placed {pls[0]}, expected a partial sum")
@@ -360,7 +576,7 @@ def reduce_scatter_rule(node: Node, pls: list, rc: RuleContext):
 
 @register(C.all_reduce)
 def all_reduce_rule(node: Node, pls: list, rc: RuleContext):
-    if _axis_of(node) != rc.axis:
+    if axis_of(node) != rc.axis:
         return pls[0]
     if not isinstance(pls[0], Partial):
         raise rc.fail(node, f"all-reduce of an input placed {pls[0]}, expected a partial sum")
@@ -369,14 +585,14 @@ def all_reduce_rule(node: Node, pls: list, rc: RuleContext):
 
 @register(C.region_entry)
 def region_entry_rule(node: Node, pls: list, rc: RuleContext):
-    if _axis_of(node) == rc.axis and not isinstance(pls[0], Replicate):
+    if axis_of(node) == rc.axis and not isinstance(pls[0], Replicate):
         raise rc.fail(node, f"tensor-parallel region entered with an input placed {pls[0]}")
     return pls[0]
 
 
 @register(C.vocab_parallel_embedding)
 def vocab_embedding_rule(node: Node, pls: list, rc: RuleContext):
-    if _axis_of(node) != rc.axis:
+    if axis_of(node) != rc.axis:
         return pls[1]
     if pls[0] != Shard(0) or not isinstance(pls[1], Replicate):
         raise rc.fail(node, f"vocab-parallel embedding with weight {pls[0]} and ids {pls[1]}")
@@ -385,7 +601,9 @@ def vocab_embedding_rule(node: Node, pls: list, rc: RuleContext):
 
 @register(C.vocab_parallel_cross_entropy)
 def vocab_ce_rule(node: Node, pls: list, rc: RuleContext):
-    if _axis_of(node) != rc.axis:
+    if axis_of(node) != rc.axis:
+        if rc.local_sizes and is_sharded(pls):
+            return _token_loss(node, pls[0], pls[1], node.args[4], False, rc, class_dim=ndim_of(node.args[0]) - 1)
         return pls[0]
     if pls[0] != Shard(ndim_of(node.args[0]) - 1) or not isinstance(pls[1], Replicate):
         raise rc.fail(node, f"vocab-parallel cross-entropy of logits {pls[0]} and target {pls[1]}")

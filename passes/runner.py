@@ -25,6 +25,7 @@ from .data_parallel import data_parallel_pass
 from .dropout import dropout_pass, has_dropout
 from .expert_parallel import expert_parallel_pass
 from .pipeline import pipeline_pass
+from .recompute import recompute_pass
 from .sequence_parallel import sequence_parallel_pass
 from .shard_propagation import shard_propagation_pass
 from .tensor_parallel import tensor_parallel_pass
@@ -98,6 +99,8 @@ def default_passes(plan, gm: GraphModule | None = None) -> list[Pass]:
     passes.append(data_parallel_pass)  # gradient sync: dp, and axes where gradients are partial
     if plan.zero == 3:
         passes.append(zero3_pass)  # parameters gathered per unit before use
+    if plan.recompute != "none":
+        passes.append(recompute_pass)  # recomputed regions -> checkpointed bodies (before the cut)
     if plan.pp > 1:
         passes.append(pipeline_pass)  # last: cuts the rewritten graph into chunks
     return passes

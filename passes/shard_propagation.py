@@ -7,9 +7,12 @@ for each node's output placement, given its inputs'.  Rules rewrite size argumen
 local sizes on the way.  Afterwards:
 
 - every node carries ``node.meta["autopar_placement"][axis]``;
-- a replicated parameter whose consumer produces a sharded output gets a gradient that is
-  a partial sum over that axis (e.g. norm weights on sequence shards under SP), recorded in
-  ``grad_partial_axes`` (in its result) for the gradient-sync buckets of the DP pass;
+- the graph is walked back from the loss for every node's *gradient* placement
+  (``passes/gradient_placement.py``): a replicated parameter whose gradient is a partial sum
+  over the axis (e.g. norm weights on sequence shards under SP) is recorded in
+  ``grad_partial_axes`` (in its result) for the gradient-sync buckets of the DP pass; each
+  all-gather gets the backward its gradient needs; a value whose gradient has no placement
+  is refused;
 - every inserted collective gets its predicted bytes (sympy, in the traced batch and
   sequence symbols) in ``node.meta["autopar"].bytes``.
 
@@ -19,38 +22,24 @@ module and its source line.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import sympy
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Partial, Shard
 from torch.fx import GraphModule, Node
 
 from autopar.compat import sym_expr
 from autopar.ops import collectives as C
 from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult
-from .rules import R, RuleContext, is_sharded, lookup
+from .gradient_placement import gradient_placements
+from .rules import R, RuleContext, is_loss_share, is_sharded, lookup, tensor_inputs
 from . import moe_rules, view_rules  # noqa: F401  (register the view-family and MoE rules)
 
-__all__ = ["shard_propagation_pass", "tensor_inputs", "local_numel"]
+__all__ = ["shard_propagation_pass", "propagate", "tensor_inputs", "local_numel"]
 
-_COLLECTIVES = {C.all_gather, C.reduce_scatter, C.all_reduce, C.region_entry, C.vocab_parallel_cross_entropy}
-
-
-def tensor_inputs(node: Node) -> list[Node]:
-    out: list[Node] = []
-
-    def visit(a: Any) -> None:
-        if isinstance(a, Node):
-            if isinstance(a.meta.get("val"), (torch.Tensor, tuple, list)) or a.op == "get_attr":
-                out.append(a)
-        elif isinstance(a, (list, tuple)):
-            for x in a:
-                visit(x)
-
-    visit(node.args)
-    visit(tuple(node.kwargs.values()))
-    return out
+_COLLECTIVES = {C.all_gather, C.gather_replicated, C.reduce_scatter, C.all_reduce, C.region_entry,
+                C.vocab_parallel_cross_entropy}
 
 
 def local_numel(node: Node, ctx: PassContext) -> sympy.Expr:
@@ -63,15 +52,18 @@ def local_numel(node: Node, ctx: PassContext) -> sympy.Expr:
     return sympy.simplify(math.prod(sizes, start=sympy.Integer(1)))
 
 
-def _propagate_axis(gm: GraphModule, ctx: PassContext, result: PassResult, axis: str, local_syms: dict) -> None:
-    rc = RuleContext(gm, axis, ctx.axis_sizes[axis], local_syms)
+def propagate(gm: GraphModule, rc: RuleContext, start: Callable[[Node], Any]) -> dict[Node, Any]:
+    """Forward placements on ``rc.axis`` of every node, by the rule registry, in graph order.
+
+    ``start(node)`` places the placeholders and parameters.  Raises where an op without a rule
+    sees a sharded input, and where the graph returns anything but a replicated value (a
+    data-sharded axis, ``rc.local_sizes``: anything but the rank's share of the loss)."""
     placements: dict[Node, Any] = {}
     for node in list(gm.graph.nodes):
-        if node.op == "placeholder":
-            pl = R
-        elif node.op == "get_attr":
-            shard = ctx.param_shards.get(node.target, {}).get(axis)
-            pl = Shard(shard.dim) if shard else R
+        if node.op in ("placeholder", "get_attr"):
+            pl = start(node)
+            if rc.local_sizes:
+                rc.check_tokens(node, pl)
         elif node.op == "call_function":
             pls = [placements.get(a, R) for a in tensor_inputs(node)]
             rule = lookup(node.target)
@@ -83,41 +75,40 @@ def _propagate_axis(gm: GraphModule, ctx: PassContext, result: PassResult, axis:
                               "Add a rule to passes/rules.py, or use a plan without this dimension.")
             else:
                 pl = R
+            if rc.local_sizes:
+                rc.check_tokens(node, pl)
         elif node.op == "output":
             for a in tensor_inputs(node):
-                if is_sharded(placements.get(a, R)):
-                    raise rc.fail(a, f"the graph returns a value placed {placements[a]}",
-                                  "Return a loss (pass loss_fn) so sharded outputs are reduced inside the graph.")
+                pl = placements.get(a, R)
+                if rc.local_sizes and is_loss_share(pl):
+                    continue
+                if is_sharded(pl):
+                    raise rc.fail(a, f"the graph returns a value placed {pl}",
+                                  "Return a loss (pass loss_fn) so sharded outputs are reduced inside the graph."
+                                  if not rc.local_sizes else
+                                  "The graph must return the loss: a mean over this rank's tokens.")
             continue
         else:
             raise rc.fail(node, f"unsupported node kind {node.op}")
         placements[node] = pl
+    return placements
+
+
+def _propagate_axis(gm: GraphModule, ctx: PassContext, result: PassResult, axis: str, local_syms: dict) -> None:
+    rc = RuleContext(gm, axis, ctx.axis_sizes[axis], local_syms)
+
+    def start(node: Node):
+        shard = ctx.param_shards.get(node.target, {}).get(axis) if node.op == "get_attr" else None
+        return Shard(shard.dim) if shard else R
+
+    placements = propagate(gm, rc, start)
+    for node, pl in placements.items():
         if pl is not None:
             node.meta.setdefault(PLACEMENT_KEY, {})[axis] = pl
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
-    for node, pl in placements.items():
-        if node.op == "get_attr" and node.target in params and isinstance(pl, Replicate):
-            if _feeds_local_work(node, placements):
-                result.grad_partial_axes.setdefault(node.target, set()).add(axis)
-
-
-def _feeds_local_work(param: Node, placements: dict) -> bool:
-    """Does a replicated parameter reach, through replicated values, an op that works on
-    shards?  Then each rank's gradient holds only its shards' contribution: a partial sum.
-    A region entry stops the walk: its backward all-reduces the gradient into a full one."""
-    todo, seen = [param], set()
-    while todo:
-        for user in todo.pop().users:
-            if user in seen or user.target is C.region_entry:
-                continue
-            seen.add(user)
-            out = placements.get(user)
-            if isinstance(out, (tuple, list)):
-                out = next((o for o in out if not isinstance(o, Replicate)), R)
-            if isinstance(out, (Shard, Partial)):
-                return True
-            todo.append(user)
-    return False
+    for node, grad in gradient_placements(gm, rc, placements).items():
+        if node.op == "get_attr" and node.target in params and isinstance(grad, Partial):
+            result.grad_partial_axes.setdefault(node.target, set()).add(axis)
 
 
 def _predict_bytes(node: Node, ctx: PassContext) -> dict:
@@ -128,6 +119,8 @@ def _predict_bytes(node: Node, ctx: PassContext) -> dict:
     numel = local_numel(src, ctx)
     if node.target is C.all_gather:
         return {"fwd": ("all_gather", numel * itemsize), "bwd": ("reduce_scatter", numel * itemsize * n)}
+    if node.target is C.gather_replicated:
+        return {"fwd": ("all_gather", numel * itemsize)}
     if node.target is C.reduce_scatter:
         return {"fwd": ("reduce_scatter", numel * itemsize), "bwd": ("all_gather", numel * itemsize / n)}
     if node.target is C.all_reduce:

@@ -3,7 +3,9 @@
 These ops move a sharded dim to a new position, and the ones with explicit sizes must have
 those sizes rewritten to the local shard (``view(x, [b, s, 4, 16])`` becomes
 ``view(x, [b, s, 2, 16])`` under tp=2).  Sizes are compared as sympy expressions so the
-same rules work on graphs traced with symbolic batch and sequence sizes.
+same rules work on graphs traced with symbolic batch and sequence sizes.  On a data-sharded
+axis (cp: sizes already local) sizes stay, and a reshape keeps the tokens in the dim that
+keeps the sequence length.
 
 Registered into the same registry as ``passes/rules.py``; the propagation loop is
 ``passes/shard_propagation.py``.
@@ -87,11 +89,23 @@ def _rewrite_sizes(node: Node, arg_index: int, out_dim: int, rc: RuleContext, of
     node.args = tuple(args)
 
 
+def _token_shard(node: Node, rc: RuleContext) -> Shard:
+    """On a data-sharded axis (cp) a reshape of this rank's tokens holds them in the dim that keeps
+    the sequence length, merged with others or not: every op across that dim is refused
+    elsewhere, so the local order of the merged elements never matters."""
+    dim = rc.token_dim(node)
+    if dim is None:
+        raise rc.fail(node, f"a reshape to {shape_of(node)} loses the sequence dim")
+    return Shard(dim)
+
+
 @register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 def view_rule(node: Node, pls: list, rc: RuleContext):
     pl = pls[0]
     if not isinstance(pl, Shard):
         return pl
+    if rc.local_sizes:
+        return _token_shard(node, rc)
     out = _mapped_dim(node, node.args[0], pl, rc)
     _rewrite_sizes(node, 1, out, rc)
     return Shard(out)
@@ -103,6 +117,8 @@ def reshape_like_rule(node: Node, pls: list, rc: RuleContext):
     pl = pls[0]
     if not isinstance(pl, Shard):
         return pl
+    if rc.local_sizes:
+        return _token_shard(node, rc)
     return Shard(_mapped_dim(node, node.args[0], pl, rc))
 
 
@@ -111,6 +127,8 @@ def unflatten_rule(node: Node, pls: list, rc: RuleContext):
     pl = pls[0]
     if not isinstance(pl, Shard):
         return pl
+    if rc.local_sizes:
+        return _token_shard(node, rc)
     out = _mapped_dim(node, node.args[0], pl, rc)
     dim = node.args[1] % ndim_of(node.args[0])
     if dim <= out < dim + len(node.args[2]):

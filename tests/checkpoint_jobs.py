@@ -38,31 +38,33 @@ def full_state(pm) -> dict[str, torch.Tensor]:
     return dict(sorted(out.items()))
 
 
-def _pm(model_name: str, plan: str, seed: int = 0, lr_scheduler=None):
+def _pm(model_name: str, plan: str, seed: int = 0, lr_scheduler=None, mixed_precision=None):
     model, loss_fn, kwargs = build(model_name, {}, seed)
     batches = make_batches(VOCAB, BATCH, SEQ, 3, seed=1)
     pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
-                             loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"], lr_scheduler=lr_scheduler)
+                             loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"], lr_scheduler=lr_scheduler,
+                             mixed_precision=mixed_precision)
     return pm, batches
 
 
 def reshard_job(model_name: str, plan_a: str, plan_b: str, path: str, steps_before: int = 1,
-                scheduled: bool = False):
+                scheduled: bool = False, mixed_precision: str | None = None):
     """Train under ``plan_a``, save, load into a fresh module (other seed) under ``plan_b``, train on.
 
-    ``scheduled``: with tests/training_jobs.py's learning-rate schedule (saved and restored too).
+    ``scheduled``: with tests/training_jobs.py's learning-rate schedule (saved and restored too);
+    ``mixed_precision``: passed to ``parallelize`` on both sides.
     Returns the losses of all 3 steps, whether the full model+optimizer state after loading is
     bit-identical to what was saved, and rank 0's final state dict.
     """
     from tests.training_jobs import SCHEDULER
 
     scheduler = SCHEDULER if scheduled else None
-    pm, batches = _pm(model_name, plan_a, lr_scheduler=scheduler)
+    pm, batches = _pm(model_name, plan_a, lr_scheduler=scheduler, mixed_precision=mixed_precision)
     losses = [pm.train_step(*b) for b in batches[:steps_before]]
     pm.save(path)
     saved = full_state(pm)
     del pm
-    pm, _ = _pm(model_name, plan_b, seed=7, lr_scheduler=scheduler)
+    pm, _ = _pm(model_name, plan_b, seed=7, lr_scheduler=scheduler, mixed_precision=mixed_precision)
     pm.load(path)
     loaded = full_state(pm)
     exact = saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)

@@ -48,10 +48,11 @@ def assert_comm_equal(records, rows, rank=None) -> None:
         assert recv == pytest.approx(p_recv, rel=1e-12, abs=0), (rank, key, recv, p_recv)
 
 
-def predicted_cost(model_name: str, overrides: dict, plan: str, world: int, batch: int):
-    """The cost model's ``Cost`` for a test model, shapes and plan (fp32, ``world`` CPU ranks)."""
+def predicted_cost(model_name: str, overrides: dict, plan: str, world: int, batch: int, dtype_bytes: int = 4):
+    """The cost model's ``Cost`` for a test model, shapes and plan (fp32 unless ``dtype_bytes=2``,
+    bf16 mixed precision; ``world`` CPU ranks)."""
     model, _, kwargs = build(model_name, overrides)
     (inputs, _), = make_batches(VOCAB, batch, SEQ, 1, seed=1)
     spec = autopar.ModelSpec.from_module(model, inputs, kwargs)
     cluster = autopar.Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world)
-    return autopar.estimate(spec, cluster, plan, seq_len=SEQ, global_batch=batch, dtype_bytes=4)
+    return autopar.estimate(spec, cluster, plan, seq_len=SEQ, global_batch=batch, dtype_bytes=dtype_bytes)

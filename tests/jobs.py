@@ -6,15 +6,17 @@ returns picklable results (losses, the full state dict from rank 0, comm records
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 import autopar
-from tests.harness import OPTIMIZERS, make_batches
+from tests.harness import OPTIMIZERS, make_batches, reference_train
 from tests.models import MODELS
 
-__all__ = ["build", "train_job", "roundtrip_job", "load_original_job", "untouched_job", "auto_job", "BATCH", "SEQ",
-           "VOCAB"]
+__all__ = ["build", "reference", "train_job", "train_cases_job", "roundtrip_job", "load_original_job", "untouched_job", "auto_job",
+           "BATCH", "SEQ", "VOCAB"]
 
 BATCH, SEQ, VOCAB = 4, 16, 128
 
@@ -22,6 +24,16 @@ BATCH, SEQ, VOCAB = 4, 16, 128
 def build(model_name: str, overrides: dict, seed: int = 0):
     factory, loss_fn, kwargs = MODELS[model_name]
     return factory(seed=seed, **overrides), loss_fn, kwargs
+
+
+@functools.lru_cache(maxsize=None)
+def reference(model_name: str, opt_name: str, overrides: tuple):
+    """Single-process training on the batches every job uses: (losses, state dict); cached
+    per (model, optimizer, sorted override items)."""
+    _, loss_fn, kwargs = build(model_name, dict(overrides))
+    batches = make_batches(VOCAB, BATCH, SEQ, 3, seed=1)
+    return reference_train(lambda: build(model_name, dict(overrides))[0], batches, loss_fn,
+                           OPTIMIZERS[opt_name], kwargs)
 
 
 def _parallelize(model_name: str, plan: str, opt_name: str, overrides: dict, seed: int = 0):
@@ -43,6 +55,11 @@ def train_job(model_name: str, plan: str, opt_name: str, overrides: dict, steps:
         "state": {k: v.detach().cpu().clone() for k, v in state.items()} if rank == 0 else None,
         "comm": pm.comm_stats(),
     }
+
+
+def train_cases_job(cases: list, opt_name: str, steps: int = 3):
+    """:func:`train_job` for each ``(model_name, plan, overrides)`` of ``cases`` in one pool call."""
+    return [train_job(model_name, plan, opt_name, overrides, steps) for model_name, plan, overrides in cases]
 
 
 def roundtrip_job(model_name: str, plan: str, overrides: dict):

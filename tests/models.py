@@ -24,6 +24,8 @@ __all__ = [
     "hf_mixtral",
     "example_moe",
     "hf_qwen_moe",
+    "hf_gemma2",
+    "hf_opt",
     "lm_loss",
     "make_batch",
     "MODELS",
@@ -127,6 +129,27 @@ def hf_qwen_moe(seed: int = 0, **overrides):
         max_position_embeddings=64, attn_implementation="sdpa"), overrides)
 
 
+def hf_gemma2(seed: int = 0, **overrides):
+    """A tiny ``transformers.Gemma2ForCausalLM``: four RMSNorms per layer (the attention and MLP
+    outputs are normalised again after the row-parallel projection), ``(1 + weight)`` norms,
+    a scaled embedding, attention-logit and final-logit soft-capping (eager attention: Gemma 2
+    has no SDPA path), sliding-window layers, a tied LM head (vocab 128, hidden 64, 2 layers)."""
+    return _hf("Gemma2Config", "Gemma2ForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=64,
+        sliding_window=8, attn_implementation="eager"), overrides)
+
+
+def hf_opt(seed: int = 0, **overrides):
+    """A tiny ``transformers.OPTForCausalLM``: learned positions derived from the attention mask
+    (``cumsum`` of an all-ones mask when none is given), LayerNorm with bias, biased projections,
+    a tied LM head; dropout off (vocab 128, hidden 64, 2 layers, 4 heads)."""
+    return _hf("OPTConfig", "OPTForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+        word_embed_proj_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
+        attn_implementation="sdpa"), overrides)
+
+
 MODELS = {
     "example": (example_model, lm_loss, {}),
     "example_tied": (_example_tied, lm_loss, {}),
@@ -136,4 +159,6 @@ MODELS = {
     "example_moe": (example_moe, lm_loss, {}),
     "hf_mixtral": (hf_mixtral, hf_loss, {"use_cache": False}),
     "hf_qwen_moe": (hf_qwen_moe, hf_loss, {"use_cache": False}),
+    "hf_gemma2": (hf_gemma2, hf_loss, {"use_cache": False}),
+    "hf_opt": (hf_opt, hf_loss, {"use_cache": False}),
 }

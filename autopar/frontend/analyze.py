@@ -31,6 +31,7 @@ from torch.fx import GraphModule, Node
 from autopar.errors import AutoparError
 from autopar.frontend.analyze_moe import expert_width, find_moe_blocks
 from autopar.frontend.fx_utils import RESHAPE_OPS, module_path, reshape_chain, within as _within
+from autopar.frontend.loss import LossReduction, loss_reduction
 from autopar.frontend.trace import trace_model
 
 aten = torch.ops.aten
@@ -91,6 +92,7 @@ class ModelStructure:
     tied_embeddings: bool
     moe: list = dataclasses.field(default_factory=list)  # autopar.frontend.analyze_moe.MoEBlock per MoE layer
     moe_error: AutoparError | None = None  # a top-k routing whose experts were not recognised
+    loss_reduction: LossReduction | None = None  # how the loss splits over tokens (frontend/loss.py)
 
     @property
     def num_layers(self) -> int:
@@ -284,6 +286,7 @@ def analyze(gm: GraphModule) -> ModelStructure:
         tied_embeddings=bool(lm_head and embeddings and lm_head.weight == embeddings[0].args[0].target),
         moe=moe,
         moe_error=moe_error,
+        loss_reduction=loss_reduction(gm),
     )
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 from torch.export import Dim
 
-from autopar.compat import sym_expr
+from autopar.compat import map_tensors, sym_expr
 from autopar.errors import AutoparError
 
 __all__ = ["Traced", "trace_model", "MODEL_PREFIX"]
@@ -32,18 +32,22 @@ MODEL_PREFIX = "model."
 class _TrainWrapper(nn.Module):
     """Calls ``loss_fn(model(*inputs, **kwargs), target)``; holds no state of its own."""
 
-    def __init__(self, model: nn.Module, loss_fn: Callable | None, num_inputs: int, kwargs: dict):
+    def __init__(self, model: nn.Module, loss_fn: Callable | None, num_inputs: int, kwargs: dict,
+                 upcast_outputs: bool = False):
         super().__init__()
         self.model = model
         self._loss_fn = loss_fn
         self._num_inputs = num_inputs
         self._kwargs = kwargs
+        self._upcast = upcast_outputs
 
     def forward(self, *args):
         inputs = args[: self._num_inputs]
         out = self.model(*inputs, **self._kwargs)
         if self._loss_fn is None:
             return out
+        if self._upcast:  # mixed precision: the loss of fp32 outputs (Megatron's fp32 cross-entropy)
+            out = map_tensors(out, lambda t: t.float() if t.is_floating_point() else t)
         return self._loss_fn(out, args[self._num_inputs])
 
 
@@ -98,11 +102,13 @@ def trace_model(
     example_kwargs: dict | None = None,
     loss_fn: Callable | None = None,
     example_target: Any = None,
+    upcast_outputs: bool = False,
 ) -> Traced:
     """Export ``loss_fn(model(*example_inputs, **example_kwargs), example_target)``.
 
     ``example_target`` defaults to a tensor shaped and typed like the first example input
-    (next-token labels of a language model).  The model itself is not modified.
+    (next-token labels of a language model).  ``upcast_outputs``: the loss function sees
+    the model's floating outputs in fp32 (mixed precision).  The model itself is not modified.
     """
     example_inputs = tuple(example_inputs)
     example_kwargs = dict(example_kwargs or {})
@@ -115,7 +121,7 @@ def trace_model(
     if loss_fn is not None and example_target is None:
         example_target = torch.zeros_like(example_inputs[0])
     args = example_inputs + ((example_target,) if loss_fn is not None else ())
-    wrapper = _TrainWrapper(model, loss_fn, len(example_inputs), example_kwargs)
+    wrapper = _TrainWrapper(model, loss_fn, len(example_inputs), example_kwargs, upcast_outputs)
     batch, seq = Dim.AUTO, Dim.AUTO
     dynamic_shapes = tuple(_dynamic_spec(a, batch, seq) for a in args)
     try:

@@ -7,7 +7,11 @@ groups of the active step context (:mod:`autopar.ops.step`), so one graph serves
 every rank of a stage and prints without a process group.
 
 Each collective's backward is its dual (docs/architecture.md): all-gather <-> reduce-scatter, the TP
-region's entry identity <-> all-reduce, all-reduce <-> identity.  They are small
+region's entry identity <-> all-reduce, all-reduce <-> identity.  Which dual is right depends on
+the gradient's placement (docs/soundness.md): an all-gather whose result feeds sharded work gets
+a partial gradient back (reduce-scatter it); one whose result feeds computation replicated on
+every rank gets the same full gradient on every rank (keep this rank's slice:
+:func:`gather_replicated`).  The collectives are small
 ``torch.autograd.Function``s around ``torch.distributed`` because the same code must run
 under NCCL and gloo and must count the bytes of every call, forward and backward, which
 the functional-collective ops do not report.  The groups behind the axis names and the
@@ -34,6 +38,7 @@ __all__ = [
     "recorder",
     "ring_bytes",
     "all_gather",
+    "gather_replicated",
     "reduce_scatter",
     "all_reduce",
     "region_entry",
@@ -88,10 +93,19 @@ def ring_bytes(op: str, nbytes: float, n: int) -> tuple[float, float]:
     raise ValueError(f"unknown collective {op!r}")
 
 
+def _phase_tag(phase: str, tag: str) -> tuple[str, str]:
+    """A forward collective re-run while backward recomputes a region (autopar/ops/recompute.py)
+    is backward traffic: recorded with phase ``bwd``, as the cost model counts it."""
+    if phase == "fwd" and current().recomputing:
+        return "bwd", f"recomputed: {tag}"
+    return phase, tag
+
+
 def record(op: str, axis: str, t: torch.Tensor, phase: str, tag: str, nbytes: float | None = None) -> None:
     g = _group(axis)
     size = t.numel() * t.element_size() if nbytes is None else nbytes
     sent, recv = ring_bytes(op, size, g.size)
+    phase, tag = _phase_tag(phase, tag)
     current().recorder.records.append(
         CommRecord(op, axis, g.size, sent, recv, phase, tuple(t.shape), str(t.dtype).replace("torch.", ""), tag)
     )
@@ -102,6 +116,7 @@ def record_p2p(op: str, axis: str, t: torch.Tensor, phase: str, tag: str) -> Non
     g = _group(axis)
     size = t.numel() * t.element_size()
     sent, recv = (float(size), 0.0) if op == "send" else (0.0, float(size))
+    phase, tag = _phase_tag(phase, tag)
     current().recorder.records.append(
         CommRecord(op, axis, g.size, sent, recv, phase, tuple(t.shape), str(t.dtype).replace("torch.", ""), tag)
     )
@@ -149,6 +164,18 @@ class _AllGather(torch.autograd.Function):
         return _scatter(grad, ctx.dim, ctx.axis, "bwd", ctx.tag), None, None, None
 
 
+class _GatherReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, axis, tag):
+        ctx.dim, ctx.axis = dim, axis
+        return _gather(x, dim, axis, "fwd", tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = _group(ctx.axis)
+        return grad.chunk(g.size, dim=ctx.dim)[g.rank].contiguous(), None, None, None
+
+
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, axis, tag):
@@ -184,6 +211,13 @@ class _RegionEntry(torch.autograd.Function):
 def all_gather(x: torch.Tensor, dim: int, axis: str, tag: str = "") -> torch.Tensor:
     """Concatenate the shards of ``x`` along ``dim`` over ``axis``; backward reduce-scatters."""
     return _AllGather.apply(x, dim, axis, tag)
+
+
+def gather_replicated(x: torch.Tensor, dim: int, axis: str, tag: str = "") -> torch.Tensor:
+    """Concatenate the shards of ``x`` along ``dim`` over ``axis`` for computation that every rank
+    then repeats identically; backward keeps this rank's slice of the (replicated) gradient,
+    with no communication (an all-gather's reduce-scatter would sum ``axis``-size copies)."""
+    return _GatherReplicated.apply(x, dim, axis, tag)
 
 
 def reduce_scatter(x: torch.Tensor, dim: int, axis: str, tag: str = "") -> torch.Tensor:

@@ -18,6 +18,9 @@ Variants (``passes/context_parallel.py`` picks one per plan):
 - :func:`ulysses_attention`: one all-to-all of packed q,k,v from sequence shards to head
   shards, full-sequence attention on ``heads/cp`` heads, one all-to-all back.
 
+Besides attention, :func:`cp_cumsum` puts a cumulative sum along the sequence (positions that
+a model derives from its attention mask) in global token order.
+
 K and V arrive with their own (GQA) head count; ``num_kv_groups`` query heads share one
 K/V head, and the expansion happens after communication, so only the K/V heads travel.
 Every collective records its bytes through :mod:`autopar.ops.collectives`.
@@ -36,6 +39,7 @@ from autopar.ops.step import find_current
 __all__ = [
     "cp_chunk_indices",
     "cp_positions",
+    "cp_cumsum",
     "ring_attention",
     "allgather_attention",
     "ulysses_attention",
@@ -69,6 +73,27 @@ def cp_positions(local_len: int, axis: str, dtype: torch.dtype | None = None, de
     return pos.to(dtype or torch.int64)
 
 
+def cp_cumsum(x: torch.Tensor, dim: int, axis: str, dtype: torch.dtype | None = None, tag: str = "") -> torch.Tensor:
+    """``torch.cumsum(x, dim)`` of the global sequence, on this rank's two chunks along ``dim``.
+
+    Each chunk's cumulative sum is offset by the total of every chunk before it in global
+    order; the chunk totals (one slice each, the sequence dim summed away) are all-gathered.
+    Autograd-correct: the all-gather's backward reduce-scatters the offsets' gradients."""
+    n, r = C.axis_size(axis), C.axis_rank(axis)
+    if dtype is not None:
+        x = x.to(dtype)
+    elif not (x.is_floating_point() or x.is_complex()):
+        x = x.to(torch.int64)  # torch.cumsum's promotion of integral and bool inputs
+    first, second = x.chunk(2, dim=dim)  # global chunks r and 2n-1-r
+    totals = torch.stack([first.sum(dim), second.sum(dim)])
+    gathered = C.all_gather(totals, 0, axis, tag or "cp cumsum chunk totals")  # rank j: chunks j, 2n-1-j
+    order = [2 * c if c < n else 2 * (2 * n - 1 - c) + 1 for c in range(2 * n)]
+    ordered = gathered[torch.tensor(order, device=x.device)]
+    before = torch.cat([torch.zeros_like(ordered[:1]), ordered.cumsum(0)[:-1]])  # exclusive prefix
+    return torch.cat([first.cumsum(dim) + before[r].unsqueeze(dim),
+                      second.cumsum(dim) + before[2 * n - 1 - r].unsqueeze(dim)], dim=dim)
+
+
 # --- blockwise attention with a log-sum-exp merge (no communication) ---------------------
 
 
@@ -99,6 +124,9 @@ def _pairs(q_pos, k_pos, chunk, causal):
                 out.append((qs, ks, None))
                 continue
             qp, kp = q_pos[qs], k_pos[ks]
+            if qp.is_meta:  # a meta-device scale simulation has no positions to skip blocks by
+                out.append((qs, ks, qp[:, None] >= kp[None, :]))
+                continue
             if int(qp.max()) < int(kp.min()):
                 continue  # every key of this chunk lies after every query: skipped, not computed
             out.append((qs, ks, None if int(qp.min()) >= int(kp.max()) else qp[:, None] >= kp[None, :]))

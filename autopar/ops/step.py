@@ -79,6 +79,9 @@ class StepContext:
     memory: Any = None
     counters: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     training: bool = True  # False while pm.eval_step runs: train-mode-only operators (dropout) are off
+    # True while backward re-runs a recomputed region (autopar/ops/recompute.py): its forward
+    # collectives are recorded as backward traffic.
+    recomputing: bool = False
     # Dropout's random streams (autopar/ops/random.py): the base seed, the same on every rank
     # (torch.initial_seed() when the context is made, or rank 0's: random.common_seed), and
     # one generator per stream and device, kept across steps so successive draws advance it.

@@ -31,6 +31,7 @@ from autopar.cost.model import (DEFAULT_CONSTANTS, compiled, compiled_compute, c
                                 link_values, model_values, plan_values, step_time_arrays)
 from autopar.cost.pipeline import inflight, stage_views
 from autopar.errors import AutoparError
+from autopar.support import moe_needs_rewrite, unsupported
 from autopar.plan import (CP_VARIANTS, MULTI_CHUNK_SCHEDULES, RECOMPUTE_MODES, SCHEDULES, Plan,
                           chunks_per_rank, micro_batches_ok, ulysses_fits)
 
@@ -168,7 +169,9 @@ def search(spec, cluster, seq_len: int, global_batch: int, top: int = 10, *,
     tp_comm_overlap, routing_imbalance, constants), and restrictions of the space:
     ``world_size`` (default: the whole cluster), ``schedules``, ``cp_variants``,
     ``zero_stages``, ``recompute_modes``, ``sp`` (True/False), ``max_tp``,
-    ``max_micro_batch`` (largest micro-batch size, default 64), ``micro_batches``.
+    ``max_micro_batch`` (largest micro-batch size, default 64), ``micro_batches``;
+    ``runnable`` (default True): only plans the runtime runs (:func:`autopar.support.unsupported`,
+    the check ``parallelize`` applies), False for every plan the cost model prices.
     ``progress(done, total)`` is called as candidates are scored.
     """
     spec, cluster = _as_spec(spec), _as_cluster(cluster)
@@ -185,7 +188,8 @@ def search(spec, cluster, seq_len: int, global_batch: int, top: int = 10, *,
     step = scorer.step_times(lower, top, int(options.get("batch_size", 4096)))
     if progress is not None:
         progress(2 * total, 2 * total)
-    return _fitting_plans(spec, cluster, cands, step, top, seq_len, global_batch, est_opts)
+    return _fitting_plans(spec, cluster, cands, step, top, seq_len, global_batch, est_opts,
+                          runnable=bool(options.get("runnable", True)))
 
 
 def _split_options(options: dict, cluster) -> tuple[dict, int]:
@@ -193,7 +197,8 @@ def _split_options(options: dict, cluster) -> tuple[dict, int]:
     est_opts = {k: options.pop(k) for k in list(options) if k in _ESTIMATE_OPTIONS}
     world = options.pop("world_size", cluster.world_size)
     unknown = set(options) - {"schedules", "cp_variants", "zero_stages", "recompute_modes", "sp",
-                              "max_tp", "max_micro_batch", "micro_batches", "chunk_size", "batch_size"}
+                              "max_tp", "max_micro_batch", "micro_batches", "chunk_size", "batch_size",
+                              "runnable"}
     if unknown:
         raise AutoparError(f"autopar: unknown search option(s) {', '.join(sorted(unknown))}")
     return est_opts, world
@@ -323,8 +328,9 @@ class _Scorer:
 
 
 def _fitting_plans(spec, cluster, cands: dict, step: np.ndarray, top: int, seq_len: int, global_batch: int,
-                   est_opts: dict) -> list[tuple[Plan, Cost]]:
-    """The ``top`` fastest candidates by ``step`` that estimate() confirms fit, as (Plan, Cost) by step time."""
+                   est_opts: dict, runnable: bool = True) -> list[tuple[Plan, Cost]]:
+    """The ``top`` fastest candidates by ``step`` that estimate() confirms fit (and, with
+    ``runnable``, that the runtime runs), as (Plan, Cost) by step time."""
     feasible = np.nonzero(np.isfinite(step))[0]
     order = feasible[np.argsort(step[feasible], kind="stable")]
     results: list[tuple[Plan, Cost]] = []
@@ -332,6 +338,8 @@ def _fitting_plans(spec, cluster, cands: dict, step: np.ndarray, top: int, seq_l
         if len(results) >= top:
             break
         plan = _plan_of(cands, i)
+        if runnable and unsupported(plan, moe_rewrite=spec.is_moe and moe_needs_rewrite(plan)):
+            continue
         cost = estimate(spec, cluster, plan, seq_len, global_batch, **est_opts)
         if cost.fits:  # the full per-rank check of estimate() has the last word
             results.append((plan, cost))

@@ -23,6 +23,7 @@ from autopar.plan import Plan
 from autopar.planning.autoplan import choose_plan
 from autopar.runtime.mesh import world
 from autopar.runtime.module import ParallelModule
+from autopar.runtime.precision import cast_inputs, low_precision_copy, mixed_precision_dtype
 
 __all__ = ["init_distributed", "parallelize"]
 
@@ -61,26 +62,28 @@ def parallelize(
     global gradient norm (every shard, each parameter once) before each step; ``pm.last_grad_norm``
     is the norm before clipping (None without clipping).  ``lr_scheduler``: a factory called with the optimizer of
     this rank, stepped once per ``train_step`` and saved in checkpoints.  ``mixed_precision``:
-    only None today (bf16 with fp32 masters is planned; other values are refused).
+    ``"bf16"``: bf16 parameters and activations, fp32 master weights, optimizer state, main
+    gradients (accumulated and reduced in fp32) and loss; ``state_dict()`` returns the fp32
+    masters (:mod:`autopar.runtime.precision`).  None: train in the model's own dtype.
     """
     if loss_fn is None:
         raise AutoparError("autopar: parallelize needs loss_fn(output, target) to train the model; "
                            "for a Hugging Face model, e.g. lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()).")
     world_size, _ = world()
-    if isinstance(plan, str) and plan.strip().lower() == "auto":
-        plan = _auto_plan(model, example_inputs, example_kwargs, loss_fn, example_target, world_size)
-    traced, program = compile_program(model, example_inputs, example_kwargs, plan, loss_fn,
-                                      world_size=world_size, example_target=example_target,
-                                      bucket_bytes=bucket_bytes, pipeline_split=pipeline_split)
-    if mixed_precision is not None:
-        raise AutoparError(
-            f"autopar: mixed_precision={mixed_precision!r} is not supported yet; the runtime trains in the "
-            "model's own dtype. Use mixed_precision=None (cast the model yourself, e.g. model.to(torch.bfloat16), "
-            "for pure-bf16 training), and see docs/quickstart.md ('Training options').")
+    dtype = mixed_precision_dtype(mixed_precision)
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise AutoparError(f"autopar: max_grad_norm={max_grad_norm}; expected a positive number (or None: no clipping).")
-    return ParallelModule(model, traced, program, program.plan, optimizer or torch.optim.AdamW,
-                          max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler)
+    traced_model = low_precision_copy(model, dtype) if dtype is not None else model
+    example_inputs = cast_inputs(tuple(example_inputs), dtype)
+    if isinstance(plan, str) and plan.strip().lower() == "auto":
+        plan = _auto_plan(traced_model, example_inputs, example_kwargs, loss_fn, example_target, world_size)
+    traced, program = compile_program(traced_model, example_inputs, example_kwargs, plan, loss_fn,
+                                      world_size=world_size, example_target=example_target,
+                                      bucket_bytes=bucket_bytes, pipeline_split=pipeline_split,
+                                      upcast_outputs=dtype is not None)
+    return ParallelModule(traced_model, traced, program, program.plan, optimizer or torch.optim.AdamW,
+                          max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
+                          masters_from=model if dtype is not None else None)
 
 
 def _auto_plan(model, example_inputs, example_kwargs, loss_fn, example_target, world_size: int) -> Plan:

@@ -5,7 +5,8 @@ once, equal to ``torch.nn.utils.clip_grad_norm_`` on one device.  After gradient
 parameter's gradient lives on the ranks of its pipeline stage (``world / pp`` ranks), cut
 into ``D`` distinct pieces (``D`` = the product of the sizes of the axes it is sharded on:
 tp for TP shards, ep for experts, and dp for ZeRO shards) and otherwise replicated.  So
-every rank adds ``w * ||piece||^2`` with ``w = D / (world / pp)`` for each piece it holds,
+every rank adds ``w * ||piece||^2`` with ``w = D / (world / pp)`` for each piece it holds
+(divided by 2 for a tied embedding whose first and last stage both hold a summed copy),
 one all-reduce over the world sums them, and
 
     ||g||^2 = sum over ranks and pieces of w * ||piece||^2
@@ -28,9 +29,13 @@ from autopar.ops import collectives as C
 __all__ = ["norm_weights", "clip_gradients"]
 
 
-def norm_weights(param_shards: dict, holders: int, sizes: dict[str, int], names) -> dict[str, float]:
-    """``w`` for each graph parameter: distinct pieces over the ranks of its stage (``holders``)."""
-    return {name: math.prod(sizes.get(a, 1) for a in param_shards.get(name, {})) / holders for name in names}
+def norm_weights(param_shards: dict, holders: int, sizes: dict[str, int], names,
+                 copies: dict[str, int] | None = None) -> dict[str, float]:
+    """``w`` for each graph parameter: distinct pieces over the ranks of its stage (``holders``),
+    over the stages holding a copy (``copies``: 2 for an LM head tied to the embedding under pp)."""
+    copies = copies or {}
+    return {name: math.prod(sizes.get(a, 1) for a in param_shards.get(name, {})) / holders / copies.get(name, 1)
+            for name in names}
 
 
 def clip_gradients(grad_sync, weights: dict[str, float], max_norm: float | None, groups: dict,

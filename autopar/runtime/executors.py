@@ -20,7 +20,13 @@ import torch
 
 from autopar.errors import AutoparError
 
-__all__ = ["FlatExecutor", "StepOutput"]
+__all__ = ["FlatExecutor", "StepOutput", "weighted_loss"]
+
+
+def weighted_loss(loss: torch.Tensor, weight: float) -> torch.Tensor:
+    """A piece's mean loss times its weight (``ParallelModule.loss_weight``); untouched at 1.0."""
+    return loss if weight == 1.0 else loss * weight
+
 
 
 class StepOutput:
@@ -40,15 +46,20 @@ class FlatExecutor:
         """Pipeline rank holding parameter ``name`` (None: every rank of the stage)."""
         return None
 
+    def holders(self, name: str) -> tuple[int, ...] | None:
+        """Pipeline ranks holding ``name`` (None: every rank)."""
+        return None
+
     def setup(self, pm) -> None:
         """Nothing to build: the graph runs as it is."""
 
     def run(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
         total = torch.zeros((), device=pm.device)
         for chunk_inputs, chunk_target in pm.micro_batches(inputs, target, coords):
+            weight = pm.loss_weight(chunk_target)  # its share of the global valid targets (1.0 unpadded)
             # ZeRO: per-micro-batch gathers / reduce-scatters; the meter counts saved activations.
             with pm.memory.micro_batch(self.gm), pm.grad_sync.micro_batch():
-                loss = self.gm(*chunk_inputs, chunk_target)
+                loss = weighted_loss(self.gm(*chunk_inputs, chunk_target), weight)
                 (loss / self.plan.mb).backward()
             total += loss.detach().float() / self.plan.mb
         return StepOutput(total)
@@ -57,7 +68,8 @@ class FlatExecutor:
         """Forward only (the caller holds ``torch.no_grad`` and eval mode): the mean loss."""
         total = torch.zeros((), device=pm.device)
         for chunk_inputs, chunk_target in pm.micro_batches(inputs, target, coords):
-            total += self.gm(*chunk_inputs, chunk_target).detach().float() / self.plan.mb
+            loss = weighted_loss(self.gm(*chunk_inputs, chunk_target), pm.loss_weight(chunk_target))
+            total += loss.detach().float() / self.plan.mb
         return StepOutput(total)
 
     def describe_stage(self, stage: int) -> torch.fx.GraphModule:

@@ -11,9 +11,13 @@ same interface, which is all that the module, checkpoints (:mod:`autopar.runtime
 and the memory meter (:mod:`autopar.runtime.memory`) use:
 
 * ``optimizer``; ``micro_batch()`` around each micro-batch's forward and backward, and
-  ``forward_only()`` around an evaluation forward; ``sync()`` then ``step()`` once per
-  step (clipping sits between them); ``full_parameters(write_back)`` around reading or
-  writing whole parameters;
+  ``forward_only()`` around an evaluation forward; ``after_backward()`` after each
+  backward (mixed precision folds bf16 gradients into fp32 main gradients there; the flat
+  executor's ``micro_batch()`` calls it, the pipelined executor's stages call it);
+  ``sync()`` then ``step()`` once per step (clipping sits between them);
+  ``full_parameters(write_back)`` around reading or writing whole parameters: it yields
+  graph name -> the tp-local tensor that holds the parameter's value (the fp32 master
+  under mixed precision);
 * ``grad_square_sum(weights)`` / ``scale_grads(coef)``: the pieces of the global gradient
   norm this rank holds, and their scaling (:mod:`autopar.runtime.clipping`);
 * ``optimizer_state()`` / ``load_optimizer_state(entries)``: the optimizer state per graph
@@ -23,59 +27,80 @@ and the memory meter (:mod:`autopar.runtime.memory`) use:
 from __future__ import annotations
 
 import contextlib
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
 from autopar.ops import collectives as C
+from autopar.runtime.precision import MainGrads
 
 __all__ = ["GradSync"]
 
 
 class GradSync:
-    """Bucketed all-reduce of gradients, then a plain optimizer step on local parameters."""
+    """Bucketed all-reduce of gradients, then a plain optimizer step on local parameters.
+
+    ``originals``: graph name -> this rank's piece of the user's fp32 tensor, for mixed
+    precision (:mod:`autopar.runtime.precision`): the optimizer then steps fp32 masters
+    whose main gradients are what is reduced.  None: the parameters themselves."""
 
     stage = 0
 
-    def __init__(self, gm: torch.fx.GraphModule, buckets, groups: dict, make_optimizer):
+    def __init__(self, gm: torch.fx.GraphModule, buckets, groups: dict, make_optimizer, originals=None):
         self.gm = gm
         self.buckets = list(buckets)
         self.groups = groups
-        self.optimizer = make_optimizer([p for p in gm.parameters() if p.requires_grad])
+        params = dict(gm.named_parameters())
+        self.main = MainGrads(params, originals) if originals is not None else None
+        # What holds each parameter's value and gradient for sync, clipping, the step and state.
+        self.params = self.main.masters if self.main is not None else params
+        self.optimizer = make_optimizer([p for p in self.params.values() if p.requires_grad])
 
     def micro_batch(self):
-        """Context around one micro-batch's forward and backward (ZeRO strategies act here)."""
-        return contextlib.nullcontext()
+        """Context around one micro-batch's forward and backward."""
+        return _after(self.after_backward) if self.main is not None else contextlib.nullcontext()
+
+    def after_backward(self) -> None:
+        """Mixed precision: this backward's bf16 gradients into the fp32 main gradients."""
+        if self.main is not None:
+            self.main.accumulate()
 
     def forward_only(self):
         """Context around a forward without backward (evaluation): nothing to do without ZeRO-3."""
         return contextlib.nullcontext()
 
-    def full_parameters(self, write_back: bool = False):
-        """Context in which the module holds whole parameters (always true without ZeRO)."""
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def full_parameters(self, write_back: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """Graph name -> the tensor holding the parameter's value (the master under mixed precision)."""
+        values = dict(self.params)
+        yield values
+        if write_back and self.main is not None:
+            self.main.copy_to_params()
 
     def step(self) -> None:
         """The optimizer step on the synchronised gradients, which are then dropped."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.main is not None:
+            self.main.copy_to_params()
 
     def grad_square_sum(self, weights: dict[str, float], device: torch.device) -> torch.Tensor:
         """Sum over this rank's gradients of ``weights[name] * ||grad||^2`` (float64, on ``device``)."""
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for name, p in self.gm.named_parameters():
+        for name, p in self.params.items():
             if p.grad is not None and p.grad.numel():
                 total += weights[name] * p.grad.detach().double().square().sum()
         return total
 
     def scale_grads(self, coef: float) -> None:
-        for p in self.gm.parameters():
+        for p in self.params.values():
             if p.grad is not None:
                 p.grad.mul_(coef)
 
     def sync(self) -> None:
         for bucket in self.buckets:
-            params = [self.gm.get_parameter(n) for n in bucket.params]
+            params = [self.params[n] for n in bucket.params]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
             group = self.groups[bucket.axis]
@@ -94,7 +119,7 @@ class GradSync:
 
     def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Graph parameter name -> {state key: this rank's tensor} (tp-local, as the parameter)."""
-        by_id = {id(p): n for n, p in self.gm.named_parameters()}
+        by_id = {id(p): n for n, p in self.params.items()}
         out: dict[str, dict] = {}
         for group in self.optimizer.param_groups:
             for p in group["params"]:
@@ -104,7 +129,7 @@ class GradSync:
 
     def load_optimizer_state(self, entries: dict[str, dict[str, torch.Tensor]]) -> None:
         """Inverse of :meth:`optimizer_state` (entries already cut to this rank's tp shard)."""
-        for name, p in self.gm.named_parameters():
+        for name, p in self.params.items():
             found = entries.get(name)
             if found:
                 self.optimizer.state[p] = {k: v.to(device=p.device, dtype=p.dtype) if v.dim() else v.clone()
@@ -112,4 +137,14 @@ class GradSync:
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors held outside the module's parameters: extra ``params``, ``master_params``, ``grads``."""
-        return {"params": [], "master_params": [], "grads": []}
+        if self.main is None:
+            return {"params": [], "master_params": [], "grads": []}
+        masters = list(self.main.masters.values())
+        return {"params": [], "master_params": masters, "grads": [m.grad for m in masters if m.grad is not None]}
+
+
+@contextlib.contextmanager
+def _after(callback) -> Iterator[None]:
+    """Run ``callback`` when the block completes (after a micro-batch's backward)."""
+    yield
+    callback()

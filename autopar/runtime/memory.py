@@ -5,16 +5,22 @@ around each micro-batch and around the optimizer step; ``ParallelModule.memory_r
 returns :meth:`MemoryMeter.report` for the last step.  Definitions (bytes on this rank):
 
   * ``params``: the parameters the program holds (under ZeRO-3 only the ``dp`` shards);
-  * ``master_params``: ZeRO-1/2's flat fp32 shards that the optimizer steps on (a copy
-    that the cost model's fp32 accounting does not list separately);
+  * ``master_params``: the fp32 master weights the optimizer steps on: ZeRO-1/2's flat
+    shards (in fp32 training a copy that the cost model does not list separately), and
+    under mixed precision every master (plain tensors, or the ZeRO shards of any stage),
+    which the cost model's 12 B optimizer term includes -- so with mixed precision they are
+    also counted in ``optimizer``;
   * ``grads``: gradients held when backward of the last micro-batch has finished, before
     the gradient sync (full under stages 0-1, the ``dp`` shards under 2-3);
   * ``optimizer``: the optimizer's state tensors after the step (scalar ``step`` counters
-    excluded);
+    excluded), plus the master weights under mixed precision;
   * ``activations`` (absent under pp, whose micro-batches torch's schedule runs): the peak
     over micro-batches of the bytes saved for backward when the micro-batch's forward has
     finished (distinct storages; parameters, buffers and gathered
-    ZeRO-3 parameters excluded), which is when saved activations peak.
+    ZeRO-3 parameters excluded), which is when saved activations peak; under activation
+    recompute, plus the largest *working set* of a recomputed region (what one region's
+    recomputation saves in backward, beyond its inputs: a decoder layer's activations under
+    ``recompute=full``), the cost model's ``recompute_buffer``.
 
 Saved tensors are seen by a ``saved_tensors_hooks`` pack hook; under ZeRO-3 the inner hooks
 of :mod:`autopar.runtime.zero` forward every non-parameter tensor to :func:`autopar.ops.step.observe_saved`.
@@ -38,12 +44,17 @@ def _nbytes(tensors) -> int:
 class MemoryMeter:
     """Per-step memory measurements of one rank (see the module docstring)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, masters_in_optimizer: bool = False) -> None:
+        self._masters_in_optimizer = masters_in_optimizer
         self._excluded: set[int] = set()
         self._seen: dict[int, int] = {}
         self._peak = 0
         self._metered = False  # a pipelined step runs its micro-batches inside torch's schedule, unmetered
         self._report: dict[str, int] = {}
+        # Activation recompute (autopar/ops/recompute.py): what the region being recomputed saves.
+        self._working: dict[int, int] | None = None
+        self._working_inputs: set[int] = set()
+        self._working_peak = 0
 
     @contextlib.contextmanager
     def micro_batch(self, gm: torch.nn.Module) -> Iterator[None]:
@@ -60,7 +71,20 @@ class MemoryMeter:
 
     def begin_step(self) -> None:
         self._peak = 0
+        self._working_peak = 0
         self._metered = False
+
+    @contextlib.contextmanager
+    def recomputing(self) -> Iterator[set[int]]:
+        """While backward recomputes one region: what it saves is its working set, not forward's
+        saved activations.  Yields the set of storages to leave out (the caller adds the region's
+        inputs: counted in forward, or parameters re-gathered by ZeRO-3)."""
+        self._working, self._working_inputs = {}, set()
+        try:
+            yield self._working_inputs
+        finally:
+            self._working_peak = max(self._working_peak, sum(self._working.values()))
+            self._working, self._working_inputs = None, set()
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.observe(t)
@@ -72,6 +96,10 @@ class MemoryMeter:
             return
         storage = t.untyped_storage()
         ptr = storage.data_ptr()
+        if self._working is not None:  # a recomputed region's tensor
+            if ptr not in self._excluded and ptr not in self._working_inputs:
+                self._working[ptr] = storage.nbytes()
+            return
         if ptr in self._excluded or ptr in self._seen:
             return
         self._seen[ptr] = storage.nbytes()
@@ -89,9 +117,10 @@ class MemoryMeter:
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-        self._report["optimizer"] = _nbytes(state)
+        self._report["optimizer"] = _nbytes(state) + (self._report.get("master_params", 0)
+                                                      if self._masters_in_optimizer else 0)
         if self._metered:
-            self._report["activations"] = self._peak
+            self._report["activations"] = self._peak + self._working_peak
 
     def report(self) -> dict[str, int]:
         return dict(self._report)

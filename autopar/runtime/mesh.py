@@ -7,7 +7,9 @@ Groups come from ``init_device_mesh`` with named axes; two more are derived:
 * ``dp_cp``: dense gradients and the loss are averaged over ``dp * cp`` ranks under CP;
 * ``ep`` / ``edp``: expert parallelism folds over the ``dp * cp`` ranks of one stage
   (:func:`expert_groups`);
-* ``world``: every rank, for the global gradient norm (:mod:`autopar.runtime.clipping`).
+* ``world``: every rank, for the global gradient norm (:mod:`autopar.runtime.clipping`);
+* ``pp_embed``: the first and last pipeline stage of an LM head tied to the embedding, which
+  sum the copies' gradients (:func:`embedding_group`).
 
 Neighbours: :class:`autopar.runtime.module.ParallelModule` owns the groups and hands them
 to the step context (:mod:`autopar.ops.step`) that the program's operators read.
@@ -22,7 +24,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from autopar.compat import flatten_mesh
 from autopar.ops.step import AxisGroup
 
-__all__ = ["MESH_AXES", "world", "build_groups", "expert_groups", "local_device"]
+__all__ = ["MESH_AXES", "world", "build_groups", "expert_groups", "embedding_group", "local_device"]
 
 MESH_AXES = ("pp", "dp", "cp", "tp")
 
@@ -57,8 +59,11 @@ def expert_groups(plan) -> dict[str, AxisGroup]:
     return out
 
 
-def build_groups(plan, *, experts: bool) -> dict[str, AxisGroup]:
-    """This rank's group on every axis the plan's program uses (empty without a process group)."""
+def build_groups(plan, *, experts: bool, tied_ranks: tuple[int, ...] = ()) -> dict[str, AxisGroup]:
+    """This rank's group on every axis the plan's program uses (empty without a process group).
+
+    ``tied_ranks``: the pipeline ranks holding copies of a tied embedding, which form the
+    ``pp_embed`` groups (one per dp, cp, tp coordinate)."""
     if not dist.is_initialized():
         return {}
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
@@ -71,4 +76,17 @@ def build_groups(plan, *, experts: bool) -> dict[str, AxisGroup]:
         groups["dp_cp"] = AxisGroup(flat.get_group(), flat.size(), flat.get_local_rank())
     if experts:
         groups.update(expert_groups(plan))
+    if tied_ranks:
+        groups["pp_embed"] = embedding_group(plan, tied_ranks)
     return groups
+
+
+def embedding_group(plan, tied_ranks: tuple[int, ...]) -> AxisGroup:
+    """The ranks at pipeline indices ``tied_ranks`` with this rank's dp, cp and tp indices
+    (Megatron's embedding group), built on every rank in the same order."""
+    ranks = np.arange(plan.world_size).reshape(plan.pp, -1)  # pp is the outermost mesh axis
+    lists = ranks[list(tied_ranks)].T.tolist()
+    group, _ = dist.new_subgroups_by_enumeration(lists)
+    me = dist.get_rank()
+    inside = any(me in ranks_ for ranks_ in lists)
+    return AxisGroup(group, len(tied_ranks), dist.get_rank(group) if inside else -1)

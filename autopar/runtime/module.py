@@ -33,6 +33,7 @@ from autopar.errors import AutoparError
 from autopar.ops import collectives as C
 from autopar.ops import random as random_ops
 from autopar.ops.step import StepContext, activate
+from autopar.passes.context import GradBucket
 from autopar.runtime import checkpoint
 from autopar.planning.autoplan import predict_step
 from autopar.runtime.batching import global_sizes, local_micro_batches, split_micro_batches
@@ -45,6 +46,7 @@ from autopar.runtime.layout import gather_full, shard_local
 from autopar.runtime.memory import MemoryMeter
 from autopar.runtime.mesh import build_groups, local_device
 from autopar.runtime.pipelined import PipelineExecutor
+from autopar.runtime.precision import cast_inputs
 from autopar.runtime.zero import ZeroSync
 from autopar.views.program import format_program
 
@@ -55,14 +57,20 @@ class ParallelModule:
     """One rank's compiled training program (see :func:`autopar.parallelize`)."""
 
     _local_batch = False  # whether the current step was given this rank's part of the batch (local=True)
+    _num_valid: int | None = None  # the step's global count of valid targets (a token-mean loss)
 
     def __init__(self, model: nn.Module, traced, program, plan, make_optimizer: Callable, *,
-                 max_grad_norm: float | None = None, lr_scheduler: Callable | None = None):
+                 max_grad_norm: float | None = None, lr_scheduler: Callable | None = None,
+                 masters_from: nn.Module | None = None):
+        """``model``: the module that was traced; ``masters_from``: under mixed precision, the
+        user's fp32 model whose tensors become the master weights (``model`` is its bf16 copy)."""
         self.plan = plan
         self.gm = traced.gm
         self.program = program
         self.num_inputs = traced.num_inputs
-        self.groups = build_groups(plan, experts=bool(program.expert_params))
+        self.size_symbols = (traced.batch_symbol, traced.seq_symbol)  # the graph's symbolic batch and sequence
+        tied_ranks = program.pipeline.tied_ranks() if program.pipeline is not None else ()
+        self.groups = build_groups(plan, experts=bool(program.expert_params), tied_ranks=tied_ranks)
         self.step_context = StepContext(groups=self.groups)
         self.step_context.seed = random_ops.common_seed()  # rank 0's torch.initial_seed(), on every rank
         self.device = local_device()
@@ -79,11 +87,18 @@ class ParallelModule:
         self._aliases = _original_names(model, self.gm)
         self._full_meta = {name: (tuple(p.shape), p.dtype) for name, p in self.gm.named_parameters()}
         self._materialize()
+        self.mixed_precision = masters_from is not None
+        self._orig_dtypes = {k: v.dtype for k, v in (masters_from or model).state_dict().items()}
+        originals = self._master_values(masters_from) if masters_from is not None else None
         buckets = self._held_buckets(program.grad_buckets)
+        if tied_ranks and self._pp_rank() in tied_ranks:  # the embedding group sums the tied copies first
+            tied = self.gm.get_parameter(program.pipeline.tied)
+            buckets.insert(0, GradBucket("pp_embed", (program.pipeline.tied,), False,
+                                         tied.numel() * tied.element_size()))
         if plan.zero > 0:
-            self.grad_sync = ZeroSync(self.gm, program, buckets, self.groups, make_optimizer, plan.zero)
+            self.grad_sync = ZeroSync(self.gm, program, buckets, self.groups, make_optimizer, plan.zero, originals)
         else:
-            self.grad_sync = GradSync(self.gm, buckets, self.groups, make_optimizer)
+            self.grad_sync = GradSync(self.gm, buckets, self.groups, make_optimizer, originals)
         self.optimizer = self.grad_sync.optimizer
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.max_grad_norm = max_grad_norm
@@ -91,9 +106,11 @@ class ParallelModule:
         self.last_step_stats: dict[str, Any] = {}
         self._prediction: dict[str, float] | None = None
         holders = max(1, plan.world_size // plan.pp) if self.groups else 1
+        names = [n for n, _ in self.gm.named_parameters()]
+        copies = {n: len(self.executor.holders(n) or (0,)) for n in names}  # the tied weight: on two stages
         self._norm_weights = norm_weights(program.param_shards, holders, {a: g.size for a, g in self.groups.items()},
-                                          [n for n, _ in self.gm.named_parameters()])
-        self.memory = MemoryMeter()
+                                          names, copies)
+        self.memory = MemoryMeter(masters_in_optimizer=self.mixed_precision)
         self.executor.setup(self)
 
     # --- where things are ---------------------------------------------------------------
@@ -107,8 +124,8 @@ class ParallelModule:
 
     def holds(self, name: str) -> bool:
         """Whether this rank holds graph parameter or buffer ``name`` (pipeline stages hold their own)."""
-        owner = self.executor.owner(name)
-        return owner is None or owner == self._pp_rank()
+        holders = self.executor.holders(name)
+        return holders is None or self._pp_rank() in holders
 
     def _held_buckets(self, buckets) -> list:
         """The gradient buckets restricted to the parameters this rank holds (a bucket may span stages)."""
@@ -133,6 +150,19 @@ class ParallelModule:
         for name, b in list(self.gm.named_buffers()):
             _set_attr(self.gm, name, b.detach().clone().to(self.device), buffer=True)
 
+    def _master_values(self, masters_from: nn.Module) -> dict[str, torch.Tensor]:
+        """Graph name -> this rank's piece of the user's fp32 parameter (the master's first value)."""
+        originals = dict(masters_from.named_parameters(remove_duplicate=False))
+        coords = self.coords()
+        return {name: shard_local(originals[orig].detach(), self.program.param_shards.get(name, {}), coords)
+                .to(device=self.device, dtype=torch.float32)
+                for name, orig in self._graph_to_original().items()
+                if orig in originals and self.holds(name)}
+
+    def _value(self, values: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+        """The tensor holding graph parameter or buffer ``name`` (``values``: from ``full_parameters``)."""
+        return values[name] if name in values else _get_attr(self.gm, name)
+
     def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """The full tensor of graph parameter ``name`` from this rank's piece of it (collective over tp/ep)."""
         shards = self.program.param_shards.get(name, {})
@@ -152,14 +182,13 @@ class ParallelModule:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unsharded tensors under the original model's names (identical on every rank)."""
         out = {}
-        with self.grad_sync.full_parameters():
+        with self.grad_sync.full_parameters() as values:
             for orig, name in self._aliases.items():
                 owner = self.executor.owner(name)
                 if self.holds(name):
-                    full = self._full(name, _get_attr(self.gm, name).detach())
+                    full = self._full(name, self._value(values, name).detach()).to(self._orig_dtypes[orig])
                 else:
-                    shape, dtype = self._full_meta[name]
-                    full = torch.empty(shape, dtype=dtype, device=self.device)
+                    full = torch.empty(self._full_meta[name][0], dtype=self._orig_dtypes[orig], device=self.device)
                 if owner is not None and "pp" in self.groups and self.groups["pp"].size > 1:  # owner broadcasts
                     dist.broadcast(full, group=self.groups["pp"].group, group_src=owner)
                 out[orig] = full
@@ -179,11 +208,11 @@ class ParallelModule:
         self._load_model_entries(state_dict)
 
     def _load_model_entries(self, state_dict: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad(), self.grad_sync.full_parameters(write_back=True):
+        with torch.no_grad(), self.grad_sync.full_parameters(write_back=True) as values:
             for orig, name in self._aliases.items():
                 if not self.holds(name):
                     continue
-                target = _get_attr(self.gm, name)
+                target = self._value(values, name)
                 local = shard_local(state_dict[orig], self.program.param_shards.get(name, {}), self.coords())
                 if local.shape != target.shape:
                     raise AutoparError(f"autopar: state dict entry '{orig}' has shape {tuple(state_dict[orig].shape)}; "
@@ -203,10 +232,11 @@ class ParallelModule:
         ``model.<name>`` for parameters and buffers, ``optim.<name>.<key>`` for optimizer state,
         ``sched.state`` for the learning-rate scheduler (collective: call on every rank)."""
         state = {}
-        with self.grad_sync.full_parameters():
+        with self.grad_sync.full_parameters() as values:
             for orig, name in self._aliases.items():
                 if self.holds(name):
-                    state[MODEL_PREFIX + orig] = self._full(name, _get_attr(self.gm, name).detach()).cpu()
+                    full = self._full(name, self._value(values, name).detach())
+                    state[MODEL_PREFIX + orig] = full.to(self._orig_dtypes[orig]).cpu()
         to_orig = self._graph_to_original()
         for name, entries in sorted(self.grad_sync.optimizer_state().items()):
             for key, value in sorted(entries.items()):
@@ -273,6 +303,7 @@ class ParallelModule:
         self.step_context.begin()
         coords = {a: g.rank for a, g in self.groups.items()}
         with activate(self.step_context):
+            self._count_valid_targets(target)
             self.memory.begin_step()
             out = self.executor.run(self, inputs, target, coords)
             self.memory.before_sync(self.gm, self.grad_sync)
@@ -298,9 +329,53 @@ class ParallelModule:
         self.step_context.begin()
         coords = {a: g.rank for a, g in self.groups.items()}
         with torch.no_grad(), activate(self.step_context, training=False), self.grad_sync.forward_only():
+            self._count_valid_targets(target)
             out = self.executor.evaluate(self, inputs, target, coords)
             total = self._global_loss(out.loss)
         return float("nan") if total.is_meta else float(total)
+
+    # --- the loss over uneven tokens (autopar/frontend/loss.py) --------------------------
+
+    def _count_valid_targets(self, target: Any) -> None:
+        """This step's global count of targets the loss averages over, for :meth:`loss_weight`;
+        refuses a batch whose ignored targets a loss of unknown reduction would average wrongly."""
+        self._num_valid = None
+        reduction = self.program.structure.loss_reduction
+        ignore = reduction.cross_entropy_ignore if reduction is not None else None
+        pieces = self.plan.dp * self.plan.cp * self.plan.mb
+        if ignore is None or not torch.is_tensor(target) or target.is_meta or pieces == 1:
+            return  # (a meta-device scale simulation has no values to count)
+        counts = torch.stack([(target != ignore).sum(), (target == ignore).any().long()]).to(torch.int64)
+        data = self.plan.dp * self.plan.cp
+        if self._local_batch and data > 1:  # each rank holds only its part: sum the counts (16 bytes)
+            counts = C.loss_all_reduce(counts.to(self.device), "dp_cp" if self.plan.cp > 1 else "dp",
+                                       "valid-target count of the global batch")
+        num_valid, any_ignored = (int(v) for v in counts.cpu())
+        if reduction.kind == "token_sum":
+            self._num_valid = -1  # a sum: every piece weighs the number of pieces (loss_weight)
+            return
+        if not reduction.token_mean:
+            if any_ignored:
+                raise AutoparError(
+                    f"autopar: the targets of this batch contain ignore_index={ignore}, and the loss cannot be "
+                    f"split over ranks exactly ({reduction.reason}): each of the {pieces} pieces of the batch "
+                    "(dp x cp x mb) would divide by its own count of valid targets. Return "
+                    "F.cross_entropy(logits.flatten(0, 1), target.flatten()) (mean over valid targets) from "
+                    "loss_fn alone, or use a plan with dp = cp = mb = 1; see docs/troubleshooting.md.")
+            return
+        self._num_valid = num_valid
+
+    def loss_weight(self, target: Any) -> float:
+        """The factor on one piece's mean loss (a micro-batch of this rank) that makes the mean
+        over pieces the global mean over valid targets: ``n_piece * pieces / n_global``; 1.0
+        when every piece holds the same number of valid targets (an unpadded batch)."""
+        pieces = self.plan.dp * self.plan.cp * self.plan.mb
+        if self._num_valid == -1:  # a summed loss: the mean over pieces of pieces * sum is the sum
+            return float(pieces)
+        if self._num_valid is None or not self._num_valid or not torch.is_tensor(target):
+            return 1.0
+        ignore = self.program.structure.loss_reduction.ignore_index
+        return int((target != ignore).sum()) * pieces / self._num_valid
 
     def _record_stats(self, inputs: tuple, seconds: float) -> None:
         tokens = int(inputs[0].numel()) if torch.is_tensor(inputs[0]) else 0
@@ -337,7 +412,7 @@ class ParallelModule:
         if len(inputs) != self.num_inputs:
             raise AutoparError(f"autopar: got {len(inputs)} inputs; the model was traced with "
                                f"{self.num_inputs} (pass the same structure as example_inputs).")
-        return inputs
+        return cast_inputs(inputs, torch.bfloat16 if self.mixed_precision else None)
 
     def _global_loss(self, local: torch.Tensor | None) -> torch.Tensor:
         """The mean over data-parallel ranks of the ranks computing the loss, then shared over pp."""

@@ -10,12 +10,19 @@ interleaved, V-shaped for zbv / dualpipev), wraps each chunk in a recording stag
 
 The loss: the last chunk computes it in-graph from the ``target`` keyword micro-batch
 (every stage receives the model inputs and the target as keyword micro-batches, see the
-pass), so the schedule's ``loss_fn`` is the identity and ``scale_grads`` divides the
-gradients by the micro-batch count (the mean over micro-batches).  The module reduces the
+pass), so the schedule's ``loss_fn`` only weights it by the micro-batch's share of the valid
+targets (``ParallelModule.loss_weight``, 1.0 for an unpadded batch) and ``scale_grads``
+divides the gradients by the micro-batch count (the mean over micro-batches).  The module reduces the
 last stage's mean over the data axes and then over ``pp`` (other stages contribute 0).
+
+Mixed precision: each stage hands its bf16 gradients to the gradient-sync strategy after
+every backward action (``after_backward``), which folds them into fp32 main gradients, so
+the schedule's own ``scale_grads`` (on ``param.grad``) is off and :meth:`run` divides the
+main gradients by the micro-batch count instead.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -25,13 +32,16 @@ from autopar.compat import pipeline_order, recording_stage_class
 from autopar.errors import AutoparError
 from autopar.ops import collectives as C
 from autopar.ops.schedules import SCHEDULE_CLASSES, Act, rank_orders, single_stage
-from autopar.runtime.executors import StepOutput
+from autopar.plan_rules import V_SCHEDULES
+from autopar.runtime.executors import StepOutput, weighted_loss
+from autopar.runtime.simulated import simulate_step
 
 __all__ = ["PipelineExecutor"]
 
 
-def _identity_loss(output, target):
-    return output
+def _stage_loss(pm, output, target):
+    """The last chunk's in-graph loss of one micro-batch, weighted by its share of the valid targets."""
+    return weighted_loss(output, pm.loss_weight(target))
 
 
 def _record_p2p(ops, phase: str, stage_index: int) -> None:
@@ -55,37 +65,84 @@ class PipelineExecutor:
         self._owner = {p: self.pipeline.chunk_rank(c) for p, c in owner.items()}
         self._chunks: dict[int, torch.fx.GraphModule] = {}
         self._schedule = None
+        self._fold = False
+        self._tied_copy: tuple[torch.nn.Parameter, torch.nn.Parameter] | None = None  # (embedding, head's)
 
     def owner(self, name: str) -> int | None:
         return self._owner.get(name)
+
+    def holders(self, name: str) -> tuple[int, ...] | None:
+        """Pipeline ranks holding ``name`` (the tied weight: two); None for a buffer every rank keeps."""
+        return self.pipeline.param_ranks(name) if name in self._owner else None
 
     def setup(self, pm) -> None:
         """Rebuild this rank's chunks on the local parameters and the schedule over them."""
         pp_rank = pm.coords().get("pp", (0, 1))[0]
         chunk_ids = self.pipeline.rank_chunks(pp_rank)
         self._chunks = {c: torch.fx.GraphModule(self.gm, self.pipeline.chunks[c].gm.graph) for c in chunk_ids}
-        self._last = self.pipeline.chunk_rank(len(self.pipeline.chunks) - 1) == pp_rank
+        last = len(self.pipeline.chunks) - 1
+        self._last = self.pipeline.chunk_rank(last) == pp_rank
+        tied = self.pipeline.tied
+        if tied and self._last and 0 in chunk_ids and pm.holds(tied):
+            # A V-shaped schedule places the embedding and the tied head on this rank. torch's split
+            # weight backward cannot share one parameter between two stages, so the head's chunk gets
+            # its own Parameter on the same storage (updates and loads reach it in place) whose
+            # gradient is folded into the embedding's after every backward action.
+            self._tied_copy = (self.gm.get_parameter(tied), _alias_parameter(self._chunks, last, tied, self.gm))
         if not dist.is_initialized():
             return
         pp_group = pm.groups["pp"].group
         stages = [_RecordingStage(self._chunks[c], c, len(self.pipeline.chunks), pm.device, group=pp_group)
                   for c in chunk_ids]
+        # Mixed precision (fp32 main gradients) and a tied copy fold gradients after each backward
+        # action; torch's scale_grads then comes too early, so run() scales the folded gradients.
+        self._fold = pm.mixed_precision or self._tied_copy is not None
+        for stage in stages:
+            stage.after_backward = functools.partial(self._after_backward, pm) if self._fold else None
         cls = SCHEDULE_CLASSES[self.plan.schedule]
+        options = dict(n_microbatches=self.plan.mb, loss_fn=functools.partial(_stage_loss, pm),
+                       scale_grads=not self._fold)
         if single_stage(self.plan.schedule):
-            self._schedule = cls(stages[0], n_microbatches=self.plan.mb, loss_fn=_identity_loss, scale_grads=True)
+            self._schedule = cls(stages[0], **options)
             return
-        self._schedule = cls(stages, n_microbatches=self.plan.mb, loss_fn=_identity_loss, scale_grads=True)
+        self._schedule = cls(stages, **options)
         # What torch will execute is the schedule as data that the view and the cost model read.
         expected = rank_orders(self.plan.schedule, self.plan.pp, self.plan.mb, self.plan.vpp)[pp_rank]
         got = [tuple(Act(kind=k, stage=s, mb=m) for k, s, m in slot) for slot in pipeline_order(self._schedule)[pp_rank]]
         assert got == expected, f"torch's {self.plan.schedule} order differs from autopar.ops.schedules on rank {pp_rank}"
 
+    def _after_backward(self, pm) -> None:
+        if self._tied_copy is not None:
+            weight, copy = self._tied_copy
+            if copy.grad is not None:
+                weight.grad = copy.grad if weight.grad is None else weight.grad.add_(copy.grad)
+                copy.grad = None
+        if pm.mixed_precision:
+            pm.grad_sync.after_backward()
+
     def run(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
-        return self._drive(self._schedule.step, pm, inputs, target, coords, return_outputs=False)
+        if pm.device.type == "meta":  # scale simulation: no values for torch's schedule to run on
+            losses = simulate_step(self, pm, inputs, target, coords)
+            return StepOutput(torch.stack(losses).mean() if losses else None)
+        out = self._drive(self._schedule.step, pm, inputs, target, coords, return_outputs=False)
+        if self._fold and self.plan.mb > 1:  # the mean over micro-batches, on the fp32 main gradients
+            pm.grad_sync.scale_grads(1.0 / self.plan.mb)
+        return out
 
     def evaluate(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
-        """Forward only through the schedule (``schedule.eval``): the last stage's mean loss."""
-        return self._drive(self._schedule.eval, pm, inputs, target, coords, return_outputs=False)
+        """Forward only through the schedule (``schedule.eval``): the last stage's mean loss.
+
+        torch 2.13's ``eval`` of a V-shaped schedule (zbv, dualpipev) still runs the local
+        backward hand-offs between the two chunks of a rank and fails; there the step runs
+        whole (dropout off, as in eval) and its gradients are dropped: nothing is updated."""
+        if self.plan.schedule not in V_SCHEDULES:
+            return self._drive(self._schedule.eval, pm, inputs, target, coords, return_outputs=False)
+        with torch.enable_grad():
+            out = self._drive(self._schedule.step, pm, inputs, target, coords, return_outputs=False)
+        for p in pm.gm.parameters():
+            p.grad = None
+        pm.optimizer.zero_grad(set_to_none=True)  # mixed precision's fp32 main gradients too
+        return out
 
     def _drive(self, call, pm, inputs: tuple, target: Any, coords: dict[str, int], **options) -> StepOutput:
         pieces = pm.micro_batches(inputs, target, coords)
@@ -104,3 +161,22 @@ class PipelineExecutor:
             raise AutoparError(f"autopar: stage {stage} does not exist; plan '{self.plan}' has {n} pipeline "
                                f"chunks (0..{n - 1}).")
         return self.pipeline.chunks[stage].gm
+
+
+def _alias_parameter(chunks: dict, c: int, name: str, gm: torch.nn.Module) -> torch.nn.Parameter:
+    """Rebuild chunk ``c`` so that its reads of parameter ``name`` see a new Parameter on the
+    same storage (a separate autograd leaf); returns that Parameter."""
+    weight = gm.get_parameter(name)
+    alias = torch.nn.Parameter(weight.detach(), requires_grad=weight.requires_grad)
+    graph = chunks[c].graph
+    attrs = {n.target: alias if n.target == name else _resolve(gm, n.target)
+             for n in graph.nodes if n.op == "get_attr"}
+    chunks[c] = torch.fx.GraphModule(attrs, graph)
+    return alias
+
+
+def _resolve(root: torch.nn.Module, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj

@@ -1,4 +1,4 @@
-"""ZeRO stages 1-3 over the ``dp`` axis: the gradient-sync strategy that shards state.
+"""ZeRO stages 1-3 over the ``dp`` axis (``dp*cp`` under cp): the gradient-sync strategy that shards state.
 
 :class:`ZeroSync` replaces :class:`autopar.runtime.grad_sync.GradSync` when ``plan.zero > 0``; the
 runtime (:mod:`autopar.runtime`) calls the same three entry points on either strategy:
@@ -28,6 +28,12 @@ Stages (bytes recorded by :func:`autopar.ops.collectives.record`, phases as in t
     parameter for backward but re-gather the unit when backward first needs it (phase
     ``bwd``) and drop it when the unit's gradient is reduce-scattered (phase ``grad``), once
     per unit and micro-batch.
+
+Mixed precision (:mod:`autopar.runtime.precision`): the shards are cut from the user's fp32
+tensors and are the master weights; the module's parameters (stages 1-2) and every
+gathered unit are bf16 (gathers move 2 B per element), gradients are widened to fp32
+before they are reduce-scattered (4 B), and stage 1 folds each micro-batch's bf16
+gradients into fp32 main gradients, so accumulation is fp32 under every stage.
 
 Why not FSDP2 or ``ZeroRedundancyOptimizer``: ``fully_shard`` wraps ``nn.Module``s and
 their parameters as DTensors on a mesh, while our program is one flattened FX graph whose
@@ -122,11 +128,16 @@ class FlatLayout:
 class ZeroSync:
     """ZeRO stage 1, 2 or 3 on the ``dp`` axis (see the module docstring)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, program, buckets, groups: dict, make_optimizer, stage: int):
+    def __init__(self, gm: torch.fx.GraphModule, program, buckets, groups: dict, make_optimizer, stage: int,
+                 originals: dict[str, torch.Tensor] | None = None):
         self.gm, self.groups, self.stage = gm, groups, stage
+        self.mixed = originals is not None  # fp32 masters cut from ``originals``, bf16 parameters
+        self.main_grads: dict[str, torch.Tensor] = {}  # stage 1, mixed: fp32 accumulated gradients
         self.buckets = list(buckets)
         ctx = program
-        self.n = groups["dp"].size if "dp" in groups else 1
+        # The ranks holding copies of the dense weights: dp, or dp*cp under cp (Megatron's
+        # distributed optimizer shards over the data- and context-parallel ranks alike).
+        self.axis = "dp_cp" if "dp_cp" in groups else "dp"
         partial = {x for x, axes in ctx.grad_partial_axes.items() if axes}
         axis_sets = {frozenset(ctx.grad_partial_axes[x]) for x in partial}
         if len(axis_sets) > 1:
@@ -134,20 +145,21 @@ class ZeroSync:
                                "expected one set; use zero=0 for this plan.")
         self.partial_axes = sorted(next(iter(axis_sets))) if axis_sets else []
         self.partial = partial
-        if stage == 3:
-            units = _ordered_units(gm)
-        else:
-            units = [list(b.params) for b in self.buckets if b.axis == "dp"]
-            if not units:  # dp=1: the data-parallel pass made no dp bucket; one unit, one shard
-                units = [[x for x, p in gm.named_parameters() if p.requires_grad]]
+        # Each unit is sharded over the ranks holding copies of its parameters: the dense axis, or
+        # for experts split over ep the ``edp`` ranks (their gradients averaged by dp*cp all the same).
+        units = self._units(gm, program)
         params = dict(gm.named_parameters())
-        self.units = [list(u) for u in units]
-        self.layouts = [FlatLayout(u, {x: params[x].shape for x in u}, partial, self.n) for u in self.units]
-        rank = groups["dp"].rank if "dp" in groups else 0
+        self.units = [list(u) for u, _, _ in units]
+        self.unit_axes = [axis for _, axis, _ in units]
+        self.unit_divisors = [div for _, _, div in units]
+        self.layouts = [FlatLayout(u, {x: params[x].shape for x in u}, partial if axis == self.axis else set(),
+                                   groups[axis].size if axis in groups else 1)
+                        for u, axis, _ in units]
         self.shards: list[nn.Parameter] = []
-        for u, lay in zip(self.units, self.layouts):
-            flat = lay.rank_major(lay.flatten({x: params[x].detach() for x in u}).float())
-            shard = flat.view(self.n, -1)[rank].clone()
+        values = originals if self.mixed else {x: p.detach() for x, p in params.items()}
+        for unit, (u, lay) in enumerate(zip(self.units, self.layouts)):
+            flat = lay.rank_major(lay.flatten({x: values[x] for x in u}).float())
+            shard = flat.view(lay.n, -1)[self._rank(unit)].clone()
             self.shards.append(nn.Parameter(shard, requires_grad=True))
         self.dtypes = [params[u[0]].dtype for u in self.units]
         self.optimizer = make_optimizer(self.shards)
@@ -156,6 +168,19 @@ class ZeroSync:
         if stage == 3:
             self._free_parameters()
 
+    def _units(self, gm, program) -> list[tuple[list[str], str, int | None]]:
+        """(parameter names, mesh axis, gradient divisor) per unit, in gather order under stage 3."""
+        if self.stage == 3:  # per decoder layer (support.py refuses stage 3 with experts split)
+            return [(u, self.axis, None) for u in _ordered_units(gm)]
+        units = [(list(b.params), b.axis, b.divisor) for b in self.buckets if b.axis in (self.axis, "edp")]
+        if not units:  # dp=1: the data-parallel pass made no dp bucket; one unit, one shard
+            units = [([x for x, p in gm.named_parameters() if p.requires_grad], self.axis, None)]
+        return units
+
+    def _rank(self, unit: int) -> int:
+        axis = self.unit_axes[unit]
+        return self.groups[axis].rank if axis in self.groups else 0
+
     # --- runtime entry points ---------------------------------------------------------
 
     @contextlib.contextmanager
@@ -163,6 +188,7 @@ class ZeroSync:
         """Wrap one micro-batch's forward and backward."""
         if self.stage < 3:
             yield
+            self.after_backward()
             if self.stage == 2:
                 for unit in range(len(self.units)):
                     self._scatter_param_grads(unit)
@@ -173,6 +199,16 @@ class ZeroSync:
         finally:
             self._live.clear()
             self._regathered.clear()
+
+    def after_backward(self) -> None:
+        """Stage 1 with mixed precision: this backward's bf16 gradients into fp32 main gradients."""
+        if not (self.mixed and self.stage == 1):
+            return
+        for x, p in self.gm.named_parameters():
+            if p.grad is not None:
+                held = self.main_grads.get(x)
+                self.main_grads[x] = p.grad.float() if held is None else held.add_(p.grad)
+                p.grad = None
 
     def sync(self) -> None:
         """Gradients into their reduced ``dp`` shards (partial sums summed over their axes)."""
@@ -206,52 +242,74 @@ class ZeroSync:
         """Sum of ``weights[name] * dp * grad^2`` over the elements of this rank's shards: each
         rank's shard is a distinct ``1/dp`` of the unit (padding is zero)."""
         total = torch.zeros((), dtype=torch.float64, device=device)
-        rank = self.groups["dp"].rank if "dp" in self.groups else 0
-        for shard, lay in zip(self.shards, self.layouts):
+        for unit, (shard, lay) in enumerate(zip(self.shards, self.layouts)):
             if shard.grad is None:
                 continue
             grad = shard.grad.detach().double()
-            for name, start, stop in lay.shard_segments(rank):
-                total += weights[name] * self.n * grad[start:stop].square().sum()
+            for name, start, stop in lay.shard_segments(self._rank(unit)):
+                total += weights[name] * lay.n * grad[start:stop].square().sum()
         return total
 
     def scale_grads(self, coef: float) -> None:
-        for shard in self.shards:
-            if shard.grad is not None:
-                shard.grad.mul_(coef)
+        """Every gradient held: the shards', and stage 1's not yet scattered ones (the module's, or
+        the fp32 main gradients)."""
+        held = [p.grad for p in self.gm.parameters()] + list(self.main_grads.values())
+        for grad in [s.grad for s in self.shards] + held:
+            if grad is not None:
+                grad.mul_(coef)
 
     @contextlib.contextmanager
-    def full_parameters(self, write_back: bool = False) -> Iterator[None]:
-        """Whole parameters in the module while the block runs; ``write_back`` re-cuts the shards."""
+    def full_parameters(self, write_back: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """Graph name -> the whole (tp-local) parameter while the block runs: the module's
+        parameters, or under mixed precision the fp32 masters gathered from the shards;
+        ``write_back`` re-cuts the shards from them (and refreshes the bf16 parameters)."""
+        if self.mixed:
+            yield from self._full_masters(write_back)
+            return
         if self.stage == 3:
             with torch.no_grad():
                 for unit, lay in enumerate(self.layouts):
                     flat = self._all_gather(unit, self.shards[unit].detach(), None)
                     for x, v in lay.views(flat).items():
                         self.gm.get_parameter(x).data = v.clone()
+        values = {x: self.gm.get_parameter(x) for u in self.units for x in u}
         try:
-            yield
+            yield values
         finally:
             if write_back:
-                self._recut_shards()
+                self._recut_shards(values)
             if self.stage == 3:
                 self._free_parameters()
+
+    def _full_masters(self, write_back: bool):
+        values = {}
+        with torch.no_grad():
+            for unit, lay in enumerate(self.layouts):
+                flat = self._all_gather(unit, self.shards[unit].detach(), None, dtype=torch.float32)
+                values.update({x: v.clone() for x, v in lay.views(flat).items()})
+        yield values
+        if write_back:
+            self._recut_shards(values)
+            if self.stage < 3:
+                with torch.no_grad():
+                    for x, v in values.items():
+                        self.gm.get_parameter(x).copy_(v)
 
     # --- what checkpoints and the memory meter read (interface of GradSync) -----------------
 
     def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Graph parameter name -> {state key: tp-local tensor}: each unit's shards gathered over dp."""
         out: dict[str, dict] = {}
-        for shard, lay in zip(self.shards, self.layouts):
+        for unit, (shard, lay) in enumerate(zip(self.shards, self.layouts)):
             for key, value in self.optimizer.state.get(shard, {}).items():
                 if not torch.is_tensor(value) or value.dim() == 0:
                     for x in lay.names:
                         out.setdefault(x, {})[key] = value
                     continue
                 buf = value.detach().contiguous()
-                if self.n > 1:
-                    full = torch.empty(self.n * lay.shard_numel, dtype=buf.dtype, device=buf.device)
-                    dist.all_gather_single(full, buf, group=self.groups["dp"].group)
+                if lay.n > 1:
+                    full = torch.empty(lay.n * lay.shard_numel, dtype=buf.dtype, device=buf.device)
+                    dist.all_gather_single(full, buf, group=self.groups[self.unit_axes[unit]].group)
                     buf = full
                 for x, v in lay.views(lay.from_rank_major(buf)).items():
                     out.setdefault(x, {})[key] = v.clone()
@@ -259,8 +317,7 @@ class ZeroSync:
 
     def load_optimizer_state(self, entries: dict[str, dict[str, torch.Tensor]]) -> None:
         """Inverse of :meth:`optimizer_state`: cut this rank's dp shard of every unit's state."""
-        rank = self.groups["dp"].rank if "dp" in self.groups else 0
-        for shard, lay in zip(self.shards, self.layouts):
+        for unit, (shard, lay) in enumerate(zip(self.shards, self.layouts)):
             per_name = {x: entries.get(x, {}) for x in lay.names}
             keys = set.intersection(*(set(e) for e in per_name.values()))
             new = {}
@@ -270,15 +327,17 @@ class ZeroSync:
                     new[key] = first.clone()
                     continue
                 flat = lay.rank_major(lay.flatten({x: per_name[x][key].to(shard.device) for x in lay.names}))
-                new[key] = flat.view(self.n, -1)[rank].clone().to(shard.dtype)
+                new[key] = flat.view(lay.n, -1)[self._rank(unit)].clone().to(shard.dtype)
             if new:
                 self.optimizer.state[shard] = new
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The flat fp32 shards: parameters under stage 3, master copies under stages 1-2."""
-        return {"params": list(self.shards) if self.stage == 3 else [],
-                "master_params": list(self.shards) if self.stage in (1, 2) else [],
-                "grads": [s.grad for s in self.shards if s.grad is not None]}
+        """The flat fp32 shards: parameters under stage 3, master copies under stages 1-2 and
+        under mixed precision (whose stage-3 shards are masters and parameter shards at once)."""
+        masters = self.mixed or self.stage in (1, 2)
+        return {"params": list(self.shards) if not masters else [],
+                "master_params": list(self.shards) if masters else [],
+                "grads": [s.grad for s in self.shards if s.grad is not None] + list(self.main_grads.values())}
 
     # --- the program's zero_gather (autopar/ops/zero_gather.py) --------------------------
 
@@ -299,52 +358,66 @@ class ZeroSync:
 
     # --- collectives ------------------------------------------------------------------
 
-    def _all_gather(self, unit: int, shard: torch.Tensor, phase: str | None) -> torch.Tensor:
-        """The unit's ``[A | B]`` in the parameters' dtype; ``phase=None`` does not record."""
+    def _all_gather(self, unit: int, shard: torch.Tensor, phase: str | None, dtype=None) -> torch.Tensor:
+        """The unit's ``[A | B]`` in the parameters' dtype (or ``dtype``); ``phase=None`` does not record."""
         lay = self.layouts[unit]
-        src = shard.detach().to(self.dtypes[unit]).contiguous()
-        if self.n == 1:
+        src = shard.detach().to(dtype or self.dtypes[unit]).contiguous()
+        axis = self.unit_axes[unit]
+        if lay.n == 1:
             return lay.from_rank_major(src.clone())
         if phase is not None:
-            C.record("all_gather", "dp", src, phase, f"ZeRO unit {unit} ({len(lay.names)} tensors)")
-        buf = torch.empty(self.n * lay.shard_numel, dtype=src.dtype, device=src.device)
-        dist.all_gather_single(buf, src, group=self.groups["dp"].group)
+            C.record("all_gather", axis, src, phase, f"ZeRO unit {unit} ({len(lay.names)} tensors)")
+        buf = torch.empty(lay.n * lay.shard_numel, dtype=src.dtype, device=src.device)
+        dist.all_gather_single(buf, src, group=self.groups[axis].group)
         return lay.from_rank_major(buf)
 
     def _reduce_scatter(self, unit: int, flat_grad: torch.Tensor) -> torch.Tensor:
         """Average the unit's full ``[A | B]`` gradient over dp; returns this rank's fp32 shard."""
         lay = self.layouts[unit]
-        buf = lay.rank_major(flat_grad.contiguous())
-        if self.n == 1:
-            return buf.float()
-        C.record("reduce_scatter", "dp", buf, "grad", f"ZeRO gradient unit {unit} ({len(lay.names)} tensors)")
+        # Mixed precision reduces in fp32 (the cost model's w_gc = 4 B).
+        buf = lay.rank_major((flat_grad.float() if self.mixed else flat_grad).contiguous())
+        axis, divisor = self.unit_axes[unit], self.unit_divisors[unit] or lay.n
+        if lay.n == 1:
+            return buf.float() / divisor if divisor > 1 else buf.float()
+        C.record("reduce_scatter", axis, buf, "grad", f"ZeRO gradient unit {unit} ({len(lay.names)} tensors)")
         out = torch.empty(lay.shard_numel, dtype=buf.dtype, device=buf.device)
-        dist.reduce_scatter_single(out, buf, group=self.groups["dp"].group)
-        return out.float() / self.n
+        dist.reduce_scatter_single(out, buf, group=self.groups[axis].group)
+        return out.float() / divisor
 
     def _scatter_param_grads(self, unit: int) -> None:
         lay = self.layouts[unit]
         params = {x: self.gm.get_parameter(x) for x in lay.names}
-        grads = {x: p.grad if p.grad is not None else torch.zeros_like(p) for x, p in params.items()}
+        grads = {x: self._grad(x, p) for x, p in params.items()}
         shard_grad = self._reduce_scatter(unit, lay.flatten(grads))
         shard = self.shards[unit]
         shard.grad = shard_grad if shard.grad is None else shard.grad + shard_grad
-        for p in params.values():
+        for x, p in params.items():
             p.grad = None
+            self.main_grads.pop(x, None)
+
+    def _grad(self, name: str, p: torch.Tensor) -> torch.Tensor:
+        """The gradient held for ``name``: the fp32 main gradient (stage 1, mixed) or ``p.grad``."""
+        main = self.mixed and self.stage == 1
+        g = self.main_grads.get(name) if main else p.grad
+        return g if g is not None else torch.zeros_like(p, dtype=torch.float32 if main else p.dtype)
 
     def _all_reduce_partial_full(self) -> None:
         """Stage 1: sum partial gradients over their axes on the full gradients (as GradSync)."""
         for bucket in self.buckets:
-            if bucket.axis == "dp":
+            if bucket.axis in self.unit_axes:
                 continue
             params = [self.gm.get_parameter(x) for x in bucket.params]
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            grads = [self._grad(x, p) for x, p in zip(bucket.params, params)]
             flat = torch.cat([g.reshape(-1) for g in grads])
             C.record("all_reduce", bucket.axis, flat, "grad", f"partial gradient bucket ({len(params)} tensors)")
             dist.all_reduce(flat, group=self.groups[bucket.axis].group)
             offset = 0
-            for p, g in zip(params, grads):
-                p.grad = flat[offset:offset + g.numel()].view_as(g)
+            for x, p, g in zip(bucket.params, params, grads):
+                reduced = flat[offset:offset + g.numel()].view_as(g)
+                if self.mixed:
+                    self.main_grads[x] = reduced
+                else:
+                    p.grad = reduced
                 offset += g.numel()
 
     def _all_reduce_partial_shards(self) -> None:
@@ -379,13 +452,12 @@ class ZeroSync:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.grad = None
 
-    def _recut_shards(self) -> None:
-        rank = self.groups["dp"].rank if "dp" in self.groups else 0
+    def _recut_shards(self, values: dict[str, torch.Tensor]) -> None:
         with torch.no_grad():
             for unit, lay in enumerate(self.layouts):
-                params = {x: self.gm.get_parameter(x).detach() for x in lay.names}
+                params = {x: values[x].detach() for x in lay.names}
                 flat = lay.rank_major(lay.flatten(params).float())
-                self.shards[unit].copy_(flat.view(self.n, -1)[rank])
+                self.shards[unit].copy_(flat.view(lay.n, -1)[self._rank(unit)])
 
     def _pack(self, t: torch.Tensor):
         base = tensor_base(t)

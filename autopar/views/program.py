@@ -16,6 +16,7 @@ from torch.fx import GraphModule, Node
 
 from autopar.compat import sym_expr
 from autopar.ops import collectives as C
+from autopar.ops.recompute import Recompute
 from autopar.frontend.analyze import module_path
 from autopar.passes.context import META_KEY, PLACEMENT_KEY
 
@@ -71,17 +72,38 @@ def _layer_of(node: Node, layers: list[str]) -> str | None:
     return next((layer for layer in layers if path == layer or path.startswith(layer + ".")), None)
 
 
+def _recomputed(gm: GraphModule, node: Node) -> Recompute | None:
+    """The :class:`Recompute` region ``node`` calls, if it calls one (``passes/recompute.py``)."""
+    if node.op != "call_module":
+        return None
+    module = gm.get_submodule(node.target)
+    return module if isinstance(module, Recompute) else None
+
+
+def _program_nodes(gm: GraphModule):
+    """(node, recomputed) for every node of the program, the bodies of recomputed regions included."""
+    for node in gm.graph.nodes:
+        region = _recomputed(gm, node)
+        if region is None:
+            yield node, False
+        else:
+            yield from ((n, True) for n in region.body.graph.nodes if n.op == "call_function")
+
+
 def collective_summary(gm: GraphModule, ctx) -> list[str]:
-    """One line per (collective, axis, phase): the count, per decoder layer and outside layers."""
+    """One line per (collective, axis, phase): the count, per decoder layer and outside layers;
+    the forward collectives of recomputed regions count again as ``recomputed`` (in backward)."""
     layers = ctx.structure.layers
     counts: dict[tuple, collections.Counter] = collections.defaultdict(collections.Counter)
-    for node in gm.graph.nodes:
+    for node, recomputed in _program_nodes(gm):
         meta = node.meta.get(META_KEY)
         for phase, (op, _) in ((meta.bytes if meta else None) or {}).items():
-            key = (op, meta.axis, phase)
             calls = (meta.calls or {}).get(phase, 1)  # nodes that issue several (CP ring, Ulysses)
-            counts[key]["layer" if _layer_of(node, layers) else "other"] += calls if op != "all_reduce" or \
-                node.target is not C.vocab_parallel_cross_entropy else 3
+            calls = calls if op != "all_reduce" or node.target is not C.vocab_parallel_cross_entropy else 3
+            where = "layer" if _layer_of(node, layers) else "other"
+            counts[(op, meta.axis, phase)][where] += calls
+            if recomputed and phase == "fwd":
+                counts[(op, meta.axis, "bwd, recomputed")][where] += calls
     lines = []
     for (op, axis, phase), c in sorted(counts.items()):
         per_layer = c["layer"] / max(1, len(layers))
@@ -90,6 +112,30 @@ def collective_summary(gm: GraphModule, ctx) -> list[str]:
     for bucket in ctx.grad_buckets:
         lines.append(f"all_reduce on {bucket.axis} (grad): 1 bucket of {bucket.num_bytes} bytes "
                      f"({len(bucket.params)} gradients, {'average' if bucket.average else 'sum'})")
+    return lines
+
+
+def _node_line(node: Node, ctx, indent: str) -> str:
+    args = ", ".join([_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()])
+    line = f"{indent}{node.name} = {_target(node)}({args})"
+    meta = node.meta.get(META_KEY)
+    if meta and meta.bytes:
+        src = node.args[0]
+        parts = [f"{phase} {op} sends {_fmt_bytes(b)} B" for phase, (op, b) in meta.bytes.items()]
+        line += f"  # <<{meta.axis}>> {_local_shape(src, ctx)} {src.meta['val'].dtype}: " + "; ".join(parts)
+    return line
+
+
+def _region_lines(node: Node, region: Recompute, ctx) -> list[str]:
+    """A recomputed region's call and its body, which backward runs again (forward collectives too)."""
+    args = ", ".join(_arg(a) for a in node.args)
+    meta = node.meta.get(META_KEY)
+    lines = [f"    {node.name} = checkpoint(self.{node.target}, {args})  # {meta.reason if meta else 'recomputed'}"]
+    for n in region.body.graph.nodes:
+        if n.op == "call_function":
+            lines.append(_node_line(n, ctx, "    #   | "))
+        elif n.op == "output":
+            lines.append(f"    #   | return {_arg(n.args[0])}")
     return lines
 
 
@@ -126,14 +172,11 @@ def format_program(gm: GraphModule, ctx, rank_coords: dict | None = None) -> str
         if node.op == "output":
             out.append(f"    return {_arg(node.args[0])}")
             continue
-        args = ", ".join([_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()])
-        line = f"    {node.name} = {_target(node)}({args})"
-        meta = node.meta.get(META_KEY)
-        if meta and meta.bytes:
-            src = node.args[0]
-            parts = [f"{phase} {op} sends {_fmt_bytes(b)} B" for phase, (op, b) in meta.bytes.items()]
-            line += f"  # <<{meta.axis}>> {_local_shape(src, ctx)} {src.meta['val'].dtype}: " + "; ".join(parts)
-        out.append(line)
+        region = _recomputed(gm, node)
+        if region is not None:
+            out += _region_lines(node, region, ctx)
+            continue
+        out.append(_node_line(node, ctx, "    "))
     for name, holder in gm.named_children():
         if name.startswith("moe_experts_") and len(holder):
             out.append(f"# {name}[e]: expert e of the MoE block, cut from the traced graph "

@@ -22,6 +22,7 @@ CASES = [
     ("example", "cp=2,dp=2", "pp=2:1f1b,dp=2,mb=2", 4),
     ("hf_llama", "pp=2:gpipe,tp=2,sp,mb=2", "dp=2,zero=3,tp=2,sp", 4),
     ("example_moe", "ep=2,dp=2", "tp=2,sp", 2),  # ep folds over dp: 2 ranks
+    ("example_tied", "pp=2,mb=2", "dp=2,zero=1", 2),  # the tied weight saved by both stages, loaded once
 ]
 
 

@@ -10,12 +10,10 @@ the optimizer that catches a gradient off by a constant factor.
 """
 from __future__ import annotations
 
-import functools
-
 import pytest
 
-from tests.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
-from tests.jobs import BATCH, SEQ, VOCAB, build, load_original_job, roundtrip_job, train_job, untouched_job
+from tests.harness import assert_equivalent, make_batches
+from tests.jobs import BATCH, SEQ, VOCAB, build, load_original_job, reference, roundtrip_job, train_job, untouched_job
 
 # tp=4 needs 4 KV heads (the default tiny models have 2).
 _KV4 = {"example": {"num_kv_heads": 4}, "hf_llama": {"num_key_value_heads": 4}}
@@ -27,18 +25,10 @@ def _overrides(model_name: str, plan: str) -> dict:
     return dict(_KV4[model_name]) if "tp=4" in plan else {}
 
 
-@functools.lru_cache(maxsize=None)
-def _reference(model_name: str, opt_name: str, overrides: tuple):
-    model, loss_fn, kwargs = build(model_name, dict(overrides))
-    batches = make_batches(VOCAB, BATCH, SEQ, 3, seed=1)
-    return reference_train(lambda: build(model_name, dict(overrides))[0], batches, loss_fn,
-                           OPTIMIZERS[opt_name], kwargs)
-
-
 def _check(dist_pool, model_name, plan, world, opt_name, overrides=None):
     overrides = overrides if overrides is not None else _overrides(model_name, plan)
     results = dist_pool(train_job, model_name, plan, opt_name, overrides, world=world)
-    ref = _reference(model_name, opt_name, tuple(sorted(overrides.items())))
+    ref = reference(model_name, opt_name, tuple(sorted(overrides.items())))
     for r in results:  # every rank reports the same global loss
         assert r["losses"] == results[0]["losses"]
     assert_equivalent(ref, (results[0]["losses"], results[0]["state"]))
@@ -94,5 +84,5 @@ def test_auto_plan_trains_equivalently(dist_pool):
     results = dist_pool(auto_job, "example", world=2)
     plan = results[0]["plan"]
     assert all(r["plan"] == plan for r in results) and plan != "none"
-    ref = _reference("example", "sgd", ())
+    ref = reference("example", "sgd", ())
     assert_equivalent(ref, (results[0]["losses"], results[0]["state"]))

@@ -24,3 +24,13 @@ def test_train_llama_under_torchrun_matches_one_process():
     single = _losses([sys.executable, script, "--plan", "none", "--steps", "3"])
     assert len(parallel) == len(single) == 3
     assert all(abs(a - b) <= 1e-5 for a, b in zip(parallel, single)), (parallel, single)
+
+
+def test_train_llama_bf16_matches_the_plain_recipe():
+    """``--bf16``: mixed_precision="bf16" under torchrun against the same recipe written by hand."""
+    script = str(REPO / "examples" / "train_llama.py")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29534"]
+    parallel = _losses(torchrun + [script, "--plan", "dp=2", "--steps", "3", "--bf16"])
+    single = _losses([sys.executable, script, "--plan", "none", "--steps", "3", "--bf16"])
+    assert len(parallel) == len(single) == 3
+    assert all(abs(a - b) <= 2e-3 * abs(b) for a, b in zip(parallel, single)), (parallel, single)

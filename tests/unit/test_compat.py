@@ -69,3 +69,11 @@ def test_pipeline_order_of_a_multi_stage_schedule():
         assert len(acts) == 2 * 2 * 4  # a forward and a backward per chunk and micro-batch
     assert {a.kind for order in rank_orders("zbv", 2, 4) for slot in order for a in slot} == {"F", "B", "W"}
     assert set(compat.compute_kinds().values()) == {"F", "B", "W"}
+
+
+def test_top_saved_tensors_hooks_is_the_innermost_pair():
+    assert compat.top_saved_tensors_hooks() is None
+    pack, unpack = (lambda t: t), (lambda t: t)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+            assert compat.top_saved_tensors_hooks() == (pack, unpack)

@@ -58,9 +58,10 @@ def test_parameter_gradient_optimizer_memory(dims, tp, pp, dp, grad_bytes, wg, z
                     **({"grad_bytes": grad_bytes} if grad_bytes else {}))
     P = stage_param_sum(dims, tp)
     n = dp                                    # ranks holding copies (dp * cp, cp = 1)
-    # bf16 params (2 B), held grads (wg B), fp32 master + Adam m, v (12 B); ZeRO divides by n
+    # bf16 params (2 B), held grads (wg B), fp32 master + Adam m, v (12 B); ZeRO divides by n.
+    # ZeRO-3 holds no bf16 shard: the fp32 master shard (in the 12 B) is what it gathers.
     expected = {
-        "params": 2 * P / (n if zero == 3 else 1),
+        "params": 0 if zero == 3 else 2 * P,
         "grads": wg * P / (n if zero >= 2 else 1),
         "optimizer": 12 * P / (n if zero >= 1 else 1),
     }

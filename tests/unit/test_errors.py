@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 import autopar
 from autopar.errors import AutoparError
@@ -48,10 +49,9 @@ def test_unknown_option():
 
 
 @pytest.mark.parametrize("plan,world,what", [
-    ("dp=2,ep=2,zero=1", 2, "zero=1 together with cp or ep"),
-    ("pp=2,dp=2,zero=1", 4, "pp=2 together with cp, ep or zero"),
-    ("cp=2,dp=2,zero=1", 4, "zero=1 together with cp or ep"),
-    ("recompute=full", 1, "recompute"),
+    ("dp=2,ep=2,zero=3", 2, "zero=3 together with ep"),
+    ("pp=2,dp=2,zero=2", 4, r"pp=2 together with zero=2 \(zero=1 runs with pp\)"),
+    ("cp=2,recompute=full", 2, "recompute=full together with cp"),
 ])
 def test_dimensions_not_supported_yet(plan, world, what):
     with pytest.raises(AutoparError, match=rf"^autopar: plan .* uses .*{what}.*not support yet"):
@@ -99,9 +99,15 @@ def test_single_process_plan_trains():
     assert pm.comm_stats() == []
 
 
-def test_mixed_precision_is_refused_clearly():
+def test_unknown_mixed_precision_is_refused_clearly():
     factory, loss_fn, kwargs = MODELS["example"]
     ids, _ = make_batch(128, 2, 8, seed=0)
-    with pytest.raises(AutoparError, match=r"^autopar: mixed_precision='bf16' is not supported yet"):
+    with pytest.raises(AutoparError, match=r"^autopar: mixed_precision='fp8' is not a mixed-precision mode; "
+                                           r"expected 'bf16'"):
         autopar.parallelize(factory(), example_inputs=(ids,), example_kwargs=kwargs, loss_fn=loss_fn,
+                            mixed_precision="fp8")
+    with torch.device("meta"):
+        meta = factory()
+    with pytest.raises(AutoparError, match=r"^autopar: mixed_precision needs the model's fp32 values"):
+        autopar.parallelize(meta, example_inputs=(ids,), example_kwargs=kwargs, loss_fn=loss_fn,
                             mixed_precision="bf16")

@@ -260,8 +260,11 @@ def llama8b_params() -> int:
     return layers * per_layer + 2 * vocab * h + h       # untied embedding and head, final norm
 
 
-def zero_traffic(zero: int, n: int = 8) -> float:
-    cost = estimate("llama3-8b", cluster(n), f"dp={n},zero={zero}" if zero else f"dp={n}", 8192, n)
+def zero_traffic(zero: int, n: int = 8, grad_bytes: int = 2) -> float:
+    """Bytes sent over dp per step; ``grad_bytes=2``: bf16 gradients, the reference's (and the
+    ZeRO paper's) convention -- autopar's default reduces fp32 main gradients."""
+    cost = estimate("llama3-8b", cluster(n), f"dp={n},zero={zero}" if zero else f"dp={n}", 8192, n,
+                    grad_bytes=grad_bytes)
     return sum(total_sent(cost, axis="dp", phase=p) for p in ("grad", "step", "fwd", "bwd"))
 
 
@@ -273,6 +276,9 @@ def test_e22_zero1_and_zero2_send_what_plain_dp_sends():
     expected = 2 * (n - 1) / n * (2 * psi)                # RS of grads + AG of params, bf16
     for zero in (0, 1, 2):                                  # reference: 8 Psi for ZeRO-1 and -2
         assert zero_traffic(zero, n) == pytest.approx(expected), zero
+    # With fp32 main gradients (the default) the reduce-scatter moves 4 B per element.
+    for zero in (1, 2):
+        assert zero_traffic(zero, n, grad_bytes=4) == pytest.approx((n - 1) / n * (4 * psi + 2 * psi)), zero
 
 
 def test_e23_zero3_sends_three_passes():
@@ -284,7 +290,13 @@ def test_e23_zero3_sends_three_passes():
 @pytest.mark.parametrize("n", [4, 32])
 def test_e24_zero3_memory_is_16_psi_over_n(n):
     psi = llama8b_params()
-    cost = estimate("llama3-8b", cluster(n), f"dp={n},zero=3", 8192, n, grad_bytes=2)
+    cost = estimate("llama3-8b", cluster(n), f"dp={n},zero=3", 8192, n)
     mem = cost.memory()
     states = mem["params"] + mem["grads"] + mem["optimizer"]
     assert states == pytest.approx(16 * psi / n)            # reference: 4 Psi / n
+    # The 16 B: fp32 master shard (the parameter shard too) + Adam m, v (12 B) + fp32 grads (4 B).
+    assert (mem["params"], mem["grads"]) == (0, pytest.approx(4 * psi / n))
+    # The ZeRO paper's 16 B are 2 (bf16 shard) + 2 (bf16 grads) + 12; autopar keeps no bf16
+    # shard, so with bf16 gradients it holds 14 B.
+    bf16_grads = estimate("llama3-8b", cluster(n), f"dp={n},zero=3", 8192, n, grad_bytes=2).memory()
+    assert sum(bf16_grads[k] for k in ("params", "grads", "optimizer")) == pytest.approx(14 * psi / n)

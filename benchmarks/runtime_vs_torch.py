@@ -1,0 +1,607 @@
+"""Benchmark: autopar's generated programs against PyTorch's own parallelisms, pair by pair.
+
+Each pair trains the same Hugging Face ``LlamaForCausalLM`` (``tests/models.py``
+``hf_llama``, a tiny config: hidden 256, 4 layers, 8 heads, 4 KV heads, FFN 768,
+vocab 2048) from the same seed, on the same batches, with the same ``AdamW`` factory:
+
+- ``tp``: ``tp=4,sp`` against ``parallelize_module`` (Colwise / Rowwise / SequenceParallel,
+  PrepareModuleInput) with ``loss_parallel()``;
+- ``dp``: ``dp=2`` against ``DistributedDataParallel``;
+- ``zero3``: ``dp=2,zero=3`` against FSDP2 (``fully_shard`` on each decoder layer and the root);
+- ``pp``: ``pp=2:1f1b,mb=4`` against ``torch.distributed.pipelining``: a hand-written
+  ``PipelineStage`` of each half, ``Schedule1F1B``, 4 micro-batches (autopar is given the same split);
+- ``cp``: ``cp=2:allgather`` against ``context_parallel()`` (its default all-gather rotation,
+  causal load balancing), with DDP averaging the gradients.
+
+The ranks are spawned once per world size (4 for ``tp``, 2 for the others) and every pair
+of that size runs inside the one process group, one pair after the other.  For each
+pair:
+
+1. both sides are built from the same seed;
+2. **equal work**: the first two steps (the forward, then the first update) must give
+   the same global mean loss on both sides within ``LOSS_RTOL`` relative; otherwise the
+   pair is reported as unequal and not timed;
+3. warm-up (``--warmup`` steps of each side);
+4. ``--steps`` timed steps interleaved A, B, A, B, ...; every step starts after a
+   barrier and its time is the slowest rank's (an all-reduce MAX at the end);
+5. the report is the median of the per-pair ratios autopar/torch (below 1: autopar is
+   faster), with their min and max and each side's median step.
+
+A pair whose PyTorch side cannot run here (``context_parallel`` needs a flash, efficient
+or cuDNN SDPA kernel, which CPUs lack) is reported as ``not run: <reason>``.  With CUDA
+and at least as many GPUs as ranks the pairs run on NCCL, else on CPU with gloo.
+
+Run: ``python benchmarks/runtime_vs_torch.py [--pairs tp,dp,zero3,pp,cp] [--steps N]
+[--warmup N] [--json PATH]``.  Results and their discussion: ``docs/performance.md``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import functools
+import gc
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+_ROOT = Path(__file__).resolve().parent.parent
+if str(_ROOT) not in sys.path:
+    sys.path.insert(0, str(_ROOT))
+
+__all__ = ["BenchConfig", "PAIRS", "MODEL_SIZE", "run_benchmark", "main"]
+
+# hidden 256, 4 layers: each rank's matmuls are non-trivial on one CPU core, a step stays near a second.
+MODEL_SIZE = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=4)
+# Relative loss agreement required between the two sides before anything is timed (fp32).
+LOSS_RTOL = 1e-4
+
+
+@dataclass(frozen=True)
+class Pair:
+    """One comparison: an autopar plan against PyTorch's own implementation of it."""
+
+    name: str
+    world: int
+    plan: str
+    torch_side: str
+    # pp: give autopar the torch side's split (half of the layers per stage) instead of its
+    # cost-model balance, so that both pipelines hold the same layers.
+    pipeline_halves: bool = False
+
+
+PAIRS = {p.name: p for p in (
+    Pair("tp", 4, "tp=4,sp", "parallelize_module (ColwiseParallel, RowwiseParallel, SequenceParallel, "
+                             "PrepareModuleInput) + loss_parallel()"),
+    Pair("dp", 2, "dp=2", "DistributedDataParallel"),
+    Pair("zero3", 2, "dp=2,zero=3", "FSDP2 fully_shard (each decoder layer + root)"),
+    Pair("pp", 2, "pp=2:1f1b,mb=4", "torch.distributed.pipelining PipelineStage per half + Schedule1F1B",
+         pipeline_halves=True),
+    Pair("cp", 2, "cp=2:allgather", "context_parallel() (all-gather rotation, load-balanced) + DDP"),
+)}
+
+
+@dataclass(frozen=True, kw_only=True)
+class BenchConfig:
+    """What one benchmark run measures."""
+
+    pairs: tuple[str, ...] = tuple(PAIRS)
+    steps: int = 10
+    warmup: int = 2
+    batch: int = 4
+    seq: int = 128
+    threads_per_rank: int = 1
+    seed: int = 0
+    layers: int = MODEL_SIZE["num_hidden_layers"]  # an even number: pp cuts the layers in two
+    device: str = "auto"  # auto: CUDA + NCCL when there are enough GPUs, else CPU + gloo
+    # Enough for a 4-rank compile on 2 shared cores; a hung collective fails instead of waiting 30 minutes.
+    timeout_s: int = 600
+    # tp pair, torch side only: all-reduce the norm weights' Partial gradients once before the step.
+    replicate_partial_grads: bool = False
+
+    def __post_init__(self):
+        unknown = [p for p in self.pairs if p not in PAIRS]
+        if unknown or not self.pairs:
+            raise ValueError(f"BenchConfig: unknown pairs {unknown}; choose from {', '.join(PAIRS)}")
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"BenchConfig: need steps >= 1 and warmup >= 0, got {self.steps}, {self.warmup}")
+        if self.layers < 2 or self.layers % 2:
+            raise ValueError(f"BenchConfig: layers {self.layers} must be even and at least 2 (pp=2 halves them)")
+        if self.seq % 4 or self.batch % 4:
+            raise ValueError(f"BenchConfig: batch {self.batch} and seq {self.seq} must be multiples of 4 "
+                             "(tp=4 shards the sequence, pp takes 4 micro-batches, cp 2 x 2 chunks)")
+
+
+def _model(cfg: BenchConfig) -> nn.Module:
+    from tests.models import hf_llama
+
+    return hf_llama(cfg.seed, max_position_embeddings=cfg.seq, **{**MODEL_SIZE, "num_hidden_layers": cfg.layers})
+
+
+def _loss(output, target: torch.Tensor) -> torch.Tensor:
+    from tests.models import hf_loss
+
+    return hf_loss(output, target)
+
+
+def _positions(ids: torch.Tensor) -> torch.Tensor:
+    """Explicit position ids: under SP and CP a rank's local sequence is not the global one."""
+    return torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids).contiguous()
+
+
+def _global_mean(loss: torch.Tensor, group=None) -> float:
+    """The mean over the ranks of ``group`` of their local losses (what autopar's train_step returns)."""
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=group)
+    return float(total) / dist.get_world_size(group)
+
+
+# --- the PyTorch sides: each builder returns step(ids, target) -> global mean loss ----------------
+
+
+def torch_tp_plan(model) -> dict:
+    """``parallelize_module``'s plan for ``LlamaForCausalLM``: Megatron TP + SP, vocab-parallel head."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    plan = {
+        # Vocabulary-parallel lookup; the partial sum is reduce-scattered to sequence shards.
+        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "model.norm": SequenceParallel(),
+        # Logits stay sharded over the vocabulary for loss_parallel().
+        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+    for i in range(len(model.model.layers)):
+        p = f"model.layers.{i}."
+        plan.update({
+            p + "input_layernorm": SequenceParallel(),
+            # The decoder layer calls self_attn(hidden_states=..., position_embeddings=...): gather x's shards.
+            p + "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
+                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
+            p + "self_attn.q_proj": ColwiseParallel(),
+            p + "self_attn.k_proj": ColwiseParallel(),
+            p + "self_attn.v_proj": ColwiseParallel(),
+            p + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
+            p + "post_attention_layernorm": SequenceParallel(),
+            p + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            p + "mlp.gate_proj": ColwiseParallel(),
+            p + "mlp.up_proj": ColwiseParallel(),
+            p + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
+        })
+    return plan
+
+
+def _torch_tp(model, make_opt, cfg: BenchConfig, device: torch.device) -> Callable:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
+    # HF attention views q/k/v as (..., -1, head_dim): the local head count needs no model edit.
+    parallelize_module(model, mesh, torch_tp_plan(model))
+    opt = make_opt(model.parameters())
+
+    def step(ids, target):
+        with loss_parallel():
+            loss = _loss(model(ids, position_ids=_positions(ids), use_cache=False), target)
+            loss.backward()
+        if cfg.replicate_partial_grads:
+            # Under SP the norm weights' gradients are Partial; left alone, AdamW all-reduces
+            # each of them once per op that reads it.
+            for p in model.parameters():
+                if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
+                    p.grad = p.grad.redistribute(placements=[Replicate()] * p.grad.device_mesh.ndim)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss = loss.detach()
+        return float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
+
+    return step
+
+
+def _rows(ids: torch.Tensor) -> slice:
+    """This rank's rows of the global batch (autopar's dp split: contiguous, in rank order)."""
+    n = ids.shape[0] // dist.get_world_size()
+    return slice(dist.get_rank() * n, (dist.get_rank() + 1) * n)
+
+
+def _data_parallel_step(model, opt) -> Callable:
+    def step(ids, target):
+        rows = _rows(ids)
+        loss = _loss(model(ids[rows], use_cache=False), target[rows])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return _global_mean(loss)
+
+    return step
+
+
+def _torch_dp(model, make_opt, cfg: BenchConfig, device: torch.device) -> Callable:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return _data_parallel_step(ddp, make_opt(ddp.parameters()))
+
+
+def _torch_zero3(model, make_opt, cfg: BenchConfig, device: torch.device) -> Callable:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return _data_parallel_step(model, make_opt(model.parameters()))
+
+
+class _LlamaHalf(nn.Module):
+    """One pipeline stage of ``LlamaForCausalLM``: the embedding and the first layers, or the
+    last layers, the final norm and the LM head.  Each stage recomputes the rotary tables
+    (no parameters), so only the hidden state crosses the cut, as in autopar's pipeline pass."""
+
+    def __init__(self, model, layers: range, first: bool, last: bool):
+        super().__init__()
+        inner = model.model
+        self.embed_tokens = inner.embed_tokens if first else None
+        self.layers = nn.ModuleList(inner.layers[i] for i in layers)
+        self.rotary_emb = inner.rotary_emb
+        self.norm = inner.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        rotary = self.rotary_emb(h, position_ids=positions)
+        for layer in self.layers:  # no mask: SDPA's is_causal, as HF's sdpa path does without padding
+            h = layer(h, attention_mask=None, position_embeddings=rotary, position_ids=positions)
+        if self.lm_head is not None:
+            h = self.lm_head(self.norm(h))
+        return h
+
+
+def _logits_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _torch_pp(model, make_opt, cfg: BenchConfig, device: torch.device) -> Callable:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    rank, stages = dist.get_rank(), dist.get_world_size()
+    per_stage = len(model.model.layers) // stages
+    half = _LlamaHalf(model, range(rank * per_stage, (rank + 1) * per_stage), rank == 0, rank == stages - 1)
+    stage = PipelineStage(half, rank, stages, device)
+    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=_logits_loss, scale_grads=True)
+    opt = make_opt(half.parameters())
+    last = rank == stages - 1
+
+    def step(ids, target):
+        losses: list = []
+        if rank == 0:
+            schedule.step(ids)
+        else:
+            schedule.step(target=target if last else None, losses=losses)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        # The last stage's mean over micro-batches, shared with every stage (others add 0).
+        loss = torch.stack([l.detach() for l in losses]).mean() if last else torch.zeros((), device=device)
+        dist.all_reduce(loss)
+        return float(loss)
+
+    return step
+
+
+def _probe_context_parallel(device: torch.device) -> None:
+    """Run one causal SDPA forward and backward under ``context_parallel`` on a one-rank mesh
+    of this rank alone.  It fails the same way on every rank where the kernel has no CP
+    implementation (torch 2.13 has one for the flash, efficient and cuDNN kernels, none for
+    the CPU's ``_scaled_dot_product_flash_attention_for_cpu``), instead of failing on one rank
+    inside the real step while another waits in a collective."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.experimental import context_parallel
+
+    own, _ = dist.new_subgroups(1)
+    mesh = DeviceMesh.from_group(own, device.type, mesh_dim_names=("cp",))
+    q = torch.randn(1, 2, 8, 4, device=device, requires_grad=True)
+    try:
+        with context_parallel(mesh, buffers=[torch.zeros(1, 8, device=device)], buffer_seq_dims=[1]):
+            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+    except Exception as exc:
+        raise RuntimeError(f"context_parallel cannot run SDPA on {device.type}: {_first_error(exc)}") from exc
+    finally:
+        dist.destroy_process_group(own)
+
+
+def _torch_cp(model, make_opt, cfg: BenchConfig, device: torch.device) -> Callable:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    _probe_context_parallel(device)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("cp",))
+    # The weights are replicated over cp; DDP averages their gradients over the cp ranks.
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = make_opt(ddp.parameters())
+
+    def step(ids, target):
+        ids, target, positions = ids.clone(), target.clone(), _positions(ids)
+        buffers = [ids, target, positions]
+        # Shards the buffers in place over the sequence (2·cp chunks, head-tail balanced) and
+        # replaces SDPA by ring attention for the forward and the backward.
+        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
+            loss = _loss(ddp(ids, position_ids=positions, use_cache=False), target)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return _global_mean(loss)
+
+    return step
+
+
+TORCH_BUILDERS = {"tp": _torch_tp, "dp": _torch_dp, "zero3": _torch_zero3, "pp": _torch_pp, "cp": _torch_cp}
+
+
+# --- one pair --------------------------------------------------------------------------------------
+
+
+def _say(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(f"[runtime_vs_torch] {msg}", file=sys.stderr, flush=True)
+
+
+def _agree(ok: bool) -> bool:
+    """True when every rank reports ok (a side that fails on one rank is skipped on all)."""
+    flag = torch.tensor([0 if ok else 1], dtype=torch.int64,
+                        device="cuda" if dist.get_backend() == "nccl" else "cpu")
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag) == 0
+
+
+def _first_error(exc: BaseException) -> str:
+    lines = [l for l in traceback.format_exception_only(type(exc), exc) if l.strip()]
+    text = " ".join(l.strip() for l in lines)
+    return text[:300] + ("..." if len(text) > 300 else "")
+
+
+def _not_run(result: dict, error: BaseException | None) -> dict:
+    reason = _first_error(error) if error is not None else "failed on another rank"
+    result["status"] = f"not run: torch side failed: {reason}"
+    _say(f"{result['pair']}: {result['status']}")
+    return result
+
+
+def _run_pair(pair: Pair, cfg: BenchConfig, batches: list, device: torch.device) -> dict:
+    import autopar
+
+    result = {"pair": pair.name, "plan": pair.plan, "torch": pair.torch_side, "world": pair.world,
+              "backend": dist.get_backend()}
+    make_opt = functools.partial(torch.optim.AdamW, lr=1e-3)
+    base = _model(cfg)
+    torch_model = copy.deepcopy(base).to(device)  # the same weights (parallelize leaves base untouched)
+    ids0 = batches[0][0]
+    with torch.no_grad():  # the unparallelized model's first loss, a third witness
+        result["reference_first_loss"] = float(_loss(base.to(device)(ids0, use_cache=False), batches[0][1]))
+    base.cpu()
+
+    _say(f"{pair.name}: building torch side: {pair.torch_side} ...")
+    error = None
+    try:
+        torch_step = TORCH_BUILDERS[pair.name](torch_model, make_opt, cfg, device)
+    except Exception as exc:  # noqa: BLE001 - reported, not raised: the other pairs still run
+        error = exc
+    if not _agree(error is None):
+        return _not_run(result, error)
+
+    _say(f"{pair.name}: compiling autopar plan {pair.plan} ...")
+    t0 = time.perf_counter()
+    pm = autopar.parallelize(base, example_inputs=(ids0.cpu(),), example_kwargs={"use_cache": False},
+                             plan=pair.plan, loss_fn=_loss, optimizer=make_opt,
+                             pipeline_split=(cfg.layers // 2,) * 2 if pair.pipeline_halves else None)
+    result["autopar_compile_s"] = round(time.perf_counter() - t0, 2)
+    sides = {"autopar": lambda ids, target: pm.train_step((ids,), target), "torch": torch_step}
+
+    # Equal work: the same global mean loss on the same batches (step 0: the forward; step 1:
+    # after one update, so the backward and the optimizer step too).
+    check = []
+    for i in range(2):
+        ids, target = batches[i % len(batches)]
+        a, t = sides["autopar"](ids, target), float("nan")
+        try:
+            t = torch_step(ids, target)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        check.append({"autopar": a, "torch": t, "rel_diff": abs(a - t) / max(abs(a), 1e-12)})
+        if not _agree(error is None):
+            return _not_run(result, error)
+    result["equal_work"] = {"losses": check, "rtol": LOSS_RTOL,
+                            "max_rel_diff": max(c["rel_diff"] for c in check)}
+    if not result["equal_work"]["max_rel_diff"] <= LOSS_RTOL:
+        diff = result["equal_work"]["max_rel_diff"]
+        result["status"] = f"not timed: unequal work (first losses differ by {diff:.2e} relative > {LOSS_RTOL})"
+        _say(f"{pair.name}: {result['status']}: {check}")
+        return result
+
+    _say(f"{pair.name}: equal work ok (max relative loss diff {result['equal_work']['max_rel_diff']:.1e}); "
+         f"{cfg.warmup} warm-up + {cfg.steps} interleaved timed steps of each side ...")
+    times = {"autopar": [], "torch": []}
+    load_before = os.getloadavg()[0]
+    for i in range(2, 2 + cfg.warmup + cfg.steps):
+        ids, target = batches[i % len(batches)]
+        for name, step in sides.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step(ids, target)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= 2 + cfg.warmup:
+                times[name].append(time.perf_counter() - start)
+    slowest = {}
+    for name, ts in times.items():  # a step lasts as long as its slowest rank
+        t = torch.tensor(ts, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        slowest[name] = t.tolist()
+    ratios = [a / t for a, t in zip(slowest["autopar"], slowest["torch"])]
+    result.update({
+        "status": "ok",
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "autopar_median_s": statistics.median(slowest["autopar"]),
+        "torch_median_s": statistics.median(slowest["torch"]),
+        "load_average_1min_before_after": [load_before, os.getloadavg()[0]],
+        "step_s": slowest,
+    })
+    _say(f"{pair.name}: ratio autopar/torch {result['ratio_median']:.3f} "
+         f"(autopar {result['autopar_median_s'] * 1e3:.1f} ms, torch {result['torch_median_s'] * 1e3:.1f} ms)")
+    return result
+
+
+# --- the ranks of one world size -------------------------------------------------------------------
+
+
+def _device_for(world: int, choice: str) -> str:
+    if choice == "auto":
+        return "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world else "cpu"
+    return choice
+
+
+def _worker(rank: int, world: int, port: int, cfg: BenchConfig, names: list[str], out_path: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(cfg.threads_per_rank)
+    # autopar's collectives call all_gather_into_tensor / reduce_scatter_tensor, deprecated in torch 2.13.
+    warnings.filterwarnings("ignore", message="`torch.distributed.* is deprecated", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=UserWarning)  # DTensor / pipelining / FSDP chatter
+    kind = _device_for(world, cfg.device)
+    timeout = datetime.timedelta(seconds=cfg.timeout_s)
+    if kind == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, timeout=timeout, device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
+    from tests.models import make_batch
+
+    batches = [tuple(t.to(device) for t in make_batch(MODEL_SIZE["vocab_size"], cfg.batch, cfg.seq, cfg.seed + i))
+               for i in range(4)]
+    results = []
+    for name in names:
+        _say(f"world {world} ({dist.get_backend()}): pair {name} "
+             f"({names.index(name) + 1}/{len(names)} of this world size)")
+        results.append(_run_pair(PAIRS[name], cfg, batches, device))
+        gc.collect()
+        dist.barrier()
+    if rank == 0:
+        Path(out_path).write_text(json.dumps(results))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_benchmark(cfg: BenchConfig) -> dict:
+    """Spawn the ranks once per world size, run the selected pairs and return the report."""
+    started = time.perf_counter()
+    by_world: dict[int, list[str]] = {}
+    for name in PAIRS:  # the table's order, whatever order --pairs gave
+        if name in cfg.pairs:
+            by_world.setdefault(PAIRS[name].world, []).append(name)
+    results = []
+    for world, names in sorted(by_world.items(), reverse=True):
+        with tempfile.TemporaryDirectory() as tmp:
+            out_path = os.path.join(tmp, "result.json")
+            mp.spawn(_worker, args=(world, _free_port(), cfg, names, out_path), nprocs=world)
+            results += json.loads(Path(out_path).read_text())
+    order = list(PAIRS)
+    results.sort(key=lambda r: order.index(r["pair"]))
+    return {
+        "config": {**asdict(cfg), "model": {"class": "transformers.LlamaForCausalLM", **MODEL_SIZE,
+                                            "num_hidden_layers": cfg.layers, "max_position_embeddings": cfg.seq}},
+        "machine": {"cpu_count": os.cpu_count(), "torch_version": torch.__version__,
+                    "cuda_devices": torch.cuda.device_count() if torch.cuda.is_available() else 0},
+        "wall_s": round(time.perf_counter() - started, 1),
+        "pairs": results,
+    }
+
+
+def _table(report: dict) -> str:
+    c, m = report["config"], report["machine"]
+    lines = [
+        f"autopar vs PyTorch: HF Llama hidden {c['model']['hidden_size']}, {c['model']['num_hidden_layers']} layers, "
+        f"batch {c['batch']} x seq {c['seq']}, AdamW; {c['warmup']} warm-up + {c['steps']} interleaved steps; "
+        f"{m['cpu_count']} CPU cores, {c['threads_per_rank']} thread/rank, torch {m['torch_version']}; "
+        f"{report['wall_s']} s in all",
+        "",
+        f"{'pair':<6} {'plan':<16} {'world':>5} {'backend':>7} {'autopar ms':>11} {'torch ms':>9} "
+        f"{'ratio':>6} {'range':>12} {'loss rel diff':>14}",
+    ]
+    for r in report["pairs"]:
+        diff = r.get("equal_work", {}).get("max_rel_diff", float("nan"))
+        head = f"{r['pair']:<6} {r['plan']:<16} {r['world']:>5} {r['backend']:>7} "
+        if r["status"] != "ok":
+            lines.append(head + f"{r['status']}")
+            continue
+        lines.append(head + f"{r['autopar_median_s'] * 1e3:>11.1f} {r['torch_median_s'] * 1e3:>9.1f} "
+                            f"{r['ratio_median']:>6.3f} {r['ratio_min']:>5.2f}-{r['ratio_max']:<6.2f} {diff:>14.1e}")
+    lines.append("")
+    lines.append("ratio: median over the interleaved steps of autopar/torch (below 1: autopar faster)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", default=",".join(PAIRS),
+                        help=f"comma-separated pairs to run (default: all of {','.join(PAIRS)})")
+    parser.add_argument("--steps", type=int, default=BenchConfig.steps, help="timed steps per side")
+    parser.add_argument("--warmup", type=int, default=BenchConfig.warmup, help="untimed steps per side")
+    parser.add_argument("--batch", type=int, default=BenchConfig.batch, help="global batch size")
+    parser.add_argument("--seq", type=int, default=BenchConfig.seq, help="sequence length (a multiple of 4)")
+    parser.add_argument("--layers", type=int, default=BenchConfig.layers, help="decoder layers (even)")
+    parser.add_argument("--threads", type=int, default=BenchConfig.threads_per_rank,
+                        help="torch intra-op threads per rank")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default=BenchConfig.device,
+                        help="auto: CUDA + NCCL when there are as many GPUs as ranks, else CPU + gloo")
+    parser.add_argument("--torch-replicate-grads", action="store_true",
+                        help="tp pair, torch side: all-reduce the Partial (norm weight) gradients once before the "
+                             "optimizer step instead of letting AdamW's ops do it lazily")
+    parser.add_argument("--timeout", type=int, default=BenchConfig.timeout_s,
+                        help="seconds a collective may wait before the run fails (the process groups' timeout)")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    args = parser.parse_args(argv)
+    try:
+        cfg = BenchConfig(pairs=tuple(p.strip() for p in args.pairs.split(",") if p.strip()), steps=args.steps,
+                          warmup=args.warmup, batch=args.batch, seq=args.seq, layers=args.layers,
+                          threads_per_rank=args.threads, device=args.device, timeout_s=args.timeout,
+                          replicate_partial_grads=args.torch_replicate_grads)
+    except ValueError as exc:
+        parser.error(str(exc))
+    report = run_benchmark(cfg)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2))
+    print(_table(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

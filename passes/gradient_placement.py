@@ -1,0 +1,184 @@
+"""Gradient placements: the backward half of shard propagation, on one mesh axis.
+
+A forward placement says what each rank holds of a value; it does not say what each rank
+holds of the value's *gradient*.  For a replicated value there are two cases: the gradient is
+**replicated** (every rank holds all of it) when everything between the value and the loss
+runs replicated, and a **partial sum** (each rank holds its shards' contribution) when the
+value feeds work done on shards.  Every collective's backward assumes one of them:
+
+- ``region_entry`` (backward: all-reduce) and ``all_gather`` (backward: reduce-scatter) assume
+  a partial gradient.  An all-gather whose result only feeds replicated computation (logits
+  gathered for a loss that is not a plain cross-entropy) gets a replicated one: it becomes
+  ``gather_replicated``, whose backward keeps this rank's slice.  A region entry with a
+  replicated gradient is refused (its all-reduce would sum ``tp`` copies);
+- a partial-sum value (a row-parallel output before its reduction) must get a replicated
+  gradient: the all-reduce's backward is the identity;
+- a value whose uses give it a replicated gradient along one path and a partial one along
+  another has no placement (the two do not add up): refused, naming the node.
+
+:func:`gradient_placements` walks the graph backwards from the output (the loss: every rank
+of the axis computes the same value, so its gradient is replicated), using the forward
+placements and, per node, the rule below; a replicated parameter whose gradient is partial is
+summed over the axis after backward (``grad_partial_axes``, the DP pass's buckets).  The rule
+per input of an op, from the op's output gradient ``g`` and its inputs' forward placements:
+a ``Shard(d)`` input gets ``Shard(d)``; a ``Partial`` input gets ``g`` (which must be
+replicated); a replicated input gets a replicated gradient when ``g`` is replicated and every
+other input is replicated, and a partial one otherwise (it met sharded data).  Collectives
+follow their backward.  Forward rules are ``passes/rules.py``; the caller is
+``passes/shard_propagation.py``; the argument is docs/soundness.md.
+"""
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx import GraphModule, Node
+
+from autopar.compat import rename_node
+from autopar.ops import collectives as C
+from .context import META_KEY
+from .rules import P, R, RuleContext, axis_of, tensor_inputs
+
+__all__ = ["gradient_placements", "requires_grad_nodes", "GRAD_PLACEMENT_KEY"]
+
+aten = torch.ops.aten
+
+GRAD_PLACEMENT_KEY = "autopar_grad_placement"
+
+# Ops whose floating-point output carries no gradient to their inputs.
+_NO_GRAD = {
+    aten.detach.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
+    aten.full_like.default, aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
+    aten.new_full.default, aten.sym_size.int,
+}
+
+
+_COLLECTIVES = {C.region_entry, C.all_gather, C.gather_replicated, C.reduce_scatter, C.local_shard}
+
+
+def _floating(val: Any) -> bool:
+    if isinstance(val, torch.Tensor):
+        return val.is_floating_point()
+    if isinstance(val, (tuple, list)):
+        return any(_floating(v) for v in val)
+    return False
+
+
+def requires_grad_nodes(gm: GraphModule) -> set[Node]:
+    """Nodes whose value depends differentiably on a trainable parameter."""
+    trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    out: set[Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            if node.target in trainable:
+                out.add(node)
+        elif (node.op == "call_function" and node.target not in _NO_GRAD and _floating(node.meta.get("val"))
+              and any(a in out for a in node.all_input_nodes)):
+            out.add(node)
+    return out
+
+
+def _name(p: Any) -> str:
+    return "replicated" if isinstance(p, Replicate) else "a partial sum" if isinstance(p, Partial) else str(p)
+
+
+def _combine(node: Node, found: set, forward: Any, rc: RuleContext):
+    """The gradient placement of ``node`` from the contributions of its uses."""
+    if len(found) > 1:
+        kinds = " and ".join(sorted(_name(p) for p in found))
+        raise rc.fail(node, f"its gradient is {kinds} along different uses (forward placement {forward}), "
+                            "so no placement holds its sum",
+                      "A value used both by sharded work and by replicated work needs a collective between "
+                      "them that autopar does not insert here; use a plan without this dimension, or report "
+                      "the model.")
+    (grad,) = found
+    if isinstance(forward, Partial) and not isinstance(grad, Replicate):
+        raise rc.fail(node, f"a partial sum whose gradient is {_name(grad)}: the all-reduce after it would "
+                            "pass that gradient on unsummed",
+                      "The reduction of a row-parallel output must feed replicated (or region-entered) work.")
+    return grad
+
+
+def _retarget(node: Node, target, reason: str) -> None:
+    if node.target is not target:
+        node.target = target
+        rename_node(node, target.__name__)
+        meta = node.meta.get(META_KEY)
+        if meta is not None:
+            meta.reason = f"{meta.reason}; {reason}"
+
+
+def _contributions(node: Node, grad: Any, pls: list, rc: RuleContext) -> list:
+    """What the gradient ``grad`` of ``node``'s output gives each of its tensor inputs."""
+    target = node.target
+    on_axis = target in _COLLECTIVES and axis_of(node) == rc.axis
+    if on_axis and target is C.region_entry:
+        if not isinstance(grad, Partial):
+            raise rc.fail(node, f"a tensor-parallel region entry whose result's gradient is {_name(grad)}: its "
+                                "backward all-reduce would sum identical copies")
+        return [R]
+    if on_axis and target in (C.all_gather, C.gather_replicated):
+        if isinstance(grad, Partial):
+            _retarget(node, C.all_gather, "its result feeds sharded work: backward reduce-scatters")
+        else:
+            _retarget(node, C.gather_replicated, "its result feeds replicated work: backward keeps this rank's "
+                                                 "slice of the gradient")
+        return [pls[0]]
+    if on_axis and target is C.reduce_scatter:
+        return [R]
+    if on_axis and target is C.local_shard:
+        return [P]
+    out = []
+    for i, pl in enumerate(pls):
+        if isinstance(pl, Shard):
+            out.append(pl)
+        elif isinstance(pl, Partial):
+            out.append(grad)
+        else:
+            others = pls[:i] + pls[i + 1:]
+            replicated = isinstance(grad, Replicate) and all(isinstance(p, Replicate) for p in others)
+            out.append(R if replicated else P)
+    return out
+
+
+def gradient_placements(gm: GraphModule, rc: RuleContext, placements: dict[Node, Any]) -> dict[Node, Any]:
+    """Gradient placement on ``rc.axis`` of every node that has a gradient (see the module doc).
+
+    May retarget all-gathers (``all_gather`` <-> ``gather_replicated``) to the backward their
+    gradient needs; raises for a value whose gradient has no placement."""
+    needs = requires_grad_nodes(gm)
+    found: dict[Node, dict[Any, set]] = {}
+
+    def give(node: Node, pl: Any, index: Any = None) -> None:
+        if node in needs:
+            found.setdefault(node, {}).setdefault(index, set()).add(pl)
+
+    grads: dict[Node, Any] = {}
+    for node in reversed(list(gm.graph.nodes)):
+        if node.op == "output":
+            for a in tensor_inputs(node):
+                give(a, R)  # every rank of the axis computes the same loss
+            continue
+        if node not in found:
+            continue
+        forward = placements.get(node, R)
+        by_index = found[node]
+        if isinstance(forward, (tuple, list)):
+            per_output = {i: _combine(node, s, forward[i] if isinstance(i, int) else forward, rc)
+                          for i, s in by_index.items()}
+            grad = _combine(node, set(per_output.values()), forward, rc)
+        else:
+            grad = _combine(node, set().union(*by_index.values()), forward, rc)
+        grads[node] = grad
+        node.meta.setdefault(GRAD_PLACEMENT_KEY, {})[rc.axis] = grad
+        if node.op != "call_function":
+            continue
+        inputs = tensor_inputs(node)
+        if node.target is operator.getitem and isinstance(placements.get(inputs[0]), (tuple, list)):
+            give(inputs[0], grad, node.args[1])
+            continue
+        for arg, pl in zip(inputs, _contributions(node, grad, [placements.get(a, R) for a in inputs], rc)):
+            give(arg, pl)
+    return grads
