@@ -28,6 +28,7 @@ CASES = [
     # (model, plan, world, batch, overrides)
     ("example", "tp=2,sp,dp=2", 4, 4, {}),
     ("hf_llama", "pp=2,mb=2", 2, 4, {"num_hidden_layers": 2}),
+    ("example_tied", "pp=2,mb=2", 2, 4, {}),            # the LM head's copy of the embedding, summed in fp32
     ("example", "pp=2:zbv,mb=2", 2, 4, {"num_layers": 4}),  # torch's split weight backward: still fp32 accumulation
     ("example", "dp=2,zero=3", 2, 4, {}),
     ("hf_llama", "dp=2,zero=1,mb=2", 2, 4, {"num_hidden_layers": 2}),
@@ -35,7 +36,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("model_name,plan,world,batch,overrides", CASES, ids=[c[1] for c in CASES])
+@pytest.mark.parametrize("model_name,plan,world,batch,overrides", CASES, ids=[f"{c[0]}:{c[1]}" for c in CASES])
 def test_bf16_matches_the_single_device_recipe(dist_pool, model_name, plan, world, batch, overrides):
     results = dist_pool(bf16_job, model_name, plan, "adamw", overrides, batch, world=world)
     ref = reference_bf16(model_name, "adamw", overrides, batch)
