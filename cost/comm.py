@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import sympy as sp
 
 from .symbols import (CPAG, CPRING, CPUL, E, FIRST, V, LAST, NRECV, NSEND, RFULL, SP, Z1, Z2, Z3, a, b, cp,
-                      d, dp, ep, f, fe, g, gated, h, k, ld, le, m, nn, nsh, pp, qb, rho, s, tp,
+                      d, dp, ep, f, fe, g, gated, h, k, ld, le, m, nn, nsh, pp, qb, rho, s, sgate, tp,
                       w, wgc, wp)
 
 __all__ = ["CommRow", "RowSpec", "TIED", "TOKEN_ROWS", "row_specs", "routed_row_formulas", "routed_all_to_all_rows",
@@ -108,7 +108,7 @@ def local_param_elems():
     """
     attn = (h * (a + 2 * g) * d + qb * (a + 2 * g) * d + a * d * h) / tp
     norms = 2 * h * nn
-    router_shared = h * E + nsh * _mlp(fe)
+    router_shared = h * E + nsh * _mlp(fe) + sgate * h
     dense = (ld * (attn + _mlp(f) / tp + norms) + le * (attn + norms + router_shared)
              + FIRST * V * h / tp + LAST * (V * h / tp * (1 - TIED * FIRST) + h * nn))
     expert = le * (E / ep) * _mlp(fe)

@@ -43,6 +43,7 @@ class ModelSpec:
     moe_ffn: int | None = None
     moe_layer_freq: int = 1
     num_shared_experts: int = 0
+    shared_expert_gate: bool = False  # a sigmoid gate Linear(hidden, 1) on the shared experts (Qwen2-MoE)
     first_dense_layers: int = 0
     norm: str = "rmsnorm"
     qkv_bias: bool = False
@@ -129,7 +130,8 @@ class ModelSpec:
     @property
     def moe_layer_params(self) -> int:
         experts = (self.num_experts + self.num_shared_experts) * self.mlp_params(self.moe_ffn)
-        return self.attention_params + experts + self.hidden * self.num_experts + self.layer_norm_params
+        router = self.hidden * (self.num_experts + int(self.shared_expert_gate))
+        return self.attention_params + experts + router + self.layer_norm_params
 
     @property
     def embedding_params(self) -> int:
@@ -246,7 +248,7 @@ def _fields_from_hf(cfg: dict) -> dict:
         first_dense = int(_get(cfg, "first_k_dense_replace", default=0) or 0)
         fields.update(num_experts=experts, top_k=int(_get(cfg, "num_experts_per_tok", "top_k", default=2)),
                       moe_ffn=moe_ffn, num_shared_experts=shared, moe_layer_freq=freq,
-                      first_dense_layers=first_dense)
+                      first_dense_layers=first_dense, shared_expert_gate=bool(shared_width))
     if fields["head_dim"] is not None:
         fields["head_dim"] = int(fields["head_dim"])
     return fields

@@ -8,8 +8,10 @@ error that names the node, its module and its source line; an op whose inputs ar
 replicated needs no rule.
 
 Placements are PyTorch's own ``Replicate``, ``Shard(dim)`` and ``Partial`` from
-``torch.distributed.tensor``.  Rules are written here; view-family rules live in
-``passes/view_rules.py``; the propagation loop is ``passes/shard_propagation.py``.
+``torch.distributed.tensor``.  Rules of aten ops are written here; view-family rules live in
+``passes/view_rules.py``, MoE rules in ``passes/moe_rules.py``, those of autopar's own
+operators (collectives, CP attention) in ``passes/op_rules.py``; the propagation loop is
+``passes/shard_propagation.py``.
 """
 from __future__ import annotations
 
@@ -451,11 +453,6 @@ def norm_rule(node: Node, pls: list, rc: RuleContext):
     raise rc.fail(node, f"normalisation of an input placed {x} (weights {pls[1:]})")
 
 
-@register(C.local_shard)
-def local_shard_rule(node: Node, pls: list, rc: RuleContext):
-    return Shard(node.args[1]) if node.args[2] == rc.axis else pls[0]
-
-
 @register(aten.ones.default, aten.zeros.default, aten.full.default, aten.empty.memory_format,
           aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default)
 def fill_rule(node: Node, pls: list, rc: RuleContext):
@@ -469,26 +466,6 @@ def fill_rule(node: Node, pls: list, rc: RuleContext):
 def fill_like_rule(node: Node, pls: list, rc: RuleContext):
     """A constant in the shape of a shard is that shard of the constant."""
     return pls[0] if isinstance(pls[0], Shard) else R
-
-
-@register(CPA.cp_positions)
-def cp_positions_rule(node: Node, pls: list, rc: RuleContext):
-    """This rank's global positions: its tokens on the cp axis, the same on every rank of another."""
-    return Shard(0) if node.args[1] == rc.axis else R
-
-
-@register(CPA.ring_attention, CPA.allgather_attention, CPA.ulysses_attention)
-def cp_attention_rule(node: Node, pls: list, rc: RuleContext):
-    """Context-parallel attention of this rank's queries, keys and values ([b, h, s, d]) over the
-    whole sequence (the op exchanges the keys and values): its output holds the same tokens."""
-    q, k, v = pls[:3]
-    seq = ndim_of(node) - 2
-    if axis_of(node) != rc.axis:
-        if q == k == v:
-            return q
-    elif all(p == Shard(seq) for p in (q, k, v)):
-        return q
-    raise rc.fail(node, f"context-parallel attention of q/k/v placed {q}, {k}, {v}")
 
 
 @register(aten.embedding.default)
@@ -548,63 +525,10 @@ def getitem_rule(node: Node, pls: list, rc: RuleContext):
     return src
 
 
-# --- autopar runtime ops ----------------------------------------------------------------
-
 def axis_of(node: Node) -> str:
     """The mesh axis an autopar runtime op node works on."""
     return node.kwargs.get("axis") or next(a for a in node.args if isinstance(a, str))
 
 
-@register(C.all_gather, C.gather_replicated)
-def all_gather_rule(node: Node, pls: list, rc: RuleContext):
-    if axis_of(node) != rc.axis:
-        return pls[0]
-    dim = _norm(node.args[1], ndim_of(node))
-    if pls[0] != Shard(dim):
-        raise rc.fail(node, f"all-gather on dim {dim} of an input placed {pls[0]}")
-    return R
-
-
-@register(C.reduce_scatter)
-def reduce_scatter_rule(node: Node, pls: list, rc: RuleContext):
-    if axis_of(node) != rc.axis:
-        return pls[0]
-    if not isinstance(pls[0], Partial):
-        raise rc.fail(node, f"reduce-scatter of an input placed {pls[0]}, expected a partial sum")
-    return Shard(_norm(node.args[1], ndim_of(node)))
-
-
-@register(C.all_reduce)
-def all_reduce_rule(node: Node, pls: list, rc: RuleContext):
-    if axis_of(node) != rc.axis:
-        return pls[0]
-    if not isinstance(pls[0], Partial):
-        raise rc.fail(node, f"all-reduce of an input placed {pls[0]}, expected a partial sum")
-    return R
-
-
-@register(C.region_entry)
-def region_entry_rule(node: Node, pls: list, rc: RuleContext):
-    if axis_of(node) == rc.axis and not isinstance(pls[0], Replicate):
-        raise rc.fail(node, f"tensor-parallel region entered with an input placed {pls[0]}")
-    return pls[0]
-
-
-@register(C.vocab_parallel_embedding)
-def vocab_embedding_rule(node: Node, pls: list, rc: RuleContext):
-    if axis_of(node) != rc.axis:
-        return pls[1]
-    if pls[0] != Shard(0) or not isinstance(pls[1], Replicate):
-        raise rc.fail(node, f"vocab-parallel embedding with weight {pls[0]} and ids {pls[1]}")
-    return P
-
-
-@register(C.vocab_parallel_cross_entropy)
-def vocab_ce_rule(node: Node, pls: list, rc: RuleContext):
-    if axis_of(node) != rc.axis:
-        if rc.local_sizes and is_sharded(pls):
-            return _token_loss(node, pls[0], pls[1], node.args[4], False, rc, class_dim=ndim_of(node.args[0]) - 1)
-        return pls[0]
-    if pls[0] != Shard(ndim_of(node.args[0]) - 1) or not isinstance(pls[1], Replicate):
-        raise rc.fail(node, f"vocab-parallel cross-entropy of logits {pls[0]} and target {pls[1]}")
-    return R
+# autopar's own operators (collectives, CP attention, vocabulary-parallel ops): passes/op_rules.py
+from . import op_rules  # noqa: E402,F401  (registers them)

@@ -305,12 +305,18 @@ def structure_dims(s: ModelStructure) -> dict:
     """``ModelSpec`` fields (all but the name) of an analyzed model."""
     mlp = next((r for r in s.regions if r.kind == "mlp"), None)
     gated = bool(mlp and (len(mlp.columns) >= 2 or any(c.split_sizes for c in mlp.columns)))
+    attention = next((r for r in s.regions if r.kind == "attention"), None)
+    qkv_bias = bool(attention and any(c.bias for c in attention.columns))  # Qwen2's q, k, v biases
     moe = {}
     if s.moe:
         width, gated_experts = expert_width(s.moe[0])
         gated = gated if mlp else gated_experts
+        per_shared = (3 if gated_experts else 2) * s.hidden * width
+        num_shared = s.moe[0].shared_numel // per_shared
         moe = {"num_experts": s.moe[0].num_experts, "top_k": s.moe[0].top_k, "moe_ffn": width,
-               "num_shared_experts": s.moe[0].shared_numel // ((3 if gated_experts else 2) * s.hidden * width),
+               "num_shared_experts": num_shared,
+               # Qwen2-MoE's sigmoid gate Linear(hidden, 1) on the shared experts' output
+               "shared_expert_gate": s.moe[0].shared_numel - num_shared * per_shared == s.hidden,
                "moe_layer_freq": max(1, s.num_layers // len(s.moe)),
                "first_dense_layers": s.num_layers - len(s.moe) * max(1, s.num_layers // len(s.moe))}
     return {
@@ -323,6 +329,7 @@ def structure_dims(s: ModelStructure) -> dict:
         "vocab": s.vocab,
         "gated_mlp": gated,
         "tied_embeddings": s.tied_embeddings,
+        "qkv_bias": qkv_bias,
         **moe,
     }
 

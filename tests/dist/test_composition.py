@@ -15,24 +15,24 @@ from tests.harness import assert_equivalent
 from tests.jobs import BATCH, reference
 
 CASES = [
-    # (model, plans, world, optimizer, overrides)
+    # (model, plans run in one pool job, world, optimizer, overrides)
     ("example", ["cp=2,zero=1", "cp=2:ring,zero=3"], 2, "adamw", {}),
-    ("hf_llama", ["cp=2,dp=2,zero=2,mb=2", "cp=2:ulysses,dp=2,zero=3", "pp=2,dp=2,zero=1,mb=2"], 4, "sgd",
-     {"num_hidden_layers": 4}),
     # An LM head tied to the embedding under each schedule: the last stage's copy, summed gradients.
     ("example", ["pp=2:gpipe,mb=4", "pp=2:1f1b,mb=4", "pp=2:interleaved,vpp=2,mb=4", "pp=2:zbv,mb=4",
                  "pp=2:dualpipev,mb=4"], 2, "sgd", {"num_layers": 4, "tie_embeddings": True}),
-    ("example", ["pp=2:zbv,dp=2,zero=1,mb=2", "pp=2:gpipe,tp=2,sp,zero=1,mb=2", "pp=2,cp=2,mb=2",
-                 "pp=2:interleaved,vpp=2,cp=2:allgather,mb=4", "pp=2:zbv,cp=2:ulysses,zero=1,mb=2"], 4, "adamw",
+    ("hf_llama", ["cp=2:ulysses,dp=2,zero=3", "pp=2,dp=2,zero=1,mb=2", "pp=2:dualpipev,cp=2:ulysses,mb=4"], 4,
+     "sgd", {"num_hidden_layers": 4}),
+    ("example", ["pp=2:zbv,dp=2,zero=1,mb=2", "pp=2,cp=2,mb=2", "pp=2:interleaved,vpp=2,cp=2:allgather,mb=4"], 4,
+     "adamw", {"num_layers": 4}),
+    # MoE: experts split over ep inside pipeline stages, with ZeRO-2 (expert units over edp), with cp.
+    ("example_moe", ["pp=2,ep=2,dp=2,mb=2", "ep=2,dp=2,tp=2,sp,zero=2,mb=2", "ep=2,cp=2,tp=2,sp"], 4, "sgd",
      {"num_layers": 4}),
-    # MoE: experts split over ep inside pipeline stages.
-    ("example_moe", ["pp=2,ep=2,dp=2,mb=2", "pp=2:zbv,ep=2,dp=2,mb=2", "ep=2,dp=2,tp=2,sp,zero=1",
-                     "ep=2,dp=2,tp=2,sp,zero=2,mb=2", "ep=2,cp=2,tp=2,sp"], 4, "sgd", {"num_layers": 4}),
-    # The reference's full configuration (§6) at 8 ranks: TP+SP+PP+CP+EP+ZeRO, on a Mixtral-style model
-    # and a Qwen2-MoE-style one (shared expert).
-    *[(name, ["tp=2,sp,pp=2,cp=2:ulysses,ep=2,zero=1,mb=4", "tp=2,sp,pp=2:interleaved,vpp=2,cp=2:ring,ep=2,zero=1,mb=4"],
-       8, "sgd", {"num_hidden_layers": 4, "num_key_value_heads": 4}) for name in ("hf_mixtral", "hf_qwen_moe")],
-    ("hf_llama", ["pp=2:1f1b,cp=2:ring,mb=2", "pp=2:dualpipev,cp=2:ulysses,mb=4"], 4, "sgd", {"num_hidden_layers": 4}),
+    # The reference's full configuration (§6) at 8 ranks: TP+SP+PP+CP+EP+ZeRO-1, one variant on a
+    # Mixtral-style model, the other (interleaved, ring) on a Qwen2-MoE-style one (shared expert).
+    ("hf_mixtral", ["tp=2,sp,pp=2,cp=2:ulysses,ep=2,zero=1,mb=4"], 8, "sgd",
+     {"num_hidden_layers": 4, "num_key_value_heads": 4}),
+    ("hf_qwen_moe", ["tp=2,sp,pp=2:interleaved,vpp=2,cp=2:ring,ep=2,zero=1,mb=4"], 8, "sgd",
+     {"num_hidden_layers": 4, "num_key_value_heads": 4}),
 ]
 
 

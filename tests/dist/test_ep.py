@@ -56,12 +56,11 @@ def test_checkpoint_reshards_experts(dist_pool, tmp_path, model_name, plan_a, pl
 def test_auto_plan_on_a_moe_model(dist_pool):
     """plan='auto' scores EP plans for MoE models (experts from the traced graph) and trains equivalently."""
     from tests.harness import assert_equivalent
-    from tests.jobs import auto_job
-    from tests.dist.test_equivalence import _reference
+    from tests.jobs import auto_job, reference
 
     results = dist_pool(auto_job, "example_moe", world=2)
     assert all(r["plan"] == results[0]["plan"] for r in results) and results[0]["plan"] != "none"
-    assert_equivalent(_reference("example_moe", "sgd", ()), (results[0]["losses"], results[0]["state"]))
+    assert_equivalent(reference("example_moe", "sgd", ()), (results[0]["losses"], results[0]["state"]))
 
 
 @pytest.mark.parametrize("plan,world", [("ep=2,dp=2", 2), ("ep=2,dp=2,tp=2,sp", 4)])

@@ -31,7 +31,6 @@ CASES = [
     ("example_tied", "pp=2,mb=2", 2, 4, {}),            # the LM head's copy of the embedding, summed in fp32
     ("example", "pp=2:zbv,mb=2", 2, 4, {"num_layers": 4}),  # torch's split weight backward: still fp32 accumulation
     ("example", "dp=2,zero=3", 2, 4, {}),
-    ("hf_llama", "dp=2,zero=1,mb=2", 2, 4, {"num_hidden_layers": 2}),
     ("example", "dp=2,zero=2,tp=2,sp,mb=2", 4, 8, {}),
 ]
 

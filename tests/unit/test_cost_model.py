@@ -67,7 +67,7 @@ def test_from_hf_config_mixtral_and_qwen_moe():
                                      "shared_expert_intermediate_size": 5632, "num_experts": 60,
                                      "num_experts_per_tok": 4, "decoder_sparse_step": 1, "vocab_size": 151936})
     assert (qwen.num_experts, qwen.top_k, qwen.moe_ffn, qwen.num_shared_experts) == (60, 4, 1408, 4)
-    assert qwen.qkv_bias and qwen.num_moe_layers == 24
+    assert qwen.qkv_bias and qwen.num_moe_layers == 24 and qwen.shared_expert_gate
     # Qwen1.5-MoE-A2.7B: 14.3B parameters in all (published).
     assert qwen.num_params / 1e9 == pytest.approx(14.3, rel=0.02)
 
@@ -178,7 +178,7 @@ def test_breakdown_terms(cost70):
     params = next(t for t in mem if t.name == "memory.params")
     assert {s.name for s in params.formula.free_symbols} <= {"H", "a", "g", "d", "F", "V", "E", "F_e", "n_sh",
                                                              "tp", "dp", "cp", "ep", "l_d", "l_e", "first",
-                                                             "last", "tied", "w_p", "w_z", "z_3"}
+                                                             "last", "tied", "w_p", "w_z", "z_3", "shared_gate"}
     text = str(cost70)
     assert "tp=8,sp,pp=4:1f1b,dp=32,zero=1,mb=8" in text and "MFU" in text and "memory" in text
 

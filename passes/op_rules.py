@@ -1,0 +1,99 @@
+"""Sharding rules of autopar's own operators: the collectives the passes insert, the CP attention
+and positions, and the vocabulary-parallel embedding and loss.
+
+Registered in the one registry of ``passes/rules.py`` (which imports this module), next to
+the aten rules there and the view-family and MoE rules of ``passes/view_rules.py`` and
+``passes/moe_rules.py``.  Each rule checks that the op is applied to what it was inserted
+for (an all-gather to a shard, a reduction to a partial sum) and gives its output placement.
+"""
+from __future__ import annotations
+
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx import Node
+
+from autopar.ops import collectives as C
+from autopar.ops import cp_attention as CPA
+from .rules import P, R, RuleContext, _norm, _token_loss, axis_of, is_sharded, ndim_of, register
+
+__all__ = ["all_gather_rule", "reduce_scatter_rule", "all_reduce_rule", "region_entry_rule",
+           "vocab_embedding_rule", "vocab_ce_rule", "local_shard_rule", "cp_positions_rule", "cp_attention_rule"]
+
+
+@register(C.local_shard)
+def local_shard_rule(node: Node, pls: list, rc: RuleContext):
+    return Shard(node.args[1]) if node.args[2] == rc.axis else pls[0]
+
+
+@register(CPA.cp_positions)
+def cp_positions_rule(node: Node, pls: list, rc: RuleContext):
+    """This rank's global positions: its tokens on the cp axis, the same on every rank of another."""
+    return Shard(0) if node.args[1] == rc.axis else R
+
+
+@register(CPA.ring_attention, CPA.allgather_attention, CPA.ulysses_attention)
+def cp_attention_rule(node: Node, pls: list, rc: RuleContext):
+    """Context-parallel attention of this rank's queries, keys and values ([b, h, s, d]) over the
+    whole sequence (the op exchanges the keys and values): its output holds the same tokens."""
+    q, k, v = pls[:3]
+    seq = ndim_of(node) - 2
+    if axis_of(node) != rc.axis:
+        if q == k == v:
+            return q
+    elif all(p == Shard(seq) for p in (q, k, v)):
+        return q
+    raise rc.fail(node, f"context-parallel attention of q/k/v placed {q}, {k}, {v}")
+
+
+@register(C.all_gather, C.gather_replicated)
+def all_gather_rule(node: Node, pls: list, rc: RuleContext):
+    if axis_of(node) != rc.axis:
+        return pls[0]
+    dim = _norm(node.args[1], ndim_of(node))
+    if pls[0] != Shard(dim):
+        raise rc.fail(node, f"all-gather on dim {dim} of an input placed {pls[0]}")
+    return R
+
+
+@register(C.reduce_scatter)
+def reduce_scatter_rule(node: Node, pls: list, rc: RuleContext):
+    if axis_of(node) != rc.axis:
+        return pls[0]
+    if not isinstance(pls[0], Partial):
+        raise rc.fail(node, f"reduce-scatter of an input placed {pls[0]}, expected a partial sum")
+    return Shard(_norm(node.args[1], ndim_of(node)))
+
+
+@register(C.all_reduce)
+def all_reduce_rule(node: Node, pls: list, rc: RuleContext):
+    if axis_of(node) != rc.axis:
+        return pls[0]
+    if not isinstance(pls[0], Partial):
+        raise rc.fail(node, f"all-reduce of an input placed {pls[0]}, expected a partial sum")
+    return R
+
+
+@register(C.region_entry)
+def region_entry_rule(node: Node, pls: list, rc: RuleContext):
+    if axis_of(node) == rc.axis and not isinstance(pls[0], Replicate):
+        raise rc.fail(node, f"tensor-parallel region entered with an input placed {pls[0]}")
+    return pls[0]
+
+
+@register(C.vocab_parallel_embedding)
+def vocab_embedding_rule(node: Node, pls: list, rc: RuleContext):
+    if axis_of(node) != rc.axis:
+        return pls[1]
+    if pls[0] != Shard(0) or not isinstance(pls[1], Replicate):
+        raise rc.fail(node, f"vocab-parallel embedding with weight {pls[0]} and ids {pls[1]}")
+    return P
+
+
+@register(C.vocab_parallel_cross_entropy)
+def vocab_ce_rule(node: Node, pls: list, rc: RuleContext):
+    if axis_of(node) != rc.axis:
+        if rc.local_sizes and is_sharded(pls):
+            return _token_loss(node, pls[0], pls[1], node.args[4], False, rc, class_dim=ndim_of(node.args[0]) - 1)
+        return pls[0]
+    if pls[0] != Shard(ndim_of(node.args[0]) - 1) or not isinstance(pls[1], Replicate):
+        raise rc.fail(node, f"vocab-parallel cross-entropy of logits {pls[0]} and target {pls[1]}")
+    return R
