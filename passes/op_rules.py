@@ -1,7 +1,8 @@
 """Sharding rules of autopar's own operators: the collectives the passes insert, the CP attention
 and positions, and the vocabulary-parallel embedding and loss.
 
-Registered in the one registry of ``passes/rules.py`` (which imports this module), next to
+Registered in the one registry of ``passes/rules.py`` (``passes/shard_propagation.py``, the
+registry's one reader, imports this module as it does the others), next to
 the aten rules there and the view-family and MoE rules of ``passes/view_rules.py`` and
 ``passes/moe_rules.py``.  Each rule checks that the op is applied to what it was inserted
 for (an all-gather to a shard, a reduction to a partial sum) and gives its output placement.

@@ -529,6 +529,3 @@ def axis_of(node: Node) -> str:
     """The mesh axis an autopar runtime op node works on."""
     return node.kwargs.get("axis") or next(a for a in node.args if isinstance(a, str))
 
-
-# autopar's own operators (collectives, CP attention, vocabulary-parallel ops): passes/op_rules.py
-from . import op_rules  # noqa: E402,F401  (registers them)

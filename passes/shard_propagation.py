@@ -34,7 +34,7 @@ from autopar.ops import collectives as C
 from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult
 from .gradient_placement import gradient_placements
 from .rules import R, RuleContext, is_loss_share, is_sharded, lookup, tensor_inputs
-from . import moe_rules, view_rules  # noqa: F401  (register the view-family and MoE rules)
+from . import moe_rules, op_rules, view_rules  # noqa: F401  (register the MoE, autopar-op and view-family rules)
 
 __all__ = ["shard_propagation_pass", "propagate", "tensor_inputs", "local_numel"]
 
