@@ -2,7 +2,8 @@
 
 The pipeline (docs/architecture.md draws it and the package layers):
   trace and analyze (autopar.frontend) -> plan (autopar.plan) -> passes (autopar.passes,
-  inserting the operators of autopar.ops) -> emit/run (autopar.runtime)
+  inserting the operators of autopar.ops) -> emit/run (autopar.runtime),
+a plan proved on CPU processes before a cluster runs it (autopar.verification, ``verify``)
 and, offline, the symbolic cost model (autopar.cost) and plan search (autopar.planning).
 
 Public names are imported lazily so that the offline tools (`autopar plan`) start
@@ -22,6 +23,8 @@ __all__ = [
     "init_distributed",
     "parallelize",
     "ParallelModule",
+    "verify",
+    "VerifyResult",
     "AutoparError",
 ]
 
@@ -35,6 +38,8 @@ _LAZY = {
     "init_distributed": ("autopar.runtime", "init_distributed"),
     "parallelize": ("autopar.runtime", "parallelize"),
     "ParallelModule": ("autopar.runtime", "ParallelModule"),
+    "verify": ("autopar.verification", "verify"),
+    "VerifyResult": ("autopar.verification", "VerifyResult"),
     "AutoparError": ("autopar.errors", "AutoparError"),
 }
 

@@ -75,9 +75,11 @@ def recording_stage_class(on_ops):
     ``on_ops(ops, phase, stage_index)``.  The ``get_*_ops`` methods are PipelineStage
     internals; they are the one place where every send and receive buffer is known.
 
-    An instance's ``after_backward`` attribute (None by default), if set, is called after
-    each of its backward actions (full, input-only or weight): torch's weight backward
-    accumulates ``param.grad`` by hand, so post-accumulate-grad hooks do not fire there."""
+    An instance's ``after_backward`` attribute (None by default), if set, is called as
+    ``after_backward(kind)`` after each of its backward actions (``kind``: ``"full"``,
+    ``"input"`` or ``"weight"``) and after torch's metadata inference (``"inference"``, a real
+    forward and input backward on the first step): torch's weight backward accumulates
+    ``param.grad`` by hand, so post-accumulate-grad hooks do not fire there."""
     from torch.distributed.pipelining import PipelineStage
 
     def recording(name: str, phase: str):
@@ -89,20 +91,26 @@ def recording_stage_class(on_ops):
         method.__name__ = name
         return method
 
-    def notifying(name: str):
+    def notifying(name: str, kind_of):
         def method(self, *args, **kwargs):
             out = getattr(PipelineStage, name)(self, *args, **kwargs)
             if self.after_backward is not None:
-                self.after_backward()
+                self.after_backward(kind_of(*args, **kwargs))
             return out
 
         method.__name__ = name
         return method
 
+    def backward_kind(bwd_chunk_id, loss=None, full_backward=True, last_backward=False):
+        return "full" if full_backward else "input"
+
     methods = {name: recording(name, phase) for name, phase in (
         ("get_fwd_recv_ops", "fwd"), ("get_fwd_send_ops", "fwd"),
         ("get_bwd_recv_ops", "bwd"), ("get_bwd_send_ops", "bwd"))}
-    methods.update({name: notifying(name) for name in ("backward_one_chunk", "backward_weight_one_chunk")})
+    methods.update({"backward_one_chunk": notifying("backward_one_chunk", backward_kind),
+                    "backward_weight_one_chunk": notifying("backward_weight_one_chunk", lambda *a, **k: "weight"),
+                    "_post_metadata_inference_cleanup": notifying("_post_metadata_inference_cleanup",
+                                                                  lambda: "inference")})
     methods["after_backward"] = None
     return type("RecordingStage", (PipelineStage,), methods)
 

@@ -91,25 +91,30 @@ def simulate(layers: int | None, plan: str, seq: int, micro_batch: int, *, rank:
         stage = pm.coords().get("pp", (0, 1))[0]
         cost = autopar.estimate(spec, autopar.Cluster.for_world("h100", p.world_size), plan, seq_len=seq,
                                 global_batch=batch, dtype_bytes=4)
-        measured = collections.defaultdict(lambda: [0.0, 0])
-        for r in pm.comm_stats():
-            entry = measured[(r["phase"], r["op"], r["axis"])]
-            entry[0] += r["bytes_sent"] + r["bytes_recv"]
-            entry[1] += 1
-        predicted = collections.defaultdict(lambda: [0.0, 0])
-        for row in cost.comm_table(stage):
-            entry = predicted[(row.phase, row.collective, row.axis)]
-            entry[0] += (row.bytes_sent + row.bytes_recv) * row.count
-            entry[1] += row.count
-        held = set(pm.gm.parameters())
-        local_params = sum(t.numel() * t.element_size() for t in held)
-        held_masters = pm.memory_report().get("params", local_params)
-        return {"measured": {k: tuple(v) for k, v in measured.items()},
-                "predicted": {k: tuple(v) for k, v in predicted.items()},
-                "param_bytes": held_masters, "predicted_param_bytes": cost.memory(stage)["params"],
-                "stage": stage, "compile_seconds": seconds, "zero": p.zero}
+        return measured_and_predicted(pm, cost, stage, seconds)
     finally:
         dist.destroy_process_group()
+
+
+def measured_and_predicted(pm, cost, stage: int, seconds: float = 0.0) -> dict:
+    """What :func:`compare` reads: the step's bytes and calls per (phase, collective, axis),
+    measured on ``pm`` and predicted by ``cost`` for ``stage``, and the parameter bytes."""
+    measured = collections.defaultdict(lambda: [0.0, 0])
+    for r in pm.comm_stats():
+        entry = measured[(r["phase"], r["op"], r["axis"])]
+        entry[0] += r["bytes_sent"] + r["bytes_recv"]
+        entry[1] += 1
+    predicted = collections.defaultdict(lambda: [0.0, 0])
+    for row in cost.comm_table(stage):
+        entry = predicted[(row.phase, row.collective, row.axis)]
+        entry[0] += (row.bytes_sent + row.bytes_recv) * row.count
+        entry[1] += row.count
+    local_params = sum(t.numel() * t.element_size() for t in set(pm.gm.parameters()))
+    return {"measured": {k: tuple(v) for k, v in measured.items()},
+            "predicted": {k: tuple(v) for k, v in predicted.items()},
+            "param_bytes": pm.memory_report().get("params", local_params),
+            "predicted_param_bytes": cost.memory(stage)["params"],
+            "stage": stage, "compile_seconds": seconds, "zero": pm.plan.zero}
 
 
 def compare(result: dict, out=print) -> bool:

@@ -22,17 +22,21 @@ Layer structure seen by the rows, per stage (``l_d`` dense and ``l_e`` MoE layer
   * PP: the boundary activation (sequence-sharded by SP and CP) per send, and the loss
     all-reduced over pp once per step so that every stage returns it;
   * DP / ZeRO: gradient all-reduce (stage 0) or reduce-scatter (1: per step, 2-3: per
-    micro-batch; 3: per gather unit and micro-batch) over the ranks holding copies (dp*cp
+    micro-batch, and under pp per chunk and micro-batch; 3: per gather unit and micro-batch)
+    over the ranks holding copies (dp*cp
     for dense weights, dp*cp/ep for experts), the parameter all-gather after the step (1-2)
     or per unit and micro-batch forward and backward (3; units = the stage's layers + 1 for
-    embedding and head, as ``passes/zero.py`` groups them; expert rows count one unit).
+    embedding and head, as ``passes/zero.py`` groups them; a MoE layer's experts are a unit of
+    their own, so expert rows count ``l_e`` units).
     Gradients partial over tp are summed once per step, on the dp*cp shard under ZeRO-2/3;
   * full recompute (passes/recompute.py): backward runs each layer's forward collectives
     again but the trailing one (after down_proj or the MoE block), with phase ``bwd``: with
     SP the all-gathers before q/k/v and gate/up and the reduce-scatter after o_proj, without
     SP the all-reduce after o_proj; ZeRO-3 re-gathers a unit once in backward as without
-    recompute.  Selective recompute's regions hold no collective.  Recomputed CP attention
-    and MoE all-to-alls are not modelled (the runtime refuses recompute with cp or MoE).
+    recompute.  Selective recompute's regions hold no collective but a CP attention's: under
+    either mode the recomputed CP attention sends its forward collectives again in backward
+    (ring K,V hops, the K,V all-gather, Ulysses' two all-to-alls).  Recomputed MoE all-to-alls
+    are not modelled (the runtime refuses recompute on rewritten MoE blocks).
 """
 from __future__ import annotations
 
@@ -40,9 +44,10 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from .symbols import (CPAG, CPRING, CPUL, E, FIRST, V, LAST, NRECV, NSEND, RFULL, SP, Z1, Z2, Z3, a, b, cp,
+from .symbols import (CPAG, CPRING, CPUL, E, FIRST, V, LAST, NRECV, NSEND, RFULL, RSEL, SP, Z1, Z2, Z3, a, b,
+                      cp,
                       d, dp, ep, f, fe, g, gated, h, k, ld, le, m, nn, nsh, pp, qb, rho, s, sgate, tp,
-                      w, wgc, wp)
+                      vpp, w, wgc, wp)
 
 __all__ = ["CommRow", "RowSpec", "TIED", "TOKEN_ROWS", "row_specs", "routed_row_formulas", "routed_all_to_all_rows",
            "activation_bytes", "local_param_elems", "zero3_units"]
@@ -155,9 +160,15 @@ def routed_all_to_all_rows(expert_counts, *, ep_rank: int, hidden: int, dtype_by
     return rows
 
 
+# 1 under pp: the embedding and the head are ZeRO-3 units of their own chunks (passes/zero.py),
+# two units on a rank holding both (the V schedules); 0 without pp, where they share one unit.
+SPLIT_REST = sp.Min(pp - 1, 1, evaluate=False)
+
+
 def zero3_units():
-    """ZeRO-3 gather units on the scored stage: its layers, plus one for the embedding and head."""
-    return ld + le + FIRST + LAST - FIRST * LAST
+    """ZeRO-3 gather units on the scored stage: its layers, plus the embedding and head's (one
+    unit for both without pp, one each under pp)."""
+    return ld + le + FIRST + LAST - FIRST * LAST * (1 - SPLIT_REST)
 
 
 def row_specs() -> list[RowSpec]:
@@ -257,6 +268,18 @@ def _context_parallel_rows() -> list[RowSpec]:
             recv=0)
         add(phase, "cp", "recv", "cp", cp, 0, mult * CPRING * (cp - 1) * n_attn, True, what,
             recv=2 * kv)
+    # Recompute (selective or full) runs the CP attention's forward collectives again in backward.
+    again = RSEL + RFULL
+    add("bwd", "cp", "send", "cp", cp, 2 * kv, again * CPRING * (cp - 1) * n_attn, True,
+        "recomputed attention: K,V (packed) around the ring again", recv=0)
+    add("bwd", "cp", "recv", "cp", cp, 0, again * CPRING * (cp - 1) * n_attn, True,
+        "recomputed attention: K,V (packed) around the ring again", recv=2 * kv)
+    add("bwd", "cp", "all_gather", "cp", cp, _ag(2 * kv, cp), again * CPAG * n_attn, True,
+        "recomputed attention: all-gather of K,V again")
+    add("bwd", "cp", "all_to_all", "cp", cp, _a2a(q + 2 * kv, cp), again * CPUL * n_attn, True,
+        "recomputed attention: Ulysses all-to-all of q,k,v again")
+    add("bwd", "cp", "all_to_all", "cp", cp, _a2a(q, cp), again * CPUL * n_attn, True,
+        "recomputed attention: Ulysses all-to-all of the output again")
     add("fwd", "cp", "all_gather", "cp", cp, _ag(2 * kv, cp), CPAG * n_attn, True,
         "all-gather of K,V, shard [b, s/cp, 2 g/tp, d]")
     add("bwd", "cp", "reduce_scatter", "cp", cp, _rs(2 * kv * cp, cp), CPAG * n_attn, True,
@@ -311,19 +334,26 @@ def _data_parallel_rows() -> list[RowSpec]:
     rows, add = _row_collector()
     # Experts are whole on every TP rank (Megatron-Core's expert-tensor-parallel size 1), so an
     # expert's replicas are the tp * dp*cp/ep ranks of a stage that hold the same expert index.
-    for label, P, axis, n, u in (("dense", dense, "dp*", dp * cp, units),
-                                 ("expert", expert, "edp*", tp * dp * cp / ep, 1)):
-        per_mb = 1 + Z3 * (u - 1)                # reduce-scatters per micro-batch (stage 3: per unit)
+    # Backward re-gathers every unit but a first stage's embedding unit under pp (the lookup's
+    # backward reads only the indices; without pp the embedding shares a unit with the head).
+    emb_only = FIRST * SPLIT_REST
+    for label, P, axis, n, u, P_bwd, u_bwd in (
+            ("dense", dense, "dp*", dp * cp, units, dense - emb_only * V * h / tp, units - emb_only),
+            ("expert", expert, "edp*", tp * dp * cp / ep, sp.Max(le, 1, evaluate=False), expert, le)):
+        # Stage 2 under pp splits its units at chunk borders (each chunk's gradients are scattered
+        # after its backward): one reduce-scatter per chunk and micro-batch, one gather per chunk.
+        per_chunk = 1 + Z2 * (1 - Z3) * (vpp - 1)
+        per_mb = 1 + Z3 * (u - 1) + per_chunk - 1  # reduce-scatters per micro-batch (stage 3: per unit)
         add("grad", "dp", "all_reduce", axis, n, _ar(P * wgc, n), 1 - Z1, False,
             f"all-reduce of the {label} gradients (bucketed, once per step)")
         add("grad", "dp", "reduce_scatter", axis, n, _rs(P * wgc, n) / per_mb, Z1 * (1 + (m - 1) * Z2) * per_mb,
             False, f"ZeRO reduce-scatter of the {label} gradients (per step for 1, per micro-batch for 2, "
                    "per unit and micro-batch for 3)")
-        add("step", "zero", "all_gather", axis, n, _ag(P * wp / n, n), Z1 * (1 - Z3), False,
+        add("step", "zero", "all_gather", axis, n, _ag(P * wp / n, n) / per_chunk, Z1 * (1 - Z3) * per_chunk, False,
             f"ZeRO all-gather of the updated {label} parameters")
         add("fwd", "zero", "all_gather", axis, n, _ag(P * wp / n, n) / u, Z3 * u, True,
             f"ZeRO-3 all-gather of the {label} parameters before use (forward, per unit)")
-        add("bwd", "zero", "all_gather", axis, n, _ag(P * wp / n, n) / u, Z3 * u, True,
+        add("bwd", "zero", "all_gather", axis, n, _ag(P_bwd * wp / n, n) / u_bwd, Z3 * u_bwd, True,
             f"ZeRO-3 all-gather of the {label} parameters again (backward, per unit)")
     return rows
 

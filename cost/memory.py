@@ -115,13 +115,15 @@ def derived_layer_bytes():
     full_moe = norms + linear_in_moe + attn + attn_out + cp_kv + moe_keep + moe_act
     keep = 1 - RFULL
     layer_input = t_sp * h * w
-    dense = RFULL * layer_input + keep * (full_dense - RSEL * (attn_out + mlp_act))
-    moe = RFULL * layer_input + keep * (full_moe - RSEL * (attn_out + moe_act))
+    # Selective recompute keeps q, k, v but not what the attention op saves (its output, LSE and
+    # under CP all-gather the gathered K,V).
+    dense = RFULL * layer_input + keep * (full_dense - RSEL * (attn_out + cp_kv + mlp_act))
+    moe = RFULL * layer_input + keep * (full_moe - RSEL * (attn_out + cp_kv + moe_act))
     # What one recomputation holds in backward: a whole layer (full); under selective the larger
     # of the two regions a layer recomputes, one at a time (attention output + LSE, MLP activations).
     larger = lambda x, y: sp.Max(x, y, evaluate=False)  # noqa: E731
     working = (RFULL * (ld * full_dense + le * full_moe)
-               + RSEL * (ld * larger(attn_out, mlp_act) + le * larger(attn_out, moe_act))) / (ld + le)
+               + RSEL * (ld * larger(attn_out + cp_kv, mlp_act) + le * larger(attn_out + cp_kv, moe_act))) / (ld + le)
     return dense, moe, working
 
 

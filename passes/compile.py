@@ -56,7 +56,8 @@ def _validate(plan: Plan, structure, world_size: int) -> None:
     """The plan against the model's structure and what the runtime supports (``autopar:`` errors)."""
     if structure.moe_error is not None and moe_needs_rewrite(plan):
         raise structure.moe_error
-    check_supported(plan, moe_rewrite=bool(structure.moe) and moe_needs_rewrite(plan))
+    check_supported(plan, moe_rewrite=bool(structure.moe) and moe_needs_rewrite(plan),
+                    tied=bool(structure.tied_embeddings and structure.lm_head))
     plan.validate(world_size=world_size, num_heads=structure.num_heads or None,
                   num_kv_heads=structure.num_kv_heads or None,
                   vocab=structure.vocab if plan.tp > 1 and structure.embeddings else None,

@@ -14,6 +14,9 @@ its ``nn_module_stack``):
 - values that depend on no parameter (positions, rotary tables, causal masks: functions
   of the input ids' shape and of buffers) are recomputed in every chunk that needs them
   instead of being sent, so only the hidden state crosses a boundary;
+- under ZeRO-3 a unit's gather (``passes/zero.py``) and the parameters taken from it are
+  treated as parameters: copied into the chunk that reads them, its unit's parameters
+  counted as the chunk's;
 - every chunk takes the model inputs and the target as keyword arguments
   (``in_0 .. in_{n-1}``, ``loss_target``): ``torch.distributed.pipelining`` passes the same
   keyword micro-batch to every stage, and the last chunk computes the loss in-graph (so a
@@ -25,6 +28,7 @@ The result's ``pipeline`` is a :class:`PipelineProgram`; the runtime that drives
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Sequence
 
 import torch
@@ -32,8 +36,9 @@ from torch.fx import Graph, GraphModule, Node
 
 from autopar.compat import sym_hint
 from autopar.errors import AutoparError
+from autopar.ops.zero_gather import zero_gather
 from autopar.plan import check_micro_batches, chunk_rank, chunks_per_rank, valid_micro_batches
-from .context import PassContext, PassResult
+from .context import META_KEY, PassContext, PassResult
 
 __all__ = ["PipelineChunk", "PipelineProgram", "pipeline_pass", "chunk_layer_counts", "chunk_rank",
            "num_chunks", "check_micro_batches", "valid_micro_batches", "TARGET_KWARG", "input_kwarg"]
@@ -159,6 +164,15 @@ def _seq_len(gm: GraphModule) -> int:
     return sym_hint(s)
 
 
+def _gathers_params(n: Node) -> bool:
+    """A ZeRO-3 gather of a unit (``passes/zero.py``) or one parameter taken from it."""
+    if n.op != "call_function":
+        return False
+    if n.target is operator.getitem:
+        return isinstance(n.args[0], Node) and _gathers_params(n.args[0])
+    return n.target is zero_gather
+
+
 def _assign(gm: GraphModule, structure, counts: list[int]):
     """(chunk of every non-free node, set of free nodes, param names)."""
     layer_index = {p: i for i, p in enumerate(structure.layers)}
@@ -172,8 +186,8 @@ def _assign(gm: GraphModule, structure, counts: list[int]):
         if n.op == "placeholder" or (n.op == "get_attr" and n.target not in params):
             free.add(n)
             continue
-        if n.op == "get_attr":
-            continue  # parameters are copied into each chunk that reads them
+        if n.op == "get_attr" or _gathers_params(n):
+            continue  # parameters (ZeRO-3: their gathers) are copied into each chunk that reads them
         inputs = n.all_input_nodes
         if all(i in free for i in inputs):
             free.add(n)
@@ -206,6 +220,11 @@ def _build_chunk(gm, c, last, chunk, free, params, boundary_in, boundary_out, kw
         if x.op == "get_attr":
             if x.target in params:
                 used_params.append(x.target)
+            env[x] = g.node_copy(x, need)
+            return env[x]
+        if _gathers_params(x):
+            if x.target is zero_gather:  # ZeRO-3: the gathered unit's parameters
+                used_params.extend(x.meta[META_KEY].params)
             env[x] = g.node_copy(x, need)
             return env[x]
         assert x in free, f"value {x.name} not available in chunk {c}"

@@ -14,7 +14,9 @@ cost model prices (``cost/memory.py``):
   included (o_proj): the attention output and its log-sum-exp are not kept, q, k and v (the
   body's inputs) are.  For every MLP region, the activation path from the column
   projections' outputs to the row projection, included (down_proj): silu(gate) and the
-  product (or gelu(up)) are not kept, gate and up are.  Neither body holds a collective.
+  product (or gelu(up)) are not kept, gate and up are.  Neither body holds a collective but
+  a CP attention's own (K,V around the ring, their all-gather, Ulysses' all-to-alls), which
+  the recomputation runs again in backward.
 * ``full``: every decoder layer (``structure.layers``; a node belongs to the layer in its
   ``nn_module_stack``), less the values that depend on no parameter (positions, masks: the
   pipeline pass recomputes those per chunk) and less the layer's trailing collective and
@@ -47,6 +49,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from autopar.errors import AutoparError
 from autopar.frontend.fx_utils import module_path, within
+from autopar.ops import cp_attention as CPA
 from autopar.ops import random as RNG
 from autopar.ops.recompute import Recompute
 from autopar.ops.zero_gather import zero_gather
@@ -57,7 +60,10 @@ aten = torch.ops.aten
 __all__ = ["recompute_pass", "RecomputeRegion", "find_regions"]
 
 _PASS = "recompute_pass"
-_ATTENTION_OPS = {aten.scaled_dot_product_attention.default, RNG.attention}
+# The attention ops a selective region starts at: SDPA, its dropout form and the CP variants
+# (whose collectives then run again in backward, where cost/comm.py counts them).
+_CP_ATTENTION_OPS = {CPA.ring_attention, CPA.allgather_attention, CPA.ulysses_attention}
+_ATTENTION_OPS = {aten.scaled_dot_product_attention.default, RNG.attention} | _CP_ATTENTION_OPS
 # Projections as the earlier passes leave them (TP turns a row-parallel Conv1D addmm into mm + bias).
 _LINEAR_OPS = {aten.linear.default, aten.addmm.default, aten.mm.default}
 _COPIED_META = ("val", PLACEMENT_KEY, "tensor_meta", "nn_module_stack", "stack_trace")
@@ -147,7 +153,7 @@ def _selective_regions(gm: GraphModule, structure) -> list[RecomputeRegion]:
         nodes = _between(start, rows[0])
         if include_start:
             nodes = [n for n in gm.graph.nodes if n in set(start) | set(nodes)]
-        if any(_forward_collective(n) for n in nodes):
+        if any(_forward_collective(n) and n.target not in _CP_ATTENTION_OPS for n in nodes):
             raise AutoparError(
                 f"autopar: recompute=selective would recompute a collective in '{region.module}'; this is an "
                 "autopar bug, please report it with the plan.")

@@ -2,7 +2,11 @@
 
 Runs last (after shard propagation and the data-parallel pass), only for ``zero=3``.  The
 trainable parameters are grouped into units: one per decoder layer (``structure.layers``
-prefixes) and one for the rest of the model (embedding, final norm, LM head).  For each
+prefixes; a MoE layer's experts form a second unit, sharded over the ranks holding the same
+experts) and one for the rest of the model (embedding, final norm, LM head); under pp the
+rest is two units, the parameters first read before the first layer's (the embedding, chunk
+0) and the others (final norm and head, the last chunk), so each unit belongs to one
+pipeline chunk (``passes/pipeline.py`` copies a gather into the chunk that uses it).  For each
 unit the pass inserts ``autopar.ops.zero_gather.zero_gather(unit)`` right before the first node that
 reads one of its parameters, and a ``getitem`` per parameter that replaces the parameter's
 ``get_attr``.  The parameter attributes stay in the module (the runtime keeps their
@@ -28,15 +32,36 @@ __all__ = ["zero3_pass", "zero_units"]
 
 
 def zero_units(gm: GraphModule, ctx: PassContext) -> list[list[str]]:
-    """Trainable parameter names grouped by decoder layer, then the rest, in parameter order."""
+    """Trainable parameter names grouped by decoder layer (a MoE layer's experts in a unit of
+    their own: they shard over other ranks, see ``passes/data_parallel.py``), then the rest, in
+    parameter order (under pp the rest is split into what is first read before the first
+    layer and the others)."""
     layers = list(ctx.structure.layers)
-    groups: dict[int, list[str]] = {}
+    experts = set(ctx.expert_params)
+    groups: dict[tuple[int, bool], list[str]] = {}
+    before = _read_before_layers(gm, layers) if ctx.plan.pp > 1 else set()
     for name, p in gm.named_parameters():
         if not p.requires_grad:
             continue
-        unit = next((i for i, prefix in enumerate(layers) if name.startswith(prefix + ".")), len(layers))
-        groups.setdefault(unit, []).append(name)
+        unit = next((i for i, prefix in enumerate(layers) if name.startswith(prefix + ".")), None)
+        if unit is None:
+            unit = -1 if name in before else len(layers)
+        groups.setdefault((unit, name in experts), []).append(name)
     return [groups[u] for u in sorted(groups)]
+
+
+def _read_before_layers(gm: GraphModule, layers: list[str]) -> set[str]:
+    """Parameters outside the layers first read (by graph order of their readers' users) before
+    any parameter of a layer is."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    first: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and node.users:
+            at = min(order[u] for u in node.users)
+            first[node.target] = min(at, first.get(node.target, at))
+    in_layers = [i for name, i in first.items() if any(name.startswith(p + ".") for p in layers)]
+    start = min(in_layers, default=len(order))
+    return {name for name, i in first.items() if i < start}
 
 
 def zero3_pass(gm: GraphModule, ctx: PassContext) -> PassResult:

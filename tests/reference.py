@@ -3,17 +3,23 @@
 :func:`reference_train` trains the unparallelized model, :func:`assert_equivalent`
 compares it with what the parallel run produced (the bounds every equivalence test
 uses), :func:`make_batches` and :data:`OPTIMIZERS` give both sides identical inputs, and
-:func:`next_token_loss` is the loss they share.  Nothing here starts a process or a
-process group; the multi-rank worker pool is ``tests/harness.py``, which re-exports
-these names so ``from tests.harness import make_batches`` keeps working.
+:func:`next_token_loss` is the loss they share.  The bounds (``LOSS_ATOL``, ``PARAM_ATOL``)
+are defined once, in autopar/verification/compare.py, by which ``autopar verify`` judges
+too.  Nothing here starts a process or a process group; the multi-rank worker pool is
+``tests/harness.py``, which re-exports these names so ``from tests.harness import
+make_batches`` keeps working.
 """
 from __future__ import annotations
 
 import functools
-import math
 from typing import Callable
 
 import torch
+
+# The bounds and the difference are product code (``autopar verify`` judges by the same numbers).
+from autopar.verification.compare import LOSS_ATOL, PARAM_ATOL
+from autopar.verification.compare import max_abs_diff as _max_abs_diff
+from autopar.verification.sources import next_token_loss  # the one definition (product code)
 
 __all__ = [
     "OPTIMIZERS",
@@ -30,17 +36,6 @@ OPTIMIZERS: dict[str, Callable] = {
     "sgd": functools.partial(torch.optim.SGD, lr=0.1),
     "adamw": functools.partial(torch.optim.AdamW, lr=1e-3, weight_decay=0.1),
 }
-
-
-def next_token_loss(output, target: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of logits (a tensor, tuple or HF output) against ``target``."""
-    logits = output
-    if hasattr(output, "logits"):
-        logits = output.logits
-    elif isinstance(output, (tuple, list)):
-        logits = output[0]
-    return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
 
 
 def make_batches(vocab_size: int, batch: int, seq: int, num_steps: int,
@@ -80,18 +75,8 @@ def reference_train(build_model: Callable[[], torch.nn.Module], batches, loss_fn
     return losses, state
 
 
-def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    if a.numel() == 0:
-        return 0.0
-    if a.is_floating_point() or a.is_complex():
-        diff = (a.double() - b.double()).abs()
-        # A NaN on either side is a mismatch, never a pass.
-        return math.inf if diff.isnan().any() else float(diff.max())
-    return 0.0 if torch.equal(a, b) else math.inf
-
-
 def assert_equivalent(ref: tuple[list[float], dict], got: tuple[list[float], dict], *,
-                      loss_atol: float = 1e-5, param_atol: float = 1e-4,
+                      loss_atol: float = LOSS_ATOL, param_atol: float = PARAM_ATOL,
                       num_worst: int = 5) -> None:
     """Assert two ``(losses, state_dict)`` results match; list what differs if not.
 

@@ -1,7 +1,8 @@
-"""Command-line entry point: ``autopar inspect | plan | explain``.
+"""Command-line entry point: ``autopar inspect | plan | explain | verify``.
 
-``inspect`` (autopar/inspect_cmd.py) prints a rank's generated program; ``plan`` and
-``explain`` (autopar/cli_plan.py) run the offline cost model and search.
+``inspect`` (autopar/cli/inspect_cmd.py) prints a rank's generated program; ``plan`` and
+``explain`` (autopar/cli/plan_cmd.py) run the offline cost model and search; ``verify``
+(autopar/cli/verify_cmd.py) proves a plan on CPU gloo processes against one process.
 """
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ __all__ = ["main"]
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    from autopar.cli import inspect_cmd, plan_cmd
+    from autopar.cli import inspect_cmd, plan_cmd, verify_cmd
 
     inspect_cmd.register(sub)
     plan_cmd.register(sub)
+    verify_cmd.register(sub)
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)

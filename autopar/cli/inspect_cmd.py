@@ -12,12 +12,9 @@ target shaped like the first input (``--loss none`` traces the model alone).
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
-import os
-import sys
 
 from autopar.errors import AutoparError
+from autopar.frontend.target import load_target  # re-exported: measure_cmd and plan_cmd import it here
 
 __all__ = ["register", "load_target", "lm_cross_entropy", "run_inspect"]
 
@@ -28,36 +25,6 @@ def lm_cross_entropy(output, target):
 
     logits = output.logits if hasattr(output, "logits") else output
     return F.cross_entropy(logits.flatten(0, -2), target.flatten())
-
-
-def load_target(spec: str):
-    """Call ``MODULE:FUNCTION`` and return ``(model, example_inputs, example_kwargs)``."""
-    if ":" not in spec:
-        raise AutoparError(f"autopar: expected MODULE:FUNCTION (e.g. examples/model.py:build_tiny), got '{spec}'.")
-    module_name, func_name = spec.rsplit(":", 1)
-    if module_name.endswith(".py") or os.path.sep in module_name:
-        if not os.path.exists(module_name):
-            raise AutoparError(f"autopar: no such file '{module_name}'; give a path to a Python file or a module name.")
-        loaded = importlib.util.spec_from_file_location("_autopar_inspect_target", module_name)
-        module = importlib.util.module_from_spec(loaded)
-        sys.modules[loaded.name] = module  # dataclasses in the target look their module up here
-        sys.path.insert(0, os.path.dirname(os.path.abspath(module_name)))
-        loaded.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise AutoparError(f"autopar: cannot import module '{module_name}': {exc}") from exc
-    func = getattr(module, func_name, None)
-    if func is None:
-        raise AutoparError(f"autopar: '{module_name}' has no function '{func_name}'.")
-    result = func()
-    if not isinstance(result, tuple) or len(result) not in (2, 3):
-        raise AutoparError(f"autopar: {func_name}() must return (model, example_inputs) or "
-                           f"(model, example_inputs, example_kwargs); got {type(result).__name__}.")
-    model, inputs = result[0], tuple(result[1])
-    kwargs = dict(result[2]) if len(result) == 3 else {}
-    return model, inputs, kwargs
 
 
 def run_inspect(spec: str, plan: str, world: int, rank: int, loss: str = "ce", schedule: bool = False) -> str:

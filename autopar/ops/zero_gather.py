@@ -36,5 +36,6 @@ def zero_gather(unit: int) -> tuple[torch.Tensor, ...]:
     if state is None:
         raise RuntimeError("autopar: a ZeRO-3 program ran outside ParallelModule.train_step; its parameters "
                            "exist only as shards there. Call pm.train_step, or read pm.state_dict().")
+    unit = state.local_unit(unit)  # under pp a rank holds the units of its own chunks only
     flat = _Gather.apply(state.shards[unit], state, unit)
     return state.unit_views(unit, flat)

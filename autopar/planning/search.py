@@ -338,7 +338,8 @@ def _fitting_plans(spec, cluster, cands: dict, step: np.ndarray, top: int, seq_l
         if len(results) >= top:
             break
         plan = _plan_of(cands, i)
-        if runnable and unsupported(plan, moe_rewrite=spec.is_moe and moe_needs_rewrite(plan)):
+        if runnable and unsupported(plan, moe_rewrite=spec.is_moe and moe_needs_rewrite(plan),
+                                    tied=spec.tied_embeddings):
             continue
         cost = estimate(spec, cluster, plan, seq_len, global_batch, **est_opts)
         if cost.fits:  # the full per-rank check of estimate() has the last word

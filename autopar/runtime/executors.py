@@ -55,10 +55,12 @@ class FlatExecutor:
 
     def run(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
         total = torch.zeros((), device=pm.device)
-        for chunk_inputs, chunk_target in pm.micro_batches(inputs, target, coords):
+        pieces = pm.micro_batches(inputs, target, coords)
+        for i, (chunk_inputs, chunk_target) in enumerate(pieces):
             weight = pm.loss_weight(chunk_target)  # its share of the global valid targets (1.0 unpadded)
-            # ZeRO: per-micro-batch gathers / reduce-scatters; the meter counts saved activations.
-            with pm.memory.micro_batch(self.gm), pm.grad_sync.micro_batch():
+            # ZeRO: per-micro-batch gathers / reduce-scatters; DP: the last backward starts the
+            # bucket all-reduces; the meter counts saved activations.
+            with pm.memory.micro_batch(self.gm), pm.grad_sync.micro_batch(last=i == len(pieces) - 1):
                 loss = weighted_loss(self.gm(*chunk_inputs, chunk_target), weight)
                 (loss / self.plan.mb).backward()
             total += loss.detach().float() / self.plan.mb

@@ -3,7 +3,9 @@
 The data-parallel pass (``passes/data_parallel.py``) decides the buckets; this module
 executes them: for each bucket, flatten the gradients, all-reduce them over the bucket's
 mesh axis (sum for partial gradients, average over ``dp``), and write them back.  Every
-collective is recorded with phase ``grad``.
+collective is recorded with phase ``grad``.  In the flat executor's last micro-batch a
+bucket's all-reduce starts during backward, once its gradients exist (:class:`_Overlap`);
+``sync()`` waits for it.
 
 :class:`GradSync` is the gradient-sync strategy :class:`autopar.runtime.module.ParallelModule`
 calls; ZeRO stages replace it with :class:`autopar.runtime.zero.ZeroSync`.  Both expose the
@@ -27,6 +29,7 @@ and the memory meter (:mod:`autopar.runtime.memory`) use:
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Iterator
 
 import torch
@@ -56,15 +59,31 @@ class GradSync:
         # What holds each parameter's value and gradient for sync, clipping, the step and state.
         self.params = self.main.masters if self.main is not None else params
         self.optimizer = make_optimizer([p for p in self.params.values() if p.requires_grad])
+        self._overlap = _Overlap(self) if self.main is None and self.buckets else None
 
-    def micro_batch(self):
-        """Context around one micro-batch's forward and backward."""
-        return _after(self.after_backward) if self.main is not None else contextlib.nullcontext()
-
-    def after_backward(self) -> None:
-        """Mixed precision: this backward's bf16 gradients into the fp32 main gradients."""
+    def micro_batch(self, last: bool = False):
+        """Context around one micro-batch's forward and backward; in the ``last`` one of a step
+        (flat executor, no mixed precision) each bucket's all-reduce starts as soon as backward
+        has produced its gradients, and :meth:`sync` waits for it."""
         if self.main is not None:
+            return _after(self.after_backward)
+        if last and self._overlap is not None:
+            return self._overlap.armed()
+        return contextlib.nullcontext()
+
+    def after_backward(self, chunk: int | None = None, kind: str = "full") -> None:
+        """Mixed precision: this backward's bf16 gradients into the fp32 main gradients
+        (``chunk``, ``kind``: the pipeline action that ran, see :class:`autopar.runtime.zero.ZeroSync`)."""
+        if self.main is not None and kind != "inference":
             self.main.accumulate()
+
+    def chunk_shards(self, chunk: int) -> list:
+        """ZeRO-3's flat shards of a pipeline chunk: none without ZeRO-3."""
+        return []
+
+    def pipeline_step(self):
+        """Context around a pipelined step (every action of this rank): nothing to do without ZeRO-3."""
+        return contextlib.nullcontext()
 
     def forward_only(self):
         """Context around a forward without backward (evaluation): nothing to do without ZeRO-3."""
@@ -99,14 +118,17 @@ class GradSync:
                 p.grad.mul_(coef)
 
     def sync(self) -> None:
-        for bucket in self.buckets:
+        started = self._overlap.take() if self._overlap is not None else {}
+        for index, bucket in enumerate(self.buckets):
             params = [self.params[n] for n in bucket.params]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            flat = torch.cat([g.reshape(-1) for g in grads])
             group = self.groups[bucket.axis]
-            if group.size > 1:
-                C.record("all_reduce", bucket.axis, flat, "grad", f"gradient bucket ({len(params)} tensors)")
-                dist.all_reduce(flat, group=group.group)
+            if index in started:
+                flat, work = started[index]
+                if work is not None:  # None: a group of one rank, nothing to wait for
+                    work.wait()
+            else:
+                flat = self.start(index, grads, async_op=False)[0]
             if bucket.average and (bucket.divisor or group.size) > 1:
                 flat /= bucket.divisor or group.size
             offset = 0
@@ -114,6 +136,17 @@ class GradSync:
                 n = grad.numel()
                 p.grad = flat[offset:offset + n].view_as(grad)
                 offset += n
+
+    def start(self, index: int, grads: list[torch.Tensor], async_op: bool):
+        """Flatten bucket ``index``'s gradients and all-reduce them (``async_op``: without waiting);
+        returns ``(flat, work or None)``."""
+        bucket = self.buckets[index]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        group = self.groups[bucket.axis]
+        if group.size == 1:
+            return flat, None
+        C.record("all_reduce", bucket.axis, flat, "grad", f"gradient bucket ({len(grads)} tensors)")
+        return flat, dist.all_reduce(flat, group=group.group, async_op=async_op)
 
     # --- what checkpoints and the memory meter read -------------------------------------
 
@@ -141,6 +174,55 @@ class GradSync:
             return {"params": [], "master_params": [], "grads": []}
         masters = list(self.main.masters.values())
         return {"params": [], "master_params": masters, "grads": [m.grad for m in masters if m.grad is not None]}
+
+
+class _Overlap:
+    """Start each bucket's all-reduce from the gradient hooks of a step's last backward.
+
+    A bucket starts when every one of its parameters has accumulated its gradient
+    (``register_post_accumulate_grad_hook``), so the reduction runs while backward computes
+    the earlier layers' gradients, as DDP's reducer does.  Buckets sharing a parameter (a
+    gradient partial over tp is summed, then averaged over dp) and parameters without a
+    gradient stay for :meth:`GradSync.sync`, which runs them in order."""
+
+    def __init__(self, sync: GradSync):
+        self.sync = sync
+        owners: dict[str, list[int]] = {}
+        for i, b in enumerate(sync.buckets):
+            for name in b.params:
+                owners.setdefault(name, []).append(i)
+        self.bucket_of = {name: idx[0] for name, idx in owners.items() if len(idx) == 1}
+        self.sizes = {i: len(b.params) for i, b in enumerate(sync.buckets)
+                      if all(n in self.bucket_of for n in b.params)}
+        self.active = False
+        self.pending: dict[int, int] = {}
+        self.started: dict[int, tuple] = {}
+        for name, p in sync.params.items():
+            if name in self.bucket_of and self.bucket_of[name] in self.sizes and p.requires_grad:
+                p.register_post_accumulate_grad_hook(functools.partial(self._ready, name))
+
+    @contextlib.contextmanager
+    def armed(self) -> Iterator[None]:
+        self.active, self.pending = True, dict(self.sizes)
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def _ready(self, name: str, param: torch.Tensor) -> None:
+        if not self.active:
+            return
+        index = self.bucket_of[name]
+        self.pending[index] -= 1
+        if self.pending[index] == 0:
+            bucket = self.sync.buckets[index]
+            grads = [self.sync.params[n].grad for n in bucket.params]
+            self.started[index] = self.sync.start(index, grads, async_op=True)
+
+    def take(self) -> dict[int, tuple]:
+        """The buckets started in the last backward (cleared for the next step)."""
+        started, self.started = self.started, {}
+        return started
 
 
 @contextlib.contextmanager

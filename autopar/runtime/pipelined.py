@@ -15,10 +15,12 @@ targets (``ParallelModule.loss_weight``, 1.0 for an unpadded batch) and ``scale_
 divides the gradients by the micro-batch count (the mean over micro-batches).  The module reduces the
 last stage's mean over the data axes and then over ``pp`` (other stages contribute 0).
 
-Mixed precision: each stage hands its bf16 gradients to the gradient-sync strategy after
-every backward action (``after_backward``), which folds them into fp32 main gradients, so
-the schedule's own ``scale_grads`` (on ``param.grad``) is off and :meth:`run` divides the
-main gradients by the micro-batch count instead.
+Mixed precision and ZeRO-2/3: each stage tells the gradient-sync strategy after every
+backward action (``after_backward``), which folds bf16 gradients into fp32 main gradients,
+reduce-scatters the chunk's ZeRO-2 units or drops ZeRO-3's re-gathered units, so the
+schedule's own ``scale_grads`` (on ``param.grad``) is off and :meth:`run` divides the held
+gradients by the micro-batch count instead.  ZeRO-3's gathers run inside
+``grad_sync.pipeline_step()``, around the whole schedule step.
 """
 from __future__ import annotations
 
@@ -89,16 +91,22 @@ class PipelineExecutor:
             # its own Parameter on the same storage (updates and loads reach it in place) whose
             # gradient is folded into the embedding's after every backward action.
             self._tied_copy = (self.gm.get_parameter(tied), _alias_parameter(self._chunks, last, tied, self.gm))
+        for c in chunk_ids:
+            # ZeRO-3: the chunk reads its units' flat shards through the gather; as the chunk's own
+            # parameters they are what torch's split weight backward (zbv, dualpipev) differentiates.
+            for i, shard in enumerate(pm.grad_sync.chunk_shards(c)):
+                self._chunks[c].register_parameter(f"zero_shard_{i}", shard)
         if not dist.is_initialized():
             return
         pp_group = pm.groups["pp"].group
         stages = [_RecordingStage(self._chunks[c], c, len(self.pipeline.chunks), pm.device, group=pp_group)
                   for c in chunk_ids]
-        # Mixed precision (fp32 main gradients) and a tied copy fold gradients after each backward
-        # action; torch's scale_grads then comes too early, so run() scales the folded gradients.
-        self._fold = pm.mixed_precision or self._tied_copy is not None
-        for stage in stages:
-            stage.after_backward = functools.partial(self._after_backward, pm) if self._fold else None
+        # Mixed precision (fp32 main gradients), a tied copy and ZeRO-2/3 (gradients in the flat
+        # shards) move gradients after each backward action; torch's scale_grads (on the stage
+        # parameters' .grad) then comes too early or misses them, so run() scales them itself.
+        self._fold = pm.mixed_precision or self._tied_copy is not None or self.plan.zero >= 2
+        for c, stage in zip(chunk_ids, stages):
+            stage.after_backward = functools.partial(self._after_backward, pm, c) if self._fold else None
         cls = SCHEDULE_CLASSES[self.plan.schedule]
         options = dict(n_microbatches=self.plan.mb, loss_fn=functools.partial(_stage_loss, pm),
                        scale_grads=not self._fold)
@@ -111,20 +119,22 @@ class PipelineExecutor:
         got = [tuple(Act(kind=k, stage=s, mb=m) for k, s, m in slot) for slot in pipeline_order(self._schedule)[pp_rank]]
         assert got == expected, f"torch's {self.plan.schedule} order differs from autopar.ops.schedules on rank {pp_rank}"
 
-    def _after_backward(self, pm) -> None:
+    def _after_backward(self, pm, chunk: int, kind: str) -> None:
+        """After backward action ``kind`` of ``chunk`` (see compat.recording_stage_class)."""
         if self._tied_copy is not None:
             weight, copy = self._tied_copy
             if copy.grad is not None:
                 weight.grad = copy.grad if weight.grad is None else weight.grad.add_(copy.grad)
                 copy.grad = None
-        if pm.mixed_precision:
-            pm.grad_sync.after_backward()
+        pm.grad_sync.after_backward(chunk, kind)
 
     def run(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
         if pm.device.type == "meta":  # scale simulation: no values for torch's schedule to run on
-            losses = simulate_step(self, pm, inputs, target, coords)
+            with pm.grad_sync.pipeline_step():
+                losses = simulate_step(self, pm, inputs, target, coords)
             return StepOutput(torch.stack(losses).mean() if losses else None)
-        out = self._drive(self._schedule.step, pm, inputs, target, coords, return_outputs=False)
+        with pm.grad_sync.pipeline_step():  # ZeRO-3: the units' gathers and saved-tensor hooks
+            out = self._drive(self._schedule.step, pm, inputs, target, coords, return_outputs=False)
         if self._fold and self.plan.mb > 1:  # the mean over micro-batches, on the fp32 main gradients
             pm.grad_sync.scale_grads(1.0 / self.plan.mb)
         return out
@@ -137,7 +147,7 @@ class PipelineExecutor:
         whole (dropout off, as in eval) and its gradients are dropped: nothing is updated."""
         if self.plan.schedule not in V_SCHEDULES:
             return self._drive(self._schedule.eval, pm, inputs, target, coords, return_outputs=False)
-        with torch.enable_grad():
+        with torch.enable_grad(), pm.grad_sync.pipeline_step():
             out = self._drive(self._schedule.step, pm, inputs, target, coords, return_outputs=False)
         for p in pm.gm.parameters():
             p.grad = None

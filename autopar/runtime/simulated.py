@@ -86,6 +86,7 @@ def simulate_step(executor, pm, inputs: tuple, target: Any, coords: dict[str, in
                     C.record_p2p("recv", "pp", g, "bwd", f"stage {act.stage} input grad recv")
                 torch.autograd.backward([t for t in outs if t.requires_grad],
                                         [g for t, g in zip(outs, grads) if t.requires_grad])
+                pm.grad_sync.after_backward(act.stage, "full")  # weights included (see "W" below)
                 for t in acts if remote_prev else ():
                     C.record_p2p("send", "pp", torch.empty_like(t), "bwd", f"stage {act.stage} input grad send")
             # "W" (the weight half of a split backward): computed with its "B" here; no transfer.

@@ -147,9 +147,15 @@ class ZeroSync:
         self.partial = partial
         # Each unit is sharded over the ranks holding copies of its parameters: the dense axis, or
         # for experts split over ep the ``edp`` ranks (their gradients averaged by dp*cp all the same).
-        units = self._units(gm, program)
+        self.pipeline = program.pipeline
         params = dict(gm.named_parameters())
+        units = self._units(gm, params)
         self.units = [list(u) for u, _, _ in units]
+        # Under pp: the chunk each unit belongs to (stage 2 reduce-scatters a chunk's units after
+        # its backward); stage 3: the program's unit index -> this rank's (it holds its chunks' units).
+        owner = self.pipeline.param_chunk() if self.pipeline is not None else {}
+        self.unit_chunks = [owner.get(u[0]) for u in self.units]
+        self._local = {g: i for i, g in enumerate(self._global_units)}
         self.unit_axes = [axis for _, axis, _ in units]
         self.unit_divisors = [div for _, _, div in units]
         self.layouts = [FlatLayout(u, {x: params[x].shape for x in u}, partial if axis == self.axis else set(),
@@ -168,14 +174,37 @@ class ZeroSync:
         if stage == 3:
             self._free_parameters()
 
-    def _units(self, gm, program) -> list[tuple[list[str], str, int | None]]:
+    def _units(self, gm, params: dict) -> list[tuple[list[str], str, int | None]]:
         """(parameter names, mesh axis, gradient divisor) per unit, in gather order under stage 3."""
-        if self.stage == 3:  # per decoder layer (support.py refuses stage 3 with experts split)
-            return [(u, self.axis, None) for u in _ordered_units(gm)]
+        self._global_units: list[int] = []
+        if self.stage == 3:  # per decoder layer, a MoE layer's experts apart (passes/zero.py)
+            held = [(g, u) for g, u in _ordered_units(gm) if u[0] in params]  # pp: this rank's chunks
+            self._global_units = [g for g, _ in held]
+            # Each unit shards over the ranks its gradient bucket reduces over: the dense axis,
+            # or for experts split over ep (or tokens over tp) the edp ranks, averaged by dp*cp.
+            bucket_of = {x: b for b in self.buckets if b.axis in (self.axis, "edp") for x in b.params}
+            out = []
+            for _, u in held:
+                b = bucket_of.get(u[0])
+                out.append((u, b.axis, b.divisor) if b is not None else (u, self.axis, None))
+            return out
         units = [(list(b.params), b.axis, b.divisor) for b in self.buckets if b.axis in (self.axis, "edp")]
         if not units:  # dp=1: the data-parallel pass made no dp bucket; one unit, one shard
-            units = [([x for x, p in gm.named_parameters() if p.requires_grad], self.axis, None)]
+            units = [([x for x, p in params.items() if p.requires_grad], self.axis, None)]
+        if self.stage == 2 and self.pipeline is not None:
+            # Each chunk's gradients are scattered after its backward: units split at chunk borders.
+            owner = self.pipeline.param_chunk()
+            units = [(names, axis, div) for u, axis, div in units for names in _split_by(u, owner)]
         return units
+
+    def chunk_shards(self, chunk: int) -> list[nn.Parameter]:
+        """Stage 3 under pp: the flat shards of pipeline chunk ``chunk``'s units (the chunk's real
+        parameters, which torch's split weight backward differentiates)."""
+        return [s for s, c in zip(self.shards, self.unit_chunks) if c == chunk] if self.stage == 3 else []
+
+    def local_unit(self, unit: int) -> int:
+        """This rank's index of the program's ZeRO-3 unit ``unit`` (``zero_gather``'s argument)."""
+        return self._local[unit]
 
     def _rank(self, unit: int) -> int:
         axis = self.unit_axes[unit]
@@ -184,8 +213,8 @@ class ZeroSync:
     # --- runtime entry points ---------------------------------------------------------
 
     @contextlib.contextmanager
-    def micro_batch(self) -> Iterator[None]:
-        """Wrap one micro-batch's forward and backward."""
+    def micro_batch(self, last: bool = False) -> Iterator[None]:
+        """Wrap one micro-batch's forward and backward (``last``: the step's last; unused)."""
         if self.stage < 3:
             yield
             self.after_backward()
@@ -200,8 +229,35 @@ class ZeroSync:
             self._live.clear()
             self._regathered.clear()
 
-    def after_backward(self) -> None:
-        """Stage 1 with mixed precision: this backward's bf16 gradients into fp32 main gradients."""
+    @contextlib.contextmanager
+    def pipeline_step(self) -> Iterator[None]:
+        """Wrap a pipelined step (every action of this rank's chunks): stage 3 gathers inside it."""
+        if self.stage < 3:
+            yield
+            return
+        with self.micro_batch():
+            yield
+
+    def after_backward(self, chunk: int | None = None, kind: str = "full") -> None:
+        """After a backward: the flat micro-batch's (``chunk`` None), or the pipeline action
+        ``kind`` of chunk ``chunk`` (``full``, ``input``, ``weight`` or torch's ``inference``).
+
+        Stage 1 with mixed precision folds the bf16 gradients into fp32 main gradients; under
+        pp stage 2 reduce-scatters the chunk's units once its weight gradients exist, and
+        stage 3 drops the chunk's re-gathered units once its weight gradients exist (an input-only
+        backward keeps them for the weight half, which reads some of them again)."""
+        if kind == "inference":  # torch's first-step shape inference: no parameter gradient made
+            self._regathered.clear()
+            return
+        if chunk is not None and self.stage == 2 and kind != "input":
+            for unit, c in enumerate(self.unit_chunks):
+                if c == chunk:
+                    self._scatter_param_grads(unit)
+        if chunk is not None and self.stage == 3 and kind != "input":
+            # The weight half of a split backward re-reads what its input half re-gathered.
+            for unit, c in enumerate(self.unit_chunks):
+                if c == chunk:
+                    self._regathered.pop(unit, None)
         if not (self.mixed and self.stage == 1):
             return
         for x, p in self.gm.named_parameters():
@@ -478,8 +534,17 @@ class ZeroSync:
         return flat.as_strided(size, stride, offset)
 
 
-def _ordered_units(gm: torch.fx.GraphModule) -> list[list[str]]:
-    """Units in the order the program gathers them (from the nodes ``passes/zero.py`` inserted)."""
+def _ordered_units(gm: torch.fx.GraphModule) -> list[tuple[int, list[str]]]:
+    """(unit index, parameter names) in the order the program gathers them (from the nodes
+    ``passes/zero.py`` inserted)."""
     nodes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is zero_gather]
     nodes.sort(key=lambda n: n.args[0])
-    return [list(n.meta[META_KEY].params) for n in nodes]
+    return [(n.args[0], list(n.meta[META_KEY].params)) for n in nodes]
+
+
+def _split_by(names: list[str], chunk_of: dict[str, int]) -> list[list[str]]:
+    """``names`` cut into runs of one pipeline chunk each, order kept."""
+    groups: dict[int | None, list[str]] = {}
+    for x in names:
+        groups.setdefault(chunk_of.get(x), []).append(x)
+    return list(groups.values())

@@ -24,8 +24,12 @@ CASES = [
      "sgd", {"num_hidden_layers": 4}),
     ("example", ["pp=2:zbv,dp=2,zero=1,mb=2", "pp=2,cp=2,mb=2", "pp=2:interleaved,vpp=2,cp=2:allgather,mb=4"], 4,
      "adamw", {"num_layers": 4}),
-    # MoE: experts split over ep inside pipeline stages, with ZeRO-2 (expert units over edp), with cp.
-    ("example_moe", ["pp=2,ep=2,dp=2,mb=2", "ep=2,dp=2,tp=2,sp,zero=2,mb=2", "ep=2,cp=2,tp=2,sp"], 4, "sgd",
+    # ZeRO-2 / 3 inside pipeline stages: per-chunk reduce-scatters, per-chunk gather units.
+    ("example", ["pp=2,dp=2,zero=2,mb=2", "pp=2:zbv,dp=2,zero=2,mb=2", "pp=2:interleaved,vpp=2,dp=2,zero=3,mb=2",
+                 "pp=2:zbv,dp=2,zero=3,mb=2"], 4, "adamw", {"num_layers": 4}),
+    # MoE: experts split over ep inside pipeline stages, with ZeRO-2/3 (expert units over edp), with cp.
+    ("example_moe", ["pp=2,ep=2,dp=2,zero=3,mb=2", "ep=2,dp=2,tp=2,sp,zero=2,mb=2", "ep=2,dp=2,tp=2,sp,zero=3",
+                     "ep=2,cp=2,tp=2,sp,zero=1"], 4, "sgd",
      {"num_layers": 4}),
     # The reference's full configuration (§6) at 8 ranks: TP+SP+PP+CP+EP+ZeRO-1, one variant on a
     # Mixtral-style model, the other (interleaved, ring) on a Qwen2-MoE-style one (shared expert).

@@ -30,6 +30,8 @@ PLANS = {
     ("hf_llama", 2): ("tp=2,sp,recompute=selective", "dp=2,recompute=full", "pp=2,mb=2,recompute=full",
                       "pp=2,mb=2,recompute=selective"),
     ("example", 4): ("pp=2,tp=2,sp,mb=2,recompute=full", "tp=2,sp,dp=2,zero=3,recompute=full"),
+    ("hf_llama", 4): ("cp=2:ring,dp=2,recompute=selective", "cp=2:allgather,dp=2,recompute=full",
+                      "cp=2:ulysses,dp=2,recompute=selective", "cp=2:ring,dp=2,recompute=full"),
 }
 CASES = [(model, world, plan) for (model, world), plans in PLANS.items() for plan in plans]
 IDS = [f"{model}-{plan}" for model, _, plan in CASES]

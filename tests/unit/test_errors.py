@@ -48,14 +48,14 @@ def test_unknown_option():
         Plan.parse("tp=2,foo")
 
 
-@pytest.mark.parametrize("plan,world,what", [
-    ("dp=2,ep=2,zero=3", 2, "zero=3 together with ep"),
-    ("pp=2,dp=2,zero=2", 4, r"pp=2 together with zero=2 \(zero=1 runs with pp\)"),
-    ("cp=2,recompute=full", 2, "recompute=full together with cp"),
+@pytest.mark.parametrize("plan,world,what,overrides", [
+    ("pp=2,dp=2,zero=2,mb=2", 4, "zero=2 with pp on a model whose LM head is tied", {"tie_embeddings": True}),
+    ("pp=2:zbv,cp=2,zero=3,mb=2", 4, r"zero=3 with the zbv schedule together with tp, cp or ep", {}),
+    ("pp=2:zbv,mb=2,recompute=full", 2, "recompute=full with the zbv schedule", {}),
 ])
-def test_dimensions_not_supported_yet(plan, world, what):
+def test_dimensions_not_supported_yet(plan, world, what, overrides):
     with pytest.raises(AutoparError, match=rf"^autopar: plan .* uses .*{what}.*not support yet"):
-        _compile("example", plan, world)
+        _compile("example", plan, world, **overrides)
 
 
 def test_parallelize_needs_a_loss():

@@ -23,8 +23,9 @@ LAYERS = {
     "autopar.passes": 3,
     "autopar.planning": 4, "autopar.views": 4,
     "autopar.runtime": 5,
-    "autopar.cli": 6,
-    "autopar": 7,  # the package's __init__: public names, imported lazily
+    "autopar.verification": 6,
+    "autopar.cli": 7,
+    "autopar": 8,  # the package's __init__: public names, imported lazily
 }
 # Modules of layer 0 form one group: plan and support may use errors (no cycle is still checked).
 BASE = {"autopar.errors", "autopar.plan", "autopar.plan_rules", "autopar.support", "autopar.compat"}

@@ -135,7 +135,6 @@ def test_mixture_of_experts_layers_are_refused():
 
 
 @pytest.mark.parametrize("plan,moe,what", [
-    ("cp=2,recompute=full", False, "recompute=full together with cp"),
     ("pp=2:zbv,mb=2,recompute=selective", False, "zbv schedule"),
     ("pp=2:dualpipev,mb=4,recompute=full", False, "dualpipev schedule"),
     ("dp=2,ep=2,recompute=full", True, "mixture-of-experts"),
@@ -145,7 +144,7 @@ def test_support_refuses_what_recompute_cannot_make_exact(plan, moe, what):
     assert any(what in m for m in missing), missing
 
 
-@pytest.mark.parametrize("plan", ["recompute=full", "tp=2,sp,dp=2,zero=3,recompute=full",
+@pytest.mark.parametrize("plan", ["recompute=full", "tp=2,sp,dp=2,zero=3,recompute=full", "cp=2:ulysses,recompute=selective",
                                   "pp=2:interleaved,vpp=2,tp=2,sp,mb=4,recompute=selective"])
 def test_support_runs_recompute_with_dp_tp_sp_zero_and_pp(plan):
     assert unsupported(Plan.parse(plan)) == []

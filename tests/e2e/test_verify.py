@@ -1,0 +1,114 @@
+"""`autopar verify`: a plan proved on a shrunk architecture, on CPU gloo processes.
+
+Each test that runs the plan starts one set of 2 ranks (autopar/verification/launch.py); the
+refusal is caught before any process starts, and the shrinking rules and the report without
+gradients are checked without processes.  The configs are tiny transformers configs written
+to tmp_path, a little larger than verify's shrunk size so that shrinking shows.
+"""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import autopar
+from autopar.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+
+def _config(tmp_path, config_cls, **fields) -> str:
+    path = tmp_path / "config.json"
+    path.write_text(config_cls(**fields).to_json_string())
+    return str(path)
+
+
+def _llama(tmp_path) -> str:
+    return _config(tmp_path, transformers.LlamaConfig, vocab_size=256, hidden_size=128, intermediate_size=256,
+                   num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64)
+
+
+def _line(out: str, prefix: str) -> str:
+    (line,) = [x for x in out.splitlines() if x.startswith(prefix)]
+    return line
+
+
+def test_qwen2_config_under_tp_sp_is_equal(tmp_path, capsys):
+    config = _config(tmp_path, transformers.Qwen2Config, vocab_size=256, hidden_size=128, intermediate_size=256,
+                     num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64)
+    assert main(["verify", "--model", config, "--plan", "tp=2,sp"]) == 0
+    out = capsys.readouterr().out
+    assert "shrunk: num_hidden_layers 4 -> 2" in out and "shrunk: vocab_size 256 -> 128" in out
+    steps = [line for line in out.splitlines() if re.match(r"\s+\d+\s", line)]
+    assert len(steps) == 3  # one line per step: reference loss, parallel loss, |diff|
+    for line in steps:
+        _, ref, got, diff = line.split()
+        assert abs(float(ref) - float(got)) <= 1e-5 and float(diff) <= 1e-5
+    assert re.search(r"worst gradient \|diff\| \(step 1\): \S+ at model\.\S+ \(bound 0\.001\)", out)
+    assert re.search(r"worst parameter \|diff\|: \S+ at model\.\S+ ", out)
+    assert _line(out, "verdict:").startswith("verdict: EQUAL - plan 'tp=2,sp' on 2 ranks")
+
+
+def test_a_corrupted_gradient_is_reported_with_its_name(tmp_path, capsys):
+    corrupted = "model.layers.1.mlp.down_proj.weight"
+    rc = main(["verify", "--model", _llama(tmp_path), "--plan", "dp=2", "--corrupt", corrupted])
+    out = capsys.readouterr().out
+    assert rc == 1, out
+    grad = _line(out, "worst gradient |diff| (step 1):")
+    assert f" at {corrupted} " in grad
+    assert float(grad.split(":")[1].split()[0]) > 1e-3  # beyond the bound, so it is what fails
+    assert f" at {corrupted} " in _line(out, "worst parameter |diff|:")
+    assert "gradient of model.layers.1.mlp.down_proj.weight doubled on rank 0" in out
+    verdict = _line(out, "verdict:")
+    assert verdict.startswith("verdict: DIFFERENT") and f"the gradient of {corrupted}" in verdict
+
+
+def test_a_refused_plan_exits_2_with_an_autopar_error(tmp_path, capsys):
+    config = _llama(tmp_path)  # 2 KV heads: tp=4 cannot split them, shrunk or not
+    assert main(["verify", "--model", config, "--plan", "tp=4", "--world", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("autopar: tp=4 does not divide the 2 KV heads") and "valid tp values are 1, 2" in err
+    with pytest.raises(autopar.AutoparError, match="needs pp\\*dp\\*cp\\*tp = 1\\*2\\*1\\*1 = 2 ranks"):
+        autopar.verify(config, "dp=2", world=3)
+    assert json.loads(open(config).read())["num_key_value_heads"] == 2  # the user's file is not touched
+
+
+@pytest.mark.parametrize("model_type, plan", [
+    ("llama", "tp=4,sp"), ("mixtral", "tp=2,ep=2,dp=2"), ("qwen2_moe", "ep=4,dp=4"), ("gemma2", "cp=2:ulysses,tp=2"),
+    ("gpt2", "tp=2,pp=2:interleaved,vpp=2,mb=2"),
+])
+def test_shrinking_keeps_what_the_plan_splits(model_type, plan):
+    """No process: the shrunk config still splits by the plan, and every change is noted."""
+    from autopar.plan import Plan
+    from autopar.verification.shrink import KEYS, shrink_config
+
+    p = Plan.parse(plan)
+    full = transformers.AutoConfig.for_model(model_type).to_dict()
+    cfg, notes = shrink_config(full, p, seq_len=16)
+    get = {f: next((cfg[k] for k in keys if cfg.get(k) is not None), None) for f, keys in KEYS.items()}
+    heads, kv = get["heads"], get["kv_heads"] or get["heads"]
+    split = p.tp * (p.cp if p.cp_variant == "ulysses" else 1)
+    assert heads % split == 0 and kv % split == 0 and heads % kv == 0 and get["vocab"] % p.tp == 0
+    assert get["layers"] == max(2, p.pp * p.num_chunks_per_rank) and heads * 16 >= get["hidden"]
+    if get["experts"]:
+        assert get["experts"] % p.ep == 0 and get["top_k"] <= get["experts"]
+    assert len(notes) >= 4 and all(" -> " in n or "dropped" in n for n in notes)
+    p.validate(num_heads=heads, num_kv_heads=kv, vocab=get["vocab"], num_experts=get["experts"] or 0,
+               num_layers=get["layers"])
+    assert full["vocab_size"] > get["vocab"]  # the input is not modified
+
+
+def test_without_sgd_the_report_says_gradients_are_not_compared():
+    import torch
+
+    from autopar.verification.compare import compare
+
+    state = {"w": torch.ones(3)}
+    ref = {"losses": [1.0], "states": [state, state], "grads": {"w": torch.zeros(3)}}
+    got = {"losses": [1.0 + 2e-5], "states": [state, {"w": torch.ones(3) + 1e-5}]}
+    result = compare(ref, got, lr=None, model="m", plan="dp=2", world=2, steps=1, batch=4, seq=16,
+                     optimizer="adamw", notes=[])
+    assert result.worst_grad_diff is None and "gradients: not compared" in result.report()
+    assert not result.ok and result.loss_diffs[0] > 1e-5 and result.worst_param_tensor == "w"
+    assert "verdict: DIFFERENT" in result.report() and "the loss of step 1" in result.verdict()
