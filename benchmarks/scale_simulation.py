@@ -11,8 +11,13 @@ for the same shapes, and the rank's parameter bytes with the cost model's parame
 (fp32, ``dtype_bytes=4``, the meta model's dtype).  The exit status is non-zero when anything
 differs.
 
-Mixture-of-experts presets are refused: routing depends on the data, and a meta-device step
-has none (price them offline with ``autopar.estimate(..., routing_imbalance=...)``).
+Mixture-of-experts presets with an MoE block in every layer and no shared experts
+(``mixtral-8x7b``) build a ``MixtralForCausalLM``.  Routing depends on the data, which a
+meta-device step has none of, so dispatch routes every rank's tokens evenly over the
+experts (balanced routing, :func:`autopar.ops.moe.balanced_counts`): the all-to-alls are
+compared with the cost model at those counts (``comm_table(expert_counts=...)``), which is
+what the model predicts for balanced routing (``routing_imbalance=1``).  Other MoE layouts
+are refused with a message.
 
 Run: ``python benchmarks/scale_simulation.py --plan PLAN [--layers L] [--rank R] [--model PRESET]
 [--seq S] [--micro-batch B]`` (progress is printed as it goes).
@@ -44,28 +49,32 @@ def _spec(model: str, layers: int | None) -> "autopar.ModelSpec":
     import dataclasses
 
     spec = autopar.ModelSpec.preset(model)
-    if spec.is_moe:
-        raise SystemExit(f"scale_simulation: {model} is a mixture-of-experts model; a meta-device step has no "
-                         "routing, so its all-to-all bytes cannot be measured. Price it with autopar.estimate "
-                         "(routing_imbalance=...) instead.")
+    if spec.is_moe and (spec.moe_layer_freq != 1 or spec.num_shared_experts or spec.first_dense_layers):
+        raise SystemExit(f"scale_simulation: {model} mixes dense and MoE layers (or has shared experts); only "
+                         "presets with an MoE block in every layer (mixtral-8x7b) are built here. Price it with "
+                         "autopar.estimate instead.")
     return dataclasses.replace(spec, num_layers=layers) if layers else spec
 
 
-def _config(spec, seq: int):
-    from transformers import LlamaConfig
+def _model(spec, seq: int):
+    """The preset as a transformers model on the current (meta) device: Llama, or Mixtral for MoE."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-    return LlamaConfig(vocab_size=spec.vocab, hidden_size=spec.hidden, intermediate_size=spec.ffn,
-                       num_hidden_layers=spec.num_layers, num_attention_heads=spec.num_heads,
-                       num_key_value_heads=spec.num_kv_heads or spec.num_heads, head_dim=spec.head_dim,
-                       max_position_embeddings=seq, tie_word_embeddings=spec.tied_embeddings,
-                       attn_implementation="sdpa")
+    common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.num_layers,
+                  num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads or spec.num_heads,
+                  head_dim=spec.head_dim, max_position_embeddings=seq, tie_word_embeddings=spec.tied_embeddings,
+                  attn_implementation="sdpa")
+    if spec.is_moe:
+        return MixtralForCausalLM(MixtralConfig(intermediate_size=spec.moe_ffn or spec.ffn,
+                                                num_local_experts=spec.num_experts,
+                                                num_experts_per_tok=spec.top_k, **common))
+    return LlamaForCausalLM(LlamaConfig(intermediate_size=spec.ffn, **common))
 
 
 def simulate(layers: int | None, plan: str, seq: int, micro_batch: int, *, rank: int = 0,
              model: str = "llama3-70b", log=print) -> dict:
     """Compile and step rank ``rank`` under a fake world; what it measured and what the cost model says."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
-    from transformers import LlamaForCausalLM
 
     p = autopar.Plan.parse(plan)
     if not 0 <= rank < p.world_size:
@@ -74,7 +83,7 @@ def simulate(layers: int | None, plan: str, seq: int, micro_batch: int, *, rank:
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p.world_size)
     try:
         with torch.device("meta"):
-            net = LlamaForCausalLM(_config(spec, seq))
+            net = _model(spec, seq)
         batch = micro_batch * p.dp * p.mb
         ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
         log(f"[1/3] compiling {spec.num_layers}-layer {model} (hidden {spec.hidden}) for '{plan}' as rank {rank} "
@@ -105,7 +114,11 @@ def measured_and_predicted(pm, cost, stage: int, seconds: float = 0.0) -> dict:
         entry[0] += r["bytes_sent"] + r["bytes_recv"]
         entry[1] += 1
     predicted = collections.defaultdict(lambda: [0.0, 0])
-    for row in cost.comm_table(stage):
+    # MoE: the token all-to-alls at the routing this rank realised (balanced on meta).
+    counts = [r["counts"] for r in pm.comm_stats() if r["phase"] == "fwd" and r["counts"] is not None
+              and r["tag"].startswith("MoE dispatch")]
+    ep_rank = pm.coords().get("ep", (0, 1))[0]
+    for row in cost.comm_table(stage, expert_counts=counts or None, ep_rank=ep_rank):
         entry = predicted[(row.phase, row.collective, row.axis)]
         entry[0] += (row.bytes_sent + row.bytes_recv) * row.count
         entry[1] += row.count
@@ -146,7 +159,8 @@ def main(argv=None) -> int:
     ap.add_argument("--plan", default="tp=8,sp,dp=16")
     ap.add_argument("--layers", type=int, default=None, help="depth (default: the preset's)")
     ap.add_argument("--rank", type=int, default=0, help="the rank to compile (its pipeline stage)")
-    ap.add_argument("--model", default="llama3-70b", help="a dense autopar.ModelSpec preset")
+    ap.add_argument("--model", default="llama3-70b",
+                    help="an autopar.ModelSpec preset (dense, or MoE in every layer: balanced routing)")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--micro-batch", type=int, default=1)
     args = ap.parse_args(argv)

@@ -19,6 +19,10 @@ which the cost model predicts its bytes exactly (``autopar.cost.routed_all_to_al
 Experts are stored with rank ``r`` of the ``ep`` axis owning experts
 ``[r * E/ep, (r + 1) * E/ep)``: stacked ``[E, ...]`` parameters are sharded along dim 0,
 a ModuleList expert's parameters live whole on their owner (``ParamShard.owner``).
+
+On the meta device (the scale simulation of ``benchmarks/scale_simulation.py``) routing has
+no values: dispatch then routes every rank's pairs evenly over the experts
+(:func:`balanced_counts`), and the records carry those counts.
 """
 from __future__ import annotations
 
@@ -103,6 +107,8 @@ def moe_dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int, axis: str
     the token continues on the residual stream only (a semantic change; default dropless).
     """
     num_tokens, top_k = idx.shape
+    if x.is_meta:
+        return _balanced_dispatch(x, idx, num_experts, axis, capacity_factor)
     flat = idx.reshape(-1)
     sorted_experts, order = torch.sort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
@@ -128,6 +134,45 @@ def moe_dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int, axis: str
     expert_of_row = torch.arange(num_local, device=x.device).repeat(ep).repeat_interleave(recv_counts.reshape(-1))
     regroup_t = torch.sort(expert_of_row, stable=True).indices
     local_counts = recv_counts.sum(0).tolist()
+    routing = Routing(order, num_tokens, top_k, local_counts, send_splits, recv_splits, regroup_t, info)
+    return tokens[regroup_t], routing
+
+
+def balanced_counts(num_pairs: int, num_experts: int, capacity: int | None = None) -> list[int]:
+    """Balanced routing: ``num_pairs`` (token, slot) pairs spread evenly over the experts
+    (the first ``num_pairs % E`` experts take one more), each capped at ``capacity``."""
+    base, extra = divmod(num_pairs, num_experts)
+    counts = [base + (e < extra) for e in range(num_experts)]
+    return [min(c, capacity) for c in counts] if capacity is not None else counts
+
+
+def _balanced_dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int, axis: str,
+                       capacity_factor: float | None) -> tuple:
+    """``moe_dispatch`` on the meta device (scale simulation), where routing has no values:
+    every rank routes its pairs evenly (:func:`balanced_counts`), so the counts every rank
+    sends and receives are known without the data; the collectives still run and record."""
+    num_tokens, top_k = idx.shape
+    pairs = num_tokens * top_k
+    capacity = math.ceil(capacity_factor * pairs / num_experts) if capacity_factor is not None else None
+    counts = balanced_counts(pairs, num_experts, capacity)
+    kept = sum(counts)
+    order = torch.empty(kept, dtype=torch.long, device=x.device)
+    rows = x[order // top_k]  # as the real dispatch gathers them: backward reaches x
+    g = _ep_group(axis)
+    if g is None:
+        return rows, Routing(order, num_tokens, top_k, counts)
+    ep, num_local = g.size, num_experts // g.size
+    send_counts = torch.empty(ep, num_local, dtype=torch.long, device=x.device)
+    _all_to_all(send_counts, [1] * ep, [1] * ep, axis, "fwd", "MoE dispatch: token counts per expert", None)
+    mine = counts[g.rank * num_local:(g.rank + 1) * num_local]
+    table = [list(mine) for _ in range(ep)]  # [source rank][local expert]: every rank routes alike
+    send_splits = [sum(counts[j * num_local:(j + 1) * num_local]) for j in range(ep)]
+    recv_splits = [sum(r) for r in table]
+    info = (tuple(counts), tuple(tuple(r) for r in table))
+    tokens = _TokenAllToAll.apply(rows, send_splits, recv_splits, axis, "MoE dispatch: tokens to expert owners",
+                                  info)
+    regroup_t = torch.empty(sum(recv_splits), dtype=torch.long, device=x.device)
+    local_counts = [sum(col) for col in zip(*table)]
     routing = Routing(order, num_tokens, top_k, local_counts, send_splits, recv_splits, regroup_t, info)
     return tokens[regroup_t], routing
 

@@ -77,12 +77,8 @@ class ParallelModule:
         if any(p.is_meta for p in model.parameters()):
             # Scale simulation: a full-size model on the meta device (with a fake process
             # group) compiles and steps without memory; comm_stats() still counts bytes.
+            # MoE blocks route evenly there (no values to route by: autopar.ops.moe.balanced_counts).
             self.device = torch.device("meta")
-            if program.expert_params:
-                raise AutoparError(
-                    "autopar: the model has mixture-of-experts blocks and its parameters are on the meta device; "
-                    "token routing depends on the data, so a MoE step cannot run without values. Materialise the "
-                    "model, or price the plan offline with autopar.estimate (routing_imbalance=...).")
         self.executor = (PipelineExecutor if plan.pp > 1 else FlatExecutor)(self.gm, program, plan)
         self._aliases = _original_names(model, self.gm)
         self._full_meta = {name: (tuple(p.shape), p.dtype) for name, p in self.gm.named_parameters()}
