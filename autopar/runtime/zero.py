@@ -24,7 +24,8 @@ Stages (bytes recorded by :func:`autopar.ops.collectives.record`, phases as in t
     full gradients freed (accumulation happens in the shards); partial gradients are summed
     over their axis once per step on the ``B`` shards (sum and scatter commute);
   * 3: parameters live only as shards; the graph calls :func:`zero_gather` per unit, which
-    all-gathers before first use (phase ``fwd``); saved-tensor hooks keep no gathered
+    all-gathers before first use (phase ``fwd``; the chunk's next unit is prefetched, its
+    gather started then and waited for at its own first use); saved-tensor hooks keep no gathered
     parameter for backward but re-gather the unit when backward first needs it (phase
     ``bwd``) and drop it when the unit's gradient is reduce-scattered (phase ``grad``), once
     per unit and micro-batch.
@@ -44,7 +45,6 @@ must be recorded with its bytes; ``ZeroRedundancyOptimizer`` shards whole parame
 from __future__ import annotations
 
 import contextlib
-import math
 import weakref
 from typing import Iterator
 
@@ -58,71 +58,10 @@ from autopar.ops import collectives as C
 from autopar.ops.step import activate, current, observe_saved
 from autopar.ops.zero_gather import zero_gather
 from autopar.passes.context import META_KEY
+from autopar.runtime.flat_layout import FlatLayout
 
-__all__ = ["ZeroSync", "FlatLayout"]
+__all__ = ["ZeroSync", "FlatLayout"]  # FlatLayout: autopar.runtime.flat_layout
 _HANDLE = object()  # marks a packed saved tensor that is a view of a gathered unit
-
-
-class FlatLayout:
-    """Where each parameter of a unit sits in the flat ``[A | B]`` buffer and in the shards."""
-
-    def __init__(self, names: list[str], shapes: dict[str, torch.Size], partial: set[str], n: int):
-        self.names = list(names)
-        self.a_names = [x for x in names if x not in partial]
-        self.b_names = [x for x in names if x in partial]
-        self.shapes = {x: shapes[x] for x in names}
-        self.n = n
-        self.na = sum(math.prod(self.shapes[x]) for x in self.a_names)
-        self.nb = sum(math.prod(self.shapes[x]) for x in self.b_names)
-        self.sa = -(-self.na // n)
-        self.sb = -(-self.nb // n)
-        self.offsets: dict[str, int] = {}
-        offset = 0
-        for x in self.a_names + self.b_names:
-            self.offsets[x] = offset
-            offset += math.prod(self.shapes[x])
-
-    @property
-    def shard_numel(self) -> int:
-        return self.sa + self.sb
-
-    @property
-    def numel(self) -> int:
-        return self.na + self.nb
-
-    def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``[A | B]`` (unpadded) from per-parameter tensors."""
-        return torch.cat([tensors[x].reshape(-1) for x in self.a_names + self.b_names])
-
-    def rank_major(self, flat: torch.Tensor) -> torch.Tensor:
-        """``[A | B]`` -> the padded buffer ``[A_0 B_0 | A_1 B_1 | ...]`` of ``n * shard`` elements."""
-        a = nn.functional.pad(flat[:self.na], (0, self.n * self.sa - self.na)).view(self.n, self.sa)
-        b = nn.functional.pad(flat[self.na:], (0, self.n * self.sb - self.nb)).view(self.n, self.sb)
-        return torch.cat([a, b], dim=1).reshape(-1)
-
-    def from_rank_major(self, buf: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`rank_major`: the unpadded ``[A | B]``."""
-        rows = buf.view(self.n, self.sa + self.sb)
-        if self.sb == 0:
-            return buf[:self.na]
-        return torch.cat([rows[:, :self.sa].reshape(-1)[:self.na], rows[:, self.sa:].reshape(-1)[:self.nb]])
-
-    def shard_segments(self, rank: int) -> list[tuple[str, int, int]]:
-        """``(name, start, stop)``: the pieces of each parameter inside rank ``rank``'s shard
-        ``[A_r | B_r]`` (offsets into the shard; padding belongs to no parameter)."""
-        out = []
-        for names, base, size, shard_off in ((self.a_names, 0, self.sa, 0), (self.b_names, self.na, self.sb, self.sa)):
-            lo, hi = rank * size, (rank + 1) * size  # this rank's window of the segment
-            for x in names:
-                start = self.offsets[x] - base
-                stop = start + math.prod(self.shapes[x])
-                a, b = max(start, lo), min(stop, hi)
-                if a < b:
-                    out.append((x, shard_off + a - lo, shard_off + b - lo))
-        return out
-
-    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {x: flat[o:o + math.prod(self.shapes[x])].view(self.shapes[x]) for x, o in self.offsets.items()}
 
 
 class ZeroSync:
@@ -171,6 +110,7 @@ class ZeroSync:
         self.optimizer = make_optimizer(self.shards)
         self._live: dict[int, tuple] = {}
         self._regathered: dict[int, torch.Tensor] = {}
+        self._prefetched: dict[int, tuple] = {}  # unit -> its forward all-gather in flight
         if stage == 3:
             self._free_parameters()
 
@@ -228,6 +168,7 @@ class ZeroSync:
         finally:
             self._live.clear()
             self._regathered.clear()
+            self._drain_prefetched()
 
     @contextlib.contextmanager
     def pipeline_step(self) -> Iterator[None]:
@@ -293,6 +234,7 @@ class ZeroSync:
                 yield
         finally:
             self._live.clear()
+            self._drain_prefetched()
 
     def grad_square_sum(self, weights: dict[str, float], device: torch.device) -> torch.Tensor:
         """Sum of ``weights[name] * dp * grad^2`` over the elements of this rank's shards: each
@@ -398,8 +340,22 @@ class ZeroSync:
     # --- the program's zero_gather (autopar/ops/zero_gather.py) --------------------------
 
     def gather_for_forward(self, unit: int, shard: torch.Tensor) -> torch.Tensor:
-        """The unit's full flat buffer, gathered in forward and tracked for saved-tensor packing."""
-        flat = self._all_gather(unit, shard, "fwd")
+        """The unit's full flat buffer, gathered in forward and tracked for saved-tensor packing.
+
+        The next unit of the same chunk is prefetched: its all-gather starts now and runs while
+        this unit's layer computes (at most two gathered units live, the cost model's double
+        buffer); the bytes and calls are the same, recorded when each gather starts."""
+        pending = self._prefetched.pop(unit, None)
+        if pending is not None:
+            buf, work, _src = pending
+            work.wait()
+            flat = self.layouts[unit].from_rank_major(buf)
+        else:
+            flat = self._all_gather(unit, shard, "fwd")
+        nxt = unit + 1
+        if (nxt < len(self.units) and self.unit_chunks[nxt] == self.unit_chunks[unit]
+                and self.layouts[nxt].n > 1 and not shard.is_meta):
+            self._prefetched[nxt] = self._start_gather(nxt, self.shards[nxt], "fwd", async_op=True)
         # A fresh tensor, not a view: saved-tensor packing finds gathered parameters by their base.
         return flat if tensor_base(flat) is flat else flat.clone()
 
@@ -417,15 +373,28 @@ class ZeroSync:
     def _all_gather(self, unit: int, shard: torch.Tensor, phase: str | None, dtype=None) -> torch.Tensor:
         """The unit's ``[A | B]`` in the parameters' dtype (or ``dtype``); ``phase=None`` does not record."""
         lay = self.layouts[unit]
+        if lay.n == 1:
+            return lay.from_rank_major(shard.detach().to(dtype or self.dtypes[unit]).contiguous().clone())
+        buf, _, _ = self._start_gather(unit, shard, phase, dtype=dtype)
+        return lay.from_rank_major(buf)
+
+    def _start_gather(self, unit: int, shard: torch.Tensor, phase: str | None, dtype=None, async_op=False):
+        """Start (``async_op``) or run the all-gather of the unit's shards: ``(rank-major buffer,
+        work or None, source)``; the source must stay alive until the work is waited for."""
+        lay = self.layouts[unit]
         src = shard.detach().to(dtype or self.dtypes[unit]).contiguous()
         axis = self.unit_axes[unit]
-        if lay.n == 1:
-            return lay.from_rank_major(src.clone())
         if phase is not None:
             C.record("all_gather", axis, src, phase, f"ZeRO unit {unit} ({len(lay.names)} tensors)")
         buf = torch.empty(lay.n * lay.shard_numel, dtype=src.dtype, device=src.device)
-        dist.all_gather_single(buf, src, group=self.groups[axis].group)
-        return lay.from_rank_major(buf)
+        work = dist.all_gather_single(buf, src, group=self.groups[axis].group, async_op=async_op)
+        return buf, work, src
+
+    def _drain_prefetched(self) -> None:
+        """Wait for gathers started but not used (a forward that stopped early), and drop them."""
+        for _, work, _ in self._prefetched.values():
+            work.wait()
+        self._prefetched.clear()
 
     def _reduce_scatter(self, unit: int, flat_grad: torch.Tensor) -> torch.Tensor:
         """Average the unit's full ``[A | B]`` gradient over dp; returns this rank's fp32 shard."""

@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from autopar.runtime.zero import FlatLayout
+from autopar.runtime.flat_layout import FlatLayout
 from tests.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
 from tests.jobs import build
 from tests.zero_jobs import SEQ, VOCAB
