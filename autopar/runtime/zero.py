@@ -140,7 +140,11 @@ class ZeroSync:
     def chunk_shards(self, chunk: int) -> list[nn.Parameter]:
         """Stage 3 under pp: the flat shards of pipeline chunk ``chunk``'s units (the chunk's real
         parameters, which torch's split weight backward differentiates)."""
-        return [s for s, c in zip(self.shards, self.unit_chunks) if c == chunk] if self.stage == 3 else []
+        return [self.shards[unit] for unit in self._chunk_units(chunk)] if self.stage == 3 else []
+
+    def _chunk_units(self, chunk: int) -> list[int]:
+        """This rank's units that belong to pipeline chunk ``chunk``."""
+        return [unit for unit, c in enumerate(self.unit_chunks) if c == chunk]
 
     def local_unit(self, unit: int) -> int:
         """This rank's index of the program's ZeRO-3 unit ``unit`` (``zero_gather``'s argument)."""
@@ -191,14 +195,12 @@ class ZeroSync:
             self._regathered.clear()
             return
         if chunk is not None and self.stage == 2 and kind != "input":
-            for unit, c in enumerate(self.unit_chunks):
-                if c == chunk:
-                    self._scatter_param_grads(unit)
+            for unit in self._chunk_units(chunk):
+                self._scatter_param_grads(unit)
         if chunk is not None and self.stage == 3 and kind != "input":
             # The weight half of a split backward re-reads what its input half re-gathered.
-            for unit, c in enumerate(self.unit_chunks):
-                if c == chunk:
-                    self._regathered.pop(unit, None)
+            for unit in self._chunk_units(chunk):
+                self._regathered.pop(unit, None)
         if not (self.mixed and self.stage == 1):
             return
         for x, p in self.gm.named_parameters():
