@@ -10,7 +10,9 @@ Layer structure seen by the rows, per stage (``l_d`` dense and ``l_e`` MoE layer
   * TP without SP: all-reduce after o_proj / down_proj and the vocab-parallel embedding
     (forward), and at the entry of q/k/v, gate/up and the LM head (backward);
   * TP with SP: all-gather before each column group and the head, reduce-scatter after
-    each row-parallel projection and the embedding, and their duals in backward;
+    each row-parallel projection and the embedding, and their duals in backward; the GEMMs
+    save the sequence shard and backward all-gathers it again (but inside a fully
+    recomputed layer, whose recomputation gathers anyway);
     norms (and MoE routers / shared experts) get a per-step tp all-reduce of gradients;
   * MoE blocks run on the rank's 1/tp slice of the tokens with whole experts (expert
     tensor parallelism 1, as in the reference): with SP there is no TP collective around
@@ -235,6 +237,11 @@ def _tensor_parallel_rows() -> list[RowSpec]:
         "reduce-scatter of grads, dual of the forward all-gathers, [b, s, h]")
     add("bwd", "sp", "all_gather", "tp", tp, _ag(A / tp, tp), SP * (2 * ld + le + FIRST), True,
         "all-gather of grads, dual of the forward reduce-scatters, shard [b, s/tp, h]")
+    # The GEMMs after each forward all-gather saved its shard (autopar/ops/regather.py); inside a
+    # fully recomputed layer they save the recomputed gather instead.
+    add("bwd", "sp", "all_gather", "tp", tp, _ag(A / tp, tp), SP * ((1 - RFULL) * (2 * ld + le) + LAST), True,
+        "re-gather of the saved sequence shard for the q/k/v, gate/up and LM-head weight gradients, "
+        "shard [b, s/tp, h]")
     # Full recompute runs each layer's forward again in backward, but for its trailing collective
     # (after down_proj or the MoE block), which passes/recompute.py leaves outside the region.
     add("bwd", "tp", "all_reduce", "tp", tp, _ar(A, tp), RFULL * nsp * (ld + le), True,

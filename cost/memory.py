@@ -25,8 +25,8 @@ expand + reshape, no dropout; checked tensor by tensor against ``ParallelModule.
                                          normalising mul save -- the input itself when
                                          w = 4 --, the normalised input cast to w that the
                                          weight's mul saves, and the fp32 rstd)
-  GEMM input 2*T*h*w                   (q/k/v and gate/up inputs: under SP the all-gathered
-                                        tensor, which the runtime keeps for backward)
+  GEMM input 2*T_sp*h*w                (q/k/v and gate/up inputs: under SP the sequence shard,
+                                        which backward all-gathers again, autopar/ops/regather.py)
   attention  T*(a + 2*g_s)*d*w/tp      (q, k, v as flash attention sees them; g_s = a when the
                                         model's expand + reshape copies K and V to all heads,
                                         i.e. when the rank holds g/tp >= 2 KV heads and cp = 1
@@ -47,7 +47,7 @@ only each layer's input T_sp*h*w, plus one layer's activations while it recomput
 (passes/recompute.py cuts these regions; ParallelModule.memory_report measures both parts).
 Outside the layers, for one micro-batch: the first stage keeps the int64 token ids its
 embedding saves (8*T); the last stage the final norm (as above), the LM head's input
-(T*h*w, all-gathered under SP) and the loss buffers: fp32 log-softmax of the logits (a loss
+(T_sp*h*w: the shard under SP, re-gathered in backward) and the loss buffers: fp32 log-softmax of the logits (a loss
 on upcast logits; under TP the fp32 ``exp`` of the vocabulary-parallel cross-entropy)
 T*V/tp*4 and the int64 target 8*T (not modelled: the vocabulary-parallel loss's 6*T bytes of per-token sums and masks,
 RoPE cos/sin tables, a materialised attention mask).
@@ -94,10 +94,10 @@ def derived_layer_bytes():
     T = b * s / cp
     t_sp = T * (1 - SP + SP / tp)
     norms = 2 * _norm_bytes(t_sp)
-    # Inputs of the q/k/v and gate/up groups: the all-gathered [T, h] under SP (the runtime keeps
-    # it; nothing is re-gathered in backward). A MoE block reads the rank's token slice.
-    linear_in_dense = 2 * T * h * w
-    linear_in_moe = T * h * w + (T / tp) * h * w
+    # Inputs of the q/k/v and gate/up groups: under SP the sequence shard, all-gathered again in
+    # backward (autopar/ops/regather.py). A MoE block reads the rank's token slice.
+    linear_in_dense = 2 * t_sp * h * w
+    linear_in_moe = t_sp * h * w + (T / tp) * h * w
     # GQA's expand + reshape copies K and V to all local heads unless the rank holds one KV
     # head (then the reshape is a view); CP attention takes K, V at their own head count.
     kv_heads = g + (a - g) * _at_least_two(g / tp) * (1 - _at_least_two(cp))
@@ -132,9 +132,9 @@ def derived_outside_bytes():
     T = b * s / cp
     t_sp = T * (1 - SP + SP / tp)
     token_ids = 8 * T                                  # int64 ids saved by the embedding
-    # Final norm, LM-head input (all-gathered under SP), fp32 log-softmax (or the
+    # Final norm, LM-head input (its sequence shard under SP), fp32 log-softmax (or the
     # vocabulary-parallel loss's exp) and the int64 target.
-    head = _norm_bytes(t_sp) + T * h * w + T * V / tp * 4 + 8 * T
+    head = _norm_bytes(t_sp) + t_sp * h * w + T * V / tp * 4 + 8 * T
     return token_ids, head
 
 

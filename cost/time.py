@@ -47,7 +47,7 @@ __all__ = ["CALIBRATED", "TPOV", "DPV", "efficiency", "compute_terms", "row_time
 # Fitted to calibration.md sets A, B, C (calibration.py; docs/cost-model.md has the table).
 # eta_max is per GPU (hardware.GPU_PRESETS' gemm_efficiency, 0.75 on A100 and H100 alike);
 # a value here overrides it. kappa = 1 puts the efficiency knee at the roofline's.
-CALIBRATED = dict(eta_max=None, kappa=1.0, epsilon=0.8, phi=0.8)
+CALIBRATED = dict(eta_max=None, kappa=1.0, epsilon=0.9, phi=0.8)
 
 TPOV = sp.Symbol("tp_overlap", nonnegative=True)  # 1 if TP communication overlaps compute
 DPV = sp.Symbol("dualpipe", nonnegative=True)     # 1 under the dualpipev schedule

@@ -18,6 +18,7 @@ from autopar.frontend.analyze import analyze
 from autopar.frontend.trace import trace_model
 from autopar.plan import Plan, check_micro_batches
 from autopar.support import check_supported, moe_needs_rewrite
+from .causal_mask import causal_mask_pass
 from .cleanup import cleanup_pass
 from .context import PassInputs
 from .runner import default_passes, run_passes
@@ -44,8 +45,9 @@ def compile_program(model, example_inputs: Sequence[Any], example_kwargs: dict |
                         seq_symbol=traced.seq_symbol, batch_symbol=traced.batch_symbol,
                         num_inputs=traced.num_inputs, bucket_bytes=bucket_bytes,
                         pipeline_split=tuple(pipeline_split) if pipeline_split is not None else None)
-    # Cleanup first, so the structure found next refers to the graph the passes rewrite.
-    cleaned = run_passes(traced.gm, inputs, [cleanup_pass])
+    # Cleanup first, so the structure found next refers to the graph the passes rewrite; then
+    # in-graph causal masks become is_causal (no s x s mask saved per layer).
+    cleaned = run_passes(traced.gm, inputs, [cleanup_pass, causal_mask_pass])
     structure = analyze(traced.gm)
     _validate(plan, structure, world_size)
     program = run_passes(traced.gm, dataclasses.replace(inputs, structure=structure), default_passes(plan, traced.gm))

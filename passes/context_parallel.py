@@ -38,6 +38,7 @@ from autopar.compat import sym_expr, sym_hint
 from autopar.ops import cp_attention as CPA
 from autopar.errors import AutoparError
 from autopar.plan import ulysses_heads_ok
+from .causal_mask import is_causal_mask
 from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult, provenance
 from .gradient_placement import requires_grad_nodes
 from .rules import R, RuleContext
@@ -83,57 +84,6 @@ def _strip_gqa(node: Node) -> tuple[Node, int]:
     if not isinstance(groups, int) or groups < 1:
         return node, 1
     return _skip_slices(u.args[0]), groups
-
-
-def _evaluate(node: Node, sizes: dict[str, int], memo: dict):
-    """Evaluate ``node`` from the batch/sequence sizes alone; None if it depends on data."""
-    if node in memo:
-        return memo[node]
-    if node.op != "call_function":
-        memo[node] = None
-        return None
-    if node.target is torch.ops.aten.sym_size.int:
-        val = node.meta.get("val")
-        expr = sym_expr(val)
-        memo[node] = sizes.get(str(expr)) if expr is not None else None
-        return memo[node]
-    bad = []
-
-    def arg(a):
-        if isinstance(a, Node):
-            v = _evaluate(a, sizes, memo)
-            if v is None:
-                bad.append(a)
-            return v
-        if isinstance(a, (list, tuple)):
-            return type(a)(arg(x) for x in a)
-        return a
-
-    args = arg(node.args)
-    kwargs = {k: arg(v) for k, v in node.kwargs.items()}
-    if str(kwargs.get("device")) == "meta":  # a model traced on meta (scale simulation): evaluate on the CPU
-        kwargs["device"] = torch.device("cpu")
-    memo[node] = None if bad else node.target(*args, **kwargs)
-    return memo[node]
-
-
-def _is_causal_mask(mask: Node, ctx: PassContext) -> bool:
-    """True when ``mask`` depends only on sizes and equals the lower-triangular causal mask."""
-    batch, seq = str(ctx.batch_symbol), str(ctx.seq_symbol)
-    for b, s in ((2, 6), (3, 9)):
-        try:
-            value = _evaluate(mask, {batch: b, seq: s}, {})
-        except Exception:
-            return False
-        if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-2:] != (s, s):
-            return False
-        allowed = value if value.dtype == torch.bool else value == 0
-        if value.dtype != torch.bool and not bool((value[~allowed] < -1e30).all()):
-            return False
-        tril = torch.ones(s, s, dtype=torch.bool).tril()
-        if not bool((allowed == tril).all()):
-            return False
-    return True
 
 
 def _check_ulysses(plan, ctx: PassContext) -> None:
@@ -229,7 +179,7 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         mask = bound.get("attn_mask")
         causal = bool(bound.get("is_causal", False))
         if mask is not None:
-            if not _is_causal_mask(mask, ctx):
+            if not is_causal_mask(mask, ctx):
                 raise AutoparError(
                     f"autopar: context parallelism supports causal attention (is_causal=True or an in-graph "
                     f"causal mask); the mask of {_where(node)} depends on input data (e.g. a padding "

@@ -104,6 +104,8 @@ def _combine(node: Node, found: set, forward: Any, rc: RuleContext):
 def _retarget(node: Node, target, reason: str) -> None:
     if node.target is not target:
         node.target = target
+        if target is C.gather_replicated:  # its backward needs no input: nothing to re-gather
+            node.kwargs = {}
         rename_node(node, target.__name__)
         meta = node.meta.get(META_KEY)
         if meta is not None:

@@ -113,7 +113,15 @@ def _spec(structure):
     from autopar.cost.spec import ModelSpec
     from autopar.frontend.analyze import structure_dims
 
-    return ModelSpec(name="traced", **structure_dims(structure))
+    dims = structure_dims(structure)
+    if not dims["num_heads"]:
+        # No SDPA op was found (eager attention: Gemma 2's soft-capped scores, BERT's encoder). The
+        # placement only weighs the head against a layer, whose projections cost the same with the
+        # hidden width as one head; the s^2 attention term is then left out of the balance.
+        dims.update(num_heads=1, num_kv_heads=1, head_dim=dims["hidden"])
+    if not dims["ffn"]:  # no MLP region recognised (BERT's is split over two modules): GPT's 4h
+        dims["ffn"] = 4 * dims["hidden"]
+    return ModelSpec(name="traced", **dims)
 
 
 def chunk_layer_counts(structure, plan, seq_len: int, split: Sequence[int] | None = None) -> list[int]:

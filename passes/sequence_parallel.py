@@ -9,8 +9,10 @@ TP pass created:
 - each all-reduce after a row-parallel projection or the vocabulary-parallel embedding
   becomes a ``reduce_scatter`` along the sequence dim (backward: all-gather).
 
-The communication volume equals TP's all-reduce; activation memory outside the regions
-drops by ``tp``.  Shard propagation (``passes/shard_propagation.py``) then places every op
+Each all-gather keeps its sequence shard for backward and all-gathers it again there
+(``regather``, :mod:`autopar.ops.regather`; Korthikanti et al.): the GEMMs after it save
+``1/tp`` of their input, for one more all-gather per gather in backward.  The forward
+volume equals TP's all-reduce; activation memory outside the regions drops by ``tp``.  Shard propagation (``passes/shard_propagation.py``) then places every op
 in between on sequence shards, and marks replicated weights used there (the norms) as
 having partial gradients, which the DP pass sums over ``tp``.
 """
@@ -62,6 +64,8 @@ def sequence_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         x = node.args[0]
         node.target = new_target
         node.args = (x, _seq_dim(x, ctx), AXIS, node.args[2])
+        if new_target is C.all_gather:  # backward all-gathers the saved shard again (ops/regather.py)
+            node.kwargs = {"regather": True}
         rename_node(node, new_target.__name__)
         provenance(node, _PASS, AXIS, f"{reason}: {meta.reason}", role=role)
         result.num_rewritten += 1

@@ -190,8 +190,19 @@ def slice_rule(node: Node, pls: list, rc: RuleContext):
         isinstance(end, int) and _expr(shape_of(node.args[0])[dim]) == end)
     if start in (0, None) and full_end and step == 1:
         return pl
+    blocks = node.args[0].meta.get("autopar_blocks")
+    if blocks and step == 1:  # one part of a fused projection sharded block by block (Phi-3's qkv)
+        edges = [sum(blocks[:i]) for i in range(len(blocks) + 1)]
+        lo = start or 0
+        hi = edges[-1] if full_end else end
+        if lo in edges and hi in edges and edges.index(hi) == edges.index(lo) + 1:
+            args = list(node.args) + [None] * (4 - len(node.args))
+            args[2], args[3] = rc.local_size(node, lo), rc.local_size(node, hi)
+            node.args = tuple(args[:4]) + tuple(node.args[4:])
+            return pl
     raise rc.fail(node, f"slices the sharded dim {dim}",
-                  "Slicing along a sharded dim is only supported when it keeps the whole dim.")
+                  "Slicing along a sharded dim is only supported when it keeps the whole dim, or takes one "
+                  "whole part of a fused projection that the TP pass sharded part by part.")
 
 
 @register(aten.select.int)

@@ -26,6 +26,7 @@ __all__ = [
     "hf_qwen_moe",
     "hf_gemma2",
     "hf_opt",
+    "hf_phi3",
     "lm_loss",
     "make_batch",
     "MODELS",
@@ -150,6 +151,15 @@ def hf_opt(seed: int = 0, **overrides):
         attn_implementation="sdpa"), overrides)
 
 
+def hf_phi3(seed: int = 0, **overrides):
+    """A tiny ``transformers.Phi3ForCausalLM``: fused qkv cut by slicing (``qkv[..., :q]``), fused
+    gate_up cut by ``chunk`` (vocab 128, hidden 64, 2 layers, 4 heads, 2 KV heads)."""
+    return _hf("Phi3Config", "Phi3ForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, attn_implementation="sdpa"), overrides)
+
+
 MODELS = {
     "example": (example_model, lm_loss, {}),
     "example_tied": (_example_tied, lm_loss, {}),
@@ -161,4 +171,5 @@ MODELS = {
     "hf_qwen_moe": (hf_qwen_moe, hf_loss, {"use_cache": False}),
     "hf_gemma2": (hf_gemma2, hf_loss, {"use_cache": False}),
     "hf_opt": (hf_opt, hf_loss, {"use_cache": False}),
+    "hf_phi3": (hf_phi3, hf_loss, {"use_cache": False}),
 }

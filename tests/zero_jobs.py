@@ -14,9 +14,10 @@ from tests.jobs import SEQ, VOCAB, build
 
 __all__ = ["zero_train_job", "zero_state_job", "outside_step_job", "memory_job", "SEQ", "VOCAB"]
 
-def _parallelize(model_name: str, plan: str, opt_name: str, overrides: dict, batch: int, num_batches: int = 3):
+def _parallelize(model_name: str, plan: str, opt_name: str, overrides: dict, batch: int, num_batches: int = 3,
+                 seq: int = SEQ):
     model, loss_fn, kwargs = build(model_name, overrides)
-    batches = make_batches(VOCAB, batch, SEQ, num_batches, seed=1)
+    batches = make_batches(VOCAB, batch, seq, num_batches, seed=1)
     pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
                              loss_fn=loss_fn, optimizer=OPTIMIZERS[opt_name])
     return pm, batches
@@ -59,9 +60,14 @@ def outside_step_job(model_name: str):
     return ""
 
 
-def memory_job(model_name: str, plan: str, batch: int):
+def memory_job(model_name: str, plan: str, batch: int, overrides: dict | None = None, seq: int = SEQ):
     """``memory_report()`` after the second AdamW step (optimizer state exists from the first)."""
-    pm, batches = _parallelize(model_name, plan, "adamw", {}, batch)
+    pm, batches = _parallelize(model_name, plan, "adamw", overrides or {}, batch, seq=seq)
     pm.train_step(*batches[0])
     pm.train_step(*batches[1])
     return pm.memory_report()
+
+
+def memory_plans_job(model_name: str, plans: list[str], batch: int, overrides: dict, seq: int):
+    """``memory_job`` for each plan in turn, on the same ranks."""
+    return [memory_job(model_name, plan, batch, overrides, seq) for plan in plans]

@@ -161,6 +161,8 @@ def _split_sizes(linear: Node) -> list[int] | None:
     """Sizes of the parts if ``linear``'s output is split on its last dim (fused projection)."""
     last = reshape_chain(linear)[-1]
     users = list(last.users)
+    if users and all(u.target is aten.slice.Tensor for u in users):
+        return _slice_sizes(last, users)
     if len(users) != 1 or users[0].target not in _SPLIT_OPS:
         return None
     split = users[0]
@@ -175,6 +177,28 @@ def _split_sizes(linear: Node) -> list[int] | None:
         return [width // int(split.args[1])] * int(split.args[1])
     size = int(split.args[1])
     return [size] * (width // size)
+
+
+def _slice_sizes(last: Node, slices: list[Node]) -> list[int] | None:
+    """Sizes of the parts when ``slices`` cut the last dim of ``last`` into consecutive pieces
+    that cover it exactly (Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ``qkv[..., q + kv:]``)."""
+    val = last.meta["val"]
+    ndim, width = val.dim(), int(val.shape[-1])
+    ranges = []
+    for sl in slices:
+        given = list(sl.args[1:5])
+        dim, start, end, step = given + [0, 0, None, 1][len(given):]
+        if not isinstance(dim, int) or dim % ndim != ndim - 1 or step != 1:
+            return None
+        start, end = start or 0, width if end is None else end
+        if not isinstance(start, int) or not isinstance(end, int):
+            return None
+        ranges.append((start, min(end, width)))
+    ranges.sort()
+    edges = [0] + [end for _, end in ranges]
+    if len(ranges) < 2 or any(start != edges[i] for i, (start, _) in enumerate(ranges)) or edges[-1] != width:
+        return None
+    return [end - start for start, end in ranges]
 
 
 def _attention_dims(op: Node) -> tuple[int, int, int]:

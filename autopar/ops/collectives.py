@@ -208,9 +208,22 @@ class _RegionEntry(torch.autograd.Function):
         return _reduce(grad, ctx.axis, "bwd", ctx.tag), None, None
 
 
-def all_gather(x: torch.Tensor, dim: int, axis: str, tag: str = "") -> torch.Tensor:
-    """Concatenate the shards of ``x`` along ``dim`` over ``axis``; backward reduce-scatters."""
-    return _AllGather.apply(x, dim, axis, tag)
+def all_gather(x: torch.Tensor, dim: int, axis: str, tag: str = "", regather: bool = False) -> torch.Tensor:
+    """Concatenate the shards of ``x`` along ``dim`` over ``axis``; backward reduce-scatters.
+
+    ``regather`` (sequence parallelism's gathers): where backward needs the result (a GEMM's
+    saved input), keep ``x`` instead and all-gather it again then (:mod:`autopar.ops.regather`)."""
+    out = _AllGather.apply(x, dim, axis, tag)
+    if regather and out.requires_grad:
+        step = current()
+        if step.regather is not None and not step.recomputing:
+            step.regather.register(out, x, dim, axis, tag)
+    return out
+
+
+def gather_again(x: torch.Tensor, dim: int, axis: str, tag: str) -> torch.Tensor:
+    """The backward re-gather of an SP all-gather's shard (recorded as a ``bwd`` all-gather)."""
+    return _gather(x, dim, axis, "bwd", tag)
 
 
 def gather_replicated(x: torch.Tensor, dim: int, axis: str, tag: str = "") -> torch.Tensor:

@@ -77,6 +77,9 @@ class StepContext:
     recorder: CommRecorder = dataclasses.field(default_factory=CommRecorder)
     zero: Any = None
     memory: Any = None
+    # Sequence parallelism's backward re-gather (autopar/ops/regather.py): the saved-tensor hooks
+    # of the running micro-batch that SP all-gathers register their outputs with.
+    regather: Any = None
     counters: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     training: bool = True  # False while pm.eval_step runs: train-mode-only operators (dropout) are off
     # True while backward re-runs a recomputed region (autopar/ops/recompute.py): its forward

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from autopar.errors import AutoparError
+from autopar.ops.regather import keeping_shards
 
 __all__ = ["FlatExecutor", "StepOutput", "weighted_loss"]
 
@@ -60,7 +61,8 @@ class FlatExecutor:
             weight = pm.loss_weight(chunk_target)  # its share of the global valid targets (1.0 unpadded)
             # ZeRO: per-micro-batch gathers / reduce-scatters; DP: the last backward starts the
             # bucket all-reduces; the meter counts saved activations.
-            with pm.memory.micro_batch(self.gm), pm.grad_sync.micro_batch(last=i == len(pieces) - 1):
+            with (pm.memory.micro_batch(self.gm), pm.grad_sync.micro_batch(last=i == len(pieces) - 1),
+                  keeping_shards()):  # innermost: SP's gathered inputs saved as shards (ops/regather.py)
                 loss = weighted_loss(self.gm(*chunk_inputs, chunk_target), weight)
                 (loss / self.plan.mb).backward()
             total += loss.detach().float() / self.plan.mb

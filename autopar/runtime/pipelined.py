@@ -33,6 +33,7 @@ import torch.distributed as dist
 from autopar.compat import pipeline_order, recording_stage_class
 from autopar.errors import AutoparError
 from autopar.ops import collectives as C
+from autopar.ops.regather import keeping_shards
 from autopar.ops.schedules import SCHEDULE_CLASSES, Act, rank_orders, single_stage
 from autopar.plan_rules import V_SCHEDULES
 from autopar.runtime.executors import StepOutput, weighted_loss
@@ -130,10 +131,11 @@ class PipelineExecutor:
 
     def run(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
         if pm.device.type == "meta":  # scale simulation: no values for torch's schedule to run on
-            with pm.grad_sync.pipeline_step():
+            with pm.grad_sync.pipeline_step(), keeping_shards():
                 losses = simulate_step(self, pm, inputs, target, coords)
             return StepOutput(torch.stack(losses).mean() if losses else None)
-        with pm.grad_sync.pipeline_step():  # ZeRO-3: the units' gathers and saved-tensor hooks
+        # ZeRO-3: the units' gathers and saved-tensor hooks; inside them SP's re-gather hooks.
+        with pm.grad_sync.pipeline_step(), keeping_shards():
             out = self._drive(self._schedule.step, pm, inputs, target, coords, return_outputs=False)
         if self._fold and self.plan.mb > 1:  # the mean over micro-batches, on the fp32 main gradients
             pm.grad_sync.scale_grads(1.0 / self.plan.mb)

@@ -26,7 +26,7 @@ KEYS = {
     "layers": ("num_hidden_layers", "n_layer", "num_layers"),
     "hidden": ("hidden_size", "n_embd", "d_model"),
     "heads": ("num_attention_heads", "n_head"),
-    "kv_heads": ("num_key_value_heads",),
+    "kv_heads": ("num_key_value_heads", "num_kv_heads"),
     "head_dim": ("head_dim",),
     "ffn": ("intermediate_size", "n_inner", "ffn_dim"),
     "moe_ffn": ("moe_intermediate_size",),
@@ -152,6 +152,19 @@ def _shrink_attention(s: _Shrink, plan: Plan) -> None:
         s.set("query_pre_attn_scalar", new_head_dim)
     if isinstance(cfg.get("word_embed_proj_dim"), int):  # OPT
         s.set("word_embed_proj_dim", new_heads * new_head_dim)
+    if isinstance(cfg.get("qk_rope_head_dim"), int):  # MLA (DeepSeek): head_dim is the rope part
+        _shrink_mla(s, new_head_dim)
+
+
+def _shrink_mla(s: _Shrink, rope_dim: int) -> None:
+    """Multi-head latent attention's widths: the rope part of q/k is ``head_dim``; the no-rope
+    part, the value head and the low-rank q and kv projections shrink alike."""
+    cfg = s.cfg
+    s.set("qk_rope_head_dim", rope_dim, "the rope part of each q/k head (= head_dim)")
+    for key, width in (("qk_nope_head_dim", 2 * rope_dim), ("v_head_dim", 2 * rope_dim),
+                       ("kv_lora_rank", 2 * rope_dim), ("q_lora_rank", 4 * rope_dim)):
+        if isinstance(cfg.get(key), int) and cfg[key] > width:
+            s.set(key, width)
 
 
 def _shrink_mlp(s: _Shrink, plan: Plan) -> None:
@@ -174,6 +187,10 @@ def _shrink_mlp(s: _Shrink, plan: Plan) -> None:
         for key in ("n_group", "topk_group"):  # DeepSeek's grouped routing: one group
             if isinstance(cfg.get(key), int) and cfg[key] > 1:
                 s.set(key, 1)
+    first_dense = cfg.get("first_k_dense_replace")
+    layers = int(_value(cfg, "layers"))  # already shrunk
+    if isinstance(first_dense, int) and first_dense >= layers > 1:  # keep dense and MoE layers both
+        s.set("first_k_dense_replace", 1, "one dense layer, then MoE layers")
 
 
 def _shrink_vocab(s: _Shrink, plan: Plan) -> None:

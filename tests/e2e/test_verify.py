@@ -99,6 +99,29 @@ def test_shrinking_keeps_what_the_plan_splits(model_type, plan):
     assert full["vocab_size"] > get["vocab"]  # the input is not modified
 
 
+@pytest.mark.parametrize("model_type, plan", [("deepseek_v3", "ep=2,dp=2"), ("falcon", "dp=2")])
+def test_shrunk_configs_build_and_run(model_type, plan):
+    """MLA's rope / no-rope / value / low-rank widths shrink together (DeepSeek-V3), and the
+    dense-then-MoE layer split is kept; the shrunk model runs a forward pass."""
+    import torch
+
+    from autopar.plan import Plan
+    from autopar.verification.shrink import shrink_config
+
+    full = transformers.AutoConfig.for_model(model_type).to_dict()
+    if model_type == "falcon":  # Falcon-40B's layout: grouped fused qkv, parallel attention and MLP
+        full.update(new_decoder_architecture=True, num_attention_heads=128, num_kv_heads=8, hidden_size=8192,
+                    multi_query=False, parallel_attn=True, alibi=False)
+    cfg, _ = shrink_config(full, Plan.parse(plan), seq_len=16)
+    if model_type == "deepseek_v3":
+        assert cfg["qk_rope_head_dim"] == cfg["head_dim"] and cfg["first_k_dense_replace"] == 1
+    else:
+        assert cfg["num_kv_heads"] < 8 and cfg["num_attention_heads"] % cfg["num_kv_heads"] == 0
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
+    logits = model(torch.randint(0, cfg["vocab_size"], (2, 16))).logits
+    assert logits.shape == (2, 16, cfg["vocab_size"])
+
+
 def test_without_sgd_the_report_says_gradients_are_not_compared():
     import torch
 

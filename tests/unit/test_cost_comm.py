@@ -69,7 +69,8 @@ def test_tp2_with_sp():
         ("fwd", "all_gather", "tp"): (2 * L + 1) * ag,
         ("fwd", "reduce_scatter", "tp"): (2 * L + 1) * rs,
         ("bwd", "reduce_scatter", "tp"): (2 * L + 1) * rs,
-        ("bwd", "all_gather", "tp"): (2 * L + 1) * ag,
+        # duals of the forward reduce-scatters, and the re-gathers of the saved shards (ops/regather.py)
+        ("bwd", "all_gather", "tp"): (2 * L + 1) * ag * 2,
         ("grad", "all_reduce", "tp"): 2 * (tp - 1) / tp * norms,
         ("fwd", "all_reduce", "tp"): 3 * 2 * (tp - 1) / tp * b * S * 4,
     }
@@ -95,7 +96,7 @@ def test_tp2_sp_dp2():
         ("fwd", "all_gather", "tp"): (2 * L + 1) * (tp - 1) * A / tp,
         ("fwd", "reduce_scatter", "tp"): (2 * L + 1) * A / 2,
         ("bwd", "reduce_scatter", "tp"): (2 * L + 1) * A / 2,
-        ("bwd", "all_gather", "tp"): (2 * L + 1) * A / 2,
+        ("bwd", "all_gather", "tp"): (2 * L + 1) * A / 2 * 2,  # duals and re-gathers
         ("grad", "all_reduce", "tp"): (2 * L + 1) * H * W,
         ("fwd", "all_reduce", "tp"): 3 * b * S * 4,
         ("grad", "all_reduce", "dp"): F,
@@ -113,7 +114,7 @@ def test_tp4_sp():
         ("fwd", "all_gather", "tp"): (2 * L + 1) * 3 * A / 4,
         ("fwd", "reduce_scatter", "tp"): (2 * L + 1) * 3 / 4 * A,
         ("bwd", "reduce_scatter", "tp"): (2 * L + 1) * 3 / 4 * A,
-        ("bwd", "all_gather", "tp"): (2 * L + 1) * 3 * A / 4,
+        ("bwd", "all_gather", "tp"): (2 * L + 1) * 3 * A / 4 * 2,  # duals and re-gathers
         ("grad", "all_reduce", "tp"): 2 * 3 / 4 * (2 * L + 1) * H * W,
         ("fwd", "all_reduce", "tp"): 3 * 2 * 3 / 4 * GB * S * 4,
     }

@@ -79,8 +79,8 @@ def layer_activation_bytes(dims: dict, *, b: int, seq: int, tp: int, cp: int, sp
       each RMSNorm (computed in fp32, as Llama's): the fp32 copy of its input [T_sp, h]
         (saved by x.pow(2) and x * rstd), the normalised input cast back to w bytes (saved
         by the weight's multiply) and fp32 1/rms per token;
-      each column group (q/k/v, gate/up): its input, which under SP is the all-gathered
-        [T, h] tensor (autopar's all-gather saves nothing, the linear saves its input);
+      each column group (q/k/v, gate/up): its input, which under SP is the rank's sequence
+        shard [T/tp, h] (the GEMMs' saved input is re-gathered in backward, Korthikanti et al.);
       flash attention: q, k, v, the output, fp32 log-sum-exp per head; K and V are the
         model's expand + reshape copies at a/tp heads when a rank holds two or more KV heads
         (g/tp >= 2) and cp = 1 (one local KV head: the reshape is a view of the g/tp heads;
@@ -95,7 +95,7 @@ def layer_activation_bytes(dims: dict, *, b: int, seq: int, tp: int, cp: int, sp
     if recompute == "full":
         return t_sp * h * w
     norms = 2 * (t_sp * h * 4 + t_sp * h * w + 4 * t_sp)
-    linear_inputs = 2 * T * h * w
+    linear_inputs = 2 * t_sp * h * w  # under SP the GEMMs keep the sequence shard (re-gathered in backward)
     kv_heads_seen = a if (g // tp >= 2 and cp == 1) else g
     qkv = T * (a + 2 * kv_heads_seen) * d * w / tp
     attn_out = T * a * d * w / tp + 4 * T * a / tp

@@ -170,9 +170,9 @@ def test_op_without_rule_names_node_module_and_source_line():
 def test_runner_logs_time_and_op_count_changes():
     traced, ctx = _compile("example", "tp=2,sp", 2)
     assert [line.split(":")[0] for line in ctx.log] == [
-        "cleanup_pass", "tensor_parallel_pass", "sequence_parallel_pass", "expert_parallel_pass",
+        "cleanup_pass", "causal_mask_pass", "tensor_parallel_pass", "sequence_parallel_pass", "expert_parallel_pass",
         "shard_propagation_pass", "data_parallel_pass"]
-    assert "all_gather +5" in ctx.log[2] and "region_entry -5" in ctx.log[2]
+    assert "all_gather +5" in ctx.log[3] and "region_entry -5" in ctx.log[3]
 
 
 def test_runner_names_failing_pass_and_predecessors():

@@ -1,0 +1,126 @@
+"""Sequence parallelism's backward re-gather: save the sequence shard, all-gather it again in backward.
+
+Under SP each column-parallel group (q/k/v, gate/up, the LM head) reads the all-gather of the
+rank's sequence shard ``[.., s/tp, ..] -> [.., s, ..]``, and its GEMMs save that full input for
+their weight gradients: ``tp`` times the bytes of the shard, the largest activation of a layer
+at high ``tp``.  Megatron-LM saves the shard and all-gathers it again in backward (Korthikanti
+et al., "Reducing Activation Recomputation in Large Transformer Models", 2022, section 4.2.2);
+this module does the same for every op of the user's graph, not only for fused GEMMs.
+
+How: :func:`keeping_shards` pushes ``saved_tensors_hooks`` for a micro-batch.  The SP pass's
+all-gathers (:func:`autopar.ops.collectives.all_gather` with ``regather=True``) register their
+output with :meth:`SavedGathers.register`.  When autograd saves a tensor on that output's
+storage (the GEMM's input, or a view of it), the pack hook stores a handle holding the
+*shard*; the first unpack in backward all-gathers the shard again (recorded as a ``bwd``
+all-gather), later unpacks of the same output reuse it, and the last one frees it.
+
+The hooks delegate every other tensor -- and the shard itself -- to the hooks that were active
+when they were pushed (the memory meter's, ZeRO-3's: :mod:`autopar.runtime.memory`,
+:mod:`autopar.runtime.zero`), so those still count and replace what they own.  Inside an
+activation-recompute region torch's checkpoint hooks are on top and nothing is saved; the
+recomputed forward's all-gather is the region's own (passes/recompute.py), not a re-gather.
+
+Neighbours: :mod:`autopar.ops.collectives` (the all-gather and the byte records), the cost
+model's re-gather row and activation terms (cost/comm.py, cost/memory.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Iterator
+
+import torch
+
+from autopar.compat import tensor_base, top_saved_tensors_hooks
+from autopar.ops.step import activate, find_current
+
+__all__ = ["SavedGathers", "keeping_shards"]
+
+
+class _Gathered:
+    """One SP all-gather output saved for backward: its shard (as the outer hooks packed it),
+    how to gather it, how many saved tensors still point at it, and the re-gathered copy."""
+
+    __slots__ = ("packed_shard", "dim", "axis", "tag", "step", "remaining", "full")
+
+    def __init__(self, packed_shard: Any, dim: int, axis: str, tag: str, step) -> None:
+        self.packed_shard, self.dim, self.axis, self.tag, self.step = packed_shard, dim, axis, tag, step
+        self.remaining = 0
+        self.full: torch.Tensor | None = None
+
+
+class _Handle:
+    """What autograd keeps instead of a tensor on a gathered storage."""
+
+    __slots__ = ("gathered", "size", "stride", "offset")
+
+    def __init__(self, gathered: _Gathered, t: torch.Tensor) -> None:
+        self.gathered, self.size, self.stride, self.offset = gathered, t.size(), t.stride(), t.storage_offset()
+
+
+class SavedGathers:
+    """The saved-tensor hooks of one micro-batch (see the module docstring)."""
+
+    def __init__(self, step, outer: tuple | None) -> None:
+        self.step = step
+        self._outer_pack, self._outer_unpack = outer if outer is not None else (None, None)
+        # id(gathered output) -> (weak reference, shard, dim, axis, tag); entries leave with the output
+        self._live: dict[int, tuple] = {}
+        self._packed: dict[int, _Gathered] = {}
+
+    def register(self, full: torch.Tensor, shard: torch.Tensor, dim: int, axis: str, tag: str) -> None:
+        """``full`` is the all-gather of ``shard`` along ``dim`` over ``axis``."""
+        key = id(full)
+
+        def gone(_ref, key=key):
+            self._live.pop(key, None)
+            self._packed.pop(key, None)
+
+        self._live[key] = (weakref.ref(full, gone), shard.detach(), dim, axis, tag)
+
+    def pack(self, t: torch.Tensor):
+        base = tensor_base(t)
+        entry = self._live.get(id(base))
+        if entry is None or entry[0]() is not base:
+            return self._outer_pack(t) if self._outer_pack is not None else t
+        gathered = self._packed.get(id(base))
+        if gathered is None:  # the shard is what backward keeps: the outer hooks see (and count) it once
+            _, shard, dim, axis, tag = entry
+            packed = self._outer_pack(shard) if self._outer_pack is not None else shard
+            gathered = self._packed[id(base)] = _Gathered(packed, dim, axis, tag, self.step)
+        gathered.remaining += 1
+        return _Handle(gathered, t)
+
+    def unpack(self, packed):
+        if not isinstance(packed, _Handle):
+            return self._outer_unpack(packed) if self._outer_unpack is not None else packed
+        g = packed.gathered
+        full = g.full
+        if full is None:
+            full = _regather(g, self._outer_unpack)
+            g.full = full
+        g.remaining -= 1
+        if g.remaining <= 0:  # every saved use has been unpacked: drop the re-gathered copy
+            g.full = None
+        return full.as_strided(packed.size, packed.stride, packed.offset)
+
+
+def _regather(g: _Gathered, outer_unpack) -> torch.Tensor:
+    from autopar.ops.collectives import gather_again  # collectives imports this module's users only
+
+    shard = outer_unpack(g.packed_shard) if outer_unpack is not None else g.packed_shard
+    # Backward may run where the step context is not current (another thread): use the forward's.
+    with activate(g.step), torch.no_grad():
+        return gather_again(shard, g.dim, g.axis, g.tag)
+
+
+@contextlib.contextmanager
+def keeping_shards() -> Iterator[SavedGathers | None]:
+    """Push the re-gather hooks for one micro-batch (or a pipelined step), innermost."""
+    step = find_current()
+    if step is None:
+        yield None
+        return
+    saved = SavedGathers(step, top_saved_tensors_hooks())
+    with activate(step, regather=saved), torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+        yield saved

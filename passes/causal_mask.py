@@ -1,0 +1,103 @@
+"""Causal masks: an attention mask that provably is the causal mask becomes ``is_causal=True``.
+
+A Hugging Face model traced by ``torch.export`` builds its causal mask in the graph (eager
+code would pass ``is_causal=True`` to SDPA, but tracing takes the materialised path): a
+``[b, 1, s, s]`` tensor per layer that SDPA adds to the scores and saves for backward --
+``b*s^2`` elements a layer, unsharded by tp or sp.  For every ``scaled_dot_product_attention``
+whose ``attn_mask`` depends only on the batch and sequence sizes and evaluates to the lower
+triangle (0 / below -1e30, or True / False) at two sizes, this pass drops the mask and sets
+``is_causal=True`` (the same probabilities: a masked score's ``exp`` underflows to 0 either
+way); the mask subgraphs left dead are removed.  A mask that reads input data (a padding
+``attention_mask``) or is anything else stays as it is.
+
+Runs first after cleanup (passes/compile.py), for every plan.  The context-parallel pass
+(passes/context_parallel.py) uses :func:`is_causal_mask` for the masks that remain.
+"""
+from __future__ import annotations
+
+import torch
+from torch.fx import GraphModule, Node
+
+from autopar.compat import sym_expr
+from .context import PassContext, PassResult
+
+__all__ = ["causal_mask_pass", "is_causal_mask", "evaluate_sizes_only"]
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
+
+
+def evaluate_sizes_only(node: Node, sizes: dict[str, int], memo: dict):
+    """Evaluate ``node`` from the batch/sequence sizes alone; None if it depends on data."""
+    if node in memo:
+        return memo[node]
+    if node.op != "call_function":
+        memo[node] = None
+        return None
+    if node.target is torch.ops.aten.sym_size.int:
+        expr = sym_expr(node.meta.get("val"))
+        memo[node] = sizes.get(str(expr)) if expr is not None else None
+        return memo[node]
+    bad = []
+
+    def arg(a):
+        if isinstance(a, Node):
+            v = evaluate_sizes_only(a, sizes, memo)
+            if v is None:
+                bad.append(a)
+            return v
+        if isinstance(a, (list, tuple)):
+            return type(a)(arg(x) for x in a)
+        return a
+
+    args = arg(node.args)
+    kwargs = {k: arg(v) for k, v in node.kwargs.items()}
+    if str(kwargs.get("device")) == "meta":  # a model traced on meta (scale simulation): evaluate on the CPU
+        kwargs["device"] = torch.device("cpu")
+    memo[node] = None if bad else node.target(*args, **kwargs)
+    return memo[node]
+
+
+def is_causal_mask(mask: Node, ctx: PassContext) -> bool:
+    """True when ``mask`` depends only on sizes and equals the lower-triangular causal mask."""
+    if ctx.seq_symbol is None:
+        return False
+    batch, seq = str(ctx.batch_symbol), str(ctx.seq_symbol)
+    for b, s in ((2, 6), (3, 9)):
+        try:
+            value = evaluate_sizes_only(mask, {batch: b, seq: s}, {})
+        except Exception:
+            return False
+        if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-2:] != (s, s):
+            return False
+        allowed = value if value.dtype == torch.bool else value == 0
+        if value.dtype != torch.bool and not bool((value[~allowed] < -1e30).all()):
+            return False
+        tril = torch.ones(s, s, dtype=torch.bool).tril()
+        if not bool((allowed == tril).all()):
+            return False
+    return True
+
+
+def causal_mask_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
+    result = PassResult("causal_mask_pass")
+    verdicts: dict[Node, bool] = {}  # one mask usually feeds every layer's attention
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not _SDPA:
+            continue
+        bound = dict(zip(_SDPA_ARGS, node.args), **node.kwargs)
+        mask = bound.pop("attn_mask", None)
+        if not isinstance(mask, Node) or bound.get("is_causal"):
+            continue
+        if mask not in verdicts:
+            verdicts[mask] = is_causal_mask(mask, ctx)
+        if not verdicts[mask]:
+            continue
+        q, k, v = bound.pop("query"), bound.pop("key"), bound.pop("value")
+        node.args = (q, k, v)
+        node.kwargs = {**bound, "attn_mask": None, "is_causal": True}
+        result.num_rewritten += 1
+    if result.num_rewritten:
+        gm.graph.eliminate_dead_code()
+        result.notes.append(f"{result.num_rewritten} attention masks proven causal: is_causal=True, masks dropped")
+    return result
