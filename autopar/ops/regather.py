@@ -70,6 +70,9 @@ class SavedGathers:
 
     def register(self, full: torch.Tensor, shard: torch.Tensor, dim: int, axis: str, tag: str) -> None:
         """``full`` is the all-gather of ``shard`` along ``dim`` over ``axis``."""
+        # The gather may return a view of its buffer (a no-op .contiguous(), e.g. one batch row):
+        # saved views name that buffer as their base, so key by it.
+        full = tensor_base(full)
         key = id(full)
 
         def gone(_ref, key=key):
