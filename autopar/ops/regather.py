@@ -12,7 +12,7 @@ all-gathers (:func:`autopar.ops.collectives.all_gather` with ``regather=True``) 
 output with :meth:`SavedGathers.register`.  When autograd saves a tensor on that output's
 storage (the GEMM's input, or a view of it), the pack hook stores a handle holding the
 *shard*; the first unpack in backward all-gathers the shard again (recorded as a ``bwd``
-all-gather), later unpacks of the same output reuse it, and the last one frees it.
+all-gather), later unpacks of the same output reuse it, and it is freed with the last handle.
 
 The hooks delegate every other tensor -- and the shard itself -- to the hooks that were active
 when they were pushed (the memory meter's, ZeRO-3's: :mod:`autopar.runtime.memory`,
@@ -39,13 +39,12 @@ __all__ = ["SavedGathers", "keeping_shards"]
 
 class _Gathered:
     """One SP all-gather output saved for backward: its shard (as the outer hooks packed it),
-    how to gather it, how many saved tensors still point at it, and the re-gathered copy."""
+    how to gather it, and the re-gathered copy."""
 
-    __slots__ = ("packed_shard", "dim", "axis", "tag", "step", "remaining", "full")
+    __slots__ = ("packed_shard", "dim", "axis", "tag", "step", "full")
 
     def __init__(self, packed_shard: Any, dim: int, axis: str, tag: str, step) -> None:
         self.packed_shard, self.dim, self.axis, self.tag, self.step = packed_shard, dim, axis, tag, step
-        self.remaining = 0
         self.full: torch.Tensor | None = None
 
 
@@ -91,21 +90,18 @@ class SavedGathers:
             _, shard, dim, axis, tag = entry
             packed = self._outer_pack(shard) if self._outer_pack is not None else shard
             gathered = self._packed[id(base)] = _Gathered(packed, dim, axis, tag, self.step)
-        gathered.remaining += 1
         return _Handle(gathered, t)
 
     def unpack(self, packed):
         if not isinstance(packed, _Handle):
             return self._outer_unpack(packed) if self._outer_unpack is not None else packed
         g = packed.gathered
-        full = g.full
-        if full is None:
-            full = _regather(g, self._outer_unpack)
-            g.full = full
-        g.remaining -= 1
-        if g.remaining <= 0:  # every saved use has been unpacked: drop the re-gathered copy
-            g.full = None
-        return full.as_strided(packed.size, packed.stride, packed.offset)
+        if g.full is None:
+            g.full = _regather(g, self._outer_unpack)
+        # The copy lives as long as a handle does: autograd frees a node's saved tensors after its
+        # backward, so it goes with the last user -- and survives from the input half of a split
+        # backward (zbv, dualpipev; retain_graph) to its weight half, which unpacks again.
+        return g.full.as_strided(packed.size, packed.stride, packed.offset)
 
 
 def _regather(g: _Gathered, outer_unpack) -> torch.Tensor:
