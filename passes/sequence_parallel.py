@@ -12,9 +12,10 @@ TP pass created:
 Each all-gather keeps its sequence shard for backward and all-gathers it again there
 (``regather``, :mod:`autopar.ops.regather`; Korthikanti et al.): the GEMMs after it save
 ``1/tp`` of their input, for one more all-gather per gather in backward.  The forward
-volume equals TP's all-reduce; activation memory outside the regions drops by ``tp``.  Shard propagation (``passes/shard_propagation.py``) then places every op
-in between on sequence shards, and marks replicated weights used there (the norms) as
-having partial gradients, which the DP pass sums over ``tp``.
+volume equals TP's all-reduce; activation memory outside the regions drops by ``tp``.
+Shard propagation (``passes/shard_propagation.py``) then places every op in between on
+sequence shards, and marks replicated weights used there (the norms) as having partial
+gradients, which the DP pass sums over ``tp``.
 """
 from __future__ import annotations
 

@@ -32,19 +32,21 @@ from typing import Any, Iterator
 import torch
 
 from autopar.compat import tensor_base, top_saved_tensors_hooks
+from autopar.ops.collectives import gather_again
 from autopar.ops.step import activate, find_current
 
 __all__ = ["SavedGathers", "keeping_shards"]
 
 
 class _Gathered:
-    """One SP all-gather output saved for backward: its shard (as the outer hooks packed it),
-    how to gather it, and the re-gathered copy."""
+    """One SP all-gather output: its shard (until it is first saved for backward; then as the
+    outer hooks packed it), how to gather it, and the re-gathered copy."""
 
-    __slots__ = ("packed_shard", "dim", "axis", "tag", "step", "full")
+    __slots__ = ("shard", "packed", "dim", "axis", "tag", "step", "full")
 
-    def __init__(self, packed_shard: Any, dim: int, axis: str, tag: str, step) -> None:
-        self.packed_shard, self.dim, self.axis, self.tag, self.step = packed_shard, dim, axis, tag, step
+    def __init__(self, shard: torch.Tensor, dim: int, axis: str, tag: str, step) -> None:
+        self.shard, self.dim, self.axis, self.tag, self.step = shard, dim, axis, tag, step
+        self.packed: Any = None
         self.full: torch.Tensor | None = None
 
 
@@ -63,9 +65,8 @@ class SavedGathers:
     def __init__(self, step, outer: tuple | None) -> None:
         self.step = step
         self._outer_pack, self._outer_unpack = outer if outer is not None else (None, None)
-        # id(gathered output) -> (weak reference, shard, dim, axis, tag); entries leave with the output
+        # id(gathered buffer) -> (weak reference, _Gathered); an entry leaves with its buffer
         self._live: dict[int, tuple] = {}
-        self._packed: dict[int, _Gathered] = {}
 
     def register(self, full: torch.Tensor, shard: torch.Tensor, dim: int, axis: str, tag: str) -> None:
         """``full`` is the all-gather of ``shard`` along ``dim`` over ``axis``."""
@@ -73,23 +74,18 @@ class SavedGathers:
         # saved views name that buffer as their base, so key by it.
         full = tensor_base(full)
         key = id(full)
-
-        def gone(_ref, key=key):
-            self._live.pop(key, None)
-            self._packed.pop(key, None)
-
-        self._live[key] = (weakref.ref(full, gone), shard.detach(), dim, axis, tag)
+        ref = weakref.ref(full, lambda _ref, key=key: self._live.pop(key, None))
+        self._live[key] = (ref, _Gathered(shard.detach(), dim, axis, tag, self.step))
 
     def pack(self, t: torch.Tensor):
         base = tensor_base(t)
         entry = self._live.get(id(base))
         if entry is None or entry[0]() is not base:
             return self._outer_pack(t) if self._outer_pack is not None else t
-        gathered = self._packed.get(id(base))
-        if gathered is None:  # the shard is what backward keeps: the outer hooks see (and count) it once
-            _, shard, dim, axis, tag = entry
-            packed = self._outer_pack(shard) if self._outer_pack is not None else shard
-            gathered = self._packed[id(base)] = _Gathered(packed, dim, axis, tag, self.step)
+        gathered = entry[1]
+        if gathered.shard is not None:  # backward keeps the shard: the outer hooks see (and count) it once
+            shard, gathered.shard = gathered.shard, None
+            gathered.packed = self._outer_pack(shard) if self._outer_pack is not None else shard
         return _Handle(gathered, t)
 
     def unpack(self, packed):
@@ -105,9 +101,7 @@ class SavedGathers:
 
 
 def _regather(g: _Gathered, outer_unpack) -> torch.Tensor:
-    from autopar.ops.collectives import gather_again  # collectives imports this module's users only
-
-    shard = outer_unpack(g.packed_shard) if outer_unpack is not None else g.packed_shard
+    shard = outer_unpack(g.packed) if outer_unpack is not None else g.packed
     # Backward may run where the step context is not current (another thread): use the forward's.
     with activate(g.step), torch.no_grad():
         return gather_again(shard, g.dim, g.axis, g.tag)
