@@ -48,7 +48,7 @@ import sympy as sp
 
 from .symbols import (CPAG, CPRING, CPUL, E, FIRST, V, LAST, NRECV, NSEND, RFULL, RSEL, SP, Z1, Z2, Z3, a, b,
                       cp,
-                      d, dp, ep, f, fe, g, gated, h, k, ld, le, m, nn, nsh, pp, qb, rho, s, sgate, tp,
+                      d, dp, ep, f, fe, g, gated, h, k, ld, le, m, nn, nsh, pp, qb, qkn, rho, s, sgate, tp,
                       vpp, w, wgc, wp)
 
 __all__ = ["CommRow", "RowSpec", "TIED", "TOKEN_ROWS", "row_specs", "routed_row_formulas", "routed_all_to_all_rows",
@@ -111,15 +111,17 @@ def local_param_elems():
     Returns ``(dense, expert, tp_replicated_partial)``: ``dense`` are replicated over
     dp*cp (TP-sharded weights count 1/tp, norms are whole), ``expert`` over tp*dp*cp/ep,
     and ``tp_replicated_partial`` the replicated weights whose gradients are partial sums
-    over tp (norms under SP; routers and shared experts, which see a token slice).
+    over tp (norms under SP; routers and shared experts, which see a token slice; OLMo 2's
+    whole-width q/k norm weights, which each rank reads its slice of).
     """
-    attn = (h * (a + 2 * g) * d + qb * (a + 2 * g) * d + a * d * h) / tp
+    qk_norms = qkn * (a + g) * d    # replicated: the norm weights are not split with q and k
+    attn = (h * (a + 2 * g) * d + qb * (a + 2 * g) * d + a * d * h) / tp + qk_norms
     norms = 2 * h * nn
     router_shared = h * E + nsh * _mlp(fe) + sgate * h
     dense = (ld * (attn + _mlp(f) / tp + norms) + le * (attn + norms + router_shared)
              + FIRST * V * h / tp + LAST * (V * h / tp * (1 - TIED * FIRST) + h * nn))
     expert = le * (E / ep) * _mlp(fe)
-    partial = SP * (2 * (ld + le) + LAST) * h * nn + le * router_shared
+    partial = SP * (2 * (ld + le) + LAST) * h * nn + le * router_shared + (ld + le) * qk_norms
     return dense, expert, partial
 
 
@@ -254,6 +256,12 @@ def _tensor_parallel_rows() -> list[RowSpec]:
     # Under ZeRO-2/3 the rank holds only its dp*cp shard of these gradients when it sums them.
     add("grad", "sp", "all_reduce", "tp", tp, _ar(partial * wgc * (1 - Z2 + Z2 / (dp * cp)), tp), 1, False,
         "gradients of tp-replicated weights used on token shards (norms under SP, MoE routers)")
+    # A norm over a q or k projection's whole (tp-sharded) width sums its fp32 statistics per token
+    # across ranks, and in backward the statistics' gradient (passes/rules.py _reduce_across_ranks).
+    add("fwd", "tp", "all_reduce", "tp", tp, _ar(T * 4, tp), 2 * qkn * (ld + le), True,
+        "all-reduce of the q/k norms' per-token statistics over the sharded width (OLMo 2), fp32")
+    add("bwd", "tp", "all_reduce", "tp", tp, _ar(T * 4, tp), 2 * qkn * (ld + le) * (1 + RFULL), True,
+        "all-reduce of the gradient of the q/k norms' statistics (and their recomputation), fp32")
     add("fwd", "loss_parallel", "all_reduce", "tp", tp, _ar(T * 4, tp), 3 * LAST, True,
         "vocab-parallel cross-entropy: fp32 max, sum of exp, target logit per token")
     return rows

@@ -26,6 +26,8 @@ class ModelSpec:
     ``num_experts > 0``, ``i >= first_dense_layers`` and ``(i + 1) % moe_layer_freq == 0``.
     Each MoE layer has a router (hidden x experts), ``num_experts`` routed experts and
     ``num_shared_experts`` always-on experts, each an MLP of width ``moe_ffn``.
+    ``qk_norm``: the q and k projections' whole outputs are RMS-normalised before the heads are
+    split (OLMo 2), one weight vector each of their width.
     """
 
     name: str = "custom"
@@ -47,6 +49,7 @@ class ModelSpec:
     first_dense_layers: int = 0
     norm: str = "rmsnorm"
     qkv_bias: bool = False
+    qk_norm: bool = False
 
     def __post_init__(self):
         for name in ("num_layers", "hidden", "num_heads", "vocab", "ffn", "moe_layer_freq"):
@@ -114,6 +117,7 @@ class ModelSpec:
     def attention_params(self) -> int:
         hd, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
         qkv = self.hidden * (nh + 2 * nkv) * hd + (nh + 2 * nkv) * hd * int(self.qkv_bias)
+        qkv += (nh + nkv) * hd * int(self.qk_norm)
         return qkv + nh * hd * self.hidden
 
     def mlp_params(self, width: int) -> int:
@@ -237,6 +241,7 @@ def _fields_from_hf(cfg: dict) -> dict:
         norm="layernorm" if gpt_style else "rmsnorm",
         qkv_bias=bool(_get(cfg, "attention_bias", "qkv_bias", default=model_type.startswith("qwen2"))
                       or gpt_style),
+        qk_norm=model_type in ("olmo2", "olmo3"),
     )
     if experts:
         moe_ffn = int(_get(cfg, "moe_intermediate_size", default=ffn))

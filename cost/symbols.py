@@ -22,7 +22,7 @@ from __future__ import annotations
 import sympy as sp
 
 __all__ = [
-    "b", "s", "h", "a", "g", "d", "f", "fe", "V", "E", "k", "w", "nsh", "sgate", "nn", "qb",
+    "b", "s", "h", "a", "g", "d", "f", "fe", "V", "E", "k", "w", "nsh", "sgate", "nn", "qb", "qkn",
     "gated", "ld", "le", "L", "Le",
     "tp", "dp", "cp", "pp", "ep", "vpp", "m", "SP", "RSEL", "RFULL",
     "Z1", "Z2", "Z3", "CPRING", "CPAG", "CPUL", "FIRST", "LAST", "INFL", "NSEND", "NRECV",
@@ -41,6 +41,7 @@ nsh = sp.Symbol("n_sh", nonnegative=True)               # shared experts per MoE
 sgate = sp.Symbol("shared_gate", nonnegative=True)      # 1: a Linear(h, 1) gate on the shared experts
 nn = sp.Symbol("n_norm", **_pos)                        # weight vectors per norm (1 RMSNorm, 2 LayerNorm)
 qb = sp.Symbol("q_b", nonnegative=True)                 # 1 if q/k/v projections have a bias
+qkn = sp.Symbol("qk_norm", nonnegative=True)            # 1 if q and k are normalised over their whole width
 gated = sp.Symbol("gated", nonnegative=True)            # 1 for SwiGLU (3 matrices), 0 for plain (2)
 ld, le = sp.symbols("l_d l_e", nonnegative=True)        # dense / MoE layers on the scored stage
 L, Le = sp.symbols("L L_e", **_pos)                     # layers in the model / MoE layers in the model
@@ -74,7 +75,7 @@ def axis_link_symbols(axis: str):
     return sp.Symbol(f"beta_{axis}", positive=True), sp.Symbol(f"alpha_{axis}", nonnegative=True)
 
 
-MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, sgate, nn, qb, gated, L, Le)
+MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, sgate, nn, qb, qkn, gated, L, Le)
 PLAN_SYMBOLS = (tp, dp, cp, pp, ep, vpp, m, SP, RSEL, RFULL, Z1, Z2, Z3, CPRING, CPAG, CPUL,
                 FIRST, LAST, INFL, NSEND, NRECV, ld, le, rho, FLASH)
 ALL_SYMBOLS = MODEL_SYMBOLS + PLAN_SYMBOLS + (wp, wg, wgc, wo, wz, peak, hbm_bw, eta_max, kappa, eps, phi)

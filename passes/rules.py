@@ -299,11 +299,47 @@ def reduction_rule(node: Node, pls: list, rc: RuleContext):
     if pl.dim in dims:
         if rc.local_sizes and node.target in _SHARE_OF_LOSS and not keepdim and len(set(dims)) == in_ndim:
             return _SHARE_OF_LOSS[node.target]  # e.g. a mean loss over this rank's tokens
+        if not rc.local_sizes and node.target in (aten.mean.dim, aten.sum.dim_IntList):
+            return _reduce_across_ranks(node, dims, rc)
         raise rc.fail(node, f"reduces over the sharded dim {pl.dim}",
                       "Only reductions over unsharded dims are supported under this plan.")
     if keepdim:
         return Shard(pl.dim)
     return Shard(pl.dim - sum(1 for d in dims if d < pl.dim))
+
+
+def _reduce_across_ranks(node: Node, dims: list[int], rc: RuleContext):
+    """A sum or mean over dims that include the sharded one (OLMo 2's q/k RMSNorm over the whole
+    projection width): this rank's sum is a partial sum; an all-reduce makes it the whole sum,
+    which a mean then divides by the global count.  The reduced value then meets this rank's
+    shard again (the norm scales it), so its gradient is a partial sum too: a region entry
+    after the all-reduce sums it in backward.  Returns the partial placement of ``node`` (now a
+    sum); its users read the reduced value, replicated."""
+    sizes = [_size_expr(shape_of(node.args[0])[d]) for d in dims]
+    count = sympy.prod(sizes)
+    if node.target is aten.mean.dim and not count.is_Integer:
+        raise rc.fail(node, f"averages over the sharded dim together with dims of symbolic size {sizes}",
+                      "Only means over dims of fixed size are reduced across ranks.")
+    users = list(node.users)
+    graph = rc.gm.graph
+    with graph.inserting_after(node):
+        total = graph.call_function(C.all_reduce, (node, rc.axis, "reduction"))
+    total.meta["val"] = node.meta.get("val")
+    provenance(total, rc.pass_name, rc.axis, f"sum {node.name} over the {rc.axis}-sharded dim across ranks "
+               "(a reduction over a sharded width)", role="reduction")
+    with graph.inserting_after(total):
+        out = graph.call_function(C.region_entry, (total, rc.axis, "reduction"))
+    out.meta["val"] = node.meta.get("val")
+    provenance(out, rc.pass_name, rc.axis, f"backward: sum the gradient of {node.name}'s all-reduced value, "
+               "which each rank's shard contributes to", role="reduction")
+    if node.target is aten.mean.dim:
+        node.target = aten.sum.dim_IntList  # same arguments: (input, dims, keepdim, dtype=)
+        with graph.inserting_after(out):
+            out = graph.call_function(aten.div.Tensor, (out, int(count)))
+        out.meta["val"] = node.meta.get("val")
+    for user in users:
+        user.replace_input_with(node, out)
+    return P
 
 
 # A reduction of every element over a data-sharded axis (cp): each rank's mean of its own tokens

@@ -27,6 +27,7 @@ __all__ = [
     "hf_gemma2",
     "hf_opt",
     "hf_phi3",
+    "hf_olmo2",
     "lm_loss",
     "make_batch",
     "MODELS",
@@ -173,3 +174,15 @@ MODELS = {
     "hf_opt": (hf_opt, hf_loss, {"use_cache": False}),
     "hf_phi3": (hf_phi3, hf_loss, {"use_cache": False}),
 }
+
+
+def hf_olmo2(seed: int = 0, **overrides):
+    """A tiny ``transformers.Olmo2ForCausalLM``: q and k RMS-normalised over the whole projection
+    width (before the heads are split), norms after attention and MLP (vocab 128, hidden 64, 2 layers)."""
+    return _hf("Olmo2Config", "Olmo2ForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        attn_implementation="sdpa"), overrides)
+
+
+MODELS["hf_olmo2"] = (hf_olmo2, hf_loss, {"use_cache": False})

@@ -201,6 +201,26 @@ def _slice_sizes(last: Node, slices: list[Node]) -> list[int] | None:
     return [end - start for start, end in ranges]
 
 
+def _normalised_whole(column: LinearInfo, depth: int = 6) -> bool:
+    """Is ``column``'s whole output reduced over its last dim (an RMSNorm's mean of squares) a few
+    elementwise ops after it, before any reshape into heads?  For the cost model's ``qk_norm``;
+    whether the program is exact under tp is decided by shard propagation."""
+    todo, seen = [(column.node, 0)], set()
+    while todo:
+        node, level = todo.pop()
+        for user in node.users:
+            if user in seen or level >= depth:
+                continue
+            seen.add(user)
+            if user.target is aten.mean.dim:
+                val = user.args[0].meta["val"]
+                if int(val.shape[-1]) == column.out_features and [d % val.dim() for d in user.args[1]] == [val.dim() - 1]:
+                    return True
+            if user.target not in RESHAPE_OPS:
+                todo.append((user, level + 1))
+    return False
+
+
 def _attention_dims(op: Node) -> tuple[int, int, int]:
     q, k = op.args[0].meta["val"], op.args[1].meta["val"]
     num_heads, head_dim = int(q.shape[-3]), int(q.shape[-1])
@@ -331,6 +351,7 @@ def structure_dims(s: ModelStructure) -> dict:
     gated = bool(mlp and (len(mlp.columns) >= 2 or any(c.split_sizes for c in mlp.columns)))
     attention = next((r for r in s.regions if r.kind == "attention"), None)
     qkv_bias = bool(attention and any(c.bias for c in attention.columns))  # Qwen2's q, k, v biases
+    qk_norm = bool(attention) and sum(_normalised_whole(c) for c in attention.columns) >= 2  # OLMo 2
     moe = {}
     if s.moe:
         width, gated_experts = expert_width(s.moe[0])
@@ -354,6 +375,7 @@ def structure_dims(s: ModelStructure) -> dict:
         "gated_mlp": gated,
         "tied_embeddings": s.tied_embeddings,
         "qkv_bias": qkv_bias,
+        "qk_norm": qk_norm,
         **moe,
     }
 

@@ -10,6 +10,9 @@ batches (loss per step <= 1e-5, full state dict <= 1e-4, fp32):
   backward keeps this rank's slice (a reduce-scatter would double every gradient);
 - Phi-3 under ``tp=2,sp`` (its fused qkv is cut by slices, which take one whole part of the
   projection the TP pass shards part by part) and ``pp=2,mb=2``;
+- OLMo 2 under ``tp=2`` and ``tp=2,sp``: q and k are RMS-normalised over the whole projection
+  width, which tp shards; the norms' statistics are summed across ranks (and, in backward,
+  their gradient);
 - OPT under ``cp=2:allgather`` and ``cp=2:ring``: learned positions from the cumulative sum of
   the attention mask, which on sequence chunks is rewritten to the global cumulative sum
   (and under ``tp=2``: biased projections, LayerNorm with bias, a tied head).
@@ -27,7 +30,8 @@ from tests.harness import OPTIMIZERS, assert_equivalent, make_batches, reference
 from tests.jobs import BATCH, SEQ, VOCAB, build, train_cases_job
 
 CASES = [("hf_gemma2", "tp=2"), ("hf_gemma2", "tp=2,sp"), ("hf_opt", "cp=2:allgather"), ("hf_opt", "cp=2:ring"),
-         ("hf_opt", "tp=2"), ("hf_phi3", "tp=2,sp"), ("hf_phi3", "pp=2,mb=2")]
+         ("hf_opt", "tp=2"), ("hf_phi3", "tp=2,sp"), ("hf_phi3", "pp=2,mb=2"), ("hf_olmo2", "tp=2"),
+         ("hf_olmo2", "tp=2,sp")]
 
 
 @functools.lru_cache(maxsize=None)

@@ -28,3 +28,13 @@ def test_measured_bytes_equal_cost_model(dist_pool, model_name, plan, world):
     cost = predicted_cost(model_name, overrides, plan, world, BATCH)
     for rank, r in enumerate(results):
         assert_comm_equal(r["comm"], cost.comm_table(), rank)
+
+
+# OLMo 2 normalises q and k over the whole projection width, which tp shards: each norm
+# all-reduces its per-token statistics forward and their gradient backward (passes/rules.py).
+@pytest.mark.parametrize("plan,world", [("tp=2", 2), ("tp=2,sp,dp=2", 4)])
+def test_olmo2_norm_statistics_bytes_equal_cost_model(dist_pool, plan, world):
+    results = dist_pool(train_job, "hf_olmo2", plan, "sgd", {}, 1, world=world)
+    cost = predicted_cost("hf_olmo2", {}, plan, world, BATCH)
+    for rank, r in enumerate(results):
+        assert_comm_equal(r["comm"], cost.comm_table(), rank)
