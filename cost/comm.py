@@ -48,7 +48,7 @@ import sympy as sp
 
 from .symbols import (CPAG, CPRING, CPUL, E, FIRST, V, LAST, NRECV, NSEND, RFULL, RSEL, SP, Z1, Z2, Z3, a, b,
                       cp,
-                      d, dp, ep, f, fe, g, gated, h, k, ld, le, m, nn, nsh, pp, qb, qkn, rho, s, sgate, tp,
+                      d, dp, ep, f, fe, g, gated, h, k, ld, le, m, nn, nsh, pp, qb, qkn, qkh, rho, s, sgate, tp, aux,
                       vpp, w, wgc, wp)
 
 __all__ = ["CommRow", "RowSpec", "TIED", "TOKEN_ROWS", "row_specs", "routed_row_formulas", "routed_all_to_all_rows",
@@ -114,7 +114,8 @@ def local_param_elems():
     over tp (norms under SP; routers and shared experts, which see a token slice; OLMo 2's
     whole-width q/k norm weights, which each rank reads its slice of).
     """
-    qk_norms = qkn * (a + g) * d    # replicated: the norm weights are not split with q and k
+    # replicated: the norm weights are not split with q and k (whole width, or per head: 2 d)
+    qk_norms = qkn * (a + g) * d + qkh * 2 * d
     attn = (h * (a + 2 * g) * d + qb * (a + 2 * g) * d + a * d * h) / tp + qk_norms
     norms = 2 * h * nn
     router_shared = h * E + nsh * _mlp(fe) + sgate * h
@@ -262,6 +263,10 @@ def _tensor_parallel_rows() -> list[RowSpec]:
         "all-reduce of the q/k norms' per-token statistics over the sharded width (OLMo 2), fp32")
     add("bwd", "tp", "all_reduce", "tp", tp, _ar(T * 4, tp), 2 * qkn * (ld + le) * (1 + RFULL), True,
         "all-reduce of the gradient of the q/k norms' statistics (and their recomputation), fp32")
+    # The load-balancing loss's statistics on sequence shards: each MoE layer's expert counts and
+    # summed router probabilities are summed across ranks at once (their gradient needs nothing).
+    add("fwd", "tp", "all_reduce", "tp", tp, _ar(E * 4, tp), 2 * aux * le * SP, True,
+        "all-reduce of each MoE layer's load-balancing statistics (expert counts, router probability sums), fp32 [E]")
     add("fwd", "loss_parallel", "all_reduce", "tp", tp, _ar(T * 4, tp), 3 * LAST, True,
         "vocab-parallel cross-entropy: fp32 max, sum of exp, target logit per token")
     return rows
@@ -374,8 +379,16 @@ def _data_parallel_rows() -> list[RowSpec]:
 
 
 def _loss_rows() -> list[RowSpec]:
-    """Per-step fp32 loss reductions: the mean over dp*cp replicas and the broadcast over pp."""
+    """Per-step fp32 loss reductions: the mean over dp*cp replicas and the broadcast over pp; the
+    load-balancing loss's two statistics (token fractions, mean router probabilities, summed
+    over the layers) averaged over each axis that splits the tokens, and the gradient of the
+    probabilities in backward (passes/batch_propagation.py, rules._on_data_axis)."""
     rows, add = _row_collector()
+    for axis, n in (("dp", dp), ("cp", cp)):
+        add("fwd", axis, "all_reduce", axis, n, _ar(E * 4, n), 2 * aux, True,
+            "average of the load-balancing statistics over the ranks holding other tokens, fp32 [E]")
+        add("bwd", axis, "all_reduce", axis, n, _ar(E * 4, n), aux, True,
+            "average of the gradient of the mean router probabilities, fp32 [E]")
     add("loss", "dp", "all_reduce", "dp*", dp * cp, _ar(4, dp * cp), LAST, False,
         "mean of the fp32 loss over data-parallel replicas")
     add("loss", "pp", "all_reduce", "pp", pp, _ar(4, pp), 1, False,

@@ -181,6 +181,7 @@ def model_values(spec, *, dtype_bytes: int, grad_bytes: int | None, routing_imba
         # Dense models: the MoE symbols only ever meet l_e = 0; 1 keeps every term finite.
         "E": max(spec.num_experts, 1), "k": max(spec.top_k, 1), "w": dtype_bytes,
         "n_sh": spec.num_shared_experts, "shared_gate": int(spec.shared_expert_gate), "n_norm": spec.norm_vectors, "q_b": int(spec.qkv_bias), "qk_norm": int(spec.qk_norm),
+        "aux_loss": int(spec.router_aux_loss and spec.num_experts > 0), "qk_head_norm": int(spec.qk_head_norm),
         "gated": int(spec.gated_mlp), "L": spec.num_layers, "L_e": max(spec.num_moe_layers, 1),
         "tied": int(spec.tied_embeddings), "rho": routing_imbalance, "flash": int(flash_attention),
     }

@@ -27,7 +27,11 @@ class ModelSpec:
     Each MoE layer has a router (hidden x experts), ``num_experts`` routed experts and
     ``num_shared_experts`` always-on experts, each an MLP of width ``moe_ffn``.
     ``qk_norm``: the q and k projections' whole outputs are RMS-normalised before the heads are
-    split (OLMo 2), one weight vector each of their width.
+    split (OLMo 2), one weight vector each of their width.  ``router_aux_loss``: the loss adds
+    a load-balancing loss in Hugging Face's form (per MoE layer, the tokens routed to each expert
+    and the summed router probabilities over every token of the batch; ``output_router_logits``).
+    ``qk_head_norm``: q and k are RMS-normalised per head, over the head dim (Qwen3), one weight
+    vector of the head dim each.
     """
 
     name: str = "custom"
@@ -50,6 +54,8 @@ class ModelSpec:
     norm: str = "rmsnorm"
     qkv_bias: bool = False
     qk_norm: bool = False
+    router_aux_loss: bool = False
+    qk_head_norm: bool = False
 
     def __post_init__(self):
         for name in ("num_layers", "hidden", "num_heads", "vocab", "ffn", "moe_layer_freq"):
@@ -117,7 +123,7 @@ class ModelSpec:
     def attention_params(self) -> int:
         hd, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
         qkv = self.hidden * (nh + 2 * nkv) * hd + (nh + 2 * nkv) * hd * int(self.qkv_bias)
-        qkv += (nh + nkv) * hd * int(self.qk_norm)
+        qkv += (nh + nkv) * hd * int(self.qk_norm) + 2 * hd * int(self.qk_head_norm)
         return qkv + nh * hd * self.hidden
 
     def mlp_params(self, width: int) -> int:
@@ -242,6 +248,8 @@ def _fields_from_hf(cfg: dict) -> dict:
         qkv_bias=bool(_get(cfg, "attention_bias", "qkv_bias", default=model_type.startswith("qwen2"))
                       or gpt_style),
         qk_norm=model_type in ("olmo2", "olmo3"),
+        qk_head_norm=model_type in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"),
+        router_aux_loss=bool(cfg.get("output_router_logits", False)) and experts > 0,
     )
     if experts:
         moe_ffn = int(_get(cfg, "moe_intermediate_size", default=ffn))

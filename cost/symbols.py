@@ -22,7 +22,7 @@ from __future__ import annotations
 import sympy as sp
 
 __all__ = [
-    "b", "s", "h", "a", "g", "d", "f", "fe", "V", "E", "k", "w", "nsh", "sgate", "nn", "qb", "qkn",
+    "b", "s", "h", "a", "g", "d", "f", "fe", "V", "E", "k", "w", "nsh", "sgate", "nn", "qb", "qkn", "qkh", "aux",
     "gated", "ld", "le", "L", "Le",
     "tp", "dp", "cp", "pp", "ep", "vpp", "m", "SP", "RSEL", "RFULL",
     "Z1", "Z2", "Z3", "CPRING", "CPAG", "CPUL", "FIRST", "LAST", "INFL", "NSEND", "NRECV",
@@ -42,6 +42,8 @@ sgate = sp.Symbol("shared_gate", nonnegative=True)      # 1: a Linear(h, 1) gate
 nn = sp.Symbol("n_norm", **_pos)                        # weight vectors per norm (1 RMSNorm, 2 LayerNorm)
 qb = sp.Symbol("q_b", nonnegative=True)                 # 1 if q/k/v projections have a bias
 qkn = sp.Symbol("qk_norm", nonnegative=True)            # 1 if q and k are normalised over their whole width
+qkh = sp.Symbol("qk_head_norm", nonnegative=True)       # 1 if q and k are normalised per head
+aux = sp.Symbol("aux_loss", nonnegative=True)           # 1 if the loss has the MoE load-balancing loss
 gated = sp.Symbol("gated", nonnegative=True)            # 1 for SwiGLU (3 matrices), 0 for plain (2)
 ld, le = sp.symbols("l_d l_e", nonnegative=True)        # dense / MoE layers on the scored stage
 L, Le = sp.symbols("L L_e", **_pos)                     # layers in the model / MoE layers in the model
@@ -75,7 +77,7 @@ def axis_link_symbols(axis: str):
     return sp.Symbol(f"beta_{axis}", positive=True), sp.Symbol(f"alpha_{axis}", nonnegative=True)
 
 
-MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, sgate, nn, qb, qkn, gated, L, Le)
+MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, sgate, nn, qb, qkn, qkh, aux, gated, L, Le)
 PLAN_SYMBOLS = (tp, dp, cp, pp, ep, vpp, m, SP, RSEL, RFULL, Z1, Z2, Z3, CPRING, CPAG, CPUL,
                 FIRST, LAST, INFL, NSEND, NRECV, ld, le, rho, FLASH)
 ALL_SYMBOLS = MODEL_SYMBOLS + PLAN_SYMBOLS + (wp, wg, wgc, wo, wz, peak, hbm_bw, eta_max, kappa, eps, phi)

@@ -38,7 +38,7 @@ from torch.fx import GraphModule, Node
 
 from autopar.compat import sym_expr
 from autopar.ops import moe as M
-from autopar.frontend.analyze_moe import MoEBlock, descendants, extract_body, in_module
+from autopar.frontend.analyze_moe import MoEBlock, extract_body, in_module
 from autopar.errors import AutoparError, describe_node
 from autopar.support import moe_needs_rewrite
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
@@ -49,38 +49,6 @@ AXIS = "ep"
 _PASS = "expert_parallel_pass"
 aten = torch.ops.aten
 _RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}  # ops with a sizes list
-
-
-def _check_side_uses(block: MoEBlock, ctx: PassContext) -> None:
-    """Refuse a router output that feeds the loss outside the experts when tokens are split.
-
-    A load-balancing loss is a product of means over *all* tokens; computed on a rank's
-    token slice it is a different number, so the plan would silently change the loss.
-    """
-    plan = ctx.plan
-    if block.router is None or plan.dp * plan.cp * (plan.tp if plan.sp else 1) == 1:
-        return
-    topk = block.index.args[0]
-    routing = descendants([topk]) | {topk} | _between(block.router, topk)
-    side = [n for n in descendants([block.router]) - routing - descendants([block.output])
-            if n.op == "call_function" and n is not block.output]
-    if side:
-        raise AutoparError(
-            f"autopar: the router output of '{block.module}' also feeds {describe_node(side[0])} "
-            "(an auxiliary load-balancing loss?) besides the top-k routing; such a loss is a product of "
-            "means over all tokens of the batch, which a rank holding a slice of the tokens cannot compute. "
-            "Use a plan with dp=1, cp=1 and no sp, or compute the auxiliary loss per sequence.")
-
-
-def _between(src: Node, dst: Node) -> set[Node]:
-    down = descendants([src])
-    out, todo = set(), [dst]
-    while todo:
-        for a in todo.pop().all_input_nodes:
-            if a in down and a not in out:
-                out.add(a)
-                todo.append(a)
-    return out
 
 
 def _param_nodes(gm: GraphModule, names: list[str], before: Node) -> list[Node]:
@@ -228,7 +196,6 @@ def expert_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     rewrite = moe_needs_rewrite(plan) or plan.cp > 1
     # The structure was analysed after cleanup; the passes before this one leave MoE blocks alone.
     for i, block in enumerate(ctx.structure.moe):
-        _check_side_uses(block, ctx)
         _layouts(block, ctx, result)
         if not rewrite:  # ep=1, tp=1, cp=1, dropless: every rank runs every expert on its own tokens
             result.notes.append(f"{block.module}: {block.style} experts left as traced")

@@ -7,7 +7,8 @@ runs replicated, and a **partial sum** (each rank holds its shards' contribution
 value feeds work done on shards.  Every collective's backward assumes one of them:
 
 - ``region_entry`` (backward: all-reduce) and ``all_gather`` (backward: reduce-scatter) assume
-  a partial gradient.  An all-gather whose result only feeds replicated computation (logits
+  a partial gradient (a region entry after a reduction over a sharded dim whose gradient is
+  replicated is removed: the reduced value fed replicated work only).  An all-gather whose result only feeds replicated computation (logits
   gathered for a loss that is not a plain cross-entropy) gets a replicated one: it becomes
   ``gather_replicated``, whose backward keeps this rank's slice.  A region entry with a
   replicated gradient is refused (its all-reduce would sum ``tp`` copies);
@@ -117,6 +118,14 @@ def _contributions(node: Node, grad: Any, pls: list, rc: RuleContext) -> list:
     target = node.target
     on_axis = target in _COLLECTIVES and axis_of(node) == rc.axis
     if on_axis and target is C.region_entry:
+        meta = node.meta.get(META_KEY)
+        if not isinstance(grad, Partial) and meta is not None and meta.role == "reduction":
+            # a reduction over a sharded dim whose result feeds replicated work only (an MoE
+            # load-balancing loss over sequence shards): its gradient is already whole, so the
+            # all-reduce's backward (the identity) passes it to every rank's part
+            node.replace_all_uses_with(node.args[0])
+            node.graph.erase_node(node)
+            return [R]
         if not isinstance(grad, Partial):
             raise rc.fail(node, f"a tensor-parallel region entry whose result's gradient is {_name(grad)}: its "
                                 "backward all-reduce would sum identical copies")

@@ -64,7 +64,7 @@ def reduce_scatter_rule(node: Node, pls: list, rc: RuleContext):
     return Shard(_norm(node.args[1], ndim_of(node)))
 
 
-@register(C.all_reduce)
+@register(C.all_reduce, C.token_all_reduce)  # the latter: a data axis's share of a statistic
 def all_reduce_rule(node: Node, pls: list, rc: RuleContext):
     if axis_of(node) != rc.axis:
         return pls[0]

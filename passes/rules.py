@@ -100,6 +100,7 @@ class RuleContext:
     local_sizes: bool = False
     token_symbols: frozenset = frozenset()  # under local_sizes: the sequence symbols of the inputs
     pass_name: str = "shard_propagation_pass"
+    sum_loss: bool = False  # under local_sizes: the loss is a sum, which the runtime adds over the ranks
 
     def fail(self, node: Node, found: str, hint: str = "") -> ShardingError:
         return ShardingError(
@@ -152,6 +153,12 @@ class RuleContext:
             dim = self.token_dim(node, v)
             if dim is None or p == Shard(dim):
                 continue
+            if self.axis == "dp":  # batch rows (passes/batch_propagation.py)
+                raise self.fail(node, f"its shape {tuple(v.shape)} has the batch size in dim {dim} but it is "
+                                      f"placed {p}, not on this rank's rows: it reduces or mixes the rows of "
+                                      "the batch in a way no rule follows",
+                                "Keep the batch's rows independent outside sums and means over them, or use "
+                                "a plan without dp and micro-batches for this model.")
             raise self.fail(node, f"its shape {tuple(v.shape)} has the sequence length in dim {dim} but it is "
                                   f"placed {p}, not on this rank's tokens: it was computed from the local "
                                   "sequence length without this rank's global positions (or slices, "
@@ -248,6 +255,11 @@ def pointwise_rule(node: Node, pls: list, rc: RuleContext):
             if shard_dim is not None and shard_dim != d:
                 raise rc.fail(node, f"operands are sharded on different dims ({shard_dim} and {d})")
             shard_dim = d
+    if rc.local_sizes:
+        kind = _on_data_axis(node, tensor_args, pls, partial, rc)
+        if kind is not None:
+            return kind
+        partial = 0  # any partial operand was all-reduced over the tokens: replicated now
     if partial:
         if shard_dim is not None:
             raise rc.fail(node, "mixes a partial sum with a sharded operand")
@@ -271,6 +283,96 @@ def pointwise_rule(node: Node, pls: list, rc: RuleContext):
                 # e.g. learned position embeddings added to sequence shards under SP
                 rc.shard_operand(node, arg, d)
     return Shard(shard_dim)
+
+
+# --- partial values on a data-sharded axis (dp, cp) ------------------------------------
+# There each rank holds a share of the batch's tokens; a reduction over them leaves a share of
+# the batch's value: ``Partial("avg")`` (a mean: the ranks' values average to it) or ``P`` (a
+# sum).  Linear use keeps the share; any other use first all-reduces it over the axis
+# (``token_all_reduce``), so a statistic of the whole batch (an MoE load-balancing loss, a
+# batch norm) is exact, not this rank's.  A size that counts this rank's tokens is a local
+# count: a sum divided by it is a share of the batch's mean; other arithmetic with it is refused.
+
+_ZERO_FILLS = {aten.zeros.default, aten.zeros_like.default, aten.new_zeros.default}
+
+
+def _is_zeros(node: Any) -> bool:
+    return isinstance(node, Node) and node.target in _ZERO_FILLS
+
+
+def _scalar_expr(val: Any) -> sympy.Expr | None:
+    """The sympy expression of a symbolic scalar argument (SymInt / SymFloat), else None."""
+    if isinstance(val, (torch.SymInt, torch.SymFloat)):
+        from torch.utils._sympy.functions import ToFloat
+        return val.node.expr.replace(ToFloat, lambda x: x)
+    return None
+
+
+def _token_count(node: Node, rc: RuleContext) -> list[Node]:
+    """The scalar arguments of ``node`` whose value counts this rank's tokens (a size holding a
+    sequence / batch symbol of the axis); refused when not proportional to one of them."""
+    out = []
+    for a in node.args:
+        expr = _scalar_expr(a.meta.get("val")) if isinstance(a, Node) else None
+        if expr is None or not expr.free_symbols & rc.token_symbols:
+            continue
+        (symbol, *more) = expr.free_symbols & rc.token_symbols
+        if more or sympy.simplify(expr / symbol).has(symbol):
+            raise rc.fail(node, f"uses the local size {expr}, not proportional to this rank's token count",
+                          "Compute sizes from the global batch, or use a plan without this dimension.")
+        out.append(a)
+    return out
+
+
+def _all_reduce_tokens(node: Node, arg: Node, pl: Partial, rc: RuleContext) -> None:
+    op = "avg" if pl.reduce_op == "avg" else "sum"
+    with rc.gm.graph.inserting_before(node):
+        total = rc.gm.graph.call_function(C.token_all_reduce, (arg, rc.axis, op, f"{op} {arg.name}"))
+    total.meta["val"] = arg.meta.get("val")
+    for key in ("nn_module_stack", "stack_trace"):
+        if key in node.meta:
+            total.meta[key] = node.meta[key]
+    provenance(total, rc.pass_name, rc.axis, f"{describe_node(node)} is not linear in {arg.name}, a share of a "
+               f"statistic over the batch's tokens: {op} it over the ranks holding the other tokens "
+               "(backward: the same all-reduce)", role="token_statistic")
+    node.replace_input_with(arg, total)
+
+
+def _on_data_axis(node: Node, tensor_args: list, pls: list, partial: int, rc: RuleContext):
+    """The placement of a pointwise op with ``partial`` partial operands on a data axis, or None
+    once every partial operand was all-reduced (the op then runs on replicated values)."""
+    counts = _token_count(node, rc)
+    if not partial:
+        if counts:
+            raise rc.fail(node, f"divides or multiplies by this rank's token count {counts[0].name}",
+                          "Only a sum over this rank's tokens may be divided by its token count.")
+        return None
+    kinds = {pl for pl in pls if isinstance(pl, Partial)}
+    others = [a for a, pl in zip(tensor_args, pls) if not isinstance(pl, Partial)]
+    kind = next(iter(kinds)) if len(kinds) == 1 else None
+    target = node.target
+    if kind is not None and not counts:
+        if target in (aten.add.Tensor, aten.sub.Tensor) and all(isinstance(pl, Replicate) for pl in pls
+                                                                 if not isinstance(pl, Partial)):
+            # shares add; a replicated term adds once to the mean of shares, a zero to a sum
+            if is_loss_share(kind) or all(_is_zeros(a) for a in others):
+                return kind
+        if target in _PARTIAL_SAFE and partial == 1 and not others:
+            return kind
+        scaled = target in (aten.mul.Tensor, aten.mul.Scalar) or isinstance(pls[0], Partial)  # x / y: by x only
+        if (target in _LINEAR_IN_FIRST and partial == 1 and scaled
+                and all(isinstance(pl, (Partial, Replicate)) for pl in pls)):
+            return kind
+    if (kind == P and len(counts) == 1 and target is aten.div.Tensor and partial == 1 and not others
+            and node.args[1] is counts[0]):
+        return Partial("avg")  # (sum of this rank's part) / (its token count): a share of the mean
+    if counts:
+        raise rc.fail(node, f"uses this rank's token count {counts[0].name} with a value placed {sorted(map(str, kinds))}",
+                      "Only a sum over this rank's tokens may be divided by its token count.")
+    for arg, pl in zip(tensor_args, pls):
+        if isinstance(pl, Partial):
+            _all_reduce_tokens(node, arg, pl, rc)
+    return None
 
 
 # --- reductions and normalisation ------------------------------------------------------
@@ -297,8 +399,10 @@ def reduction_rule(node: Node, pls: list, rc: RuleContext):
     if not keepdim:
         keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
     if pl.dim in dims:
-        if rc.local_sizes and node.target in _SHARE_OF_LOSS and not keepdim and len(set(dims)) == in_ndim:
-            return _SHARE_OF_LOSS[node.target]  # e.g. a mean loss over this rank's tokens
+        if rc.local_sizes and node.target in _SHARE_OF_LOSS:
+            # this rank's share of a mean over the tokens (the loss, a router's mean probability),
+            # its part of a sum: equal token counts per rank make the mean of the means exact
+            return _SHARE_OF_LOSS[node.target]
         if not rc.local_sizes and node.target in (aten.mean.dim, aten.sum.dim_IntList):
             return _reduce_across_ranks(node, dims, rc)
         raise rc.fail(node, f"reduces over the sharded dim {pl.dim}",
@@ -322,11 +426,7 @@ def _reduce_across_ranks(node: Node, dims: list[int], rc: RuleContext):
                       "Only means over dims of fixed size are reduced across ranks.")
     users = list(node.users)
     graph = rc.gm.graph
-    with graph.inserting_after(node):
-        total = graph.call_function(C.all_reduce, (node, rc.axis, "reduction"))
-    total.meta["val"] = node.meta.get("val")
-    provenance(total, rc.pass_name, rc.axis, f"sum {node.name} over the {rc.axis}-sharded dim across ranks "
-               "(a reduction over a sharded width)", role="reduction")
+    total = _sum_across_ranks(node, rc, "a reduction over a sharded width")
     with graph.inserting_after(total):
         out = graph.call_function(C.region_entry, (total, rc.axis, "reduction"))
     out.meta["val"] = node.meta.get("val")
@@ -339,6 +439,37 @@ def _reduce_across_ranks(node: Node, dims: list[int], rc: RuleContext):
         out.meta["val"] = node.meta.get("val")
     for user in users:
         user.replace_input_with(node, out)
+    return P
+
+
+def _sum_across_ranks(node: Node, rc: RuleContext, why: str) -> Node:
+    """An all-reduce of ``node``'s partial value over ``rc.axis``, inserted after it (its users
+    are rerouted by the caller)."""
+    with rc.gm.graph.inserting_after(node):
+        total = rc.gm.graph.call_function(C.all_reduce, (node, rc.axis, "reduction"))
+    total.meta["val"] = node.meta.get("val")
+    provenance(total, rc.pass_name, rc.axis, f"sum {node.name} over the {rc.axis}-sharded dim across ranks "
+               f"({why})", role="reduction")
+    return total
+
+
+@register(aten.histc.default)
+def histc_rule(node: Node, pls: list, rc: RuleContext):
+    """A histogram of a sharded tensor (an MoE load-balancing loss counting tokens per expert):
+    each rank counts its own elements, a part of the whole count.  On a data axis that part is
+    the placement (``P``); on a model axis (tp with sp) the counts are summed at once (they
+    carry no gradient)."""
+    pl = pls[0]
+    if isinstance(pl, Replicate):
+        return R
+    if isinstance(pl, Partial):
+        raise rc.fail(node, "a histogram of a partial sum")
+    if rc.local_sizes:
+        return P
+    users = list(node.users)
+    total = _sum_across_ranks(node, rc, "a histogram of sharded values")
+    for user in users:
+        user.replace_input_with(node, total)
     return P
 
 
@@ -356,6 +487,19 @@ def full_reduction_rule(node: Node, pls: list, rc: RuleContext):
     if isinstance(pl, Shard) and rc.local_sizes:
         return _SHARE_OF_LOSS[node.target]
     raise rc.fail(node, f"reduces every element of a tensor placed {pl}")
+
+
+@register(aten.diff.default)
+def diff_rule(node: Node, pls: list, rc: RuleContext):
+    """Differences of neighbours along a dim other than the sharded one (Hugging Face's packed-
+    sequence check on position ids) stay on the shard; along the sharded dim they are refused."""
+    x = node.args[0]
+    dim = _norm(node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1), ndim_of(x))
+    if len(set(pls)) > 1 or isinstance(pls[0], Partial):
+        raise rc.fail(node, f"differences of operands placed {pls}")
+    if isinstance(pls[0], Shard) and pls[0].dim == dim:
+        raise rc.fail(node, f"differences along the sharded dim {dim}")
+    return pls[0]
 
 
 @register(aten.cumsum.default, CPA.cp_cumsum)

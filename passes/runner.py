@@ -20,6 +20,7 @@ from torch.fx import GraphModule
 
 from autopar.errors import AutoparError
 from .context import CompiledProgram, Decisions, PassContext, PassInputs, PassResult
+from .batch_propagation import batch_propagation_pass, needs_batch_propagation
 from .context_parallel import context_parallel_pass
 from .data_parallel import data_parallel_pass
 from .dropout import dropout_pass, has_dropout
@@ -94,6 +95,8 @@ def default_passes(plan, gm: GraphModule | None = None) -> list[Pass]:
     passes.append(shard_propagation_pass)
     if plan.cp > 1:
         passes.append(context_parallel_pass)  # attention -> CP variant, positions -> global
+    if needs_batch_propagation(plan):
+        passes.append(batch_propagation_pass)  # statistics over the batch's rows -> all-reduced over dp
     if gm is None or has_dropout(gm):
         passes.append(dropout_pass)  # dropout -> its stream's generator, by placement
     passes.append(data_parallel_pass)  # gradient sync: dp, and axes where gradients are partial

@@ -33,7 +33,7 @@ from autopar.compat import sym_expr
 from autopar.ops import collectives as C
 from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult
 from .gradient_placement import gradient_placements
-from .rules import R, RuleContext, is_loss_share, is_sharded, lookup, tensor_inputs
+from .rules import P, R, RuleContext, is_loss_share, is_sharded, lookup, tensor_inputs
 from . import moe_rules, op_rules, view_rules  # noqa: F401  (register the MoE, autopar-op and view-family rules)
 
 __all__ = ["shard_propagation_pass", "propagate", "tensor_inputs", "local_numel"]
@@ -52,15 +52,21 @@ def local_numel(node: Node, ctx: PassContext) -> sympy.Expr:
     return sympy.simplify(math.prod(sizes, start=sympy.Integer(1)))
 
 
-def propagate(gm: GraphModule, rc: RuleContext, start: Callable[[Node], Any]) -> dict[Node, Any]:
+def propagate(gm: GraphModule, rc: RuleContext, start: Callable[[Node], Any],
+              fixed: dict[Node, Any] | None = None) -> dict[Node, Any]:
     """Forward placements on ``rc.axis`` of every node, by the rule registry, in graph order.
 
-    ``start(node)`` places the placeholders and parameters.  Raises where an op without a rule
+    ``start(node)`` places the placeholders and parameters; ``fixed`` places nodes whose
+    placement an analysis proved (an MoE block run as traced: token-wise as a whole, though its
+    routing glue sorts tokens), which no rule is asked for.  Raises where an op without a rule
     sees a sharded input, and where the graph returns anything but a replicated value (a
     data-sharded axis, ``rc.local_sizes``: anything but the rank's share of the loss)."""
     placements: dict[Node, Any] = {}
+    fixed = fixed or {}
     for node in list(gm.graph.nodes):
-        if node.op in ("placeholder", "get_attr"):
+        if node in fixed:
+            pl = fixed[node]
+        elif node.op in ("placeholder", "get_attr"):
             pl = start(node)
             if rc.local_sizes:
                 rc.check_tokens(node, pl)
@@ -80,7 +86,7 @@ def propagate(gm: GraphModule, rc: RuleContext, start: Callable[[Node], Any]) ->
         elif node.op == "output":
             for a in tensor_inputs(node):
                 pl = placements.get(a, R)
-                if rc.local_sizes and is_loss_share(pl):
+                if rc.local_sizes and (is_loss_share(pl) or (rc.sum_loss and pl == P)):
                     continue
                 if is_sharded(pl):
                     raise rc.fail(a, f"the graph returns a value placed {pl}",

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sympy
 import torch
-from torch.distributed.tensor import Partial, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
 from .rules import R, RuleContext, ndim_of, register, shape_of
@@ -139,6 +139,11 @@ def unflatten_rule(node: Node, pls: list, rc: RuleContext):
 @register(aten.expand.default)
 def expand_rule(node: Node, pls: list, rc: RuleContext):
     pl = pls[0]
+    if isinstance(pl, Replicate) and rc.local_sizes:
+        # broadcast along this rank's tokens (a mask expanded to the batch): the same values at
+        # every token, so exactly this rank's part of the global expand
+        dim = rc.token_dim(node)
+        return pl if dim is None else Shard(dim)
     if not isinstance(pl, Shard):
         return pl
     out = pl.dim + ndim_of(node) - ndim_of(node.args[0])

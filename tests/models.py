@@ -28,6 +28,9 @@ __all__ = [
     "hf_opt",
     "hf_phi3",
     "hf_olmo2",
+    "hf_mixtral_aux",
+    "hf_qwen3",
+    "aux_loss",
     "lm_loss",
     "make_batch",
     "MODELS",
@@ -186,3 +189,30 @@ def hf_olmo2(seed: int = 0, **overrides):
 
 
 MODELS["hf_olmo2"] = (hf_olmo2, hf_loss, {"use_cache": False})
+
+
+def hf_mixtral_aux(seed: int = 0, **overrides):
+    """:func:`hf_mixtral` with ``output_router_logits=True``: the model also returns its
+    load-balancing loss (token fractions per expert times mean router probabilities, over every
+    token of the batch), which :func:`aux_loss` adds to the cross-entropy."""
+    return hf_mixtral(seed, **{"output_router_logits": True, **overrides})
+
+
+def aux_loss(output, target: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy plus the load-balancing loss, weighted 0.1 (Mixtral trains with 0.02; larger
+    here so a rank-local statistic would move the router weights past the tests' tolerance)."""
+    return hf_loss(output, target) + 0.1 * output.aux_loss
+
+
+MODELS["hf_mixtral_aux"] = (hf_mixtral_aux, aux_loss, {"use_cache": False})
+
+
+def hf_qwen3(seed: int = 0, **overrides):
+    """A tiny ``transformers.Qwen3ForCausalLM``: q and k RMS-normalised per head (over the head
+    dim, which tp does not split), an explicit head dim (vocab 128, hidden 64, 2 layers)."""
+    return _hf("Qwen3Config", "Qwen3ForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=64, attn_implementation="sdpa"), overrides)
+
+
+MODELS["hf_qwen3"] = (hf_qwen3, hf_loss, {"use_cache": False})

@@ -205,6 +205,17 @@ def _normalised_whole(column: LinearInfo, depth: int = 6) -> bool:
     """Is ``column``'s whole output reduced over its last dim (an RMSNorm's mean of squares) a few
     elementwise ops after it, before any reshape into heads?  For the cost model's ``qk_norm``;
     whether the program is exact under tp is decided by shard propagation."""
+    return _normalised_over(column, column.out_features, depth, views=False)
+
+
+def _normalised_per_head(column: LinearInfo, head_dim: int, depth: int = 6) -> bool:
+    """Is ``column``'s output, reshaped into heads, RMS-normalised over the head dim (Qwen3's q/k
+    norms)?  For the cost model's ``qk_head_norm`` (replicated norm weights of the head dim)."""
+    return head_dim != column.out_features and _normalised_over(column, head_dim, depth, views=True)
+
+
+def _normalised_over(column: LinearInfo, width: int, depth: int, views: bool) -> bool:
+    """A mean over a last dim of ``width`` a few ops after ``column`` (through reshapes if ``views``)."""
     todo, seen = [(column.node, 0)], set()
     while todo:
         node, level = todo.pop()
@@ -214,9 +225,9 @@ def _normalised_whole(column: LinearInfo, depth: int = 6) -> bool:
             seen.add(user)
             if user.target is aten.mean.dim:
                 val = user.args[0].meta["val"]
-                if int(val.shape[-1]) == column.out_features and [d % val.dim() for d in user.args[1]] == [val.dim() - 1]:
+                if int(val.shape[-1]) == width and [d % val.dim() for d in user.args[1]] == [val.dim() - 1]:
                     return True
-            if user.target not in RESHAPE_OPS:
+            if views or user.target not in RESHAPE_OPS:
                 todo.append((user, level + 1))
     return False
 
@@ -342,7 +353,12 @@ def model_dims(model: torch.nn.Module, example_inputs, example_kwargs: dict | No
             f"autopar: found no attention or MLP region in {type(model).__name__}; expected a decoder "
             "with linear projections around an attention op. Describe the model with ModelSpec(...) instead."
         )
-    return {"name": type(model).__name__, **structure_dims(s)}
+    dims = structure_dims(s)
+    # Whether the loss adds the load-balancing loss is the user's choice; a Hugging Face MoE model
+    # computes it when configured to return router logits (priced if the loss uses it).
+    config = getattr(model, "config", None)
+    dims["router_aux_loss"] = bool(getattr(config, "output_router_logits", False)) and dims.get("num_experts", 0) > 0
+    return {"name": type(model).__name__, **dims}
 
 
 def structure_dims(s: ModelStructure) -> dict:
@@ -352,6 +368,8 @@ def structure_dims(s: ModelStructure) -> dict:
     attention = next((r for r in s.regions if r.kind == "attention"), None)
     qkv_bias = bool(attention and any(c.bias for c in attention.columns))  # Qwen2's q, k, v biases
     qk_norm = bool(attention) and sum(_normalised_whole(c) for c in attention.columns) >= 2  # OLMo 2
+    qk_head_norm = bool(attention) and not qk_norm and s.head_dim > 0 and sum(  # Qwen3
+        _normalised_per_head(c, s.head_dim) for c in attention.columns) >= 2
     moe = {}
     if s.moe:
         width, gated_experts = expert_width(s.moe[0])
@@ -376,6 +394,7 @@ def structure_dims(s: ModelStructure) -> dict:
         "tied_embeddings": s.tied_embeddings,
         "qkv_bias": qkv_bias,
         "qk_norm": qk_norm,
+        "qk_head_norm": qk_head_norm,
         **moe,
     }
 

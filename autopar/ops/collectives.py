@@ -42,6 +42,7 @@ __all__ = [
     "reduce_scatter",
     "all_reduce",
     "region_entry",
+    "token_all_reduce",
     "local_shard",
     "vocab_parallel_embedding",
     "vocab_parallel_cross_entropy",
@@ -251,6 +252,31 @@ def loss_all_reduce(x: torch.Tensor, axis: str, tag: str) -> torch.Tensor:
 def region_entry(x: torch.Tensor, axis: str, tag: str = "") -> torch.Tensor:
     """Identity into a tensor-parallel region; backward all-reduces the input gradient."""
     return _RegionEntry.apply(x, axis, tag)
+
+
+class _TokenAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, axis, op, tag):
+        ctx.axis, ctx.op, ctx.tag = axis, op, tag
+        return _token_reduce(x, axis, op, "fwd", tag)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _token_reduce(grad, ctx.axis, ctx.op, "bwd", ctx.tag), None, None, None
+
+
+def _token_reduce(x: torch.Tensor, axis: str, op: str, phase: str, tag: str) -> torch.Tensor:
+    out = _reduce(x, axis, phase, tag)
+    return out / _group(axis).size if op == "avg" else out  # gloo has no ReduceOp.AVG
+
+
+def token_all_reduce(x: torch.Tensor, axis: str, op: str, tag: str = "") -> torch.Tensor:
+    """Sum (``op="sum"``) or average (``"avg"``) a statistic of this rank's tokens over a
+    data-sharded ``axis`` (dp, cp), so every rank holds the whole batch's value; backward is the
+    same all-reduce.  That is the exact adjoint because gradients are averaged over the axis:
+    the batch's objective is the mean of the ranks' losses, each of which uses the reduced value
+    (docs/soundness.md, "Statistics over the batch")."""
+    return _TokenAllReduce.apply(x, axis, op, tag)
 
 
 class _LocalShard(torch.autograd.Function):

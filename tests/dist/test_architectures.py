@@ -15,7 +15,14 @@ batches (loss per step <= 1e-5, full state dict <= 1e-4, fp32):
   their gradient);
 - OPT under ``cp=2:allgather`` and ``cp=2:ring``: learned positions from the cumulative sum of
   the attention mask, which on sequence chunks is rewritten to the global cumulative sum
-  (and under ``tp=2``: biased projections, LayerNorm with bias, a tied head).
+  (and under ``tp=2``: biased projections, LayerNorm with bias, a tied head);
+- Mixtral with its load-balancing loss in the loss (``output_router_logits=True``) under ``dp=2``,
+  ``ep=2,dp=2``, ``tp=2,sp`` and ``cp=2``: the loss multiplies per-expert token fractions by mean
+  router probabilities over every token of the batch; each rank's share of those statistics is
+  all-reduced before the product (passes/batch_propagation.py, and the rules' data-axis form);
+- Qwen3 under ``tp=2,sp``, ``cp=2:ring``, ``pp=2,mb=2`` and ``dp=2,zero=3``: q and k are
+  RMS-normalised per head, over the head dim, which no plan splits (the norm weights are
+  replicated; under tp their gradient is a partial sum over the heads a rank holds).
 
 All plans run in one pool job.  The single-process half (the gradient placements, the cp
 refusals) is tests/unit/test_soundness.py; the argument is docs/soundness.md.
@@ -23,6 +30,7 @@ refusals) is tests/unit/test_soundness.py; the argument is docs/soundness.md.
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 
@@ -31,7 +39,9 @@ from tests.jobs import BATCH, SEQ, VOCAB, build, train_cases_job
 
 CASES = [("hf_gemma2", "tp=2"), ("hf_gemma2", "tp=2,sp"), ("hf_opt", "cp=2:allgather"), ("hf_opt", "cp=2:ring"),
          ("hf_opt", "tp=2"), ("hf_phi3", "tp=2,sp"), ("hf_phi3", "pp=2,mb=2"), ("hf_olmo2", "tp=2"),
-         ("hf_olmo2", "tp=2,sp")]
+         ("hf_olmo2", "tp=2,sp"), ("hf_mixtral_aux", "dp=2"), ("hf_mixtral_aux", "ep=2,dp=2"),
+         ("hf_mixtral_aux", "tp=2,sp"), ("hf_mixtral_aux", "cp=2"), ("hf_qwen3", "tp=2,sp"), ("hf_qwen3", "cp=2:ring"),
+         ("hf_qwen3", "pp=2,mb=2"), ("hf_qwen3", "dp=2,zero=3")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -53,3 +63,20 @@ def test_architecture_matches_single_process(trained, model_name, plan):
     for r in ranks:  # every rank reports the same global loss
         assert r["losses"] == ranks[0]["losses"]
     assert_equivalent(_reference(model_name), (ranks[0]["losses"], ranks[0]["state"]))
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "ep=2,dp=2", "tp=2,sp", "cp=2"])
+def test_load_balancing_loss_bytes_equal_cost_model(trained, plan):
+    """The all-reduces of the load-balancing statistics are what the cost model prices
+    (``ModelSpec.router_aux_loss``), with every other collective of the step."""
+    from tests.comm_check import assert_comm_equal, predicted_cost
+    from tests.dist.test_ep_bytes import _dispatch_counts, _ep_rank
+
+    cost = predicted_cost("hf_mixtral_aux", {}, plan, 2, BATCH)
+    assert cost.spec.router_aux_loss
+    for rank, r in enumerate(trained[("hf_mixtral_aux", plan)]):
+        stats = [x for x in r["comm"] if x["op"] == "all_reduce" and math.prod(x["shape"]) == 4]  # [E] fp32
+        assert len([x for x in stats if x["phase"] == "fwd"]) == (4 if cost.plan.tp > 1 else 2)
+        kwargs = {"expert_counts": _dispatch_counts(r["comm"]), "ep_rank": _ep_rank(rank, cost.plan)} \
+            if cost.plan.ep > 1 else {}
+        assert_comm_equal(r["comm"], cost.comm_table(**kwargs), rank)

@@ -38,3 +38,13 @@ def test_olmo2_norm_statistics_bytes_equal_cost_model(dist_pool, plan, world):
     cost = predicted_cost("hf_olmo2", {}, plan, world, BATCH)
     for rank, r in enumerate(results):
         assert_comm_equal(r["comm"], cost.comm_table(), rank)
+
+
+# Qwen3 normalises q and k per head: the norm weights (the head dim) are replicated under tp and
+# their gradient, from the heads a rank holds, is summed over tp with the other partial ones.
+def test_qwen3_per_head_norm_bytes_equal_cost_model(dist_pool):
+    results = dist_pool(train_job, "hf_qwen3", "tp=2,sp", "sgd", {}, 1, world=2)
+    cost = predicted_cost("hf_qwen3", {}, "tp=2,sp", 2, BATCH)
+    assert cost.spec.qk_head_norm
+    for rank, r in enumerate(results):
+        assert_comm_equal(r["comm"], cost.comm_table(), rank)

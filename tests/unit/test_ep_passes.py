@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.ops import collectives as C
 from autopar.ops import moe as M
 from autopar.frontend.analyze import analyze
 from autopar.cli import main
@@ -102,13 +103,22 @@ def test_ep_must_divide_dp_cp():
         Plan.parse("ep=4,dp=2")
 
 
-def test_router_feeding_an_auxiliary_loss_is_refused_when_tokens_are_split():
-    def with_aux(out, target):
-        ce = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), target.flatten())
-        return ce + 0.02 * out.aux_loss
+def test_load_balancing_loss_statistics_are_all_reduced_over_the_token_axes():
+    """The load-balancing loss multiplies two statistics over every token of the batch; on a
+    rank holding a share of the tokens each is all-reduced over the axes that split them before
+    the product (tests/dist/test_architectures.py proves the training equal), and refused where
+    micro-batches split them, which no all-reduce joins."""
+    from tests.models import aux_loss
 
-    with pytest.raises(AutoparError, match=r"^autopar: the router output of .* auxiliary load-balancing loss"):
-        _compile("hf_mixtral", "ep=2,dp=2", 2, loss_fn=with_aux, output_router_logits=True)
-    # One rank holds every token: the loss is the original's, nothing to refuse.
-    _compile("hf_mixtral", "tp=1", 1, loss_fn=with_aux, output_router_logits=True)
+    def reduced(plan, world):
+        traced, _ = _compile("hf_mixtral", plan, world, loss_fn=aux_loss, output_router_logits=True)
+        return sorted((n.args[1], n.args[2]) for n in traced.gm.graph.nodes if n.target is C.token_all_reduce)
+
+    # token fractions and mean probabilities, each averaged over every axis holding other tokens
+    assert reduced("ep=2,dp=2", 2) == [("dp", "avg")] * 2
+    assert reduced("dp=2,cp=2,ep=2", 4) == [("cp", "avg")] * 2 + [("dp", "avg")] * 2
+    assert reduced("tp=1", 1) == []  # one rank holds every token: the loss is the original's
+    with pytest.raises(AutoparError, match=r"^autopar: node 'div' .* statistic over the whole batch's tokens"
+                                           r".* micro-batches"):
+        _compile("hf_mixtral", "dp=2,mb=2", 2, loss_fn=aux_loss, output_router_logits=True)
 

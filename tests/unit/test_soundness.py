@@ -24,7 +24,7 @@ from autopar.ops import collectives as C
 from autopar.ops import cp_attention as CPA
 from autopar.passes.context import META_KEY
 from autopar.passes.gradient_placement import GRAD_PLACEMENT_KEY, gradient_placements
-from autopar.passes.rules import R, RuleContext
+from autopar.passes.rules import R, RuleContext, is_loss_share
 from autopar.passes.shard_propagation import propagate
 from autopar.runtime import compile_program
 from tests.models import MODELS, make_batch
@@ -134,15 +134,32 @@ def test_region_entry_into_replicated_work_is_refused():
         b.place(b.op(aten.sum.default, entry, shape=()))
 
 
-def test_loss_shares_of_different_reductions_do_not_add():
+def test_loss_shares_of_different_reductions_are_all_reduced_before_adding():
     """On cp a mean over this rank's tokens is its share of the mean and a sum its part of the
-    sum; adding the two has no placement."""
+    sum; the two do not add up as shares, so each is all-reduced first (and the sum is replicated)."""
     b = _Builder()
     x = b.input("x", 4, 8, shard=0)
     total = b.op(aten.add.Tensor, b.op(aten.mean.default, x, shape=()), b.op(aten.sum.default, x, shape=()),
                  shape=())
-    with pytest.raises(AutoparError, match="combines partial values of different reductions"):
-        b.place(total, "cp", local_sizes=True)
+    placements, _ = b.place(total, "cp", local_sizes=True)
+    assert placements[total] == R
+    assert sorted(a.args[2] for a in total.args) == ["avg", "sum"]  # token_all_reduce(x, 'cp', op, tag)
+    assert all(a.target is C.token_all_reduce for a in total.args)
+
+
+def test_a_replicated_term_adds_once_to_a_share_of_the_mean():
+    """loss = mean share + replicated c: the ranks' values average to mean + c (a loss plus an
+    exact auxiliary term); a replicated non-zero term added to a part of a sum is not that."""
+    b = _Builder()
+    x, c = b.input("x", 4, 8, shard=0), b.input("c")
+    share = b.op(aten.add.Tensor, b.op(aten.mean.default, x, shape=()), c, shape=())
+    placements, _ = b.place(share, "cp", local_sizes=True)
+    assert is_loss_share(placements[share])
+    b = _Builder()
+    x, c = b.input("x", 4, 8, shard=0), b.input("c")
+    part = b.op(aten.add.Tensor, b.op(aten.sum.default, x, shape=()), c, shape=())
+    placements, _ = b.place(part, "cp", local_sizes=True)
+    assert placements[part] == R and part.args[0].target is C.token_all_reduce
 
 
 def test_gemma2_soft_capped_logits_gathered_with_slice_backward():
@@ -193,7 +210,6 @@ def _cp_compile(model, plan="cp=2:allgather"):
 @pytest.mark.parametrize("mix,found", [
     ("sliced_table", r"has the sequence length in dim 0 but it is placed R, .*computed from the "
                      r"local sequence length"),
-    ("centered", r"reduces over the sharded dim 1"),
 ])
 def test_cp_refuses_positions_it_cannot_rewrite(mix, found):
     with pytest.raises(AutoparError) as info:
@@ -202,6 +218,15 @@ def test_cp_refuses_positions_it_cannot_rewrite(mix, found):
     assert msg.startswith("autopar: cannot shard node ") and "on mesh axis 'cp'" in msg
     assert "in module" in msg and "test_soundness.py" in msg  # the user's source line
     assert re.search(found, msg), msg
+
+
+def test_cp_all_reduces_a_mean_over_the_sequence_before_using_it():
+    """``h - h.mean(dim=1)``: a rank's mean over its tokens is its share of the sequence's mean
+    (equal chunks); subtracting it is not linear in that share, so it is averaged over cp first."""
+    traced, _ = _cp_compile(_Tiny("centered"))
+    (node,) = [n for n in traced.gm.graph.nodes if n.target is C.token_all_reduce]
+    assert node.args[1:3] == ("cp", "avg") and node.args[0].target is aten.mean.dim
+    assert node.meta[META_KEY].bytes["fwd"][0] == node.meta[META_KEY].bytes["bwd"][0] == "all_reduce"
 
 
 def test_cp_rewrites_a_cumulative_sum_over_the_sequence():

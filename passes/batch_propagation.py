@@ -1,0 +1,187 @@
+"""Batch propagation: placements on the ``dp`` axis over every node, and statistics of the batch.
+
+Data parallelism hands each rank ``batch / dp`` rows (:func:`autopar.runtime.batching.rank_rows`),
+so the traced graph already runs on a rank's rows: every dim 0 as long as the batch holds this
+rank's rows.  Most of the graph works row by row and needs nothing; the loss is a mean over the
+rank's tokens, which the runtime averages over the ranks (or weights, for padded targets:
+:mod:`autopar.frontend.loss`).  What breaks is a value that mixes rows besides the loss: a
+statistic of the whole batch such as the MoE load-balancing loss (a product of per-expert token
+fractions and mean router probabilities) or a batch norm.  On one rank it would be the rank's
+statistic, a different number.
+
+This pass propagates placements on ``dp`` over every node with the rules of
+``passes/rules.py`` in their data-axis form (``RuleContext.local_sizes``, the batch symbols as the
+token symbols), as the CP pass does for the sequence (``passes/context_parallel.py``): a sum or
+mean over the rank's rows is a share of the batch's; linear work keeps the share; anything else
+first all-reduces it over ``dp`` (``token_all_reduce``, backward the same all-reduce), which makes
+it the batch's value.  Micro-batches (``mb``, pipeline micro-batches) also split the rows, but run
+one after another on one rank: no all-reduce can join them, so a statistic over the batch under
+micro-batches is refused.  Predicted bytes of the inserted all-reduces are set here and by the
+CP pass (:func:`predict_token_bytes`).
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Shard
+from torch.fx import GraphModule, Node
+
+from autopar.compat import sym_expr, sym_hint
+from autopar.errors import AutoparError, describe_node
+from autopar.ops import collectives as C
+from .context import META_KEY, PassContext, PassResult
+from .gradient_placement import requires_grad_nodes
+from .rules import R, RuleContext
+from .shard_propagation import local_numel, propagate
+
+__all__ = ["batch_propagation_pass", "needs_batch_propagation", "predict_token_bytes"]
+
+_PASS = "batch_propagation_pass"
+aten = torch.ops.aten
+_VALUE_FREE = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
+               aten.ones_like.default, aten.zeros_like.default, aten.full_like.default, aten.empty_like.default}
+
+
+def needs_batch_propagation(plan) -> bool:
+    """Whether the plan splits the batch's rows: over dp ranks, or into micro-batches."""
+    return plan.dp > 1 or plan.mb > 1 or plan.pp > 1
+
+
+def _rows(gm: GraphModule) -> dict[Node, object]:
+    """Placeholders whose dim 0 is as long as the batch (the runtime cuts those), with its symbol."""
+    inputs = [p for p in gm.graph.nodes if p.op == "placeholder" and isinstance(p.meta.get("val"), torch.Tensor)
+              and p.meta["val"].dim() > 0 and isinstance(p.meta["val"].shape[0], torch.SymInt)]
+    if not inputs:
+        return {}
+    batch = sym_hint(inputs[0].meta["val"].shape[0])
+    return {p: sym_expr(p.meta["val"].shape[0]) for p in inputs if sym_hint(p.meta["val"].shape[0]) == batch}
+
+
+def predict_token_bytes(gm: GraphModule, ctx: PassContext, axis: str) -> int:
+    """Predicted bytes of the ``token_all_reduce`` nodes on ``axis`` (forward, and backward where
+    the statistic has a gradient); returns how many there are."""
+    needs_grad = requires_grad_nodes(gm)
+    n = ctx.axis_sizes[axis]
+    count = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not C.token_all_reduce or node.args[1] != axis:
+            continue
+        src = node.args[0]
+        size = local_numel(src, ctx) * src.meta["val"].element_size()
+        nbytes = C.ring_bytes("all_reduce", size, n)[0]
+        node.meta[META_KEY].bytes = {"fwd": ("all_reduce", nbytes)}
+        if src in needs_grad:
+            node.meta[META_KEY].bytes["bwd"] = ("all_reduce", nbytes)
+        count += 1
+    return count
+
+
+def _refuse_under_micro_batches(gm: GraphModule, plan) -> None:
+    stats = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is C.token_all_reduce]
+    if stats:
+        parts = plan.mb if plan.pp == 1 else f"the pipeline's {plan.mb}"
+        raise AutoparError(
+            f"autopar: {describe_node(stats[0].args[0])} is a statistic over the whole batch's tokens (an "
+            f"auxiliary load-balancing loss, a batch norm?) that {describe_node(next(iter(stats[0].users)))} "
+            f"uses non-linearly; with {parts} micro-batches each computes it on its own rows, a different "
+            "number than one device's. Use a plan with mb=1 and pp=1, or compute the statistic per sequence.")
+
+
+def batch_propagation_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
+    plan = ctx.plan
+    result = PassResult(_PASS)
+    rows = _rows(gm)
+    if not rows:
+        return result
+    # Micro-batches without dp: propagate on a one-rank "dp" axis only to find the statistics.
+    rc = RuleContext(gm, "dp", plan.dp, {}, local_sizes=True, token_symbols=frozenset(rows.values()),
+                     pass_name=_PASS, sum_loss=_sum_loss(ctx))
+    fixed = _traced_moe(gm, ctx, rc)
+    fixed.update(_row_wise(gm, rc, fixed))
+    placements = propagate(gm, rc, lambda node: Shard(0) if node in rows else R, fixed)
+    if plan.mb > 1 or plan.pp > 1:
+        _refuse_under_micro_batches(gm, plan)
+    result.num_inserted = predict_token_bytes(gm, ctx, "dp") if plan.dp > 1 else 0
+    shares = sum(isinstance(p, Partial) for p in placements.values())
+    result.notes.append(f"placed {len(placements)} nodes on dp ({shares} shares of batch statistics), "
+                        f"{result.num_inserted} all-reduced")
+    return result
+
+
+def _row_wise(gm: GraphModule, rc: RuleContext, fixed: dict) -> dict[Node, object]:
+    """Placements of the nodes no statistic of the batch reaches, from their shapes alone.
+
+    A node whose tensor inputs hold the batch symbol and whose output holds none reduces over the
+    rows (a loss, a sum over tokens, a histogram); it and everything computed from it are placed
+    by the rules.  Every other node works row by row: its rows, if its shape holds the batch
+    symbol, are this rank's (placed on that dim), and it is replicated otherwise.  A shape the
+    symbol cannot be read from (it in several dims) is left to the rules too."""
+    def rows_of(node: Node):
+        """The row placement of each of ``node``'s values (None: not readable from the shape)."""
+        val = node.meta.get("val")
+        vals = tuple(val) if isinstance(val, (tuple, list)) else (val,)
+        out = []
+        for v in vals:
+            try:
+                dim = rc.token_dim(node, v) if isinstance(v, torch.Tensor) else None
+            except AutoparError:
+                return None
+            out.append(R if dim is None else Shard(dim))
+        return tuple(out) if isinstance(val, (tuple, list)) else out[0]
+
+    def has_rows(pl) -> bool:
+        return pl is None or any(isinstance(p, Shard) for p in (pl if isinstance(pl, tuple) else (pl,)))
+
+    placed: dict[Node, object] = {}
+    reached: set[Node] = set()
+    for node in gm.graph.nodes:
+        if node in fixed or node.op not in ("placeholder", "get_attr", "call_function"):
+            continue
+        pl = rows_of(node)
+        inputs = [a for a in node.all_input_nodes if a not in fixed]
+        # a size read from a shape, or a fill shaped like an input, reads no row's values
+        sizes = not _holds_tensor(node.meta.get("val")) or node.target in _VALUE_FREE
+        if pl is None or any(a in reached for a in inputs) or (
+                not sizes and not has_rows(pl) and any(has_rows(placed.get(a, R)) for a in inputs)):
+            reached.add(node)
+        else:
+            placed[node] = pl
+    return placed
+
+
+def _holds_tensor(val) -> bool:
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    return any(isinstance(v, torch.Tensor) for v in vals)
+
+
+def _traced_moe(gm: GraphModule, ctx: PassContext, rc: RuleContext) -> dict[Node, object]:
+    """Placements of the MoE blocks the EP pass left as traced (dp only): the routing glue sorts
+    the rank's tokens by expert, which no rule follows, but the block as a whole is token-wise
+    (:mod:`autopar.frontend.analyze_moe` proved it, as the EP rewrite relies on): its output is
+    placed like its tokens, its inner nodes are used only inside it."""
+    nodes = set(gm.graph.nodes)
+    fixed: dict[Node, object] = {}
+    for block in ctx.structure.moe if ctx.structure is not None else ():
+        if block.output not in nodes:
+            continue  # rewritten into dispatch / experts / combine, which have rules
+        region = set(block.region)
+        for n in block.region:
+            outside = [u for u in n.users if u not in region]
+            if outside and n is not block.output:
+                raise AutoparError(
+                    f"autopar: {describe_node(n)} inside the MoE block '{block.module}' is also used by "
+                    f"{describe_node(outside[0])}; expected the block to feed only its output. Use ep=2 (the "
+                    "rewritten block), or a plan without dp.")
+        # constants built for the glue only (the aranges of its token permutation) belong to it
+        made = [n for n in gm.graph.nodes if n.op == "call_function" and n not in region and n.users
+                and all(u in region for u in n.users)
+                and not any(isinstance(a.meta.get("val"), torch.Tensor) for a in n.all_input_nodes)]
+        fixed.update({n: None for n in block.region + made})
+        dim = rc.token_dim(block.output)
+        fixed[block.output] = R if dim is None else Shard(dim)
+    return fixed
+
+
+def _sum_loss(ctx: PassContext) -> bool:
+    """The loss is a summed cross-entropy, which the runtime adds up over the pieces of the batch."""
+    reduction = getattr(ctx.structure, "loss_reduction", None)
+    return reduction is not None and reduction.kind == "token_sum"
