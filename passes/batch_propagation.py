@@ -27,18 +27,16 @@ from torch.fx import GraphModule, Node
 
 from autopar.compat import sym_expr, sym_hint
 from autopar.errors import AutoparError, describe_node
+from autopar.frontend.fx_utils import SHAPED_FILLS
 from autopar.ops import collectives as C
 from .context import META_KEY, PassContext, PassResult
 from .gradient_placement import requires_grad_nodes
 from .rules import R, RuleContext
 from .shard_propagation import local_numel, propagate
 
-__all__ = ["batch_propagation_pass", "needs_batch_propagation", "predict_token_bytes"]
+__all__ = ["batch_propagation_pass", "needs_batch_propagation", "predict_token_bytes", "sums_loss"]
 
 _PASS = "batch_propagation_pass"
-aten = torch.ops.aten
-_VALUE_FREE = {aten.new_ones.default, aten.new_zeros.default, aten.new_full.default, aten.new_empty.default,
-               aten.ones_like.default, aten.zeros_like.default, aten.full_like.default, aten.empty_like.default}
 
 
 def needs_batch_propagation(plan) -> bool:
@@ -94,7 +92,7 @@ def batch_propagation_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         return result
     # Micro-batches without dp: propagate on a one-rank "dp" axis only to find the statistics.
     rc = RuleContext(gm, "dp", plan.dp, {}, local_sizes=True, token_symbols=frozenset(rows.values()),
-                     pass_name=_PASS, sum_loss=_sum_loss(ctx))
+                     pass_name=_PASS, sum_loss=sums_loss(ctx))
     fixed = _traced_moe(gm, ctx, rc)
     fixed.update(_row_wise(gm, rc, fixed))
     placements = propagate(gm, rc, lambda node: Shard(0) if node in rows else R, fixed)
@@ -139,7 +137,7 @@ def _row_wise(gm: GraphModule, rc: RuleContext, fixed: dict) -> dict[Node, objec
         pl = rows_of(node)
         inputs = [a for a in node.all_input_nodes if a not in fixed]
         # a size read from a shape, or a fill shaped like an input, reads no row's values
-        sizes = not _holds_tensor(node.meta.get("val")) or node.target in _VALUE_FREE
+        sizes = not _holds_tensor(node.meta.get("val")) or node.target in SHAPED_FILLS
         if pl is None or any(a in reached for a in inputs) or (
                 not sizes and not has_rows(pl) and any(has_rows(placed.get(a, R)) for a in inputs)):
             reached.add(node)
@@ -181,7 +179,7 @@ def _traced_moe(gm: GraphModule, ctx: PassContext, rc: RuleContext) -> dict[Node
     return fixed
 
 
-def _sum_loss(ctx: PassContext) -> bool:
+def sums_loss(ctx: PassContext) -> bool:
     """The loss is a summed cross-entropy, which the runtime adds up over the pieces of the batch."""
     reduction = getattr(ctx.structure, "loss_reduction", None)
     return reduction is not None and reduction.kind == "token_sum"

@@ -43,7 +43,7 @@ from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult, provenanc
 from .gradient_placement import requires_grad_nodes
 from .rules import R, RuleContext
 from .shard_propagation import local_numel, propagate
-from .batch_propagation import predict_token_bytes
+from .batch_propagation import predict_token_bytes, sums_loss
 
 __all__ = ["context_parallel_pass", "VARIANTS"]
 
@@ -145,8 +145,7 @@ def _propagate_tokens(gm: GraphModule, ctx: PassContext, result: PassResult) -> 
     length = sym_hint(inputs[0].meta["val"].shape[1])
     cut = {p: sym_expr(p.meta["val"].shape[1]) for p in inputs if sym_hint(p.meta["val"].shape[1]) == length}
     rc = RuleContext(gm, "cp", n, {}, local_sizes=True, token_symbols=frozenset(cut.values()),
-                     pass_name="context_parallel_pass", sum_loss=ctx.structure.loss_reduction is not None
-                     and ctx.structure.loss_reduction.kind == "token_sum")
+                     pass_name="context_parallel_pass", sum_loss=sums_loss(ctx))
     propagate(gm, rc, lambda node: Shard(1) if node in cut else R)
     result.num_inserted += predict_token_bytes(gm, ctx, "cp")
     needs_grad = requires_grad_nodes(gm)

@@ -38,6 +38,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 
 from autopar.compat import rename_node
+from autopar.frontend.fx_utils import SHAPED_FILLS
 from autopar.ops import collectives as C
 from .context import META_KEY
 from .rules import P, R, RuleContext, axis_of, tensor_inputs
@@ -49,11 +50,7 @@ aten = torch.ops.aten
 GRAD_PLACEMENT_KEY = "autopar_grad_placement"
 
 # Ops whose floating-point output carries no gradient to their inputs.
-_NO_GRAD = {
-    aten.detach.default, aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
-    aten.full_like.default, aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default,
-    aten.new_full.default, aten.sym_size.int,
-}
+_NO_GRAD = SHAPED_FILLS | {aten.detach.default, aten.sym_size.int}
 
 
 _COLLECTIVES = {C.region_entry, C.all_gather, C.gather_replicated, C.reduce_scatter, C.local_shard}

@@ -23,6 +23,7 @@ import sympy
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
+from torch.utils._sympy.functions import ToFloat
 
 from autopar.compat import sym_expr
 from autopar.ops import collectives as C
@@ -303,7 +304,6 @@ def _is_zeros(node: Any) -> bool:
 def _scalar_expr(val: Any) -> sympy.Expr | None:
     """The sympy expression of a symbolic scalar argument (SymInt / SymFloat), else None."""
     if isinstance(val, (torch.SymInt, torch.SymFloat)):
-        from torch.utils._sympy.functions import ToFloat
         return val.node.expr.replace(ToFloat, lambda x: x)
     return None
 

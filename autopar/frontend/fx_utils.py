@@ -8,12 +8,15 @@ from __future__ import annotations
 import torch
 from torch.fx import Node
 
-__all__ = ["module_path", "within", "RESHAPE_OPS", "reshape_chain"]
+__all__ = ["module_path", "within", "RESHAPE_OPS", "SHAPED_FILLS", "reshape_chain"]
 
 aten = torch.ops.aten
 
 RESHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
                aten.unflatten.int}
+# Fills shaped like their input: they read its shape (and dtype), never its values.
+SHAPED_FILLS = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
+                aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default}
 
 
 def module_path(node: Node) -> str:
