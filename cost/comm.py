@@ -48,8 +48,9 @@ import sympy as sp
 
 from .symbols import (CPAG, CPRING, CPUL, E, FIRST, V, LAST, NRECV, NSEND, RFULL, RSEL, SP, Z1, Z2, Z3, a, b,
                       cp,
-                      d, dp, ep, f, fe, g, gated, h, k, ld, le, m, nn, nsh, pp, qb, qkn, qkh, rho, s, sgate, tp, aux,
-                      vpp, w, wgc, wp)
+                      d, dp, dv, ep, f, fe, g, gated, h, k, ld, le, lq, m, mla, nn, nsh, pp, qb, qkn, qkh, rho, rkv,
+                      rq, s, sgate, tp, aux, vpp, w, wgc, wp)
+from .flops import attention_weights
 
 __all__ = ["CommRow", "RowSpec", "TIED", "TOKEN_ROWS", "row_specs", "routed_row_formulas", "routed_all_to_all_rows",
            "activation_bytes", "local_param_elems", "zero3_units"]
@@ -116,7 +117,9 @@ def local_param_elems():
     """
     # replicated: the norm weights are not split with q and k (whole width, or per head: 2 d)
     qk_norms = qkn * (a + g) * d + qkh * 2 * d
-    attn = (h * (a + 2 * g) * d + qb * (a + 2 * g) * d + a * d * h) / tp + qk_norms
+    qkv, o = attention_weights()
+    latent_norms = mla * (lq * rq + rkv)  # MLA's norms of its q and kv latents (tp does not split MLA)
+    attn = (qkv + qb * (a + 2 * g) * d + o) / tp + qk_norms + latent_norms
     norms = 2 * h * nn
     router_shared = h * E + nsh * _mlp(fe) + sgate * h
     dense = (ld * (attn + _mlp(f) / tp + norms) + le * (attn + norms + router_shared)
@@ -275,8 +278,9 @@ def _tensor_parallel_rows() -> list[RowSpec]:
 def _context_parallel_rows() -> list[RowSpec]:
     """Rows on the cp group: the ring K,V passes, all-gather K,V and the Ulysses all-to-alls."""
     T = _tokens()
-    kv = T * (g / tp) * d * w                   # one of K or V on this rank
+    kv2 = T * (g / tp) * (d + dv) * w           # K and V on this rank (MLA's V is narrower than K)
     q = T * (a / tp) * d * w
+    o = T * (a / tp) * dv * w                   # the attention output (and dO) has V's head dim
     n_attn = ld + le
     rows, add = _row_collector()
     # Backward: K,V hop cp-1 times again and the dK,dV accumulators hop cp-1 times (each starts
@@ -284,33 +288,33 @@ def _context_parallel_rows() -> list[RowSpec]:
     for phase, what in (("fwd", "K,V (packed) to the next rank of the ring"),
                         ("bwd", "K,V and, separately, the dK,dV accumulators around the ring")):
         mult = 1 if phase == "fwd" else 2
-        add(phase, "cp", "send", "cp", cp, 2 * kv, mult * CPRING * (cp - 1) * n_attn, True, what,
+        add(phase, "cp", "send", "cp", cp, kv2, mult * CPRING * (cp - 1) * n_attn, True, what,
             recv=0)
         add(phase, "cp", "recv", "cp", cp, 0, mult * CPRING * (cp - 1) * n_attn, True, what,
-            recv=2 * kv)
+            recv=kv2)
     # Recompute (selective or full) runs the CP attention's forward collectives again in backward.
     again = RSEL + RFULL
-    add("bwd", "cp", "send", "cp", cp, 2 * kv, again * CPRING * (cp - 1) * n_attn, True,
+    add("bwd", "cp", "send", "cp", cp, kv2, again * CPRING * (cp - 1) * n_attn, True,
         "recomputed attention: K,V (packed) around the ring again", recv=0)
     add("bwd", "cp", "recv", "cp", cp, 0, again * CPRING * (cp - 1) * n_attn, True,
-        "recomputed attention: K,V (packed) around the ring again", recv=2 * kv)
-    add("bwd", "cp", "all_gather", "cp", cp, _ag(2 * kv, cp), again * CPAG * n_attn, True,
+        "recomputed attention: K,V (packed) around the ring again", recv=kv2)
+    add("bwd", "cp", "all_gather", "cp", cp, _ag(kv2, cp), again * CPAG * n_attn, True,
         "recomputed attention: all-gather of K,V again")
-    add("bwd", "cp", "all_to_all", "cp", cp, _a2a(q + 2 * kv, cp), again * CPUL * n_attn, True,
+    add("bwd", "cp", "all_to_all", "cp", cp, _a2a(q + kv2, cp), again * CPUL * n_attn, True,
         "recomputed attention: Ulysses all-to-all of q,k,v again")
-    add("bwd", "cp", "all_to_all", "cp", cp, _a2a(q, cp), again * CPUL * n_attn, True,
+    add("bwd", "cp", "all_to_all", "cp", cp, _a2a(o, cp), again * CPUL * n_attn, True,
         "recomputed attention: Ulysses all-to-all of the output again")
-    add("fwd", "cp", "all_gather", "cp", cp, _ag(2 * kv, cp), CPAG * n_attn, True,
+    add("fwd", "cp", "all_gather", "cp", cp, _ag(kv2, cp), CPAG * n_attn, True,
         "all-gather of K,V, shard [b, s/cp, 2 g/tp, d]")
-    add("bwd", "cp", "reduce_scatter", "cp", cp, _rs(2 * kv * cp, cp), CPAG * n_attn, True,
+    add("bwd", "cp", "reduce_scatter", "cp", cp, _rs(kv2 * cp, cp), CPAG * n_attn, True,
         "reduce-scatter of dK,dV over the full sequence")
-    add("fwd", "cp", "all_to_all", "cp", cp, _a2a(q + 2 * kv, cp), CPUL * n_attn, True,
+    add("fwd", "cp", "all_to_all", "cp", cp, _a2a(q + kv2, cp), CPUL * n_attn, True,
         "Ulysses all-to-all of q,k,v: sequence shards -> head shards")
-    add("fwd", "cp", "all_to_all", "cp", cp, _a2a(q, cp), CPUL * n_attn, True,
+    add("fwd", "cp", "all_to_all", "cp", cp, _a2a(o, cp), CPUL * n_attn, True,
         "Ulysses all-to-all of the attention output: head shards -> sequence shards")
-    add("bwd", "cp", "all_to_all", "cp", cp, _a2a(q, cp), CPUL * n_attn, True,
+    add("bwd", "cp", "all_to_all", "cp", cp, _a2a(o, cp), CPUL * n_attn, True,
         "Ulysses all-to-all of dO")
-    add("bwd", "cp", "all_to_all", "cp", cp, _a2a(q + 2 * kv, cp), CPUL * n_attn, True,
+    add("bwd", "cp", "all_to_all", "cp", cp, _a2a(q + kv2, cp), CPUL * n_attn, True,
         "Ulysses all-to-all of dq,dk,dv")
     return rows
 

@@ -217,6 +217,11 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
             f"autopar: plan '{plan}' needs {plan.world_size} GPUs but the cluster has "
             f"{cluster.world_size} ({cluster.num_nodes} nodes x {cluster.gpus_per_node}); use a "
             f"bigger cluster or smaller degrees")
+    if plan.tp > 1 and spec.kv_lora_rank:
+        raise AutoparError(
+            f"autopar: plan '{plan}' splits multi-head latent attention (kv_lora_rank={spec.kv_lora_rank}) "
+            "over tp; the runtime does not shard latent attention by heads yet, so neither does the cost "
+            "model. Use tp=1 (dp, cp, ep, pp and ZeRO run it).")
     plan.validate(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, vocab=spec.vocab,
                   num_layers=spec.num_layers, num_experts=spec.num_experts,
                   global_batch=global_batch, seq_len=seq_len)

@@ -10,7 +10,8 @@ calibration sets (non-causal attention, optionally with the recompute pass).
 Per micro-batch on a rank (T = b*S/cp tokens, the stage holding l_d dense and l_e MoE
 layers, * = 2 for matmul multiply-adds):
   q,k,v,o projections   2*T*h*(a + 2g)*d/tp + 2*T*a*d*h/tp         per layer
-  causal attention      2*b*S^2*a*d/(tp*cp)   (x2 when unfused)      per layer
+                        (latent attention: 2*T*(its weights, attention_weights())/tp)
+  causal attention      b*S^2*a*(d + d_v)/(tp*cp)   (x2 when unfused) per layer
   dense MLP             2*T*(2 + gated)*h*F/tp                       per dense layer
   MoE (T/tp tokens)     2*(T/tp)*(h*E + (k*rho + n_sh)*(2 + gated)*h*F_e)  per MoE layer
   LM head               2*T*h*V/tp                                   last stage
@@ -24,10 +25,10 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from .symbols import (FLASH, LAST, RFULL, RSEL, E, V, a, b, cp, d, ep, f, fe, g, gated, h, k, ld, le,
-                      nsh, rho, s, tp)
+from .symbols import (FLASH, LAST, RFULL, RSEL, E, V, a, b, cp, d, dr, dv, ep, f, fe, g, gated, h, k, ld, le,
+                      lq, mla, nsh, rho, rkv, rq, s, tp)
 
-__all__ = ["Gemm", "gemm_classes", "model_flops", "megatron_flops", "per_token_layer_flops"]
+__all__ = ["Gemm", "attention_weights", "gemm_classes", "model_flops", "megatron_flops", "per_token_layer_flops"]
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,19 @@ class Gemm:
     size: sp.Expr       # effective GEMM size n for the efficiency curve
     bwd_factor: sp.Expr  # backward FLOPs / forward FLOPs
     recompute: sp.Expr  # fraction of the forward recomputed in backward (0..1)
+
+
+def attention_weights():
+    """Weight elements of one layer's attention, unsharded: ``(q, k and v projections, o)``.
+
+    Grouped-query attention: ``h*(a + 2g)*d`` and ``a*d*h``.  Multi-head latent attention
+    (``mla = 1``, DeepSeek): q through a rank-``r_q`` latent (``l_q = 1``: ``h*r_q + r_q*a*d``, else
+    ``h*a*d``), k and v from one rank-``r_kv`` latent plus the shared rope key
+    (``h*(r_kv + d_r)``) expanded to every head's no-rope key and value
+    (``r_kv*a*(d - d_r + d_v)``), and the output from V's head dim, ``a*d_v*h``."""
+    q = (1 - lq) * h * a * d + lq * (h * rq + rq * a * d)
+    kv = (1 - mla) * 2 * h * g * d + mla * (h * (rkv + dr) + rkv * a * (d - dr + dv))
+    return q + kv, a * dv * h
 
 
 def _n(M, K, N):
@@ -49,13 +63,13 @@ def gemm_classes() -> list[Gemm]:
     lay = ld + le
     mlp_mult = 2 + gated
     tokens_per_expert = Te * k * rho * ep / E
+    qkv, o = attention_weights()
     return [
-        Gemm("qkv_proj", lay * 2 * T * h * (a + 2 * g) * d / tp, _n(T, h, (a + 2 * g) * d / tp), 2,
-             RFULL),
-        Gemm("o_proj", lay * 2 * T * a * d * h / tp, _n(T, a * d / tp, h), 2, RFULL),
+        Gemm("qkv_proj", lay * 2 * T * qkv / tp, _n(T, h, qkv / (h * tp)), 2, RFULL),
+        Gemm("o_proj", lay * 2 * T * o / tp, _n(T, a * dv / tp, h), 2, RFULL),
         # Flash attention skips the masked half (bwd recomputes the scores: 2.5x); unfused
         # attention multiplies the full score matrix (and its backward is 2x).
-        Gemm("attention", lay * 2 * b * s**2 * a * d * (2 - FLASH) / (tp * cp), _n(s / cp, d, s),
+        Gemm("attention", lay * b * s**2 * a * (d + dv) * (2 - FLASH) / (tp * cp), _n(s / cp, d, s),
              2 + FLASH / 2,
              RSEL + RFULL),  # recompute modes are exclusive
         Gemm("mlp", ld * 2 * T * mlp_mult * h * f / tp, _n(T, h, f / tp), 2, RFULL),
@@ -69,8 +83,8 @@ def gemm_classes() -> list[Gemm]:
 
 def per_token_layer_flops(spec, seq_len: int) -> tuple[float, float, float]:
     """Forward FLOPs per token of (a dense layer, a MoE layer, the LM head), unsharded."""
-    hd, nh, nkv, H = spec.head_dim, spec.num_heads, spec.num_kv_heads, spec.hidden
-    attn = 2 * H * (nh + 2 * nkv) * hd + 2 * nh * hd * H + 2 * seq_len * nh * hd
+    H = spec.hidden
+    attn = 2 * spec.attention_weight_params + seq_len * spec.num_heads * (spec.head_dim + spec.v_dim)
     mult = 3 if spec.gated_mlp else 2
     dense = attn + 2 * mult * H * spec.ffn
     moe = attn + 2 * H * spec.num_experts + 2 * (spec.top_k + spec.num_shared_experts) * mult * H * (

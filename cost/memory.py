@@ -62,7 +62,7 @@ from __future__ import annotations
 import sympy as sp
 
 from .comm import local_param_elems
-from .symbols import (FIRST, FLASH, CPAG, INFL, LAST, RFULL, RSEL, SP, Z1, Z2, Z3, E, V, a, b, cp, d, dp, ep, f,
+from .symbols import (FIRST, FLASH, CPAG, INFL, LAST, RFULL, RSEL, SP, Z1, Z2, Z3, E, V, a, b, cp, d, dp, dv, ep, f,
                       fe, g, gated, h, k, ld, le, nsh, rho, s, tp, w, wg, wo, wp, wz)
 
 __all__ = ["memory_terms", "derived_layer_bytes", "derived_outside_bytes", "korthikanti_layer_bytes",
@@ -101,11 +101,11 @@ def derived_layer_bytes():
     # GQA's expand + reshape copies K and V to all local heads unless the rank holds one KV
     # head (then the reshape is a view); CP attention takes K, V at their own head count.
     kv_heads = g + (a - g) * _at_least_two(g / tp) * (1 - _at_least_two(cp))
-    attn = T * (a + 2 * kv_heads) * d * w / tp
-    attn_out = T * a * d * w / tp + 4 * T * a / tp
+    attn = T * (a * d + kv_heads * (d + dv)) * w / tp  # q, k, v (MLA's v is narrower)
+    attn_out = T * a * dv * w / tp + 4 * T * a / tp
     # Unfused attention keeps softmax output, dropout mask and dropped probabilities.
     attn_out += (1 - FLASH) * b * a * s**2 / (tp * cp) * (2 * w + 1)
-    cp_kv = CPAG * (cp - 1) * T * 2 * g * d * w / tp
+    cp_kv = CPAG * (cp - 1) * T * g * (d + dv) * w / tp
     mlp_keep = (1 + gated) * T * f * w / tp          # gate and up (or up)
     mlp_act = (1 + gated) * T * f * w / tp           # silu(gate) and product (or gelu(up))
     Te = T / tp

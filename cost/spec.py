@@ -31,7 +31,10 @@ class ModelSpec:
     a load-balancing loss in Hugging Face's form (per MoE layer, the tokens routed to each expert
     and the summed router probabilities over every token of the batch; ``output_router_logits``).
     ``qk_head_norm``: q and k are RMS-normalised per head, over the head dim (Qwen3), one weight
-    vector of the head dim each.
+    vector of the head dim each.  ``kv_lora_rank > 0``: multi-head latent attention (DeepSeek-V2/V3):
+    q (through a ``q_lora_rank`` latent, when > 0) and k of ``head_dim`` = no-rope + rope
+    (``qk_rope_head_dim``) dims, k and v expanded from one normalised ``kv_lora_rank`` latent, one
+    rope key shared by every head, v of ``v_head_dim``; tensor parallelism does not split it.
     """
 
     name: str = "custom"
@@ -56,6 +59,10 @@ class ModelSpec:
     qk_norm: bool = False
     router_aux_loss: bool = False
     qk_head_norm: bool = False
+    kv_lora_rank: int = 0  # > 0: multi-head latent attention (DeepSeek), k and v from this latent
+    q_lora_rank: int = 0  # MLA: q through a latent of this rank (0: a full q projection)
+    qk_rope_head_dim: int = 0  # MLA: the rope part of head_dim (q and k heads are nope + rope)
+    v_head_dim: int | None = None  # V's head dim (default head_dim; MLA's is its own)
 
     def __post_init__(self):
         for name in ("num_layers", "hidden", "num_heads", "vocab", "ffn", "moe_layer_freq"):
@@ -120,11 +127,26 @@ class ModelSpec:
 
     # ------------------------------------------------------------------ parameter counts
     @property
+    def v_dim(self) -> int:
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def attention_weight_params(self) -> int:
+        """The projections' matrices (cost/flops.py ``attention_weights`` in numbers)."""
+        hd, nh, nkv, H = self.head_dim, self.num_heads, self.num_kv_heads, self.hidden
+        rq, rkv = self.q_lora_rank, self.kv_lora_rank
+        q = H * rq + rq * nh * hd if rq else H * nh * hd
+        kv = H * (rkv + self.qk_rope_head_dim) + rkv * nh * (hd - self.qk_rope_head_dim + self.v_dim) if rkv \
+            else 2 * H * nkv * hd
+        return q + kv + nh * self.v_dim * H
+
+    @property
     def attention_params(self) -> int:
         hd, nh, nkv = self.head_dim, self.num_heads, self.num_kv_heads
-        qkv = self.hidden * (nh + 2 * nkv) * hd + (nh + 2 * nkv) * hd * int(self.qkv_bias)
-        qkv += (nh + nkv) * hd * int(self.qk_norm) + 2 * hd * int(self.qk_head_norm)
-        return qkv + nh * hd * self.hidden
+        extra = (nh + 2 * nkv) * hd * int(self.qkv_bias)
+        extra += (nh + nkv) * hd * int(self.qk_norm) + 2 * hd * int(self.qk_head_norm)
+        extra += (self.q_lora_rank + self.kv_lora_rank) * int(self.kv_lora_rank > 0)  # the latents' norms
+        return self.attention_weight_params + extra
 
     def mlp_params(self, width: int) -> int:
         return (3 if self.gated_mlp else 2) * self.hidden * width
@@ -262,9 +284,28 @@ def _fields_from_hf(cfg: dict) -> dict:
         fields.update(num_experts=experts, top_k=int(_get(cfg, "num_experts_per_tok", "top_k", default=2)),
                       moe_ffn=moe_ffn, num_shared_experts=shared, moe_layer_freq=freq,
                       first_dense_layers=first_dense, shared_expert_gate=bool(shared_width))
+    if model_type == "falcon":
+        fields.update(_falcon_fields(cfg, int(heads), int(hidden)))
+    if cfg.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3): its own head dims
+        rope, nope = int(cfg.get("qk_rope_head_dim") or 0), int(cfg.get("qk_nope_head_dim") or 0)
+        fields.update(kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+                      qk_rope_head_dim=rope, head_dim=nope + rope,
+                      v_head_dim=int(_get(cfg, "v_head_dim", default=nope + rope)))
     if fields["head_dim"] is not None:
         fields["head_dim"] = int(fields["head_dim"])
     return fields
+
+
+def _falcon_fields(cfg: dict, heads: int, hidden: int) -> dict:
+    """Falcon's own keys: KV heads (``num_kv_heads`` in the new decoder architecture, one with
+    multi-query attention), a plain GELU MLP, LayerNorms with bias, optional projection biases."""
+    if cfg.get("new_decoder_architecture"):
+        kv = int(_get(cfg, "num_kv_heads", default=heads))
+    else:
+        kv = 1 if cfg.get("multi_query", True) else heads
+    return dict(num_kv_heads=kv, ffn=int(_get(cfg, "ffn_hidden_size", default=4 * hidden)), gated_mlp=False,
+                norm="layernorm", qkv_bias=bool(cfg.get("bias", False)), tied_embeddings=bool(
+                    cfg.get("tie_word_embeddings", True)))
 
 
 PRESETS: dict[str, ModelSpec] = {

@@ -23,7 +23,7 @@ import sympy as sp
 
 __all__ = [
     "b", "s", "h", "a", "g", "d", "f", "fe", "V", "E", "k", "w", "nsh", "sgate", "nn", "qb", "qkn", "qkh", "aux",
-    "gated", "ld", "le", "L", "Le",
+    "gated", "mla", "lq", "rq", "rkv", "dr", "dv", "ld", "le", "L", "Le",
     "tp", "dp", "cp", "pp", "ep", "vpp", "m", "SP", "RSEL", "RFULL",
     "Z1", "Z2", "Z3", "CPRING", "CPAG", "CPUL", "FIRST", "LAST", "INFL", "NSEND", "NRECV",
     "rho", "FLASH", "wg", "wgc", "wo", "wp", "wz",
@@ -45,6 +45,11 @@ qkn = sp.Symbol("qk_norm", nonnegative=True)            # 1 if q and k are norma
 qkh = sp.Symbol("qk_head_norm", nonnegative=True)       # 1 if q and k are normalised per head
 aux = sp.Symbol("aux_loss", nonnegative=True)           # 1 if the loss has the MoE load-balancing loss
 gated = sp.Symbol("gated", nonnegative=True)            # 1 for SwiGLU (3 matrices), 0 for plain (2)
+mla = sp.Symbol("mla", nonnegative=True)                # 1 for multi-head latent attention (DeepSeek)
+lq = sp.Symbol("l_q", nonnegative=True)                 # 1 if MLA's q goes through a low-rank latent
+rq, rkv = sp.symbols("r_q r_kv", nonnegative=True)      # MLA: q and kv latent ranks
+dr = sp.Symbol("d_r", nonnegative=True)                 # MLA: the rope part of each q/k head (in d)
+dv = sp.Symbol("d_v", **_pos)                           # V's head dim (d without MLA)
 ld, le = sp.symbols("l_d l_e", nonnegative=True)        # dense / MoE layers on the scored stage
 L, Le = sp.symbols("L L_e", **_pos)                     # layers in the model / MoE layers in the model
 
@@ -77,7 +82,8 @@ def axis_link_symbols(axis: str):
     return sp.Symbol(f"beta_{axis}", positive=True), sp.Symbol(f"alpha_{axis}", nonnegative=True)
 
 
-MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, sgate, nn, qb, qkn, qkh, aux, gated, L, Le)
+MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, sgate, nn, qb, qkn, qkh, aux, gated, mla, lq, rq, rkv, dr,
+                 dv, L, Le)
 PLAN_SYMBOLS = (tp, dp, cp, pp, ep, vpp, m, SP, RSEL, RFULL, Z1, Z2, Z3, CPRING, CPAG, CPUL,
                 FIRST, LAST, INFL, NSEND, NRECV, ld, le, rho, FLASH)
 ALL_SYMBOLS = MODEL_SYMBOLS + PLAN_SYMBOLS + (wp, wg, wgc, wo, wz, peak, hbm_bw, eta_max, kappa, eps, phi)

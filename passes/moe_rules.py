@@ -15,7 +15,7 @@ from torch.fx import Node
 from autopar.ops import moe as M
 from .rules import R, RuleContext, ndim_of, pointwise_rule, register
 
-__all__ = ["topk_rule", "moe_token_rule"]
+__all__ = ["topk_rule", "gather_scatter_rule", "moe_token_rule"]
 
 aten = torch.ops.aten
 
@@ -36,6 +36,23 @@ def topk_rule(node: Node, pls: list, rc: RuleContext):
     if dim % ndim == pl.dim:
         raise rc.fail(node, f"selects along the sharded dim {pl.dim}")
     return (pl, pl)
+
+
+@register(aten.gather.default, aten.scatter.value, aten.scatter_.value, aten.scatter.src, aten.scatter_.src)
+def gather_scatter_rule(node: Node, pls: list, rc: RuleContext):
+    """``x.gather(dim, idx)`` / ``x.scatter(dim, idx, v)`` along a dim no input is sharded on
+    (a router's per-token picks: DeepSeek's group mask and gathered routing weights): each rank's
+    rows pick from its own rows, so the output keeps their shard."""
+    dim = node.args[1] % max(1, ndim_of(node.args[0]))
+    if all(isinstance(p, type(R)) for p in pls):
+        return R
+    shards = {p for p in pls if isinstance(p, Shard)}
+    if len(shards) == 1 and all(isinstance(p, Shard) for p in pls) and next(iter(shards)).dim != dim \
+            and len({ndim_of(a) for a in node.all_input_nodes}) == 1:
+        return next(iter(shards))
+    raise rc.fail(node, f"gathers or scatters along dim {dim} with inputs placed {pls}",
+                  "Only picks along a dim that no input is sharded on, with every input sharded alike, "
+                  "are supported; use a plan without this dimension.")
 
 
 @register(M.moe_dispatch, M.moe_experts, M.moe_combine)

@@ -588,6 +588,9 @@ def batched_matmul_rule(node: Node, pls: list, rc: RuleContext):
     if isinstance(a, Replicate) and isinstance(b, Shard) and ndim_of(node.args[1]) >= 2 \
             and b.dim == ndim_of(node.args[1]) - 1:  # columns of b: e.g. inv_freq @ positions (RoPE)
         return Shard(nd - 1)
+    if isinstance(a, Shard) and isinstance(b, Shard) and not rc.local_sizes and ndim_of(node.args[1]) == 2 \
+            and a.dim == ndim_of(node.args[0]) - 1 and b.dim == 0:  # row-parallel ``x @ w.T``: partial sums
+        return P
     raise rc.fail(node, f"operands {a}, {b} are not sharded on a common batch dim")
 
 

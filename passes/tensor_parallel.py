@@ -24,6 +24,7 @@ from torch.fx import GraphModule, Node
 
 from autopar.ops import collectives as C
 from autopar.frontend.analyze import RESHAPE_OPS, LinearInfo, ModelStructure, reshape_chain
+from autopar.frontend.fx_utils import module_path, within
 from autopar.errors import AutoparError, describe_node
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
 
@@ -78,7 +79,8 @@ def _shard_row(gm: GraphModule, ctx: PassContext, result: PassResult, info: Line
     result.shard_param(info.weight, AXIS, ParamShard(0 if info.in_out else 1))
     node = info.node
     bias = None
-    if info.bias:  # add the bias once, after the reduction
+    # add the bias once, after the reduction (a bias added after ``x @ w.T`` already is)
+    if info.bias and info.bias_in_op:
         if info.in_out:  # addmm(bias, x, w) -> mm(x, w)
             bias = node.args[0]
             node.target, node.args = aten.mm.default, (node.args[1], node.args[2])
@@ -165,6 +167,29 @@ def _vocab_parallel_loss(gm: GraphModule, loss: Node) -> None:
     provenance(loss, _PASS, AXIS, "cross-entropy on vocabulary-sharded logits", role="loss")
 
 
+def _check_rows_follow_attention(region) -> None:
+    """A row-parallel projection must consume the attention's output, not feed the attention: a
+    projection of another projection's output that feeds it is a low-rank latent (multi-head
+    latent attention), which splitting by heads does not cover."""
+    if region.attention is None:
+        return
+    for row in region.rows:
+        todo, seen = [row.node], set()
+        while todo:
+            node = todo.pop()
+            if node is region.attention:
+                raise AutoparError(
+                    f"autopar: tensor parallelism cannot split the attention in {region.module}: the projection "
+                    f"{row.module} ({describe_node(row.node)}) takes another projection's output and feeds the "
+                    "attention op, a low-rank latent projection as in multi-head latent attention (MLA), which "
+                    "sharding by heads does not cover yet. Use a plan without tp for this model (dp, cp, ep, pp "
+                    "and ZeRO run it).")
+            for user in node.users:  # the attention op is inside the region's module
+                if user not in seen and within(module_path(user), region.module):
+                    seen.add(user)
+                    todo.append(user)
+
+
 def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     s: ModelStructure = ctx.structure
     tp = ctx.axis_sizes[AXIS]
@@ -175,6 +200,7 @@ def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
             "projections around an attention op or feeding one another inside a module); "
             "use a plan without tp for this model.")
     for region in s.regions:
+        _check_rows_follow_attention(region)
         if region.kind == "attention":
             _check_divisible("number of attention heads", region.num_heads, tp, region.attention)
             _check_divisible("number of KV heads", region.num_kv_heads, tp, region.attention)

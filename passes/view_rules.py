@@ -136,7 +136,7 @@ def unflatten_rule(node: Node, pls: list, rc: RuleContext):
     return Shard(out)
 
 
-@register(aten.expand.default)
+@register(aten.expand.default, aten.broadcast_to.default)
 def expand_rule(node: Node, pls: list, rc: RuleContext):
     pl = pls[0]
     if isinstance(pl, Replicate) and rc.local_sizes:
@@ -162,11 +162,12 @@ def transpose_rule(node: Node, pls: list, rc: RuleContext):
     return Shard(d1 if pl.dim == d0 else d0 if pl.dim == d1 else pl.dim)
 
 
-@register(aten.t.default)
+@register(aten.t.default, aten.numpy_T.default)
 def t_rule(node: Node, pls: list, rc: RuleContext):
+    """``t`` (at most 2-D) and ``numpy_T`` (``x.T``: every dim reversed)."""
     pl = pls[0]
-    if isinstance(pl, Shard) and ndim_of(node) == 2:
-        return Shard(1 - pl.dim)
+    if isinstance(pl, Shard) and ndim_of(node) >= 2:
+        return Shard(ndim_of(node) - 1 - pl.dim)
     return pl
 
 
@@ -221,6 +222,45 @@ def select_rule(node: Node, pls: list, rc: RuleContext):
     return Shard(pl.dim - (1 if dim < pl.dim else 0))
 
 
+@register(aten.index.Tensor)
+def index_rule(node: Node, pls: list, rc: RuleContext):
+    """``x[..., idx, ...]`` with replicated integer indices on dims other than the sharded one:
+    the sharded dim moves where advanced indexing puts it.  A gather is linear, so a partial
+    sum stays partial."""
+    pl, index_pls = pls[0], pls[1:]
+    indices = list(node.args[1])
+    if any(not isinstance(p, Replicate) for p in index_pls):
+        raise rc.fail(node, f"indexes with index tensors placed {index_pls}",
+                      "Only replicated index tensors (constants, or computed from replicated values) are supported.")
+    if not isinstance(pl, Shard):
+        return pl
+    at = [i for i, idx in enumerate(indices) if idx is not None]
+    if any(shape_of(indices[i]) and indices[i].meta["val"].dtype in (torch.bool, torch.uint8) for i in at):
+        raise rc.fail(node, "indexes a sharded tensor with a boolean mask")
+    if pl.dim in at:
+        raise rc.fail(node, f"indexes along the sharded dim {pl.dim}")
+    num_index_dims = max(len(shape_of(indices[i])) for i in at)
+    if at != list(range(at[0], at[-1] + 1)):  # separated advanced indices: their dims come first
+        return Shard(num_index_dims + sum(1 for d in range(pl.dim) if d not in at))
+    if pl.dim < at[0]:
+        return pl
+    return Shard(pl.dim - len(at) + num_index_dims)
+
+
+@register(aten.copy_.default)
+def copy_rule(node: Node, pls: list, rc: RuleContext):
+    """``dst.copy_(src)`` (DeepSeek's keys written into two slices of an empty tensor): exact when
+    ``src`` is placed like ``dst`` after broadcasting; ``dst`` keeps its placement."""
+    dst, src = pls[0], pls[1]
+    if isinstance(src, Shard):
+        src = Shard(src.dim + ndim_of(node.args[0]) - ndim_of(node.args[1]))
+    if src == dst or (isinstance(dst, Replicate) and isinstance(src, Replicate)):
+        return dst
+    raise rc.fail(node, f"copies a value placed {pls[1]} into a tensor placed {dst}",
+                  "An in-place copy must keep the destination's placement; build the tensor from its parts "
+                  "(torch.cat) instead, or use a plan without this dimension.")
+
+
 @register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 def split_rule(node: Node, pls: list, rc: RuleContext):
     pl = pls[0]
@@ -245,8 +285,17 @@ def split_rule(node: Node, pls: list, rc: RuleContext):
     return tuple([pl] * num_out)
 
 
+def _legacy_empty(node: Node) -> bool:
+    """A 1-D tensor of size 0, which ``cat`` skips (a KV cache's initial value)."""
+    return shape_of(node) == (0,)
+
+
 @register(aten.cat.default)
 def cat_rule(node: Node, pls: list, rc: RuleContext):
+    parts = [(a, p) for a, p in zip(node.args[0], pls) if not _legacy_empty(a)]
+    if len(parts) == 1:  # a copy of the one part that is not skipped
+        return parts[0][1]
+    pls = [p for _, p in parts]
     shards = {p for p in pls if isinstance(p, Shard)}
     if not shards and not any(isinstance(p, Partial) for p in pls):
         return R

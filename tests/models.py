@@ -216,3 +216,40 @@ def hf_qwen3(seed: int = 0, **overrides):
 
 
 MODELS["hf_qwen3"] = (hf_qwen3, hf_loss, {"use_cache": False})
+
+
+def hf_falcon(seed: int = 0, **overrides):
+    """A tiny ``transformers.FalconForCausalLM`` with the new decoder architecture: one fused qkv
+    laid out by KV group (each group's query heads, then its key and value) and cut by slices and
+    list indices, projections written ``x @ w.T``, attention and MLP in parallel from two norms
+    (vocab 128, hidden 64, 2 layers, 4 heads in 2 KV groups)."""
+    return _hf("FalconConfig", "FalconForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+        new_decoder_architecture=True, parallel_attn=True, bias=False, alibi=False, multi_query=False,
+        max_position_embeddings=64, attn_implementation="sdpa"), overrides)
+
+
+MODELS["hf_falcon"] = (hf_falcon, hf_loss, {"use_cache": False})
+
+
+def hf_deepseek_v3(seed: int = 0, **overrides):
+    """A tiny ``transformers.DeepseekV3ForCausalLM``: multi-head latent attention (low-rank q and kv
+    projections, a rope / no-rope split of each head, K wider than V), a dense first layer, then a
+    MoE layer with a shared expert and sigmoid routing limited to the best of two expert groups
+    (score-correction bias, routing weights gathered from the scores) (vocab 128, hidden 64,
+    2 layers, 4 heads, 4 experts, top-2)."""
+    model = _hf("DeepseekV3Config", "DeepseekV3ForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
+        qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+        max_position_embeddings=64, rope_interleave=True, attn_implementation="sdpa"), overrides)
+    with torch.no_grad():  # a score-correction bias that changes the picks (a trained model's is not 0)
+        for layer in model.model.layers:
+            gate = getattr(layer.mlp, "gate", None)
+            if gate is not None and hasattr(gate, "e_score_correction_bias"):
+                gate.e_score_correction_bias.copy_(torch.tensor([0.02, -0.01, 0.01, -0.02]))
+    return model
+
+
+MODELS["hf_deepseek_v3"] = (hf_deepseek_v3, hf_loss, {"use_cache": False})

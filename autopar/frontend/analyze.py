@@ -13,8 +13,9 @@ Second stage of the pipeline.  Recognition goes by the ops and the dataflow, hel
   ``chunk`` on the feature dimension) is a *fused* projection (QKV, gate/up);
 - the *LM head* is the linear outside every region whose output width is the vocabulary.
 
-Linear layers are ``aten.linear`` (weight ``[out, in]``) or ``aten.addmm`` with a
-``[in, out]`` weight (Conv1D style); :class:`LinearInfo` records which.
+Linear layers are ``aten.linear`` (weight ``[out, in]``), ``aten.addmm`` with a
+``[in, out]`` weight (Conv1D style), or ``matmul(x, w.T)`` with a ``[out, in]`` weight and its
+bias added after it; :class:`LinearInfo` records which (``bias_in_op``).
 
 Neighbours: :mod:`autopar.frontend.trace` produces the graph; ``passes/tensor_parallel.py`` consumes
 :class:`ModelStructure`; :func:`model_dims` feeds ``autopar.cost.ModelSpec.from_module``.
@@ -59,6 +60,11 @@ class LinearInfo:
     split_sizes: list[int] | None = None  # fused projection: sizes of its parts
 
     @property
+    def bias_in_op(self) -> bool:
+        """Is the bias an argument of the op (linear, addmm), not an add after it (``x @ w.T + b``)?"""
+        return self.node.target in (aten.linear.default, aten.addmm.default)
+
+    @property
     def input(self) -> Node:
         return self.node.args[1] if self.in_out else self.node.args[0]
 
@@ -91,6 +97,7 @@ class ModelStructure:
     ffn: int
     tied_embeddings: bool
     moe: list = dataclasses.field(default_factory=list)  # autopar.frontend.analyze_moe.MoEBlock per MoE layer
+    norm_biases: bool = False  # the layers' norms are LayerNorms with a bias (GPT-2, OPT, Falcon)
     moe_error: AutoparError | None = None  # a top-k routing whose experts were not recognised
     loss_reduction: LossReduction | None = None  # how the loss splits over tokens (frontend/loss.py)
 
@@ -137,7 +144,34 @@ def _linear_info(node: Node) -> LinearInfo | None:
             return None
         in_f, out_f = node.args[2].meta["val"].shape
         return LinearInfo(node, weight, _attr(node.args[0]), True, int(in_f), int(out_f), module_path(node))
+    if node.target == aten.matmul.default and isinstance(node.args[1], Node) and _transposed(node.args[1]):
+        # ``x @ w.T`` with a [out, in] parameter (Falcon's FalconLinear); a bias is a later add
+        weight = _attr(node.args[1].args[0])
+        out_f, in_f = node.args[1].args[0].meta["val"].shape
+        return LinearInfo(node, weight, _trailing_bias(node, int(out_f)), False, int(in_f), int(out_f),
+                          module_path(node))
     return None
+
+
+def _transposed(node: Node) -> bool:
+    """Is ``node`` a 2-D parameter transposed (``w.T``, ``w.t()``, ``w.permute(1, 0)``)?"""
+    if node.op != "call_function" or not isinstance(node.args[0], Node) or _attr(node.args[0]) is None:
+        return False
+    if node.args[0].meta["val"].dim() != 2:
+        return False
+    return node.target in (aten.numpy_T.default, aten.t.default) or (
+        node.target == aten.permute.default and [d % 2 for d in node.args[1]] == [1, 0]) or (
+        node.target == aten.transpose.int and {d % 2 for d in node.args[1:3]} == {0, 1})
+
+
+def _trailing_bias(node: Node, out_features: int) -> str | None:
+    """The 1-D parameter added to ``node``'s output by its only user, if any."""
+    users = list(node.users)
+    if len(users) != 1 or users[0].target != aten.add.Tensor or users[0].args[0] is not node:
+        return None
+    bias = _attr(users[0].args[1])
+    val = users[0].args[1].meta.get("val") if bias else None
+    return bias if val is not None and tuple(val.shape) == (out_features,) else None
 
 
 def _ancestors(node: Node, stop: set[Node]) -> set[Node]:
@@ -238,16 +272,32 @@ def _attention_dims(op: Node) -> tuple[int, int, int]:
     num_kv_heads = int(k.shape[-3])
     if op.kwargs.get("enable_gqa"):
         return num_heads, num_kv_heads, head_dim
-    # GQA written as expand + reshape of K: find the pre-expansion head count.
+    # GQA written as a broadcast (expand / broadcast_to) + reshape of K: the copies it makes of each
+    # KV head (Llama's [b, kv, 1, s, d] -> [b, kv, rep, s, d]; Falcon's [b, s, g, 1, d] -> [b, s, g, rep, d]).
     node = op.args[1]
     while isinstance(node, Node) and node.op == "call_function":
-        if node.target == aten.expand.default and node.args[0].meta["val"].dim() == 5:
-            num_kv_heads = int(node.args[0].meta["val"].shape[1])
+        if node.target in (aten.expand.default, aten.broadcast_to.default) and node.args[0].meta["val"].dim() == 5:
+            before, after = node.args[0].meta["val"].shape, node.meta["val"].shape
+            copies = 1
+            for a, b in zip(before, after):
+                if isinstance(a, int) and isinstance(b, int) and a == 1 and b > 1:
+                    copies *= b
+            num_kv_heads //= copies
             break
-        if node.target in (aten.linear.default, aten.addmm.default):
+        if node.target in (aten.linear.default, aten.addmm.default, aten.matmul.default):
             break
-        node = node.args[0]
+        node = _main_input(node)
     return num_heads, num_kv_heads, head_dim
+
+
+def _main_input(node: Node) -> Node | None:
+    """The input a head-shaped value comes from: the first argument, or for a ``cat`` (a KV
+    cache's legacy empty tensor joined to the new keys) its largest part."""
+    first = node.args[0] if node.args else None
+    if isinstance(first, (list, tuple)):
+        parts = [p for p in first if isinstance(p, Node) and isinstance(p.meta.get("val"), torch.Tensor)]
+        return max(parts, key=lambda p: p.meta["val"].dim(), default=None)
+    return first
 
 
 def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node]) -> list[Region]:
@@ -321,6 +371,10 @@ def analyze(gm: GraphModule) -> ModelStructure:
         if n.op == "get_attr" and module_path(next(iter(n.users), n)) in norm_modules:
             if n.target not in norm_weights and n.meta["val"].dim() == 1:
                 norm_weights.append(n.target)
+    layer_norms = [n for n in nodes if n.target in _NORM_OPS and n.target != aten.rsqrt.default]
+    norm_biases = bool(layer_norms) and all(
+        n.target in (aten.layer_norm.default, aten.native_layer_norm.default) and len(n.args) > 3
+        and _attr(n.args[3]) is not None for n in layer_norms)
     losses = [n for n in nodes if n.target == aten.cross_entropy_loss.default]
     mlps = [r for r in regions if r.kind == "mlp"]
     ffn = max((c.out_features // max(1, len(c.split_sizes or [1])) for r in mlps for c in r.columns), default=0)
@@ -339,6 +393,7 @@ def analyze(gm: GraphModule) -> ModelStructure:
         head_dim=first.head_dim if first else 0,
         ffn=ffn,
         tied_embeddings=bool(lm_head and embeddings and lm_head.weight == embeddings[0].args[0].target),
+        norm_biases=norm_biases,
         moe=moe,
         moe_error=moe_error,
         loss_reduction=loss_reduction(gm),
@@ -359,6 +414,24 @@ def model_dims(model: torch.nn.Module, example_inputs, example_kwargs: dict | No
     config = getattr(model, "config", None)
     dims["router_aux_loss"] = bool(getattr(config, "output_router_logits", False)) and dims.get("num_experts", 0) > 0
     return {"name": type(model).__name__, **dims}
+
+
+def _latent_dims(region: Region) -> dict:
+    """``ModelSpec``'s multi-head latent attention fields when projections of the region's own
+    projections feed the attention op (DeepSeek's ``kv_b_proj`` of the ``kv_a_proj`` latent,
+    ``q_b_proj`` of the ``q_a_proj`` latent); empty for attention whose rows follow it."""
+    op = region.attention
+    rows, linears = {r.node: r for r in region.rows}, {c.node for c in region.columns} | {r.node for r in region.rows}
+    kv_up = [rows[n] for n in _ancestors(op.args[2], linears) if n in rows]
+    if len(kv_up) != 1:
+        return {}
+    q_up = [rows[n] for n in _ancestors(op.args[0], linears) if n in rows]
+    kv_down = [c for c in region.columns if c.node in _ancestors(kv_up[0].node, linears)]
+    if len(kv_down) != 1 or len(q_up) > 1:
+        return {}
+    return {"kv_lora_rank": kv_up[0].in_features, "q_lora_rank": q_up[0].in_features if q_up else 0,
+            "qk_rope_head_dim": kv_down[0].out_features - kv_up[0].in_features,
+            "v_head_dim": int(op.args[2].meta["val"].shape[-1])}
 
 
 def structure_dims(s: ModelStructure) -> dict:
@@ -383,6 +456,7 @@ def structure_dims(s: ModelStructure) -> dict:
                "moe_layer_freq": max(1, s.num_layers // len(s.moe)),
                "first_dense_layers": s.num_layers - len(s.moe) * max(1, s.num_layers // len(s.moe))}
     return {
+        **(_latent_dims(attention) if attention is not None else {}),
         "num_layers": s.num_layers,
         "hidden": s.hidden,
         "num_heads": s.num_heads,
@@ -395,6 +469,7 @@ def structure_dims(s: ModelStructure) -> dict:
         "qkv_bias": qkv_bias,
         "qk_norm": qk_norm,
         "qk_head_norm": qk_head_norm,
+        "norm": "layernorm" if s.norm_biases else "rmsnorm",
         **moe,
     }
 

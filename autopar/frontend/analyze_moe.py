@@ -149,6 +149,18 @@ def _weights(region: set[Node], index: Node, topk: Node) -> Node | None:
     return None
 
 
+def _gathered_weights(region: set[Node], index: Node, needed: set[Node]) -> Node | None:
+    """The float [T, k] tensor inside ``region`` that no expert computation feeds: routing weights
+    gathered from the router's scores at the top-k indices (``scores.gather(1, idx)``), then
+    normalised and scaled.  The last such node before the experts use it."""
+    num_tokens, k = _shape(index)
+    found = [n for n in region if n.op == "call_function" and _is_float(n) and _shape(n) == (num_tokens, k)
+             and (_ancestors(n) | {n}).isdisjoint(needed)]
+    if not found or not any(n.target is aten.gather.default for n in found):
+        return None
+    return max(found, key=_order)
+
+
 def _order(node: Node) -> int:
     return node.meta["_autopar_order"]
 
@@ -230,6 +242,10 @@ def _block(gm: GraphModule, topk: Node) -> MoEBlock | None:
     tokens = next((a for n in sorted(region, key=_order) for a in n.all_input_nodes
                    if a not in region and _is_float(a) and _shape(a) == _shape(output)), None)
     weights = _weights(region, index, topk)
+    if weights is None:  # gathered from the scores by the indices (DeepSeek's sigmoid routing)
+        weights = _gathered_weights(region, index, needed)
+        if weights is not None:  # the routing arithmetic is the router's, not the experts'
+            region -= _ancestors(weights) | {weights}
     if tokens is None or weights is None:
         raise AutoparError(f"autopar: the experts region ending at {describe_node(output)} has no "
                            f"{'[tokens, hidden] input' if tokens is None else '[tokens, top-k] weight input'}; "

@@ -136,7 +136,7 @@ def _pairs(q_pos, k_pos, chunk, causal):
 def _attend(q, k, v, q_pos, k_pos, scale, causal, groups, chunk, out=None, lse=None):
     """Merge attention of ``q`` over (``k``, ``v``) into ``(out, lse)``; returns them."""
     if out is None:
-        out = torch.zeros_like(q)
+        out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # V's head dim (MLA's is narrower than K's)
         lse = torch.full(q.shape[:-1], -math.inf, dtype=_acc(q), device=q.device)
     k, v = _expand(k, groups), _expand(v, groups)
     for qs, ks, mask in _pairs(q_pos, k_pos, chunk, causal):
@@ -212,9 +212,9 @@ def allgather_attention(q, k, v, axis: str, scale=None, causal: bool = True, num
     """All-gather packed K,V over ``axis``; local queries against the full K,V."""
     n, r = C.axis_size(axis), C.axis_rank(axis)
     local = q.shape[2]
-    heads_kv = k.shape[1]
-    kv = C.all_gather(torch.cat([k, v], dim=1), 2, axis, tag or "cp all-gather K,V")
-    k_full, v_full = kv[:, :heads_kv], kv[:, heads_kv:]
+    d_k = k.shape[-1]  # K and V packed along the head dim, which may differ (DeepSeek's MLA)
+    kv = C.all_gather(torch.cat([k, v], dim=-1), 2, axis, tag or "cp all-gather K,V")
+    k_full, v_full = kv[..., :d_k], kv[..., d_k:]
     q_pos = _positions(local, r, n, q.device)
     k_pos = torch.cat([_positions(local, j, n, q.device) for j in range(n)])
     return _LocalAttention.apply(q, k_full, v_full, q_pos, k_pos, _scale(q, scale), causal, num_kv_groups,
@@ -234,25 +234,31 @@ def _a2a(buf: torch.Tensor, axis: str, phase: str, tag: str) -> torch.Tensor:
     return out
 
 
+def _unpack(got, shapes):
+    """Split a packed all-to-all result ``[n, B, sum(numel_i)]`` into ``[n, B, *shape_i]`` parts."""
+    sizes = [math.prod(shape) for shape in shapes]
+    return [x.reshape(*got.shape[:2], *shape) for x, shape in zip(got.split(sizes, dim=2), shapes)]
+
+
 def _seq_to_heads(parts, n, axis, phase, tag):
-    """[B, H_i, S_l, d] per part -> [B, H_i/n, n*S_l, d] per part (one packed all-to-all)."""
-    b, _, s_l, d = parts[0].shape
-    sizes = [p.shape[1] // n for p in parts]
-    buf = torch.cat([p.reshape(b, n, h, s_l, d) for p, h in zip(parts, sizes)], dim=2)
-    got = _a2a(buf.movedim(1, 0), axis, phase, tag)  # [n (source), B, sum(h), S_l, d]
-    got = got.movedim(0, 2).reshape(b, sum(sizes), n * s_l, d)
-    return list(got.split(sizes, dim=1))
+    """[B, H_i, S_l, d_i] per part -> [B, H_i/n, n*S_l, d_i] per part (one packed all-to-all;
+    the parts may differ in head dim: DeepSeek's MLA has a wider K than V)."""
+    b, _, s_l, _ = parts[0].shape
+    shapes = [(p.shape[1] // n, s_l, p.shape[-1]) for p in parts]
+    buf = torch.cat([p.reshape(b, n, -1) for p in parts], dim=2)
+    got = _a2a(buf.movedim(1, 0), axis, phase, tag)  # [n (source), B, packed heads of every part]
+    return [x.movedim(0, 2).reshape(b, h, n * s_l, d) for x, (h, _, d) in zip(_unpack(got, shapes), shapes)]
 
 
 def _heads_to_seq(parts, n, axis, phase, tag):
-    """Inverse of :func:`_seq_to_heads`: [B, h_i, n*S_l, d] -> [B, n*h_i, S_l, d]."""
-    b, _, s, d = parts[0].shape
+    """Inverse of :func:`_seq_to_heads`: [B, h_i, n*S_l, d_i] -> [B, n*h_i, S_l, d_i]."""
+    b, _, s, _ = parts[0].shape
     s_l = s // n
-    sizes = [p.shape[1] for p in parts]
-    buf = torch.cat(parts, dim=1).reshape(b, sum(sizes), n, s_l, d).movedim(2, 0)
-    got = _a2a(buf, axis, phase, tag)  # [n (head group), B, sum(h), S_l, d]
-    got = got.movedim(0, 1)  # [B, n, sum(h), S_l, d]
-    return [x.reshape(b, n * h, s_l, d) for x, h in zip(got.split(sizes, dim=2), sizes)]
+    shapes = [(p.shape[1], s_l, p.shape[-1]) for p in parts]
+    buf = torch.cat([p.reshape(b, h, n, s_l, d).movedim(2, 0).reshape(n, b, -1)
+                     for p, (h, _, d) in zip(parts, shapes)], dim=2)
+    got = _a2a(buf, axis, phase, tag)  # [n (head group), B, packed sequence chunks of every part]
+    return [x.movedim(0, 1).reshape(b, n * h, s_l, d) for x, (h, _, d) in zip(_unpack(got, shapes), shapes)]
 
 
 class _ToHeads(torch.autograd.Function):
@@ -322,14 +328,14 @@ class _RingAttention(torch.autograd.Function):
         n, r = C.axis_size(axis), C.axis_rank(axis)
         local = q.shape[2]
         chunk = max(1, local // 2)
-        heads_kv = k.shape[1]
+        d_k = k.shape[-1]  # K and V packed along the head dim (MLA's differ)
         q_pos = _positions(local, r, n, q.device)
-        kv = torch.cat([k, v], dim=1).contiguous()
+        kv = torch.cat([k, v], dim=-1).contiguous()
         out = lse = None
         for step in range(n):
             hop = _Exchange(kv, axis, "fwd", tag) if step < n - 1 else None  # overlaps the block below
             src = (r - step) % n
-            out, lse = _attend(q, kv[:, :heads_kv], kv[:, heads_kv:], q_pos, _positions(local, src, n, q.device),
+            out, lse = _attend(q, kv[..., :d_k], kv[..., d_k:], q_pos, _positions(local, src, n, q.device),
                                scale, causal, groups, chunk, out, lse)
             if hop is not None:
                 kv = hop.wait()
@@ -346,12 +352,12 @@ class _RingAttention(torch.autograd.Function):
         n, r = C.axis_size(axis), C.axis_rank(axis)
         local = q.shape[2]
         chunk = max(1, local // 2)
-        heads_kv = k.shape[1]
+        d_k = k.shape[-1]
         dout = dout.contiguous()
         q_pos = _positions(local, r, n, q.device)
         delta = (dout.to(_acc(q)) * out.to(_acc(q))).sum(-1)
         dq = torch.zeros_like(q)
-        kv_local = torch.cat([k, v], dim=1).contiguous()
+        kv_local = torch.cat([k, v], dim=-1).contiguous()
         kv = _Exchange(kv_local, axis, "bwd", tag).wait() if n > 1 else kv_local
         dkv = None
         for step in range(n):
@@ -359,16 +365,16 @@ class _RingAttention(torch.autograd.Function):
             if step == n - 1:
                 kv = kv_local
             hop = _Exchange(kv, axis, "bwd", tag) if step < n - 2 else None
-            _, dk, dv = _attend_backward(q, kv[:, :heads_kv], kv[:, heads_kv:], out, dout, lse, q_pos,
+            _, dk, dv = _attend_backward(q, kv[..., :d_k], kv[..., d_k:], out, dout, lse, q_pos,
                                          _positions(local, src, n, q.device), scale, causal, groups, chunk,
                                          dq=dq, delta=delta)
-            blk = torch.cat([dk, dv], dim=1)
+            blk = torch.cat([dk, dv], dim=-1)
             dkv = blk if dkv is None else dkv + blk
             if step < n - 1:
                 dkv = _Exchange(dkv, axis, "bwd", tag, channel=1).wait()
             if hop is not None:
                 kv = hop.wait()
-        return dq, dkv[:, :heads_kv], dkv[:, heads_kv:], None, None, None, None, None
+        return dq, dkv[..., :d_k], dkv[..., d_k:], None, None, None, None, None
 
 
 def ring_attention(q, k, v, axis: str, scale=None, causal: bool = True, num_kv_groups: int = 1,

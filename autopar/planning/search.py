@@ -68,6 +68,8 @@ def _structures(spec, world: int, seq_len: int, global_batch: int, opts: dict) -
     for tp in _divisors(world):
         if heads % tp or kv % tp or spec.vocab % tp or tp > opts.get("max_tp", world):
             continue
+        if tp > 1 and spec.kv_lora_rank:  # latent attention: the runtime does not split it by heads
+            continue
         for cp in _divisors(world // tp):
             if cp > 1 and seq_len % (2 * cp):
                 continue

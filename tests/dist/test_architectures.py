@@ -22,7 +22,19 @@ batches (loss per step <= 1e-5, full state dict <= 1e-4, fp32):
   all-reduced before the product (passes/batch_propagation.py, and the rules' data-axis form);
 - Qwen3 under ``tp=2,sp``, ``cp=2:ring``, ``pp=2,mb=2`` and ``dp=2,zero=3``: q and k are
   RMS-normalised per head, over the head dim, which no plan splits (the norm weights are
-  replicated; under tp their gradient is a partial sum over the heads a rank holds).
+  replicated; under tp their gradient is a partial sum over the heads a rank holds);
+- Falcon (new decoder architecture) under ``tp=2,sp``, ``cp=2:ring``, ``pp=2,mb=2`` and
+  ``dp=2,zero=3``: projections are ``x @ w.T`` (recognised as linears, the bias an add after
+  them), the fused qkv is grouped by KV head and cut by slices and list indices (the column
+  shard holds whole groups, so both stay on the rank), and attention and MLP run in parallel
+  (two row-parallel reductions added together);
+- DeepSeek-V3 under ``cp=2:ulysses``, ``cp=2:ring``, ``ep=2,dp=2``, ``pp=2,mb=2`` and
+  ``dp=2,zero=3``: latent attention (K wider than V, packed along the head dim by the CP
+  collectives; the keys written into an empty tensor by two in-place copies), a dense first
+  layer, sigmoid routing with a score-correction bias limited to the best expert group (the
+  group mask scattered and the weights gathered per token; the weights are the router's
+  output, outside the experts).  Under tp the latent projections are refused
+  (tests/unit/test_architecture_rules.py).
 
 All plans run in one pool job.  The single-process half (the gradient placements, the cp
 refusals) is tests/unit/test_soundness.py; the argument is docs/soundness.md.
@@ -41,7 +53,10 @@ CASES = [("hf_gemma2", "tp=2"), ("hf_gemma2", "tp=2,sp"), ("hf_opt", "cp=2:allga
          ("hf_opt", "tp=2"), ("hf_phi3", "tp=2,sp"), ("hf_phi3", "pp=2,mb=2"), ("hf_olmo2", "tp=2"),
          ("hf_olmo2", "tp=2,sp"), ("hf_mixtral_aux", "dp=2"), ("hf_mixtral_aux", "ep=2,dp=2"),
          ("hf_mixtral_aux", "tp=2,sp"), ("hf_mixtral_aux", "cp=2"), ("hf_qwen3", "tp=2,sp"), ("hf_qwen3", "cp=2:ring"),
-         ("hf_qwen3", "pp=2,mb=2"), ("hf_qwen3", "dp=2,zero=3")]
+         ("hf_qwen3", "pp=2,mb=2"), ("hf_qwen3", "dp=2,zero=3"), ("hf_falcon", "tp=2,sp"),
+         ("hf_falcon", "cp=2:ring"), ("hf_falcon", "pp=2,mb=2"), ("hf_falcon", "dp=2,zero=3"),
+         ("hf_deepseek_v3", "cp=2:ulysses"), ("hf_deepseek_v3", "cp=2:ring"), ("hf_deepseek_v3", "ep=2,dp=2"),
+         ("hf_deepseek_v3", "pp=2,mb=2"), ("hf_deepseek_v3", "dp=2,zero=3")]
 
 
 @functools.lru_cache(maxsize=None)
@@ -80,3 +95,20 @@ def test_load_balancing_loss_bytes_equal_cost_model(trained, plan):
         kwargs = {"expert_counts": _dispatch_counts(r["comm"]), "ep_rank": _ep_rank(rank, cost.plan)} \
             if cost.plan.ep > 1 else {}
         assert_comm_equal(r["comm"], cost.comm_table(**kwargs), rank)
+
+
+@pytest.mark.parametrize("plan", ["cp=2:ulysses", "cp=2:ring", "ep=2,dp=2", "pp=2,mb=2", "dp=2,zero=3"])
+def test_latent_attention_bytes_equal_cost_model(trained, plan):
+    """DeepSeek-V3's collectives are what the cost model prices from the traced module: the
+    latent attention's parameters (``kv_lora_rank``, ``q_lora_rank``, the rope split) in the
+    gradient and ZeRO collectives, K wider than V in the CP ones (``v_head_dim``)."""
+    from tests.comm_check import assert_comm_equal, predicted_cost
+    from tests.dist.test_ep_bytes import _dispatch_counts, _ep_rank
+
+    cost = predicted_cost("hf_deepseek_v3", {}, plan, 2, BATCH)
+    assert (cost.spec.kv_lora_rank, cost.spec.q_lora_rank, cost.spec.v_head_dim) == (16, 32, 16)
+    for rank, r in enumerate(trained[("hf_deepseek_v3", plan)]):
+        kwargs = {"expert_counts": _dispatch_counts(r["comm"]), "ep_rank": _ep_rank(rank, cost.plan)} \
+            if cost.plan.ep > 1 else {}
+        stage = rank // (cost.plan.world_size // cost.plan.pp)  # pp is the outermost mesh axis
+        assert_comm_equal(r["comm"], cost.comm_table(stage, **kwargs), rank)

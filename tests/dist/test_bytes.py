@@ -48,3 +48,13 @@ def test_qwen3_per_head_norm_bytes_equal_cost_model(dist_pool):
     assert cost.spec.qk_head_norm
     for rank, r in enumerate(results):
         assert_comm_equal(r["comm"], cost.comm_table(), rank)
+
+
+# Falcon's new decoder: ``x @ w.T`` projections, a KV-grouped fused qkv, attention and MLP in
+# parallel (two row-parallel reductions a layer, as in any decoder).
+def test_falcon_bytes_equal_cost_model(dist_pool):
+    results = dist_pool(train_job, "hf_falcon", "tp=2,sp", "sgd", {}, 1, world=2)
+    cost = predicted_cost("hf_falcon", {}, "tp=2,sp", 2, BATCH)
+    assert (cost.spec.num_heads, cost.spec.num_kv_heads) == (4, 2)
+    for rank, r in enumerate(results):
+        assert_comm_equal(r["comm"], cost.comm_table(), rank)

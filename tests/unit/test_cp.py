@@ -63,10 +63,11 @@ def test_data_dependent_mask_is_refused():
         compile_program(model, inputs, kwargs, "cp=2:ring", loss_fn, world_size=2)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_blockwise_attention_matches_sdpa(causal):
+@pytest.mark.parametrize("causal,d_v", [(True, 8), (False, 8), (True, 5)])
+def test_blockwise_attention_matches_sdpa(causal, d_v):
     """One process: the block attention with explicit backward, on tokens in load-balanced order
-    (chunks 0,3 then 1,2) and GQA (2 query heads per K/V head), equals sdpa on the ordered sequence."""
+    (chunks 0,3 then 1,2) and GQA (2 query heads per K/V head), equals sdpa on the ordered sequence;
+    also with V narrower than K (DeepSeek's latent attention)."""
     import torch
     import torch.nn.functional as F
 
@@ -76,7 +77,7 @@ def test_blockwise_attention_matches_sdpa(causal):
     b, heads, kv_heads, seq, d = 2, 4, 2, 16, 8
     q = torch.randn(b, heads, seq, d, dtype=torch.float64, requires_grad=True)
     k = torch.randn(b, kv_heads, seq, d, dtype=torch.float64, requires_grad=True)
-    v = torch.randn(b, kv_heads, seq, d, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(b, kv_heads, seq, d_v, dtype=torch.float64, requires_grad=True)
     order = torch.cat([cp_chunk_indices(seq, 0, 2), cp_chunk_indices(seq, 1, 2)])
     assert order.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
     out = _LocalAttention.apply(q[:, :, order], k[:, :, order], v[:, :, order], order, order,
@@ -89,3 +90,39 @@ def test_blockwise_attention_matches_sdpa(causal):
     want = torch.autograd.grad(ref[:, :, order], (q, k, v), grad)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w)
+
+
+def test_ulysses_packing_with_different_head_dims(monkeypatch):
+    """Two simulated ranks: the packed all-to-all gives rank r the whole sequence of head group r
+    for q, k and a narrower v (MLA), and the inverse returns each rank its sequence chunk."""
+    import torch
+
+    from autopar.ops import cp_attention as CPA
+
+    n, b, heads, seq = 2, 2, 4, 8
+    full = [torch.randn(b, heads, seq, d) for d in (6, 6, 4)]  # q, k, v
+    chunks = [[x[:, :, r * seq // n:(r + 1) * seq // n] for x in full] for r in range(n)]
+    sent: dict = {}
+
+    def exchange(fn, per_rank):
+        """Run ``fn`` on every rank's parts; the all-to-all swaps dim-0 slices between ranks."""
+        monkeypatch.setattr(CPA, "_a2a", lambda buf, *a: sent.setdefault(len(sent), buf.contiguous()) * 0)
+        sent.clear()
+        for parts in per_rank:
+            fn(parts, n, "cp", "fwd", "")
+        bufs = dict(sent)
+        out = []
+        for r, parts in enumerate(per_rank):
+            got = torch.stack([bufs[src][r] for src in range(n)])
+            monkeypatch.setattr(CPA, "_a2a", lambda buf, *a, got=got: got)
+            out.append(fn(parts, n, "cp", "fwd", ""))
+        return out
+
+    heads_out = exchange(CPA._seq_to_heads, chunks)
+    for r in range(n):
+        for got, x in zip(heads_out[r], full):
+            torch.testing.assert_close(got, x[:, r * heads // n:(r + 1) * heads // n])
+    back = exchange(CPA._heads_to_seq, heads_out)
+    for r in range(n):
+        for got, want in zip(back[r], chunks[r]):
+            torch.testing.assert_close(got, want)

@@ -1,0 +1,218 @@
+"""Rules and recognition that Falcon's new decoder and DeepSeek-V3 need (issue 15), one process.
+
+- ``x @ w.T`` projections are linears (Falcon's ``FalconLinear``), their bias an add after them;
+- grouped-query attention written with ``broadcast_to`` (Falcon's KV groups) counts its KV heads;
+- ``index.Tensor`` with replicated indices, ``gather`` / ``scatter`` along an unsharded dim, an
+  in-place ``copy_`` and ``cat`` with a KV cache's legacy empty tensor have exact rules, and refuse
+  what they cannot place;
+- DeepSeek's routing weights gathered from sigmoid scores are the router's, outside the experts;
+- multi-head latent attention under tp is refused naming the projection and its source line.
+
+The multi-rank equality of these models is tests/dist/test_architectures.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.distributed.tensor import Replicate, Shard
+from torch.fx import GraphModule
+
+from autopar.errors import AutoparError
+from autopar.frontend.analyze import analyze, structure_dims
+from autopar.frontend.trace import trace_model
+from autopar.ops import collectives as C
+from autopar.passes.rules import RuleContext, lookup, tensor_inputs
+from autopar.runtime import compile_program
+from tests.models import MODELS, make_batch
+from tests.unit.test_soundness import _Builder
+
+aten = torch.ops.aten
+
+
+def _structure(name: str, **overrides):
+    factory, loss_fn, kwargs = MODELS[name]
+    ids, target = make_batch(128, 2, 16, 0)
+    return analyze(trace_model(factory(**overrides), (ids,), kwargs, loss_fn, target).gm)
+
+
+def _compile(name: str, plan: str, **overrides):
+    factory, loss_fn, kwargs = MODELS[name]
+    ids, _ = make_batch(128, 4, 16, 0)
+    return compile_program(factory(**overrides), (ids,), kwargs, plan, loss_fn, world_size=2)
+
+
+def test_falcon_projections_are_recognised_as_linears():
+    s = _structure("hf_falcon")
+    assert [(r.kind, [c.module.rsplit(".", 1)[-1] for c in r.columns], [w.module.rsplit(".", 1)[-1] for w in r.rows])
+            for r in s.regions if ".h.0." in r.module + "."] == [("attention", ["query_key_value"], ["dense"]),
+                                        ("mlp", ["dense_h_to_4h"], ["dense_4h_to_h"])]
+    assert (s.num_heads, s.num_kv_heads, s.head_dim) == (4, 2, 16)  # 2 KV groups, broadcast to 4 heads
+    dims = structure_dims(s)
+    assert dims["norm"] == "layernorm" and not dims["gated_mlp"]
+
+
+def test_falcon_bias_added_after_the_row_reduction():
+    """``x @ w.T + b``: a column bias is sharded with the weight, a row bias added once after the
+    all-reduce (the runner refuses a row-parallel partial sum plus a replicated bias)."""
+    traced, _ = _compile("hf_falcon", "tp=2", bias=True)
+    reduces = [n for n in traced.gm.graph.nodes if n.target is C.all_reduce
+               and n.meta["autopar"].role == "row_output"]
+    assert len(reduces) == 4  # attention and MLP, 2 layers
+    for node in reduces:
+        (user,) = node.users
+        assert user.target is aten.add.Tensor and user.args[1].op == "get_attr"
+        assert user.args[1].target.endswith(".bias")
+
+
+def _placed(b, node, axis="tp", **options):
+    """The rule's output placement for ``node``, its inputs placed as ``b`` says (no loss needed)."""
+    b.graph.output((node,))
+    rc = RuleContext(GraphModule(b.root, b.graph), axis, 2, {}, **options)
+    return lookup(node.target)(node, [b.sharded.get(a, Replicate()) for a in tensor_inputs(node)], rc)
+
+
+def _index(b, x, index_shape, positions, out_shape):
+    idx = b.input("idx", *index_shape)
+    idx.meta["val"] = torch.zeros(index_shape, dtype=torch.long)
+    indices = [idx if i in positions else None for i in range(max(positions) + 1)]
+    return b.op(aten.index.Tensor, x, indices, shape=out_shape)
+
+
+@pytest.mark.parametrize("shard,positions,index_shape,out_shape,want", [
+    (1, [3], (1,), (2, 8, 2, 1, 4), Shard(1)),  # Falcon's qkv[:, :, :, [-2]] on sequence shards
+    (4, [3], (1,), (2, 8, 2, 1, 4), Shard(4)),  # a dim after the index keeps its place
+    (4, [2, 3], (3,), (2, 8, 3, 4), Shard(3)),  # two adjacent indices: one dim of the index's shape
+    (1, [0, 2], (3,), (3, 8, 6, 4), Shard(1)),  # separated indices: their dim first, then the rest
+])
+def test_index_moves_the_sharded_dim(shard, positions, index_shape, out_shape, want):
+    b = _Builder()
+    x = b.input("x", 2, 8, 2, 6, 4, shard=shard)
+    out = _index(b, x, index_shape, positions, out_shape)
+    want_shape = tuple(torch.zeros(2, 8, 2, 6, 4)[tuple(torch.zeros(index_shape, dtype=torch.long)
+                                                        if i in positions else slice(None)
+                                                        for i in range(max(positions) + 1))].shape)
+    assert want_shape == out_shape  # the case's shapes are PyTorch's
+    assert _placed(b, out) == want
+
+
+def test_index_along_the_sharded_dim_is_refused():
+    b = _Builder()
+    x = b.input("x", 2, 8, 2, 6, 4, shard=3)
+    out = _index(b, x, (1,), [3], (2, 8, 2, 1, 4))
+    with pytest.raises(AutoparError, match=r"indexes along the sharded dim 3"):
+        _placed(b, out)
+
+
+def _picks(shard: int):
+    """``scores.gather(1, idx)`` with scores [8, 4] and idx [8, 2] both sharded on ``shard``."""
+    b = _Builder()
+    scores = b.input("scores", 8, 4, shard=shard)
+    idx = b.input("idx", 8, 2, shard=shard)
+    idx.meta["val"] = torch.zeros(8, 2, dtype=torch.long)
+    return b, idx, b.op(aten.gather.default, scores, 1, idx, shape=(8, 2))
+
+
+def test_gather_and_scatter_follow_the_rows():
+    """DeepSeek's router: ``scores.gather(1, idx)`` and ``mask.scatter_(1, idx, 1)`` per token."""
+    b, idx, picked = _picks(0)
+    mask = b.op(aten.scatter_.value, b.input("zeros", 8, 4, shard=0), 1, idx, 1.0, shape=(8, 4))
+    assert _placed(b, picked, "cp") == Shard(0)
+    assert lookup(mask.target)(mask, [Shard(0), Shard(0)], RuleContext(GraphModule(b.root, b.graph), "cp", 2, {})) \
+        == Shard(0)
+
+
+def test_gather_along_the_sharded_dim_is_refused():
+    b, _, picked = _picks(1)
+    with pytest.raises(AutoparError, match=r"gathers or scatters along dim 1"):
+        _placed(b, picked)
+
+
+@pytest.mark.parametrize("dst,src,ok", [(Shard(1), Shard(1), True), (Replicate(), Shard(1), False),
+                                        (Shard(1), Replicate(), False)])
+def test_copy_keeps_the_destination_placement(dst, src, ok):
+    b = _Builder()
+    d = b.input("dst", 2, 4, 8, 6, shard=dst.dim if isinstance(dst, Shard) else None)
+    s = b.input("src", 2, 4, 8, 6, shard=src.dim if isinstance(src, Shard) else None)
+    out = b.op(aten.copy_.default, d, s, shape=(2, 4, 8, 6))
+    if ok:
+        assert _placed(b, out) == dst
+    else:
+        with pytest.raises(AutoparError, match=r"copies a value placed .* into a tensor placed"):
+            _placed(b, out)
+
+
+def test_cat_skips_a_legacy_empty_tensor():
+    """A KV cache's first ``cat([empty, k], dim=-2)`` under cp is this rank's k, not a concat
+    along the sharded sequence."""
+    b = _Builder()
+    empty = b.input("empty", 0)
+    k = b.input("k", 2, 4, 8, 6, shard=2)
+    out = b.op(aten.cat.default, [empty, k], -2, shape=(2, 4, 8, 6))
+    assert _placed(b, out, "cp", local_sizes=True) == Shard(2)
+
+
+def test_deepseek_routing_weights_are_the_routers():
+    (block,) = _structure("hf_deepseek_v3").moe
+    assert (block.num_experts, block.top_k) == (4, 2)
+    assert block.weights not in block.region  # gathered, normalised, scaled: router arithmetic
+    assert not any(n.target is aten.gather.default for n in block.region)
+    assert block.module.endswith("layers.1.mlp")
+
+
+def test_latent_attention_under_tp_is_refused_with_its_source_line():
+    with pytest.raises(AutoparError) as info:
+        _compile("hf_deepseek_v3", "tp=2,sp")
+    msg = str(info.value)
+    assert msg.startswith("autopar: tensor parallelism cannot split the attention in ")
+    assert "q_b_proj" in msg and "multi-head latent attention" in msg and "modeling_deepseek_v3.py" in msg
+
+
+def test_falcon_config_and_module_give_the_same_spec():
+    """``ModelSpec.from_hf_config`` reads Falcon's own keys as the traced module shows them."""
+    from autopar.cost import ModelSpec
+
+    factory, _, kwargs = MODELS["hf_falcon"]
+    model = factory()
+    ids, _ = make_batch(128, 2, 16, 0)
+    traced = ModelSpec.from_module(model, (ids,), kwargs)
+    read = ModelSpec.from_hf_config(model.config.to_dict())
+    fields = ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "ffn", "vocab", "gated_mlp",
+              "norm", "qkv_bias", "tied_embeddings")
+    assert {f: getattr(read, f) for f in fields} == {f: getattr(traced, f) for f in fields}
+    assert read.num_params == traced.num_params == sum(p.numel() for p in model.parameters())
+
+
+def test_deepseek_config_and_module_give_the_same_latent_attention():
+    """``from_hf_config`` reads MLA's shapes (not plain attention with ``head_dim`` = the rope
+    part); the traced module shows the same, and both count the model's parameters."""
+    from autopar.cost import Cluster, ModelSpec, estimate
+
+    factory, _, kwargs = MODELS["hf_deepseek_v3"]
+    model = factory()
+    ids, _ = make_batch(128, 2, 16, 0)
+    traced = ModelSpec.from_module(model, (ids,), kwargs)
+    read = ModelSpec.from_hf_config(model.config.to_dict())
+    fields = ("num_heads", "num_kv_heads", "head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank",
+              "qk_rope_head_dim", "num_experts", "top_k", "moe_ffn", "num_shared_experts")
+    assert {f: getattr(read, f) for f in fields} == {f: getattr(traced, f) for f in fields}
+    assert (read.head_dim, read.v_head_dim, read.kv_lora_rank, read.q_lora_rank) == (24, 16, 16, 32)
+    assert read.num_params == traced.num_params == sum(p.numel() for p in model.parameters())
+    with pytest.raises(AutoparError, match=r"splits multi-head latent attention .* over tp"):
+        estimate(read, Cluster(gpu="cpu", num_nodes=1, gpus_per_node=2), "tp=2,sp", seq_len=16, global_batch=4)
+
+
+def test_search_skips_tp_for_latent_attention():
+    import autopar
+    from autopar.cost import ModelSpec
+
+    spec = ModelSpec.from_hf_config({"model_type": "deepseek_v3", "num_hidden_layers": 8, "hidden_size": 1024,
+                                     "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 32000,
+                                     "intermediate_size": 2816, "kv_lora_rank": 128, "q_lora_rank": 256,
+                                     "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64})
+    found = autopar.search(spec, autopar.Cluster(gpu="h100", num_nodes=1, gpus_per_node=8), seq_len=2048,
+                           global_batch=64, top=5, runnable=False)
+    assert found and all(plan.tp == 1 for plan, _ in found)
+    # the same model with plain attention would be split by tp somewhere in the space
+    from autopar.planning.search import enumerate_plans
+    plain = spec.replace(kv_lora_rank=0, q_lora_rank=0, qk_rope_head_dim=0, v_head_dim=None)
+    assert enumerate_plans(plain, 8, 2048, 64)["tp"].max() > 1 == enumerate_plans(spec, 8, 2048, 64)["tp"].max()
