@@ -1,4 +1,5 @@
-"""Causal masks: an attention mask that provably is the causal mask becomes ``is_causal=True``.
+"""Causal masks: an attention mask that provably is the causal mask becomes ``is_causal=True``;
+one that provably allows every position (an encoder without padding) is dropped.
 
 A Hugging Face model traced by ``torch.export`` builds its causal mask in the graph (eager
 code would pass ``is_causal=True`` to SDPA, but tracing takes the materialised path): a
@@ -7,7 +8,8 @@ code would pass ``is_causal=True`` to SDPA, but tracing takes the materialised p
 whose ``attn_mask`` depends only on the batch and sequence sizes and evaluates to the lower
 triangle (0 / below -1e30, or True / False) at two sizes, this pass drops the mask and sets
 ``is_causal=True`` (the same probabilities: a masked score's ``exp`` underflows to 0 either
-way); the mask subgraphs left dead are removed.  A mask that reads input data (a padding
+way); a mask that is 0 (or True) everywhere at both sizes is dropped with ``is_causal`` off
+(adding 0 changes nothing); the mask subgraphs left dead are removed.  A mask that reads input data (a padding
 ``attention_mask``) or is anything else stays as it is.
 
 Runs first after cleanup (passes/compile.py), for every plan.  The context-parallel pass
@@ -21,7 +23,7 @@ from torch.fx import GraphModule, Node
 from autopar.compat import sym_expr
 from .context import PassContext, PassResult
 
-__all__ = ["causal_mask_pass", "is_causal_mask", "evaluate_sizes_only"]
+__all__ = ["causal_mask_pass", "is_causal_mask", "mask_kind", "evaluate_sizes_only"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
@@ -58,25 +60,37 @@ def evaluate_sizes_only(node: Node, sizes: dict[str, int], memo: dict):
     return memo[node]
 
 
-def is_causal_mask(mask: Node, ctx: PassContext) -> bool:
-    """True when ``mask`` depends only on sizes and equals the lower-triangular causal mask."""
+def mask_kind(mask: Node, ctx: PassContext) -> str | None:
+    """``"causal"`` when ``mask`` depends only on sizes and equals the lower-triangular causal
+    mask at two sizes, ``"full"`` when it allows every position (an encoder's mask without
+    padding), else None."""
     if ctx.seq_symbol is None:
-        return False
+        return None
     batch, seq = str(ctx.batch_symbol), str(ctx.seq_symbol)
+    kinds = set()
     for b, s in ((2, 6), (3, 9)):
         try:
             value = evaluate_sizes_only(mask, {batch: b, seq: s}, {})
         except Exception:
-            return False
-        if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-2:] != (s, s):
-            return False
+            return None
+        if not isinstance(value, torch.Tensor) or value.dim() < 2 or value.shape[-1] != s \
+                or value.shape[-2] not in (1, s):
+            return None
         allowed = value if value.dtype == torch.bool else value == 0
         if value.dtype != torch.bool and not bool((value[~allowed] < -1e30).all()):
-            return False
-        tril = torch.ones(s, s, dtype=torch.bool).tril()
-        if not bool((allowed == tril).all()):
-            return False
-    return True
+            return None
+        if bool(allowed.all()):
+            kinds.add("full")
+        elif value.shape[-2] == s and bool((allowed == torch.ones(s, s, dtype=torch.bool).tril()).all()):
+            kinds.add("causal")
+        else:
+            return None
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def is_causal_mask(mask: Node, ctx: PassContext) -> bool:
+    """True when ``mask`` depends only on sizes and equals the lower-triangular causal mask."""
+    return mask_kind(mask, ctx) == "causal"
 
 
 def causal_mask_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
@@ -90,14 +104,15 @@ def causal_mask_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         if not isinstance(mask, Node) or bound.get("is_causal"):
             continue
         if mask not in verdicts:
-            verdicts[mask] = is_causal_mask(mask, ctx)
-        if not verdicts[mask]:
+            verdicts[mask] = mask_kind(mask, ctx)
+        if verdicts[mask] is None:
             continue
         q, k, v = bound.pop("query"), bound.pop("key"), bound.pop("value")
         node.args = (q, k, v)
-        node.kwargs = {**bound, "attn_mask": None, "is_causal": True}
+        node.kwargs = {**bound, "attn_mask": None, "is_causal": verdicts[mask] == "causal"}
         result.num_rewritten += 1
     if result.num_rewritten:
         gm.graph.eliminate_dead_code()
-        result.notes.append(f"{result.num_rewritten} attention masks proven causal: is_causal=True, masks dropped")
+        result.notes.append(f"{result.num_rewritten} attention masks proven causal or full: is_causal=True, or "
+                            "no mask for a mask that allows every position; masks dropped")
     return result

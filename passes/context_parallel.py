@@ -13,7 +13,9 @@ already local.  What this pass rewrites is what depends on *where* a token sits:
 2. the mask subgraphs that became dead are removed;
 3. every ``arange`` over the sequence length (position ids for RoPE or learned
    positions) becomes :func:`autopar.ops.cp_attention.cp_positions`, this rank's global
-   positions;
+   positions, and every slice ``table[..., :seq]`` of a table of static size (BERT's
+   ``position_ids`` buffer, a learned position table) :func:`~autopar.ops.cp_attention.cp_table_rows`,
+   the table's rows at those positions;
 4. placements on ``cp`` are propagated over every node (:func:`passes.shard_propagation.propagate`
    with the rule registry, sizes already local): the inputs' sequence dim is this rank's
    tokens, and every value whose shape holds the sequence length must hold this rank's
@@ -131,6 +133,24 @@ def _seq_arange(node: Node, ctx: PassContext) -> Node | None:
     return None
 
 
+def _table_slice(node: Node, ctx: PassContext) -> Node | None:
+    """The length node if ``node`` is ``table[..., :seq]``: a slice from 0 to the sequence
+    length along a dim of static size (a position table), else None."""
+    if node.op != "call_function" or node.target is not torch.ops.aten.slice.Tensor or len(node.args) < 4:
+        return None
+    table, dim, start, end = node.args[:4]
+    step = node.args[4] if len(node.args) > 4 else 1
+    val = table.meta.get("val") if isinstance(table, Node) else None
+    if start not in (0, None) or step != 1 or not isinstance(val, torch.Tensor):
+        return None
+    if any(isinstance(size, torch.SymInt) for size in val.shape):  # not a table: holds batch or tokens
+        return None
+    if isinstance(end, Node) and isinstance(end.meta.get("val"), torch.SymInt) \
+            and str(sym_expr(end.meta["val"])) == str(ctx.seq_symbol):
+        return end
+    return None
+
+
 def _propagate_tokens(gm: GraphModule, ctx: PassContext, result: PassResult) -> None:
     """Placements on ``cp`` over every node (step 4 of the module doc); rewrites cumulative sums
     along the sequence and predicts their bytes."""
@@ -219,6 +239,18 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
                 "dtype": node.kwargs.get("dtype"), "device": node.kwargs.get("device")})
         new.meta["val"] = node.meta.get("val")
         provenance(new, "context_parallel_pass", "cp", "global position ids of this rank's sequence chunks")
+        node.replace_all_uses_with(new)
+        graph.erase_node(node)
+        result.num_rewritten += 1
+    for node in list(graph.nodes):
+        length = _table_slice(node, ctx)
+        if length is None:
+            continue
+        with graph.inserting_before(node):
+            new = graph.call_function(CPA.cp_table_rows, (node.args[0], node.args[1] % node.meta["val"].dim(),
+                                                          length, "cp"))
+        new.meta.update({k: node.meta[k] for k in ("val", "nn_module_stack", "stack_trace") if k in node.meta})
+        provenance(new, "context_parallel_pass", "cp", "a position table's rows at this rank's global positions")
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         result.num_rewritten += 1

@@ -42,10 +42,13 @@ def topk_rule(node: Node, pls: list, rc: RuleContext):
 def gather_scatter_rule(node: Node, pls: list, rc: RuleContext):
     """``x.gather(dim, idx)`` / ``x.scatter(dim, idx, v)`` along a dim no input is sharded on
     (a router's per-token picks: DeepSeek's group mask and gathered routing weights): each rank's
-    rows pick from its own rows, so the output keeps their shard."""
+    rows pick from its own rows, so the output keeps their shard.  A replicated ``x`` gathered
+    at sharded indices (BERT's token types at this rank's positions) is sharded like them."""
     dim = node.args[1] % max(1, ndim_of(node.args[0]))
     if all(isinstance(p, type(R)) for p in pls):
         return R
+    if node.target is aten.gather.default and isinstance(pls[0], type(R)) and isinstance(pls[1], Shard):
+        return pls[1]  # each output element reads the whole replicated input at its own index
     shards = {p for p in pls if isinstance(p, Shard)}
     if len(shards) == 1 and all(isinstance(p, Shard) for p in pls) and next(iter(shards)).dim != dim \
             and len({ndim_of(a) for a in node.all_input_nodes}) == 1:

@@ -17,7 +17,8 @@ from autopar.ops import cp_attention as CPA
 from .rules import P, R, RuleContext, _norm, _token_loss, axis_of, is_sharded, ndim_of, register
 
 __all__ = ["all_gather_rule", "reduce_scatter_rule", "all_reduce_rule", "region_entry_rule",
-           "vocab_embedding_rule", "vocab_ce_rule", "local_shard_rule", "cp_positions_rule", "cp_attention_rule"]
+           "vocab_embedding_rule", "vocab_ce_rule", "local_shard_rule", "cp_positions_rule", "cp_table_rows_rule",
+           "cp_attention_rule"]
 
 
 @register(C.local_shard)
@@ -29,6 +30,16 @@ def local_shard_rule(node: Node, pls: list, rc: RuleContext):
 def cp_positions_rule(node: Node, pls: list, rc: RuleContext):
     """This rank's global positions: its tokens on the cp axis, the same on every rank of another."""
     return Shard(0) if node.args[1] == rc.axis else R
+
+
+@register(CPA.cp_table_rows)
+def cp_table_rows_rule(node: Node, pls: list, rc: RuleContext):
+    """A replicated table's rows at this rank's global positions: its tokens on the cp axis."""
+    if node.args[3] != rc.axis:
+        return pls[0]
+    if pls[0] != R:
+        raise rc.fail(node, f"position rows of a table placed {pls[0]}")
+    return Shard(node.args[1])
 
 
 @register(CPA.ring_attention, CPA.allgather_attention, CPA.ulysses_attention)

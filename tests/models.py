@@ -253,3 +253,17 @@ def hf_deepseek_v3(seed: int = 0, **overrides):
 
 
 MODELS["hf_deepseek_v3"] = (hf_deepseek_v3, hf_loss, {"use_cache": False})
+
+
+def hf_bert(seed: int = 0, **overrides):
+    """A tiny ``transformers.BertForMaskedLM``: an encoder (bidirectional attention: its mask
+    allows every position), learned positions sliced from a buffer, token-type embeddings,
+    post-LayerNorm, attention and MLP each split over two sibling modules, a tied head with a
+    transform and a bias; dropout off (vocab 128, hidden 64, 2 layers, 4 heads)."""
+    return _hf("BertConfig", "BertForMaskedLM", seed, dict(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64,
+        type_vocab_size=2, attn_implementation="sdpa"), overrides)
+
+
+MODELS["hf_bert"] = (hf_bert, hf_loss, {})

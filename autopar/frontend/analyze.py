@@ -8,7 +8,9 @@ Second stage of the pipeline.  Recognition goes by the ops and the dataflow, hel
 - an *MLP region* is a module outside attention whose linears form two levels: linears
   fed from outside the module (column-parallel candidates) and a linear fed by them;
 - in every region the first-level linears are *columns* and the linears that consume
-  them and write back to the residual stream are *rows*;
+  them and write back to the residual stream are *rows*; a module whose linears have no
+  rows (BERT's ``attention.self``, ``intermediate``) widens to the modules enclosing it, up to
+  the layer, until they do (``attention``, the layer);
 - a column whose output is split into several parts (``split``/``split_with_sizes``/
   ``chunk`` on the feature dimension) is a *fused* projection (QKV, gate/up);
 - the *LM head* is the linear outside every region whose output width is the vocabulary.
@@ -98,6 +100,7 @@ class ModelStructure:
     tied_embeddings: bool
     moe: list = dataclasses.field(default_factory=list)  # autopar.frontend.analyze_moe.MoEBlock per MoE layer
     norm_biases: bool = False  # the layers' norms are LayerNorms with a bias (GPT-2, OPT, Falcon)
+    latent: dict = dataclasses.field(default_factory=dict)  # MLA's ModelSpec fields (_latent_dims)
     moe_error: AutoparError | None = None  # a top-k routing whose experts were not recognised
     loss_reduction: LossReduction | None = None  # how the loss splits over tokens (frontend/loss.py)
 
@@ -300,7 +303,8 @@ def _main_input(node: Node) -> Node | None:
     return first
 
 
-def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node]) -> list[Region]:
+def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node],
+             layers: list[str] = ()) -> list[Region]:
     regions: list[Region] = []
     claimed: set[Node] = set()
     attention_ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
@@ -312,16 +316,18 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node
                 groups.append(("mlp", parent, None))
     stop = set(linears)
     for kind, path, op in groups:
-        members = [n for n, i in linears.items() if _within(i.module, path) and n not in claimed | exclude]
-        if len(members) < 2:
+        # A region split over sibling modules (BERT's attention.self and attention.output,
+        # intermediate and output) is the enclosing module's, never above the layer.
+        for scope in _enclosing(path, layers):
+            members = [n for n, i in linears.items() if _within(i.module, scope) and n not in claimed | exclude]
+            member_set = set(members)
+            columns = [n for n in members if not _ancestors(n, stop) & member_set]
+            if len(members) >= 2 and len(columns) < len(members):
+                break
+        else:
             continue
-        member_set = set(members)
-        columns, rows = [], []
-        for n in members:
-            (rows if _ancestors(n, stop) & member_set else columns).append(n)
-        if not columns or not rows:
-            continue
-        region = Region(kind, path, [linears[n] for n in columns], [linears[n] for n in rows], op)
+        rows = [n for n in members if n not in columns]
+        region = Region(kind, scope, [linears[n] for n in columns], [linears[n] for n in rows], op)
         for c in region.columns:
             c.split_sizes = _split_sizes(c.node)
         if op is not None:
@@ -329,6 +335,16 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node
         claimed |= member_set
         regions.append(region)
     return regions
+
+
+def _enclosing(path: str, layers: list[str]) -> list[str]:
+    """``path`` and the modules around it up to the decoder layer that holds it (only ``path``
+    outside every layer)."""
+    layer = next((l for l in layers if _within(path, l)), None)
+    out = [path]
+    while layer is not None and out[-1] != layer and "." in out[-1]:
+        out.append(out[-1].rsplit(".", 1)[0])
+    return out
 
 
 def _layers(gm: GraphModule, experts: set[str] = frozenset()) -> list[str]:
@@ -363,7 +379,8 @@ def analyze(gm: GraphModule) -> ModelStructure:
     # Everything of a MoE block (router, experts, shared experts) runs on token shards, not TP-split.
     in_experts = {n for b in moe for n in b.region} | {n for b in moe for n in linears
                                                        if _within(module_path(n), b.module)}
-    regions = _regions(gm, linears, ({lm_head.node} if lm_head else set()) | in_experts)
+    layers = _layers(gm, {e for b in moe for e in b.expert_modules})
+    regions = _regions(gm, linears, ({lm_head.node} if lm_head else set()) | in_experts, layers)
     heads = [r for r in regions if r.kind == "attention"]
     norm_weights: list[str] = []
     norm_modules = {module_path(n) for n in nodes if n.target in _NORM_OPS}
@@ -381,7 +398,7 @@ def analyze(gm: GraphModule) -> ModelStructure:
     first = heads[0] if heads else None
     return ModelStructure(
         embeddings=embeddings,
-        layers=_layers(gm, {e for b in moe for e in b.expert_modules}),
+        layers=layers,
         regions=regions,
         norm_weights=norm_weights,
         lm_head=lm_head,
@@ -394,6 +411,7 @@ def analyze(gm: GraphModule) -> ModelStructure:
         ffn=ffn,
         tied_embeddings=bool(lm_head and embeddings and lm_head.weight == embeddings[0].args[0].target),
         norm_biases=norm_biases,
+        latent=_latent_dims(first) if first is not None else {},
         moe=moe,
         moe_error=moe_error,
         loss_reduction=loss_reduction(gm),
@@ -456,7 +474,7 @@ def structure_dims(s: ModelStructure) -> dict:
                "moe_layer_freq": max(1, s.num_layers // len(s.moe)),
                "first_dense_layers": s.num_layers - len(s.moe) * max(1, s.num_layers // len(s.moe))}
     return {
-        **(_latent_dims(attention) if attention is not None else {}),
+        **s.latent,
         "num_layers": s.num_layers,
         "hidden": s.hidden,
         "num_heads": s.num_heads,

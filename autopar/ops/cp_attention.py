@@ -38,6 +38,7 @@ from autopar.ops.step import find_current
 
 __all__ = [
     "cp_chunk_indices",
+    "cp_table_rows",
     "cp_positions",
     "cp_cumsum",
     "ring_attention",
@@ -71,6 +72,12 @@ def cp_positions(local_len: int, axis: str, dtype: torch.dtype | None = None, de
     """This rank's global position ids (replaces ``arange(local_len)`` in the graph)."""
     pos = _positions(int(local_len), C.axis_rank(axis), C.axis_size(axis), device)
     return pos.to(dtype or torch.int64)
+
+
+def cp_table_rows(table: torch.Tensor, dim: int, local_len: int, axis: str) -> torch.Tensor:
+    """``table`` at this rank's global positions along ``dim`` (replaces ``table[..., :seq]``, a
+    learned or registered position table sliced to the sequence length: BERT's ``position_ids``)."""
+    return table.index_select(dim, _positions(int(local_len), C.axis_rank(axis), C.axis_size(axis), table.device))
 
 
 def cp_cumsum(x: torch.Tensor, dim: int, axis: str, dtype: torch.dtype | None = None, tag: str = "") -> torch.Tensor:

@@ -34,7 +34,12 @@ batches (loss per step <= 1e-5, full state dict <= 1e-4, fp32):
   layer, sigmoid routing with a score-correction bias limited to the best expert group (the
   group mask scattered and the weights gathered per token; the weights are the router's
   output, outside the experts).  Under tp the latent projections are refused
-  (tests/unit/test_architecture_rules.py).
+  (tests/unit/test_architecture_rules.py);
+- BERT for masked LM under ``tp=2,sp`` and ``cp=2:ring``: attention and MLP each split over two
+  sibling modules (the region is the enclosing module), bidirectional attention (a mask that
+  allows every position is dropped, so CP runs non-causal), positions sliced from a buffer
+  (``position_ids[:, :seq]``, taken at this rank's global positions) and token types gathered
+  at them.
 
 All plans run in one pool job.  The single-process half (the gradient placements, the cp
 refusals) is tests/unit/test_soundness.py; the argument is docs/soundness.md.
@@ -56,7 +61,8 @@ CASES = [("hf_gemma2", "tp=2"), ("hf_gemma2", "tp=2,sp"), ("hf_opt", "cp=2:allga
          ("hf_qwen3", "pp=2,mb=2"), ("hf_qwen3", "dp=2,zero=3"), ("hf_falcon", "tp=2,sp"),
          ("hf_falcon", "cp=2:ring"), ("hf_falcon", "pp=2,mb=2"), ("hf_falcon", "dp=2,zero=3"),
          ("hf_deepseek_v3", "cp=2:ulysses"), ("hf_deepseek_v3", "cp=2:ring"), ("hf_deepseek_v3", "ep=2,dp=2"),
-         ("hf_deepseek_v3", "pp=2,mb=2"), ("hf_deepseek_v3", "dp=2,zero=3")]
+         ("hf_deepseek_v3", "pp=2,mb=2"), ("hf_deepseek_v3", "dp=2,zero=3"), ("hf_bert", "tp=2,sp"),
+         ("hf_bert", "cp=2:ring")]
 
 
 @functools.lru_cache(maxsize=None)

@@ -216,3 +216,27 @@ def test_search_skips_tp_for_latent_attention():
     from autopar.planning.search import enumerate_plans
     plain = spec.replace(kv_lora_rank=0, q_lora_rank=0, qk_rope_head_dim=0, v_head_dim=None)
     assert enumerate_plans(plain, 8, 2048, 64)["tp"].max() > 1 == enumerate_plans(spec, 8, 2048, 64)["tp"].max()
+
+
+def test_bert_regions_span_sibling_modules():
+    """BERT's attention output and second MLP projection sit in sibling modules: each region is
+    the enclosing module (``attention``, the layer), with the usual columns and rows."""
+    s = _structure("hf_bert")
+    layer0 = [(r.kind, r.module.split("layer.0")[-1], [c.module.rsplit(".", 2)[-2:] for c in r.columns],
+               [w.module.rsplit(".", 2)[-2:] for w in r.rows]) for r in s.regions if ".layer.0." in r.module + "."]
+    assert layer0 == [("attention", ".attention", [["self", "query"], ["self", "key"], ["self", "value"]],
+                       [["output", "dense"]]),
+                      ("mlp", "", [["intermediate", "dense"]], [["output", "dense"]])]
+    assert structure_dims(s)["norm"] == "layernorm"
+
+
+def test_a_mask_allowing_every_position_is_dropped():
+    """An encoder's all-allowed mask becomes no mask (non-causal); causal masks still become
+    ``is_causal=True``; CP then runs BERT's attention non-causal."""
+    from autopar.ops import cp_attention as CPA
+
+    traced, _ = _compile("hf_bert", "cp=2:allgather")
+    attention = [n for n in traced.gm.graph.nodes if n.target is CPA.allgather_attention]
+    assert len(attention) == 2 and all(n.kwargs["causal"] is False for n in attention)
+    traced, _ = _compile("hf_llama", "cp=2:allgather")
+    assert all(n.kwargs["causal"] is True for n in traced.gm.graph.nodes if n.target is CPA.allgather_attention)

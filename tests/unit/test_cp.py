@@ -126,3 +126,23 @@ def test_ulysses_packing_with_different_head_dims(monkeypatch):
     for r in range(n):
         for got, want in zip(back[r], chunks[r]):
             torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_cp_table_rows_are_the_global_slice(monkeypatch, n):
+    """Each rank's ``cp_table_rows(table, 0, S/n)`` equals rows ``0..S-1`` of the table at the
+    rank's load-balanced positions, gradient included."""
+    import torch
+
+    from autopar.ops import collectives as C
+    from autopar.ops import cp_attention as CPA
+
+    seq = 4 * n
+    table = torch.randn(seq + 5, 3, requires_grad=True)
+    monkeypatch.setattr(C, "axis_size", lambda axis: n)
+    for r in range(n):
+        monkeypatch.setattr(C, "axis_rank", lambda axis, r=r: r)
+        got = CPA.cp_table_rows(table, 0, seq // n, "cp")
+        torch.testing.assert_close(got, table[:seq][CPA.cp_chunk_indices(seq, r, n)])
+        (grad,) = torch.autograd.grad(got.sum(), table)
+        assert grad[:seq][CPA.cp_chunk_indices(seq, r, n)].eq(1).all() and grad.sum() == got.numel()

@@ -25,7 +25,7 @@ def _logits(out):
 
 
 def _dynamic_shapes(kwargs):
-    batch, seq = Dim("batch"), Dim("seq")
+    batch, seq = Dim("batch"), Dim("seq", max=64)  # the models' position tables hold 64 positions
     if kwargs:
         spec = {"input_ids": {0: batch, 1: seq}}
         spec.update({k: None for k in kwargs})

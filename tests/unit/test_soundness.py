@@ -192,6 +192,8 @@ class _Tiny(nn.Module):
         h = self.embed(ids)
         if self.mix == "sliced_table":  # positions as the first `seq` rows of a table
             h = h + self.pos[: ids.shape[1]]
+        elif self.mix == "shifted_table":  # rows 1..seq of a table: not this rank's positions
+            h = h + self.pos[1: ids.shape[1] + 1]
         elif self.mix == "centered":  # mixes every position of the sequence
             h = h - h.mean(dim=1, keepdim=True)
         elif self.mix == "mask_positions":  # OPT: positions from the cumulative sum of a mask
@@ -208,8 +210,8 @@ def _cp_compile(model, plan="cp=2:allgather"):
 
 
 @pytest.mark.parametrize("mix,found", [
-    ("sliced_table", r"has the sequence length in dim 0 but it is placed R, .*computed from the "
-                     r"local sequence length"),
+    ("shifted_table", r"has the sequence length in dim 0 but it is placed R, .*computed from the "
+                      r"local sequence length"),
 ])
 def test_cp_refuses_positions_it_cannot_rewrite(mix, found):
     with pytest.raises(AutoparError) as info:
@@ -218,6 +220,15 @@ def test_cp_refuses_positions_it_cannot_rewrite(mix, found):
     assert msg.startswith("autopar: cannot shard node ") and "on mesh axis 'cp'" in msg
     assert "in module" in msg and "test_soundness.py" in msg  # the user's source line
     assert re.search(found, msg), msg
+
+
+def test_cp_takes_a_position_tables_rows_at_this_ranks_positions():
+    """``pos[:seq]`` (BERT's position_ids buffer, a learned table) becomes the table's rows at
+    this rank's global positions; its gradient lands on those rows."""
+    traced, _ = _cp_compile(_Tiny("sliced_table"))
+    (node,) = [n for n in traced.gm.graph.nodes if n.target is CPA.cp_table_rows]
+    assert node.args[0].op == "get_attr" and node.args[1:2] == (0,) and node.args[3] == "cp"
+    assert not any(n.target is aten.slice.Tensor and n.args[0] is node.args[0] for n in traced.gm.graph.nodes)
 
 
 def test_cp_all_reduces_a_mean_over_the_sequence_before_using_it():
