@@ -99,16 +99,16 @@ def _check_ulysses(plan, ctx: PassContext) -> None:
                 f"allgather variant (cp={plan.cp}:ring).")
 
 
-def _predicted_bytes(variant: str, q: Node, k: Node, n: int, ctx: PassContext) -> dict:
+def _predicted_bytes(variant: str, q: Node, k: Node, v: Node, out: Node, n: int, ctx: PassContext) -> dict:
     itemsize = q.meta["val"].element_size()
-    kv = 2 * local_numel(k, ctx) * itemsize  # packed K and V on this rank
-    qb = local_numel(q, ctx) * itemsize
+    kv = (local_numel(k, ctx) + local_numel(v, ctx)) * itemsize  # packed K and V on this rank
+    qo = (local_numel(q, ctx) + local_numel(out, ctx)) * itemsize  # q, and the output (V's head dim)
     if variant == "ring":
         return {"fwd": ("send", (n - 1) * kv), "bwd": ("send", 2 * (n - 1) * kv)}
     if variant == "allgather":
         return {"fwd": ("all_gather", (n - 1) * kv), "bwd": ("reduce_scatter", sympy.Rational(n - 1, n) * kv * n)}
     a2a = sympy.Rational(n - 1, n)
-    return {"fwd": ("all_to_all", a2a * (2 * qb + kv)), "bwd": ("all_to_all", a2a * (2 * qb + kv))}
+    return {"fwd": ("all_to_all", a2a * (qo + kv)), "bwd": ("all_to_all", a2a * (qo + kv))}
 
 
 # Collectives one node issues per phase (its predicted bytes are their sum).
@@ -224,7 +224,7 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
                 new.meta[key] = node.meta[key]
         provenance(new, "context_parallel_pass", "cp",
                    f"{variant} attention over the cp-sharded sequence (causal={causal}, kv groups={groups})")
-        new.meta[META_KEY].bytes = _predicted_bytes(variant, q, k, n, ctx)
+        new.meta[META_KEY].bytes = _predicted_bytes(variant, q, k, v, node, n, ctx)
         new.meta[META_KEY].calls = _CALLS[variant](n)
         node.replace_all_uses_with(new)
         graph.erase_node(node)

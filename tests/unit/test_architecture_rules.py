@@ -240,3 +240,20 @@ def test_a_mask_allowing_every_position_is_dropped():
     assert len(attention) == 2 and all(n.kwargs["causal"] is False for n in attention)
     traced, _ = _compile("hf_llama", "cp=2:allgather")
     assert all(n.kwargs["causal"] is True for n in traced.gm.graph.nodes if n.target is CPA.allgather_attention)
+
+
+@pytest.mark.parametrize("plan,fwd,bwd", [("cp=2:ulysses", 640, 640), ("cp=2:ring", 640, 1280)])
+def test_latent_attention_cp_provenance_bytes(plan, fwd, bwd):
+    """The CP attention node records the bytes it moves with K (24 = 16 + 8 dims) wider than
+    V (16), per token of a rank: ulysses moves half of q, k, v and the output (4 heads:
+    (96 + 96 + 64 + 64) * 4 B / 2); a ring hop packed K and V ((96 + 64) * 4 B), twice in backward."""
+    import sympy
+
+    from autopar.ops import cp_attention as CPA
+
+    traced, _ = _compile("hf_deepseek_v3", plan)
+    (node, *_) = [n for n in traced.gm.graph.nodes if n.target in (CPA.ulysses_attention, CPA.ring_attention)]
+    got = node.meta["autopar"].bytes
+    for phase, want in (("fwd", fwd), ("bwd", bwd)):
+        coeff, rest = sympy.sympify(got[phase][1]).as_coeff_Mul()
+        assert coeff == want and len(rest.free_symbols) == 2  # times the batch rows and local tokens
