@@ -117,6 +117,29 @@ _CALLS = {"ring": lambda n: {"fwd": n - 1, "bwd": 2 * (n - 1)},
           "ulysses": lambda n: {"fwd": 2, "bwd": 2}}
 
 
+def _seq_length(end, ctx: PassContext) -> Node | None:
+    """``end`` if it is the node of the traced sequence length, else None."""
+    if isinstance(end, Node) and isinstance(end.meta.get("val"), torch.SymInt) \
+            and str(sym_expr(end.meta["val"])) == str(ctx.seq_symbol):
+        return end
+    return None
+
+
+def _positions_call(node: Node, ctx: PassContext) -> tuple | None:
+    """``(fn, args, kwargs, reason)`` of the op giving ``node``'s value at this rank's global
+    positions, when ``node`` is ``arange(seq)`` or ``table[..., :seq]``; else None."""
+    length = _seq_arange(node, ctx)
+    if length is not None:
+        return (CPA.cp_positions, (length, "cp"), {"dtype": node.kwargs.get("dtype"),
+                                                   "device": node.kwargs.get("device")},
+                "global position ids of this rank's sequence chunks")
+    length = _table_slice(node, ctx)
+    if length is not None:
+        return (CPA.cp_table_rows, (node.args[0], node.args[1] % node.meta["val"].dim(), length, "cp"), {},
+                "a position table's rows at this rank's global positions")
+    return None
+
+
 def _seq_arange(node: Node, ctx: PassContext) -> Node | None:
     """The length node if ``node`` is ``arange(seq)`` / ``arange(0, seq)``, else None."""
     if node.op != "call_function" or node.target not in _ARANGES:
@@ -127,10 +150,7 @@ def _seq_arange(node: Node, ctx: PassContext) -> Node | None:
         end = node.args[1]
     else:
         end = node.args[0]
-    if isinstance(end, Node) and isinstance(end.meta.get("val"), torch.SymInt) \
-            and str(sym_expr(end.meta["val"])) == str(ctx.seq_symbol):
-        return end
-    return None
+    return _seq_length(end, ctx)
 
 
 def _table_slice(node: Node, ctx: PassContext) -> Node | None:
@@ -145,10 +165,7 @@ def _table_slice(node: Node, ctx: PassContext) -> Node | None:
         return None
     if any(isinstance(size, torch.SymInt) for size in val.shape):  # not a table: holds batch or tokens
         return None
-    if isinstance(end, Node) and isinstance(end.meta.get("val"), torch.SymInt) \
-            and str(sym_expr(end.meta["val"])) == str(ctx.seq_symbol):
-        return end
-    return None
+    return _seq_length(end, ctx)
 
 
 def _propagate_tokens(gm: GraphModule, ctx: PassContext, result: PassResult) -> None:
@@ -231,26 +248,14 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         result.num_inserted += 1
     graph.eliminate_dead_code()
     for node in list(graph.nodes):
-        length = _seq_arange(node, ctx)
-        if length is None:
+        call = _positions_call(node, ctx)
+        if call is None:
             continue
+        fn, args, kwargs, reason = call
         with graph.inserting_before(node):
-            new = graph.call_function(CPA.cp_positions, (length, "cp"), {
-                "dtype": node.kwargs.get("dtype"), "device": node.kwargs.get("device")})
-        new.meta["val"] = node.meta.get("val")
-        provenance(new, "context_parallel_pass", "cp", "global position ids of this rank's sequence chunks")
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        result.num_rewritten += 1
-    for node in list(graph.nodes):
-        length = _table_slice(node, ctx)
-        if length is None:
-            continue
-        with graph.inserting_before(node):
-            new = graph.call_function(CPA.cp_table_rows, (node.args[0], node.args[1] % node.meta["val"].dim(),
-                                                          length, "cp"))
+            new = graph.call_function(fn, args, kwargs)
         new.meta.update({k: node.meta[k] for k in ("val", "nn_module_stack", "stack_trace") if k in node.meta})
-        provenance(new, "context_parallel_pass", "cp", "a position table's rows at this rank's global positions")
+        provenance(new, "context_parallel_pass", "cp", reason)
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         result.num_rewritten += 1
