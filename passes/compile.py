@@ -47,11 +47,11 @@ def compile_program(model, example_inputs: Sequence[Any], example_kwargs: dict |
                         pipeline_split=tuple(pipeline_split) if pipeline_split is not None else None)
     # Cleanup first, so the structure found next refers to the graph the passes rewrite; then
     # in-graph causal masks become is_causal (no s x s mask saved per layer).
-    cleaned = run_passes(traced.gm, inputs, [cleanup_pass, causal_mask_pass])
+    cleaned = run_passes(traced.gm, inputs, [cleanup_pass, causal_mask_pass], recompile=False)
     structure = analyze(traced.gm)
     _validate(plan, structure, world_size)
     program = run_passes(traced.gm, dataclasses.replace(inputs, structure=structure), default_passes(plan, traced.gm))
-    return traced, dataclasses.replace(program, log=cleaned.log + program.log)
+    return traced, dataclasses.replace(program, log=traced.log + cleaned.log + program.log)
 
 
 def _validate(plan: Plan, structure, world_size: int) -> None:

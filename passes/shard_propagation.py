@@ -21,6 +21,7 @@ module and its source line.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -49,6 +50,12 @@ def local_numel(node: Node, ctx: PassContext) -> sympy.Expr:
     for axis, pl in (node.meta.get(PLACEMENT_KEY) or {}).items():
         if isinstance(pl, Shard):
             sizes[pl.dim] = sizes[pl.dim] / ctx.axis_sizes[axis]
+    return _simplified_product(tuple(sizes))
+
+
+@functools.lru_cache(maxsize=4096)
+def _simplified_product(sizes: tuple) -> sympy.Expr:
+    # Cached: every layer asks for the same few shapes, and sympy.simplify costs milliseconds.
     return sympy.simplify(math.prod(sizes, start=sympy.Integer(1)))
 
 

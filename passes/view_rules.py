@@ -12,6 +12,8 @@ Registered into the same registry as ``passes/rules.py``; the propagation loop i
 """
 from __future__ import annotations
 
+import functools
+
 import sympy
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -34,7 +36,13 @@ def _expr(size) -> sympy.Expr:
 
 def dim_groups(in_shape: tuple, out_shape: tuple) -> list[tuple[list[int], list[int]]]:
     """Pair runs of input dims with runs of output dims whose products are equal."""
-    a, b = [_expr(s) for s in in_shape], [_expr(s) for s in out_shape]
+    groups = _dim_groups(tuple(_expr(s) for s in in_shape), tuple(_expr(s) for s in out_shape))
+    return [(list(gi), list(gj)) for gi, gj in groups]
+
+
+@functools.lru_cache(maxsize=4096)
+def _dim_groups(a: tuple, b: tuple) -> tuple:
+    # Cached: every layer reshapes the same shapes, and each sympy.simplify costs milliseconds.
     groups, i, j = [], 0, 0
     while i < len(a) or j < len(b):
         gi, gj, pa, pb = [], [], sympy.Integer(1), sympy.Integer(1)
@@ -56,8 +64,8 @@ def dim_groups(in_shape: tuple, out_shape: tuple) -> list[tuple[list[int], list[
                 gj.append(j); pb *= b[j]; j += 1
             else:
                 break
-        groups.append((gi, gj))
-    return groups
+        groups.append((tuple(gi), tuple(gj)))
+    return tuple(groups)
 
 
 def _first_nonunit(dims: list[int], shape: tuple) -> int | None:

@@ -12,6 +12,8 @@ Neighbours: :mod:`autopar.frontend.analyze` reads the graph this module returns;
 from __future__ import annotations
 
 import dataclasses
+import logging
+import time
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -21,6 +23,9 @@ from torch.export import Dim
 
 from autopar.compat import map_tensors, sym_expr
 from autopar.errors import AutoparError
+from autopar.frontend import stamp, stamp_behaviour
+
+log = logging.getLogger("autopar.trace")
 
 __all__ = ["Traced", "trace_model", "MODEL_PREFIX"]
 
@@ -62,6 +67,7 @@ class Traced:
     seq_symbol: Any  # sympy symbol of the sequence dimension (None if specialised)
     example_inputs: tuple
     example_target: Any
+    log: tuple[str, ...] = ()  # how the graph was traced (layers exported and stamped), for the program log
 
     @property
     def placeholders(self) -> list[torch.fx.Node]:
@@ -103,12 +109,16 @@ def trace_model(
     loss_fn: Callable | None = None,
     example_target: Any = None,
     upcast_outputs: bool = False,
+    stamp_layers: bool = True,
 ) -> Traced:
     """Export ``loss_fn(model(*example_inputs, **example_kwargs), example_target)``.
 
     ``example_target`` defaults to a tensor shaped and typed like the first example input
     (next-token labels of a language model).  ``upcast_outputs``: the loss function sees
-    the model's floating outputs in fp32 (mixed precision).  The model itself is not modified.
+    the model's floating outputs in fp32 (mixed precision).  ``stamp_layers``: export only
+    the first layers of a repeated layer list and copy the rest (:mod:`autopar.frontend.stamp`;
+    the same graph, in time flat in depth); False exports every layer.  The model itself is
+    not modified.
     """
     example_inputs = tuple(example_inputs)
     example_kwargs = dict(example_kwargs or {})
@@ -121,18 +131,10 @@ def trace_model(
     if loss_fn is not None and example_target is None:
         example_target = torch.zeros_like(example_inputs[0])
     args = example_inputs + ((example_target,) if loss_fn is not None else ())
-    wrapper = _TrainWrapper(model, loss_fn, len(example_inputs), example_kwargs, upcast_outputs)
-    batch, seq = Dim.AUTO, Dim.AUTO
-    dynamic_shapes = tuple(_dynamic_spec(a, batch, seq) for a in args)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ep = torch.export.export(wrapper, args, strict=False, dynamic_shapes=(dynamic_shapes,))
-    except AutoparError:
-        raise
-    except Exception as exc:  # any export failure becomes an actionable autopar error
-        raise _export_failure(model, exc) from exc
-    gm = ep.module()
+    export = _Exporter(model, args, loss_fn, len(example_inputs), example_kwargs, upcast_outputs)
+    gm, notes = export.stamped() if stamp_layers else (None, [])
+    if gm is None:
+        gm = export.full()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     shape = placeholders[0].meta["val"].shape
     batch_symbol = _symbol(shape[0])
@@ -145,4 +147,52 @@ def trace_model(
         seq_symbol=seq_symbol,
         example_inputs=example_inputs,
         example_target=example_target,
+        log=tuple(notes),
     )
+
+
+class _Exporter:
+    """``torch.export`` of the training wrapper, of the whole model or of its first layers."""
+
+    def __init__(self, model, args, loss_fn, num_inputs, kwargs, upcast):
+        self._model, self._args = model, args
+        self._wrap = lambda m: _TrainWrapper(m, loss_fn, num_inputs, kwargs, upcast)
+        self._dynamic = (tuple(_dynamic_spec(a, Dim.AUTO, Dim.AUTO) for a in args),)
+
+    def _export(self, model: nn.Module) -> torch.fx.GraphModule:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ep = torch.export.export(self._wrap(model), self._args, strict=False, dynamic_shapes=self._dynamic)
+        return ep.module()
+
+    def full(self) -> torch.fx.GraphModule:
+        try:
+            return self._export(self._model)
+        except AutoparError:
+            raise
+        except Exception as exc:  # any export failure becomes an actionable autopar error
+            raise _export_failure(self._model, exc) from exc
+
+    def stamped(self) -> tuple[torch.fx.GraphModule | None, list[str]]:
+        """Export the first layers and stamp out the rest; (None, why not) to export everything."""
+        plan = stamp.plan_stamping(self._model)
+        if plan is None:
+            return None, []
+        num_layers = len(plan.layers)
+        start = time.perf_counter()
+        try:
+            with stamp_behaviour.InputCapture(plan) as capture:
+                gm = self._export(stamp.shallow_model(self._model, plan))
+            stamp_behaviour.check_behaviour(plan, capture.inputs)
+            added = stamp.stamp_layers(gm, plan, MODEL_PREFIX)
+        except Exception as exc:  # CannotStamp, or the shallow copy does not export: the full export decides
+            why = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            note = (f"trace: exporting all {num_layers} layers of {plan.path} (not stamped: {why})")
+            log.info(note)
+            return None, [note]
+        num_kinds = len(set(plan.kinds))
+        note = (f"trace: exported {plan.num_traced} of {num_layers} layers of {plan.path} "
+                f"({num_kinds} kind{'s' if num_kinds > 1 else ''}), stamped {num_layers - plan.num_traced} "
+                f"(+{added} nodes) in {time.perf_counter() - start:.1f} s")
+        log.info(note)
+        return gm, [note]

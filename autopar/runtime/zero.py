@@ -27,7 +27,8 @@ Stages (bytes recorded by :func:`autopar.ops.collectives.record`, phases as in t
     all-gathers before first use (phase ``fwd``; the chunk's next unit is prefetched, its
     gather started then and waited for at its own first use); saved-tensor hooks keep no gathered
     parameter for backward but re-gather the unit when backward first needs it (phase
-    ``bwd``) and drop it when the unit's gradient is reduce-scattered (phase ``grad``), once
+    ``bwd``; the re-gather of the unit backward reaches next is then started, prefetched like
+    forward's) and drop it when the unit's gradient is reduce-scattered (phase ``grad``), once
     per unit and micro-batch.
 
 Mixed precision (:mod:`autopar.runtime.precision`): the shards are cut from the user's fp32
@@ -45,6 +46,7 @@ must be recorded with its bytes; ``ZeroRedundancyOptimizer`` shards whole parame
 from __future__ import annotations
 
 import contextlib
+import itertools
 import weakref
 from typing import Iterator
 
@@ -111,6 +113,11 @@ class ZeroSync:
         self._live: dict[int, tuple] = {}
         self._regathered: dict[int, torch.Tensor] = {}
         self._prefetched: dict[int, tuple] = {}  # unit -> its forward all-gather in flight
+        self._prefetched_bwd: dict[int, tuple] = {}  # unit -> its backward re-gather in flight
+        # unit -> when forward last saved its parameters for backward (a counter): backward
+        # re-gathers the units in the reverse of that order (a tied head's unit comes first).
+        self._saved_at: dict[int, int] = {}
+        self._clock = itertools.count(1)
         if stage == 3:
             self._free_parameters()
 
@@ -347,13 +354,7 @@ class ZeroSync:
         The next unit of the same chunk is prefetched: its all-gather starts now and runs while
         this unit's layer computes (at most two gathered units live, the cost model's double
         buffer); the bytes and calls are the same, recorded when each gather starts."""
-        pending = self._prefetched.pop(unit, None)
-        if pending is not None:
-            buf, work, _src = pending
-            work.wait()
-            flat = self.layouts[unit].from_rank_major(buf)
-        else:
-            flat = self._all_gather(unit, shard, "fwd")
+        flat = self._gathered(unit, self._prefetched, "fwd")
         nxt = unit + 1
         if (nxt < len(self.units) and self.unit_chunks[nxt] == self.unit_chunks[unit]
                 and self.layouts[nxt].n > 1 and not shard.is_meta):
@@ -392,11 +393,21 @@ class ZeroSync:
         work = dist.all_gather_single(buf, src, group=self.groups[axis].group, async_op=async_op)
         return buf, work, src
 
+    def _gathered(self, unit: int, in_flight: dict, phase: str) -> torch.Tensor:
+        """The unit's full flat buffer: its prefetched gather in ``in_flight`` waited for, else gathered now."""
+        pending = in_flight.pop(unit, None)
+        if pending is None:
+            return self._all_gather(unit, self.shards[unit], phase)
+        buf, work, _src = pending
+        work.wait()
+        return self.layouts[unit].from_rank_major(buf)
+
     def _drain_prefetched(self) -> None:
         """Wait for gathers started but not used (a forward that stopped early), and drop them."""
-        for _, work, _ in self._prefetched.values():
+        for _, work, _ in list(self._prefetched.values()) + list(self._prefetched_bwd.values()):
             work.wait()
         self._prefetched.clear()
+        self._prefetched_bwd.clear()
 
     def _reduce_scatter(self, unit: int, flat_grad: torch.Tensor) -> torch.Tensor:
         """Average the unit's full ``[A | B]`` gradient over dp; returns this rank's fp32 shard."""
@@ -490,6 +501,7 @@ class ZeroSync:
         base = tensor_base(t)
         entry = self._live.get(id(base))
         if entry is not None and entry[0]() is base:
+            self._saved_at[entry[1]] = next(self._clock)
             return (_HANDLE, entry[1], t.size(), t.stride(), t.storage_offset())
         observe_saved(t)  # these hooks shadow the memory meter's
         return t
@@ -500,9 +512,24 @@ class ZeroSync:
         _, unit, size, stride, offset = packed
         flat = self._regathered.get(unit)
         if flat is None:
-            flat = self._all_gather(unit, self.shards[unit], "bwd")
+            flat = self._gathered(unit, self._prefetched_bwd, "bwd")
             self._regathered[unit] = flat
+            self._prefetch_backward(unit)
         return flat.as_strided(size, stride, offset)
+
+    def _prefetch_backward(self, unit: int) -> None:
+        """Start the re-gather of the unit backward reaches next (of the chunk's units whose
+        parameters forward saved, the one saved last before this one), so it runs while this
+        unit's gradients compute, as FSDP2 prefetches in backward.  Only a unit backward will
+        re-gather anyway is started, so the calls and bytes are those of the gathers it replaces
+        (recorded when it starts)."""
+        at = self._saved_at.get(unit, 0)
+        earlier = [u for u, t in self._saved_at.items() if t < at and self.unit_chunks[u] == self.unit_chunks[unit]]
+        prev = max(earlier, key=self._saved_at.__getitem__, default=None)
+        if (prev is None or prev in self._regathered or prev in self._prefetched_bwd
+                or self.layouts[prev].n == 1 or self.shards[prev].is_meta):
+            return
+        self._prefetched_bwd[prev] = self._start_gather(prev, self.shards[prev], "bwd", async_op=True)
 
 
 def _ordered_units(gm: torch.fx.GraphModule) -> list[tuple[int, list[str]]]:

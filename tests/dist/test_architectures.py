@@ -118,3 +118,26 @@ def test_latent_attention_bytes_equal_cost_model(trained, plan):
             if cost.plan.ep > 1 else {}
         stage = rank // (cost.plan.world_size // cost.plan.pp)  # pp is the outermost mesh axis
         assert_comm_equal(r["comm"], cost.comm_table(stage, **kwargs), rank)
+
+
+# Not yet priced exactly (the closing notes of issue 15 keep the list): Gemma 2's eager
+# attention (ModelSpec.from_module finds no SDPA op, so no heads); OPT under cp (the all-gather
+# that makes its mask-derived positions global is not in the cost model); Falcon under
+# cp=2:ring (the ring sends K and V after the grouped-query expand, the model prices KV heads);
+# BERT (position and token-type tables and the MLM head's transform are not in ModelSpec).
+_UNPRICED = {("hf_gemma2", "tp=2"), ("hf_gemma2", "tp=2,sp"), ("hf_opt", "cp=2:allgather"), ("hf_opt", "cp=2:ring"),
+             ("hf_falcon", "cp=2:ring"), ("hf_bert", "tp=2,sp"), ("hf_bert", "cp=2:ring")}
+_PRICED = [(m, p) for m, p in CASES
+           if m not in ("hf_mixtral_aux", "hf_deepseek_v3") and (m, p) not in _UNPRICED]  # those two: above
+
+
+@pytest.mark.parametrize("model_name,plan", _PRICED, ids=[f"{m}-{p}" for m, p in _PRICED])
+def test_architecture_bytes_equal_cost_model(trained, model_name, plan):
+    """Every collective of each architecture's step (calls and bytes per phase, collective and
+    mesh axis) is what the cost model prices from the traced module (``ModelSpec.from_module``)."""
+    from tests.comm_check import assert_comm_equal, predicted_cost
+
+    cost = predicted_cost(model_name, {}, plan, 2, BATCH)
+    for rank, r in enumerate(trained[(model_name, plan)]):
+        stage = rank // (cost.plan.world_size // cost.plan.pp)  # pp is the outermost mesh axis
+        assert_comm_equal(r["comm"], cost.comm_table(stage), rank)
