@@ -138,15 +138,21 @@ def layer_kinds(layers) -> tuple[int, ...]:
     return tuple(kinds)
 
 
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Every parameter and buffer under every name it has."""
+    return ([t for _, t in module.named_parameters(remove_duplicate=False)]
+            + [t for _, t in module.named_buffers(remove_duplicate=False)])
+
+
 def plan_stamping(model: nn.Module) -> StampPlan | None:
     """What to export and what to copy, or None when a full export is as good."""
     found = _layer_list(model)
     if found is None:
         return None
     path, layers = found
-    counts = collections.Counter(id(t) for _, t in model.named_parameters(remove_duplicate=False))
-    if any(counts[id(t)] > 1 for layer in layers for _, t in layer.named_parameters(remove_duplicate=False)):
-        return None  # a parameter shared with another layer or module: one name each in the graph
+    counts = collections.Counter(id(t) for t in _tensors(model))
+    if any(counts[id(t)] > 1 for layer in layers for t in _tensors(layer)):
+        return None  # a tensor shared with another layer or module: export names it once
     kinds = layer_kinds(list(layers))
     # Export the shortest prefix with two layers of each later kind after layer 0 (the
     # second one checks the first: condition 3).

@@ -134,6 +134,11 @@ def test_kinds_ignore_the_position_but_not_other_attributes():
     shared = _Net(num_layers=4)
     shared.layers[3].proj = shared.layers[1].proj  # one parameter, two names: never copied
     assert plan_stamping(shared) is None
+    table = torch.ones(4)
+    buffered = _Net(num_layers=4)
+    for layer in buffered.layers:  # one buffer under four names
+        layer.register_buffer("table", table)
+    assert plan_stamping(buffered) is None
 
 
 def test_the_users_model_is_not_modified():
