@@ -44,10 +44,11 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 from torch._ops import HigherOrderOperator
 
+from autopar.frontend.fx_utils import module_path, within
+
 __all__ = ["StampPlan", "CannotStamp", "plan_stamping", "shallow_model", "stamp_layers"]
 
-# Below this many untraced layers a full export is about as fast; stamping also needs two
-# traced layers of each stamped kind after the first layer (condition 3).
+# Stamp when at least this many layers are left after the exported prefix.
 MIN_STAMPED = 1
 
 
@@ -188,11 +189,7 @@ def shallow_model(model: nn.Module, plan: StampPlan) -> nn.Module:
 
 def _layer_of(node: torch.fx.Node, prefix: str) -> int | None:
     """The layer list position whose module (or parameter) ``node`` belongs to."""
-    if node.op == "get_attr":
-        name = str(node.target)
-    else:
-        stack = node.meta.get("nn_module_stack") or {}
-        name = next((path for path, _ in stack.values() if path.startswith(prefix)), "")
+    name = str(node.target) if node.op == "get_attr" else module_path(node)
     if not name.startswith(prefix):
         return None
     head = name[len(prefix):].split(".", 1)[0]
@@ -201,10 +198,6 @@ def _layer_of(node: torch.fx.Node, prefix: str) -> int | None:
 
 def _is_tensor(node: torch.fx.Node) -> bool:
     return isinstance(node.meta.get("val"), torch.Tensor)
-
-
-def _inputs(node: torch.fx.Node) -> list[torch.fx.Node]:
-    return list(node.all_input_nodes)
 
 
 def _carry_out(nodes: list, members: set) -> list:
@@ -270,7 +263,7 @@ def _same_attr(gm: torch.fx.GraphModule, x: torch.fx.Node, y: torch.fx.Node) -> 
 def _renamed_stack(stack: dict, old: str, new: str) -> dict:
     """``nn_module_stack`` with layer ``old``'s paths (in keys and values) moved to ``new``."""
     def sub(path: str) -> str:
-        return new + path[len(old):] if path == old or path.startswith(old + ".") else path
+        return new + path[len(old):] if within(path, old) else path
 
     tag = "L__self__"
     return {(tag + sub(k[len(tag):]) if k.startswith(tag) else k): (sub(path), cls)
@@ -336,7 +329,7 @@ def stamp_layers(gm: torch.fx.GraphModule, plan: StampPlan, model_prefix: str) -
     layer_nodes = set().union(*members.values())
     for i in range(1, plan.num_traced):
         for n in by_layer[i]:
-            for a in _inputs(n):
+            for a in n.all_input_nodes:
                 if a in members[i] or a in carry[i - 1] or a not in layer_nodes or not _is_tensor(a):
                     continue
                 raise CannotStamp(f"layer {i} reads {a.name} of an earlier layer besides its input")
