@@ -20,7 +20,11 @@ Layer structure seen by the rows, per stage (``l_d`` dense and ``l_e`` MoE layer
     dispatch and combine are all-to-alls over ``ep`` (buffer = tokens * top-k * h * rho);
   * CP ring: K,V circulate ``cp - 1`` times (backward: K,V and dK,dV); allgather:
     all-gather of K,V forward and reduce-scatter of dK,dV backward; Ulysses: all-to-all
-    of q,k,v and of the output (and the reverse in backward);
+    of q,k,v and of the output (and the reverse in backward); K,V have ``g_cp`` heads (``g``,
+    or ``a`` when the GQA broadcast is not right before the attention op); each cumulative sum
+    along the sequence (``n_cs``, on the first stage) all-gathers its chunk totals;
+  * TP loss: a vocab-parallel cross-entropy (3 fp32 all-reduces per token), or, when the
+    logits reach the loss through other ops (``gathered_logits``), one all-gather of them;
   * PP: the boundary activation (sequence-sharded by SP and CP) per send, and the loss
     all-reduced over pp once per step so that every stage returns it;
   * DP / ZeRO: gradient all-reduce (stage 0) or reduce-scatter (1: per step, 2-3: per
@@ -46,10 +50,9 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from .symbols import (CPAG, CPRING, CPUL, E, FIRST, V, LAST, NRECV, NSEND, RFULL, RSEL, SP, Z1, Z2, Z3, a, b,
-                      cp,
-                      d, dp, dv, ep, f, fe, g, gated, h, k, ld, le, lq, m, mla, nn, nsh, pp, qb, qkn, qkh, rho, rkv,
-                      rq, s, sgate, tp, aux, vpp, w, wgc, wp)
+from .symbols import (CPAG, CPRING, CPUL, E, FIRST, V, LAST, NRECV, NSEND, RFULL, RSEL, SP, Z1, Z2, Z3, Pe, Ph, a,
+                      b, ccs, cp, d, dp, dv, ep, f, fe, g, gated, gc, h, hb, k, ld, le, lg, lq, m, mla, ncs, nl, nn,
+                      nsh, pb, pp, qb, qkn, qkh, rho, rkv, rq, s, sgate, tp, aux, vpp, w, wgc, wp)
 from .flops import attention_weights
 
 __all__ = ["CommRow", "RowSpec", "TIED", "TOKEN_ROWS", "row_specs", "routed_row_formulas", "routed_all_to_all_rows",
@@ -113,19 +116,26 @@ def local_param_elems():
     dp*cp (TP-sharded weights count 1/tp, norms are whole), ``expert`` over tp*dp*cp/ep,
     and ``tp_replicated_partial`` the replicated weights whose gradients are partial sums
     over tp (norms under SP; routers and shared experts, which see a token slice; OLMo 2's
-    whole-width q/k norm weights, which each rank reads its slice of).
+    whole-width q/k norm weights, which each rank reads its slice of).  Besides the decoder:
+    ``n_ln`` norms per layer; with ``p_b`` the column biases (MLP up/gate) split over tp and the
+    row biases (o_proj, down: h each) whole, added after the reduction; ``P_emb`` (position and
+    token-type tables) on the first stage and ``P_head`` (a head transform) on the last, whole;
+    the LM head's bias ``head_bias * V / tp``.  Under SP the row biases, the tables and the head
+    transform see a sequence shard, so their gradients are partial too.
     """
     # replicated: the norm weights are not split with q and k (whole width, or per head: 2 d)
     qk_norms = qkn * (a + g) * d + qkh * 2 * d
     qkv, o = attention_weights()
     latent_norms = mla * (lq * rq + rkv)  # MLA's norms of its q and kv latents (tp does not split MLA)
-    attn = (qkv + qb * (a + 2 * g) * d + o) / tp + qk_norms + latent_norms
-    norms = 2 * h * nn
+    attn = (qkv + qb * (a + 2 * g) * d + o) / tp + qk_norms + latent_norms + pb * h
+    norms = nl * h * nn
+    mlp = _mlp(f) / tp + pb * ((1 + gated) * f / tp + h)
     router_shared = h * E + nsh * _mlp(fe) + sgate * h
-    dense = (ld * (attn + _mlp(f) / tp + norms) + le * (attn + norms + router_shared)
-             + FIRST * V * h / tp + LAST * (V * h / tp * (1 - TIED * FIRST) + h * nn))
+    dense = (ld * (attn + mlp + norms) + le * (attn + norms + router_shared)
+             + FIRST * (V * h / tp + Pe) + LAST * (V * h / tp * (1 - TIED * FIRST) + h * nn + hb * V / tp + Ph))
     expert = le * (E / ep) * _mlp(fe)
-    partial = SP * (2 * (ld + le) + LAST) * h * nn + le * router_shared + (ld + le) * qk_norms
+    partial = (SP * ((nl * (ld + le) + LAST) * h * nn + pb * (2 * ld + le) * h + FIRST * Pe + LAST * Ph)
+               + le * router_shared + (ld + le) * qk_norms)
     return dense, expert, partial
 
 
@@ -270,15 +280,19 @@ def _tensor_parallel_rows() -> list[RowSpec]:
     # summed router probabilities are summed across ranks at once (their gradient needs nothing).
     add("fwd", "tp", "all_reduce", "tp", tp, _ar(E * 4, tp), 2 * aux * le * SP, True,
         "all-reduce of each MoE layer's load-balancing statistics (expert counts, router probability sums), fp32 [E]")
-    add("fwd", "loss_parallel", "all_reduce", "tp", tp, _ar(T * 4, tp), 3 * LAST, True,
+    add("fwd", "loss_parallel", "all_reduce", "tp", tp, _ar(T * 4, tp), 3 * LAST * (1 - lg), True,
         "vocab-parallel cross-entropy: fp32 max, sum of exp, target logit per token")
+    # Logits that reach the loss through other ops (a soft cap) are gathered whole instead; every rank
+    # then computes the same loss, so backward keeps this rank's slice of the gradient (no collective).
+    add("fwd", "tp", "all_gather", "tp", tp, _ag(T * V / tp * w, tp), LAST * lg, True,
+        "all-gather of the vocabulary-sharded logits for a loss after other ops, shard [b, s, V/tp]")
     return rows
 
 
 def _context_parallel_rows() -> list[RowSpec]:
     """Rows on the cp group: the ring K,V passes, all-gather K,V and the Ulysses all-to-alls."""
     T = _tokens()
-    kv2 = T * (g / tp) * (d + dv) * w           # K and V on this rank (MLA's V is narrower than K)
+    kv2 = T * (gc / tp) * (d + dv) * w          # K and V on this rank (MLA's V is narrower than K)
     q = T * (a / tp) * d * w
     o = T * (a / tp) * dv * w                   # the attention output (and dO) has V's head dim
     n_attn = ld + le
@@ -310,6 +324,10 @@ def _context_parallel_rows() -> list[RowSpec]:
         "reduce-scatter of dK,dV over the full sequence")
     add("fwd", "cp", "all_to_all", "cp", cp, _a2a(q + kv2, cp), CPUL * n_attn, True,
         "Ulysses all-to-all of q,k,v: sequence shards -> head shards")
+    # A cumulative sum along the sequence (mask-derived positions) made global: every rank's two
+    # chunk totals, c_cs bytes per sample each (autopar/ops/cp_attention.py cp_cumsum).
+    add("fwd", "cp", "all_gather", "cp", cp, _ag(2 * b * ccs, cp), FIRST * ncs, True,
+        "all-gather of the chunk totals of each cumulative sum along the sequence, shard [2, b]")
     add("fwd", "cp", "all_to_all", "cp", cp, _a2a(o, cp), CPUL * n_attn, True,
         "Ulysses all-to-all of the attention output: head shards -> sequence shards")
     add("bwd", "cp", "all_to_all", "cp", cp, _a2a(o, cp), CPUL * n_attn, True,
@@ -362,7 +380,7 @@ def _data_parallel_rows() -> list[RowSpec]:
     # backward reads only the indices; without pp the embedding shares a unit with the head).
     emb_only = FIRST * SPLIT_REST
     for label, P, axis, n, u, P_bwd, u_bwd in (
-            ("dense", dense, "dp*", dp * cp, units, dense - emb_only * V * h / tp, units - emb_only),
+            ("dense", dense, "dp*", dp * cp, units, dense - emb_only * (V * h / tp + Pe), units - emb_only),
             ("expert", expert, "edp*", tp * dp * cp / ep, sp.Max(le, 1, evaluate=False), expert, le)):
         # Stage 2 under pp splits its units at chunk borders (each chunk's gradients are scattered
         # after its backward): one reduce-scatter per chunk and micro-batch, one gather per chunk.

@@ -35,6 +35,15 @@ class ModelSpec:
     q (through a ``q_lora_rank`` latent, when > 0) and k of ``head_dim`` = no-rope + rope
     (``qk_rope_head_dim``) dims, k and v expanded from one normalised ``kv_lora_rank`` latent, one
     rope key shared by every head, v of ``v_head_dim``; tensor parallelism does not split it.
+    Beyond the decoder (``ModelSpec.from_module`` reads them, frontend/spec_dims.py): ``layer_norms``
+    norms per layer; ``proj_bias``: biases on o_proj and the MLP (q/k/v's are ``qkv_bias``);
+    ``embedding_extra_params`` (positions, token types) on the first stage and ``head_extra_params``
+    (a head transform) on the last, replicated over tp; ``lm_head_bias``; ``gathered_logits``: the
+    logits reach the loss through other ops than views, so tp all-gathers them instead of a
+    vocabulary-parallel cross-entropy; ``seq_cumsums`` cumulative sums along the sequence, which cp
+    makes global by all-gathering chunk totals of ``seq_cumsum_bytes`` per sample (summed over
+    them); ``cp_kv_heads``: the K/V heads the attention op receives when the GQA broadcast is not
+    right before it (RoPE after the broadcast), which the CP collectives then move.
     """
 
     name: str = "custom"
@@ -63,6 +72,15 @@ class ModelSpec:
     q_lora_rank: int = 0  # MLA: q through a latent of this rank (0: a full q projection)
     qk_rope_head_dim: int = 0  # MLA: the rope part of head_dim (q and k heads are nope + rope)
     v_head_dim: int | None = None  # V's head dim (default head_dim; MLA's is its own)
+    layer_norms: int = 2  # norms per layer (Gemma 2 normalises the attention and MLP outputs again: 4)
+    proj_bias: bool = False  # the attention output and MLP projections have biases (GPT-2, OPT, BERT)
+    embedding_extra_params: int = 0  # embedding tables beyond the token table (learned positions, token types)
+    head_extra_params: int = 0  # other parameters between the last layer and the LM head (BERT's MLM transform)
+    lm_head_bias: bool = False  # the LM head has a bias of the vocabulary's size
+    gathered_logits: bool = False  # the logits reach the loss through other ops (a soft cap): tp gathers them
+    seq_cumsums: int = 0  # cumulative sums along the sequence kept by the program (OPT's mask-derived positions)
+    seq_cumsum_bytes: int = 0  # their bytes per sample and position slice, summed over them
+    cp_kv_heads: int | None = None  # K/V heads the CP collectives move (default num_kv_heads; Falcon's: num_heads)
 
     def __post_init__(self):
         for name in ("num_layers", "hidden", "num_heads", "vocab", "ffn", "moe_layer_freq"):
@@ -73,6 +91,8 @@ class ModelSpec:
                 )
         if self.num_kv_heads is None:
             object.__setattr__(self, "num_kv_heads", self.num_heads)
+        if self.cp_kv_heads is None:
+            object.__setattr__(self, "cp_kv_heads", self.num_kv_heads)
         if self.head_dim is None:
             if self.hidden % self.num_heads:
                 raise AutoparError(
@@ -146,18 +166,19 @@ class ModelSpec:
         extra = (nh + 2 * nkv) * hd * int(self.qkv_bias)
         extra += (nh + nkv) * hd * int(self.qk_norm) + 2 * hd * int(self.qk_head_norm)
         extra += (self.q_lora_rank + self.kv_lora_rank) * int(self.kv_lora_rank > 0)  # the latents' norms
-        return self.attention_weight_params + extra
+        return self.attention_weight_params + extra + self.hidden * int(self.proj_bias)  # o_proj's bias
 
     def mlp_params(self, width: int) -> int:
         return (3 if self.gated_mlp else 2) * self.hidden * width
 
     @property
     def layer_norm_params(self) -> int:
-        return 2 * self.hidden * self.norm_vectors
+        return self.layer_norms * self.hidden * self.norm_vectors
 
     @property
     def dense_layer_params(self) -> int:
-        return self.attention_params + self.mlp_params(self.ffn) + self.layer_norm_params
+        mlp_bias = ((2 if self.gated_mlp else 1) * self.ffn + self.hidden) * int(self.proj_bias)
+        return self.attention_params + self.mlp_params(self.ffn) + mlp_bias + self.layer_norm_params
 
     @property
     def moe_layer_params(self) -> int:
@@ -167,12 +188,13 @@ class ModelSpec:
 
     @property
     def embedding_params(self) -> int:
-        return self.vocab * self.hidden
+        return self.vocab * self.hidden + self.embedding_extra_params
 
     @property
     def head_params(self) -> int:
         """LM head plus final norm (the head matrix is absent when tied to the embedding)."""
-        return (0 if self.tied_embeddings else self.vocab * self.hidden) + self.hidden * self.norm_vectors
+        head = (0 if self.tied_embeddings else self.vocab * self.hidden) + self.vocab * int(self.lm_head_bias)
+        return head + self.hidden * self.norm_vectors + self.head_extra_params
 
     @property
     def num_params(self) -> int:

@@ -8,8 +8,10 @@ arrays (one entry per candidate plan) for the plan symbols (``autopar.search``).
 Groups:
   * model: ``b`` (micro-batch size per replica), ``s`` (sequence length), ``h``,
     ``a`` (heads), ``g`` (KV heads), ``d`` (head dim), ``f`` (dense FFN), ``fe``
-    (expert FFN), ``V``, ``E`` (experts), ``k`` (top-k), ``w`` (dtype bytes), and the
-    per-stage layer counts ``ld`` (dense layers) / ``le`` (MoE layers) on the stage
+    (expert FFN), ``V``, ``E`` (experts), ``k`` (top-k), ``w`` (dtype bytes), the
+    parameters beyond the decoder (``n_ln``, ``p_b``, ``P_emb``, ``P_head``, ``head_bias``; ModelSpec's
+    fields of frontend/spec_dims.py), the logits gather ``gathered_logits``, the sequence cumsums
+    ``n_cs`` / ``c_cs`` and the CP K/V heads ``g_cp``, and the per-stage layer counts ``ld`` (dense layers) / ``le`` (MoE layers) on the stage
     being scored;
   * plan: degrees ``tp, dp, cp, pp, ep, vpp, m`` (micro-batches per step) and 0/1
     indicators (``sp``, recompute, ZeRO stage, CP variant, stage role) so that every
@@ -23,7 +25,8 @@ import sympy as sp
 
 __all__ = [
     "b", "s", "h", "a", "g", "d", "f", "fe", "V", "E", "k", "w", "nsh", "sgate", "nn", "qb", "qkn", "qkh", "aux",
-    "gated", "mla", "lq", "rq", "rkv", "dr", "dv", "ld", "le", "L", "Le",
+    "gated", "mla", "lq", "rq", "rkv", "dr", "dv", "nl", "pb", "Pe", "Ph", "hb", "lg", "ncs", "ccs", "gc",
+    "ld", "le", "L", "Le",
     "tp", "dp", "cp", "pp", "ep", "vpp", "m", "SP", "RSEL", "RFULL",
     "Z1", "Z2", "Z3", "CPRING", "CPAG", "CPUL", "FIRST", "LAST", "INFL", "NSEND", "NRECV",
     "rho", "FLASH", "wg", "wgc", "wo", "wp", "wz",
@@ -50,6 +53,15 @@ lq = sp.Symbol("l_q", nonnegative=True)                 # 1 if MLA's q goes thro
 rq, rkv = sp.symbols("r_q r_kv", nonnegative=True)      # MLA: q and kv latent ranks
 dr = sp.Symbol("d_r", nonnegative=True)                 # MLA: the rope part of each q/k head (in d)
 dv = sp.Symbol("d_v", **_pos)                           # V's head dim (d without MLA)
+nl = sp.Symbol("n_ln", **_pos)                          # norms per layer (2; Gemma 2: 4)
+pb = sp.Symbol("p_b", nonnegative=True)                 # 1 if o_proj and the MLP projections have biases
+Pe = sp.Symbol("P_emb", nonnegative=True)               # embedding parameters beyond the token table
+Ph = sp.Symbol("P_head", nonnegative=True)              # parameters of a head transform (outside the layers)
+hb = sp.Symbol("head_bias", nonnegative=True)           # 1 if the LM head has a bias [V]
+lg = sp.Symbol("gathered_logits", nonnegative=True)     # 1 if tp all-gathers the logits (no vocab-parallel loss)
+ncs = sp.Symbol("n_cs", nonnegative=True)               # cumulative sums along the sequence (per micro-batch)
+ccs = sp.Symbol("c_cs", nonnegative=True)               # bytes per sample of one such sum's position slice
+gc = sp.Symbol("g_cp", **_pos)                          # K/V heads the CP collectives move (g, or a)
 ld, le = sp.symbols("l_d l_e", nonnegative=True)        # dense / MoE layers on the scored stage
 L, Le = sp.symbols("L L_e", **_pos)                     # layers in the model / MoE layers in the model
 
@@ -83,7 +95,7 @@ def axis_link_symbols(axis: str):
 
 
 MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, sgate, nn, qb, qkn, qkh, aux, gated, mla, lq, rq, rkv, dr,
-                 dv, L, Le)
+                 dv, nl, pb, Pe, Ph, hb, lg, ncs, ccs, gc, L, Le)
 PLAN_SYMBOLS = (tp, dp, cp, pp, ep, vpp, m, SP, RSEL, RFULL, Z1, Z2, Z3, CPRING, CPAG, CPUL,
                 FIRST, LAST, INFL, NSEND, NRECV, ld, le, rho, FLASH)
 ALL_SYMBOLS = MODEL_SYMBOLS + PLAN_SYMBOLS + (wp, wg, wgc, wo, wz, peak, hbm_bw, eta_max, kappa, eps, phi)

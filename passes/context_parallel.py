@@ -37,6 +37,7 @@ from torch.distributed.tensor import Shard
 from torch.fx import GraphModule, Node
 
 from autopar.compat import sym_expr, sym_hint
+from autopar.frontend.attention_dims import strip_gqa
 from autopar.ops import cp_attention as CPA
 from autopar.errors import AutoparError
 from autopar.plan import ulysses_heads_ok
@@ -52,41 +53,11 @@ __all__ = ["context_parallel_pass", "VARIANTS"]
 VARIANTS = {"ring": CPA.ring_attention, "allgather": CPA.allgather_attention, "ulysses": CPA.ulysses_attention}
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _ARANGES = (torch.ops.aten.arange.default, torch.ops.aten.arange.start)
-_FULL_SLICE_END = 2 ** 62
 
 
 def _where(node: Node) -> str:
     stack = (node.meta.get("stack_trace") or "").strip().splitlines()
     return f"node '{node.name}'" + (f" ({stack[-2].strip()})" if len(stack) >= 2 else "")
-
-
-def _is_full_slice(node: Node) -> bool:
-    return (node.op == "call_function" and node.target is torch.ops.aten.slice.Tensor
-            and (len(node.args) < 3 or node.args[2] in (0, None))
-            and (len(node.args) < 4 or node.args[3] is None or node.args[3] >= _FULL_SLICE_END))
-
-
-def _skip_slices(node: Node) -> Node:
-    while _is_full_slice(node):
-        node = node.args[0]
-    return node
-
-
-def _strip_gqa(node: Node) -> tuple[Node, int]:
-    """``reshape(expand(unsqueeze(x, 2)))`` that repeats K/V heads -> (x, groups); else (node, 1)."""
-    r = node
-    if r.op != "call_function" or r.target not in (torch.ops.aten.reshape.default, torch.ops.aten.view.default):
-        return node, 1
-    e = _skip_slices(r.args[0])
-    if e.op != "call_function" or e.target is not torch.ops.aten.expand.default:
-        return node, 1
-    u = _skip_slices(e.args[0])
-    if u.op != "call_function" or u.target is not torch.ops.aten.unsqueeze.default or u.args[1] != 2:
-        return node, 1
-    groups = e.args[1][2]
-    if not isinstance(groups, int) or groups < 1:
-        return node, 1
-    return _skip_slices(u.args[0]), groups
 
 
 def _check_ulysses(plan, ctx: PassContext) -> None:
@@ -226,8 +197,8 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
                     f"or drop cp.")
             causal = True
         q = bound["query"]
-        k, groups = _strip_gqa(bound["key"])
-        v, groups_v = _strip_gqa(bound["value"])
+        k, groups = strip_gqa(bound["key"])
+        v, groups_v = strip_gqa(bound["value"])
         assert groups == groups_v, "K and V must repeat their heads alike"
         with graph.inserting_before(node):
             new = graph.call_function(fn, (q, k, v, "cp"), {
@@ -261,7 +232,9 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         result.num_rewritten += 1
     if result.num_inserted == 0:
         raise AutoparError("autopar: cp>1 found no scaled_dot_product_attention op to parallelize; context "
-                           "parallelism needs attention through torch.nn.functional.scaled_dot_product_attention.")
+                           "parallelism needs attention through torch.nn.functional.scaled_dot_product_attention, "
+                           "and this model computes its attention scores eagerly (matmul and softmax). Load it with "
+                           "attn_implementation='sdpa' where the architecture allows it, or use a plan without cp.")
     _propagate_tokens(gm, ctx, result)
     result.notes.append(f"{result.num_inserted} attention ops -> {variant}, {result.num_rewritten} position aranges")
     return result

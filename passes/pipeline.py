@@ -13,7 +13,8 @@ its ``nn_module_stack``):
   the runtime and the cost model agree on what each rank holds; a user split overrides;
 - values that depend on no parameter (positions, rotary tables, causal masks: functions
   of the input ids' shape and of buffers) are recomputed in every chunk that needs them
-  instead of being sent, so only the hidden state crosses a boundary;
+  instead of being sent, and values of parameters alone outside the layers (a norm's ``1 + w``)
+  are computed in the first chunk that reads them, so only the hidden state crosses a boundary;
 - under ZeRO-3 a unit's gather (``passes/zero.py``) and the parameters taken from it are
   treated as parameters: copied into the chunk that reads them, its unit's parameters
   counted as the chunk's;
@@ -188,6 +189,7 @@ def _assign(gm: GraphModule, structure, counts: list[int]):
     params = {name for name, _ in gm.named_parameters()}
     free: set[Node] = set()
     chunk: dict[Node, int] = {}
+    deferred: list[Node] = []
     for n in gm.graph.nodes:
         if n.op == "output":
             continue
@@ -202,12 +204,19 @@ def _assign(gm: GraphModule, structure, counts: list[int]):
             continue
         ins = [chunk[i] for i in inputs if i in chunk]
         layer = _layer_of(n, layer_index)
-        c = layer_chunk[layer] if layer is not None else max(ins, default=0)
+        if layer is None and not ins:
+            deferred.append(n)  # reads only parameters and free values: placed with its users, below
+            continue
+        c = layer_chunk[layer] if layer is not None else max(ins)
         if ins and max(ins) > c:
             raise AutoparError(
                 f"autopar: node '{n.name}' of layer {layer} reads a value computed in a later pipeline "
                 f"chunk; the model's layers are not a chain the pipeline can cut. Use pp=1.")
         chunk[n] = c
+    # A value of parameters alone outside the layers (Gemma 2's final-norm weight ``1 + w``) goes to
+    # the first chunk that reads it, so that only activations cross a boundary.
+    for n in reversed(deferred):
+        chunk[n] = min((chunk[u] for u in n.users if u in chunk), default=0)
     return chunk, free, params
 
 

@@ -25,6 +25,7 @@ from torch.fx import GraphModule, Node
 from autopar.ops import collectives as C
 from autopar.frontend.analyze import RESHAPE_OPS, LinearInfo, ModelStructure, reshape_chain
 from autopar.frontend.fx_utils import module_path, within
+from autopar.frontend.loss import logits_loss
 from autopar.errors import AutoparError, describe_node
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
 
@@ -34,7 +35,6 @@ __all__ = ["tensor_parallel_pass", "AXIS"]
 
 AXIS = "tp"
 _PASS = "tensor_parallel_pass"
-_VIEWISH = RESHAPE_OPS | {aten.slice.Tensor, aten.contiguous.default, aten.to.dtype, aten._to_copy.default, aten.clone.default}
 
 
 def _check_divisible(what: str, value: int, tp: int, node: Node | None = None) -> None:
@@ -136,20 +136,6 @@ def _vocab_parallel_embedding(gm: GraphModule, result: PassResult, node: Node) -
     _redirect(node, reduced)
 
 
-def _logits_path_to_loss(lm_head: Node) -> Node | None:
-    node = lm_head
-    while True:
-        users = list(node.users)
-        if len(users) != 1:
-            return None
-        user = users[0]
-        if user.target == aten.cross_entropy_loss.default and user.args[0] is node:
-            return user
-        if user.target not in _VIEWISH or user.args[0] is not node:
-            return None
-        node = user
-
-
 def _vocab_parallel_loss(gm: GraphModule, loss: Node) -> None:
     args = list(loss.args) + [None] * (6 - len(loss.args))
     weight = args[2] if args[2] is not None else loss.kwargs.get("weight")
@@ -218,7 +204,7 @@ def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     if s.lm_head is not None:
         _shard_column(ctx, result, s.lm_head)
         _enter_region(gm, [s.lm_head], s.lm_head.module, "lm_head_input")
-        loss = _logits_path_to_loss(s.lm_head.node)
+        loss = logits_loss(s.lm_head.node)
         if loss is not None:
             _vocab_parallel_loss(gm, loss)
         else:

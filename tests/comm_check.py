@@ -51,8 +51,20 @@ def assert_comm_equal(records, rows, rank=None) -> None:
 def predicted_cost(model_name: str, overrides: dict, plan: str, world: int, batch: int, dtype_bytes: int = 4):
     """The cost model's ``Cost`` for a test model, shapes and plan (fp32 unless ``dtype_bytes=2``,
     bf16 mixed precision; ``world`` CPU ranks)."""
-    model, _, kwargs = build(model_name, overrides)
-    (inputs, _), = make_batches(VOCAB, batch, SEQ, 1, seed=1)
-    spec = autopar.ModelSpec.from_module(model, inputs, kwargs)
+    spec = model_spec(model_name, overrides, batch)
     cluster = autopar.Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world)
     return autopar.estimate(spec, cluster, plan, seq_len=SEQ, global_batch=batch, dtype_bytes=dtype_bytes)
+
+
+_SPECS: dict = {}
+
+
+def model_spec(model_name: str, overrides: dict, batch: int, seq: int = SEQ):
+    """``ModelSpec.from_module`` of a test model, traced once per model and shapes (the spec is
+    frozen: every plan of a byte or memory test prices the same one)."""
+    key = (model_name, repr(sorted(overrides.items())), batch, seq)
+    if key not in _SPECS:
+        model, _, kwargs = build(model_name, overrides)
+        (inputs, _), = make_batches(VOCAB, batch, seq, 1, seed=1)
+        _SPECS[key] = autopar.ModelSpec.from_module(model, inputs, kwargs)
+    return _SPECS[key]

@@ -4,7 +4,8 @@ Second stage of the pipeline.  Recognition goes by the ops and the dataflow, hel
 ``node.meta['nn_module_stack']``, never by model or module names:
 
 - an *attention region* is the innermost module that holds an attention op
-  (``scaled_dot_product_attention``, or a softmax between two matmuls);
+  (``scaled_dot_product_attention``); a softmax between two matmuls (eager attention) gives
+  the model's heads (frontend/attention_dims.py) while its projections form an MLP-shaped region;
 - an *MLP region* is a module outside attention whose linears form two levels: linears
   fed from outside the module (column-parallel candidates) and a linear fed by them;
 - in every region the first-level linears are *columns* and the linears that consume
@@ -33,8 +34,10 @@ from torch.fx import GraphModule, Node
 
 from autopar.errors import AutoparError
 from autopar.frontend.analyze_moe import expert_width, find_moe_blocks
+from autopar.frontend.attention_dims import attention_dims, eager_attention_dims
 from autopar.frontend.fx_utils import RESHAPE_OPS, module_path, reshape_chain, within as _within
 from autopar.frontend.loss import LossReduction, loss_reduction
+from autopar.frontend.spec_dims import graph_dims
 from autopar.frontend.trace import trace_model
 
 aten = torch.ops.aten
@@ -269,40 +272,6 @@ def _normalised_over(column: LinearInfo, width: int, depth: int, views: bool) ->
     return False
 
 
-def _attention_dims(op: Node) -> tuple[int, int, int]:
-    q, k = op.args[0].meta["val"], op.args[1].meta["val"]
-    num_heads, head_dim = int(q.shape[-3]), int(q.shape[-1])
-    num_kv_heads = int(k.shape[-3])
-    if op.kwargs.get("enable_gqa"):
-        return num_heads, num_kv_heads, head_dim
-    # GQA written as a broadcast (expand / broadcast_to) + reshape of K: the copies it makes of each
-    # KV head (Llama's [b, kv, 1, s, d] -> [b, kv, rep, s, d]; Falcon's [b, s, g, 1, d] -> [b, s, g, rep, d]).
-    node = op.args[1]
-    while isinstance(node, Node) and node.op == "call_function":
-        if node.target in (aten.expand.default, aten.broadcast_to.default) and node.args[0].meta["val"].dim() == 5:
-            before, after = node.args[0].meta["val"].shape, node.meta["val"].shape
-            copies = 1
-            for a, b in zip(before, after):
-                if isinstance(a, int) and isinstance(b, int) and a == 1 and b > 1:
-                    copies *= b
-            num_kv_heads //= copies
-            break
-        if node.target in (aten.linear.default, aten.addmm.default, aten.matmul.default):
-            break
-        node = _main_input(node)
-    return num_heads, num_kv_heads, head_dim
-
-
-def _main_input(node: Node) -> Node | None:
-    """The input a head-shaped value comes from: the first argument, or for a ``cat`` (a KV
-    cache's legacy empty tensor joined to the new keys) its largest part."""
-    first = node.args[0] if node.args else None
-    if isinstance(first, (list, tuple)):
-        parts = [p for p in first if isinstance(p, Node) and isinstance(p.meta.get("val"), torch.Tensor)]
-        return max(parts, key=lambda p: p.meta["val"].dim(), default=None)
-    return first
-
-
 def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node],
              layers: list[str] = ()) -> list[Region]:
     regions: list[Region] = []
@@ -331,7 +300,7 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node
         for c in region.columns:
             c.split_sizes = _split_sizes(c.node)
         if op is not None:
-            region.num_heads, region.num_kv_heads, region.head_dim = _attention_dims(op)
+            region.num_heads, region.num_kv_heads, region.head_dim = attention_dims(op)
         claimed |= member_set
         regions.append(region)
     return regions
@@ -396,6 +365,8 @@ def analyze(gm: GraphModule) -> ModelStructure:
     mlps = [r for r in regions if r.kind == "mlp"]
     ffn = max((c.out_features // max(1, len(c.split_sizes or [1])) for r in mlps for c in r.columns), default=0)
     first = heads[0] if heads else None
+    # Without an attention op, the heads of an eager core (a softmax between two matmuls)
+    dims = (first.num_heads, first.num_kv_heads, first.head_dim) if first else eager_attention_dims(gm) or (0, 0, 0)
     return ModelStructure(
         embeddings=embeddings,
         layers=layers,
@@ -405,9 +376,9 @@ def analyze(gm: GraphModule) -> ModelStructure:
         loss=losses[-1] if losses else None,
         hidden=hidden or (first.columns[0].in_features if first else 0),
         vocab=vocab,
-        num_heads=first.num_heads if first else 0,
-        num_kv_heads=first.num_kv_heads if first else 0,
-        head_dim=first.head_dim if first else 0,
+        num_heads=dims[0],
+        num_kv_heads=dims[1],
+        head_dim=dims[2],
         ffn=ffn,
         tied_embeddings=bool(lm_head and embeddings and lm_head.weight == embeddings[0].args[0].target),
         norm_biases=norm_biases,
@@ -420,13 +391,15 @@ def analyze(gm: GraphModule) -> ModelStructure:
 
 def model_dims(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = None) -> dict:
     """Dimensions of ``model`` for ``autopar.cost.ModelSpec`` (traced, not read from names)."""
-    s = analyze(trace_model(model, example_inputs, example_kwargs).gm)
+    gm = trace_model(model, example_inputs, example_kwargs).gm
+    s = analyze(gm)
     if not s.regions:
         raise AutoparError(
             f"autopar: found no attention or MLP region in {type(model).__name__}; expected a decoder "
             "with linear projections around an attention op. Describe the model with ModelSpec(...) instead."
         )
     dims = structure_dims(s)
+    dims.update(graph_dims(gm, s, dims))  # norms per layer, biases, tables, logits, cumsums (frontend/spec_dims.py)
     # Whether the loss adds the load-balancing loss is the user's choice; a Hugging Face MoE model
     # computes it when configured to return router logits (priced if the loss uses it).
     config = getattr(model, "config", None)
@@ -490,4 +463,3 @@ def structure_dims(s: ModelStructure) -> dict:
         "norm": "layernorm" if s.norm_biases else "rmsnorm",
         **moe,
     }
-

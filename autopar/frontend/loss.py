@@ -28,12 +28,15 @@ from torch.fx import GraphModule, Node
 from autopar.errors import describe_node
 from autopar.frontend.fx_utils import RESHAPE_OPS
 
-__all__ = ["LossReduction", "loss_reduction"]
+__all__ = ["LossReduction", "loss_reduction", "logits_consumer", "logits_loss"]
 
 aten = torch.ops.aten
 _MEAN, _SUM = 1, 2  # torch's Reduction::Mean and ::Sum
 # Ops that only re-arrange the target's elements (one target element per loss term).
 _REARRANGE = RESHAPE_OPS | {aten.contiguous.default, aten.clone.default, aten.alias.default}
+# Ops the logits may pass through on their way to a vocabulary-parallel loss (logits_consumer).
+_VIEWISH = RESHAPE_OPS | {aten.slice.Tensor, aten.contiguous.default, aten.to.dtype, aten._to_copy.default,
+                          aten.clone.default}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -93,3 +96,26 @@ def loss_reduction(gm: GraphModule) -> LossReduction:
     kind = "token_mean" if options["reduction"] == _MEAN else "token_sum"
     return LossReduction(kind=kind, ignore_index=int(options["ignore_index"]),
                          cross_entropy_ignore=int(options["ignore_index"]))
+
+
+def logits_consumer(lm_head: Node) -> tuple[Node, Node | None]:
+    """``(last, user)``: ``last`` the end of the views of the LM head's output, ``user`` the node past
+    them (``aten.cross_entropy_loss``, the graph's output, or an op such as a soft cap), None when the
+    chain forks."""
+    node = lm_head
+    while True:
+        users = list(node.users)
+        if len(users) != 1:
+            return node, None
+        user = users[0]
+        if user.op == "output" or user.target not in _VIEWISH or user.args[0] is not node:
+            return node, user
+        node = user
+
+
+def logits_loss(lm_head: Node) -> Node | None:
+    """The cross-entropy that takes the LM head's logits through views only (made vocabulary-parallel
+    under tp, ``passes/tensor_parallel.py``); None when other ops come first (the logits are gathered)."""
+    last, user = logits_consumer(lm_head)
+    ok = user is not None and user.target == aten.cross_entropy_loss.default and user.args[0] is last
+    return user if ok else None

@@ -15,6 +15,7 @@ import functools
 import pytest
 
 import autopar
+from tests.comm_check import model_spec
 from tests.cp_jobs import bad_sequence_job, blocks_job
 from tests.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train, run_distributed
 from tests.jobs import BATCH, SEQ, VOCAB, build, train_job
@@ -67,9 +68,7 @@ def _totals(items) -> dict:
 @pytest.mark.parametrize("model_name", MODEL_NAMES)
 def test_cp_bytes_equal_cost_model(dist_pool, model_name, plan, world):
     results = _train(model_name, plan, world)
-    model, _, kwargs = build(model_name, _overrides(model_name, plan))
-    (inputs, _), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
-    spec = autopar.ModelSpec.from_module(model, inputs, kwargs)
+    spec = model_spec(model_name, _overrides(model_name, plan), BATCH)
     cluster = autopar.Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world)
     cost = autopar.estimate(spec, cluster, plan, seq_len=SEQ, global_batch=BATCH, dtype_bytes=4)
     predicted = _totals((r.phase, r.collective, r.axis, r.bytes_sent, r.bytes_recv, r.count)

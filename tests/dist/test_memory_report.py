@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from tests.harness import make_batches
+from tests.comm_check import model_spec
 from tests.jobs import build
-from tests.zero_jobs import SEQ, VOCAB, memory_job, memory_plans_job
+from tests.zero_jobs import SEQ, memory_job, memory_plans_job
 
 PLANS = [("dp=2", 2, 4), ("dp=2,zero=1", 2, 4), ("dp=2,zero=2", 2, 4), ("dp=2,zero=3", 2, 4),
          ("dp=4,zero=3", 4, 4), ("tp=2,sp,dp=2,zero=3", 4, 4), ("dp=2,mb=4", 2, 8)]
@@ -25,15 +25,13 @@ PLANS = [("dp=2", 2, 4), ("dp=2,zero=1", 2, 4), ("dp=2,zero=2", 2, 4), ("dp=2,ze
 @pytest.mark.parametrize("model_name", ["example", "hf_llama"])
 def test_static_memory_equals_cost_model(dist_pool, model_name, plan, world, batch):
     reports = dist_pool(memory_job, model_name, plan, batch, world=world)
-    model, _, kwargs = build(model_name, {})
-    (inputs, _), = make_batches(VOCAB, batch, SEQ, 1, seed=1)
-    cost = autopar.estimate(autopar.ModelSpec.from_module(model, inputs, kwargs),
+    cost = autopar.estimate(model_spec(model_name, {}, batch),
                             autopar.Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world), plan,
                             seq_len=SEQ, global_batch=batch, dtype_bytes=4)
     predicted = cost.memory()
     zero = int(plan.split("zero=")[1]) if "zero=" in plan else 0
     dp = int(plan.split("dp=")[1].split(",")[0])
-    full = 4 * sum(p.numel() for p in model.parameters())  # fp32 bytes of the whole model
+    full = 4 * sum(p.numel() for p in build(model_name, {})[0].parameters())  # fp32 bytes of the whole model
     if "tp=2" in plan:  # only the dp-sharded terms are derived by hand here
         full = None
     for r in reports:
@@ -61,9 +59,7 @@ def test_sp_activations_are_a_tp_th_of_one_device(dist_pool):
     sp4, dp4 = dist_pool(memory_plans_job, "hf_llama", ["tp=4,sp", "dp=4"], batch, _SP_SHAPE, seq, world=4)[0]
     one_device = 4 * dp4["activations"]
     assert 4 * sp4["activations"] <= 1.10 * one_device, (4 * sp4["activations"] / one_device)
-    model, _, kwargs = build("hf_llama", _SP_SHAPE)
-    (inputs, _), = make_batches(VOCAB, batch, seq, 1, seed=1)
-    cost = autopar.estimate(autopar.ModelSpec.from_module(model, inputs, kwargs),
+    cost = autopar.estimate(model_spec("hf_llama", _SP_SHAPE, batch, seq),
                             autopar.Cluster(gpu="cpu", num_nodes=1, gpus_per_node=4), "tp=4,sp",
                             seq_len=seq, global_batch=batch, dtype_bytes=4).memory()
     predicted = (cost["activations"] + cost["embedding_activations"] + cost["head_activations"]

@@ -14,7 +14,7 @@ import functools
 import pytest
 
 import autopar
-from tests.comm_check import assert_comm_equal
+from tests.comm_check import assert_comm_equal, model_spec
 from tests.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
 from tests.jobs import BATCH, SEQ, VOCAB, build
 from tests.pp_jobs import pp_load_job, pp_train_job
@@ -53,9 +53,7 @@ def _batch(plan_text: str) -> int:
 
 def _check_bytes(model_name, overrides, plan_text, world, results):
     plan = autopar.Plan.parse(plan_text)
-    model, _, kwargs = build(model_name, overrides)
-    (inputs, _), = make_batches(VOCAB, _batch(plan_text), SEQ, 1, seed=1)
-    spec = autopar.ModelSpec.from_module(model, inputs, kwargs)
+    spec = model_spec(model_name, overrides, _batch(plan_text))
     cluster = autopar.Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world)
     cost = autopar.estimate(spec, cluster, plan_text, seq_len=SEQ, global_batch=_batch(plan_text),
                             dtype_bytes=4)
