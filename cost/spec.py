@@ -228,7 +228,8 @@ class ModelSpec:
 
     @classmethod
     def from_hf_config(cls, path_or_dict) -> "ModelSpec":
-        """Read a transformers ``config.json`` (Llama, Mistral, Mixtral, Qwen2(-MoE), DeepSeek, GPT-2 keys)."""
+        """Read a transformers ``config.json`` (Llama, Mistral, Mixtral, Qwen2(-MoE), Qwen3, DeepSeek,
+        GPT-2, OPT, Falcon, Gemma 2, OLMo 2, Phi-3, BERT keys)."""
         if isinstance(path_or_dict, dict):
             cfg = dict(path_or_dict)
         else:
@@ -306,6 +307,7 @@ def _fields_from_hf(cfg: dict) -> dict:
         fields.update(num_experts=experts, top_k=int(_get(cfg, "num_experts_per_tok", "top_k", default=2)),
                       moe_ffn=moe_ffn, num_shared_experts=shared, moe_layer_freq=freq,
                       first_dense_layers=first_dense, shared_expert_gate=bool(shared_width))
+    fields.update(_beyond_decoder_fields(cfg, model_type, int(hidden), gpt_style))
     if model_type == "falcon":
         fields.update(_falcon_fields(cfg, int(heads), int(hidden)))
     if cfg.get("kv_lora_rank"):  # multi-head latent attention (DeepSeek-V2/V3): its own head dims
@@ -318,6 +320,36 @@ def _fields_from_hf(cfg: dict) -> dict:
     return fields
 
 
+# Encoders with a masked-LM head (BERT, RoBERTa): learned positions and token types, a head
+# transform (dense h x h with bias, then a LayerNorm) and a biased decoder over the vocabulary.
+_ENCODERS = ("bert", "roberta")
+# Decoders with a learned position table (OPT offsets its positions by 2 rows).
+_LEARNED_POSITIONS = {"gpt2": 0, "gpt_bigcode": 0, "opt": 2}
+# Norms per layer where the attention and MLP outputs are normalised again (Gemma 2 and 3).
+_SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text")
+
+
+def _beyond_decoder_fields(cfg: dict, model_type: str, hidden: int, gpt_style: bool) -> dict:
+    """The fields ``from_module`` reads beyond a Llama-style decoder (frontend/spec_dims.py), from
+    the config's keys: the same values for the architectures the tests trace
+    (tests/unit/test_architecture_rules.py compares both)."""
+    encoder = model_type in _ENCODERS
+    out: dict = {"proj_bias": gpt_style or encoder,
+                 "gathered_logits": cfg.get("final_logit_softcapping") is not None,
+                 "layer_norms": 4 if model_type in _SANDWICH_NORMS else 2}
+    if model_type in _LEARNED_POSITIONS or encoder:
+        rows = int(_get(cfg, "n_positions", "max_position_embeddings", default=0)) + _LEARNED_POSITIONS.get(model_type, 0)
+        rows += int(cfg.get("type_vocab_size") or 0) if encoder else 0
+        out["embedding_extra_params"] = rows * hidden
+    if encoder:
+        out.update(gated_mlp=False, norm="layernorm", qkv_bias=True, lm_head_bias=True,
+                   tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+                   head_extra_params=hidden * hidden + hidden + 2 * hidden)
+    if model_type == "opt":  # positions from the cumulative sum of the (fp32) attention mask
+        out.update(seq_cumsums=1, seq_cumsum_bytes=4)
+    return out
+
+
 def _falcon_fields(cfg: dict, heads: int, hidden: int) -> dict:
     """Falcon's own keys: KV heads (``num_kv_heads`` in the new decoder architecture, one with
     multi-query attention), a plain GELU MLP, LayerNorms with bias, optional projection biases."""
@@ -325,7 +357,10 @@ def _falcon_fields(cfg: dict, heads: int, hidden: int) -> dict:
         kv = int(_get(cfg, "num_kv_heads", default=heads))
     else:
         kv = 1 if cfg.get("multi_query", True) else heads
-    return dict(num_kv_heads=kv, ffn=int(_get(cfg, "ffn_hidden_size", default=4 * hidden)), gated_mlp=False,
+    # The new decoder applies RoPE after broadcasting K and V to every query head, so CP moves all heads.
+    cp_kv = heads if cfg.get("new_decoder_architecture") else kv
+    return dict(num_kv_heads=kv, cp_kv_heads=cp_kv, ffn=int(_get(cfg, "ffn_hidden_size", default=4 * hidden)),
+                gated_mlp=False,
                 norm="layernorm", qkv_bias=bool(cfg.get("bias", False)), tied_embeddings=bool(
                     cfg.get("tie_word_embeddings", True)))
 

@@ -36,6 +36,10 @@ aten = torch.ops.aten
 
 __all__ = ["graph_dims"]
 
+# Where a mask's dataflow enters attention: the SDPA op, or the softmax of an eager core.
+_ATTENTION_STOPS = {aten.scaled_dot_product_attention.default, aten.softmax.int, aten._softmax.default,
+                    aten._safe_softmax.default}
+
 
 def graph_dims(gm: GraphModule, s, dims: dict) -> dict:
     """The fields above for ``ModelSpec``, given the structure ``s`` and its ``structure_dims``."""
@@ -107,12 +111,12 @@ def _seq_cumsums(gm: GraphModule, params: set) -> dict:
 
 def _feeds_params(node, params: set) -> bool:
     """Does ``node`` reach an op that reads a parameter (positions for a table), other than through an
-    attention op (a cumulative sum that only shapes the attention mask is dropped with the mask by
-    ``passes/causal_mask.py``)?"""
+    attention op or an eager core's softmax (a cumulative sum that only shapes the attention mask is
+    dropped with the mask by ``passes/causal_mask.py``, or is refused with eager attention under cp)?"""
     todo, seen = [node], {node}
     while todo:
         for user in todo.pop().users:
-            if user in seen or user.op != "call_function" or user.target is aten.scaled_dot_product_attention.default:
+            if user in seen or user.op != "call_function" or user.target in _ATTENTION_STOPS:
                 continue
             if any(i.op == "get_attr" and i.target in params for i in user.all_input_nodes):
                 return True

@@ -46,7 +46,7 @@ def test_qwen2_config_under_tp_sp_is_equal(tmp_path, capsys):
         _, ref, got, diff = line.split()
         assert abs(float(ref) - float(got)) <= 1e-5 and float(diff) <= 1e-5
     assert re.search(r"worst gradient \|diff\| \(step 1\): \S+ at model\.\S+ \(bound 0\.001\)", out)
-    assert re.search(r"worst parameter \|diff\|: \S+ at model\.\S+ ", out)
+    assert re.search(r"worst parameter \|diff\|: \S+ at (model|lm_head)\.\S+ \(", out)  # which tensor: rounding noise
     assert _line(out, "verdict:").startswith("verdict: EQUAL - plan 'tp=2,sp' on 2 ranks")
 
 

@@ -167,17 +167,21 @@ def test_latent_attention_under_tp_is_refused_with_its_source_line():
     assert "q_b_proj" in msg and "multi-head latent attention" in msg and "modeling_deepseek_v3.py" in msg
 
 
-def test_falcon_config_and_module_give_the_same_spec():
-    """``ModelSpec.from_hf_config`` reads Falcon's own keys as the traced module shows them."""
+@pytest.mark.parametrize("model_name", ["hf_falcon", "hf_gemma2", "hf_bert", "hf_opt", "hf_gpt2"])
+def test_config_and_module_give_the_same_spec(model_name):
+    """``ModelSpec.from_hf_config`` reads each architecture's own keys (Falcon's KV groups and the
+    heads its CP moves, Gemma 2's four norms and soft-capped logits, BERT's encoder tables and head
+    transform, learned position tables, OPT's mask-derived positions) as the traced module shows them."""
+    import dataclasses
+
     from autopar.cost import ModelSpec
 
-    factory, _, kwargs = MODELS["hf_falcon"]
+    factory, _, kwargs = MODELS[model_name]
     model = factory()
     ids, _ = make_batch(128, 2, 16, 0)
     traced = ModelSpec.from_module(model, (ids,), kwargs)
     read = ModelSpec.from_hf_config(model.config.to_dict())
-    fields = ("num_layers", "hidden", "num_heads", "num_kv_heads", "head_dim", "ffn", "vocab", "gated_mlp",
-              "norm", "qkv_bias", "tied_embeddings")
+    fields = [f.name for f in dataclasses.fields(ModelSpec) if f.name != "name"]
     assert {f: getattr(read, f) for f in fields} == {f: getattr(traced, f) for f in fields}
     assert read.num_params == traced.num_params == sum(p.numel() for p in model.parameters())
 
