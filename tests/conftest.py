@@ -24,6 +24,9 @@ for _path in (str(_TESTS_DIR.parent), str(_TESTS_DIR)):
         sys.path.insert(0, _path)
 
 from tests.harness import run_distributed, shutdown_pools  # noqa: E402
+from tests import trace_cache  # noqa: E402
+
+trace_cache.install()  # each distinct model exported once per process (tests/trace_cache.py)
 
 __all__ = ["dist_pool"]
 

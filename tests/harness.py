@@ -176,6 +176,8 @@ def _worker_main(rank: int, world_size: int, init_method: str, task_q, result_q)
 
         dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=GLOO_TIMEOUT))
+        from tests import trace_cache
+        trace_cache.install()  # each distinct model exported once per worker (tests/trace_cache.py)
         saved = _snapshot_globals()
     except BaseException:
         result_q.put(("fatal", -1, rank, traceback.format_exc()))

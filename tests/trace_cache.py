@@ -1,0 +1,171 @@
+"""A test-session cache of traces: each distinct model is exported once per process.
+
+Not a test module.  ``torch.export`` of even a two-layer model costs seconds on two cores
+and is almost all of a tiny plan's compile time, yet the suite compiles the same handful of
+models for hundreds of plans, on every rank.  The trace does not depend on the plan (the
+plan enters only in the passes after it), so :func:`install` replaces
+``autopar.frontend.trace.trace_model`` in this process with a memo of it.
+
+Why a hit is the trace the real call would return:
+  * the key is the model's structure as the export sees it -- every module's class, its
+    training flag and every non-tensor attribute (an HF config by its ``to_dict()``), the
+    names, shapes, dtypes and requires_grad of parameters and buffers, the *values* of
+    tensor attributes that are neither (the export bakes those in as constants) -- and the
+    call's example inputs and target (shape, dtype), example kwargs (tensors by value: the
+    wrapper captures them as constants), loss function, flags and default dtype;
+  * parameter and buffer values are not in the key because the export treats them as
+    inputs; the graph a hit returns is a deep copy of the first one in which every tensor
+    the first model lent the graph is replaced by the same-named tensor of this model
+    (``copy.deepcopy``'s memo), so the program aliases this model's tensors exactly as a
+    fresh export would;
+  * a failing export is not cached, and a model with anything the key cannot see (a
+    tensor attribute the graph holds that is not the first model's) is traced afresh.
+The cache is a test-suite device, not product behaviour: the product traces on every
+call.  ``AUTOPAR_TEST_TRACE_CACHE=0`` turns it off; tests/unit/test_trace_cache.py checks
+that a hit is the same program bound to the new model.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import os
+import sys
+import warnings
+
+import torch
+
+__all__ = ["install", "cached_trace_model", "model_key", "clear", "STATS"]
+
+_CACHE: dict = {}
+STATS = {"hits": 0, "misses": 0}
+_MAX_ENTRIES = 64
+_SKIP = frozenset({"_parameters", "_buffers", "_modules", "training"})
+_original = None
+
+
+def _freeze(value, depth: int = 0):
+    """A hashable stand-in for ``value`` that is equal exactly when the export would see the same."""
+    if depth > 6:
+        return ("deep", repr(value))
+    if value is None or isinstance(value, (bool, int, float, str, bytes, complex)):
+        return value
+    if isinstance(value, (torch.dtype, torch.device, torch.Size)):
+        return (type(value).__name__, str(value))
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous()
+        digest = hashlib.sha1(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
+        return ("tensor", tuple(value.shape), str(value.dtype), value.requires_grad, digest)
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, tuple(_freeze(v, depth + 1) for v in value))
+    if isinstance(value, (set, frozenset)):
+        return ("set", tuple(sorted(repr(_freeze(v, depth + 1)) for v in value)))
+    if isinstance(value, dict):
+        return ("dict", tuple((repr(k), _freeze(v, depth + 1)) for k, v in value.items()))
+    if hasattr(value, "to_dict") and callable(value.to_dict):  # a transformers PretrainedConfig
+        return (type(value), _freeze(value.to_dict(), depth + 1))
+    try:
+        hash(value)
+    except TypeError:
+        return ("repr", type(value), repr(value))
+    return value  # functions, classes, enums: equal only to themselves
+
+
+def model_key(model: torch.nn.Module) -> tuple:
+    """Everything about ``model`` the export can see except parameter and buffer values."""
+    parts = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        attrs = tuple((k, _freeze(v)) for k, v in sorted(module.__dict__.items()) if k not in _SKIP)
+        params = tuple((k, tuple(p.shape), str(p.dtype), p.requires_grad)
+                       for k, p in module._parameters.items() if p is not None)
+        buffers = tuple((k, tuple(b.shape), str(b.dtype)) for k, b in module._buffers.items() if b is not None)
+        parts.append((name, type(module), module.training, attrs, params, buffers))
+    return tuple(parts)
+
+
+def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    named = dict(model.named_parameters(remove_duplicate=False))
+    named.update(model.named_buffers(remove_duplicate=False))
+    return named
+
+
+def _graph_tensors(gm: torch.nn.Module) -> list[torch.Tensor]:
+    out = [t for _, t in gm.named_parameters(remove_duplicate=False)]
+    out += [t for _, t in gm.named_buffers(remove_duplicate=False)]
+    out += [v for v in gm.__dict__.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def _lent(gm, model) -> dict[int, str] | None:
+    """id of each graph tensor the model lent it -> its model name; None if the graph holds
+    a tensor the model did not lend (a copy: its values are not in the key)."""
+    names = {id(t): k for k, t in _model_tensors(model).items()}
+    lent = {}
+    for t in _graph_tensors(gm):
+        if id(t) not in names:
+            return None
+        lent[id(t)] = names[id(t)]
+    return lent
+
+
+def _call_key(model, example_inputs, example_kwargs, loss_fn, example_target, upcast_outputs, stamp_layers):
+    def meta(t):
+        return ("tensor", tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else _freeze(t)
+    return (model_key(model), tuple(meta(t) for t in example_inputs), _freeze(dict(example_kwargs or {})),
+            loss_fn, meta(example_target), upcast_outputs, stamp_layers, torch.get_default_dtype())
+
+
+def cached_trace_model(model, example_inputs, example_kwargs=None, loss_fn=None, example_target=None,
+                       upcast_outputs=False, stamp_layers=True):
+    """``trace_model`` with the same signature and result, from the cache when the key matches."""
+    try:
+        key = _call_key(model, tuple(example_inputs), example_kwargs, loss_fn, example_target,
+                        upcast_outputs, stamp_layers)
+        hash(key)
+    except Exception:  # something unhashable or unreadable: trace as usual
+        key = None
+    entry = _CACHE.get(key) if key is not None else None
+    if entry is not None:
+        pristine, lent, traced = entry
+        current = _model_tensors(model)
+        memo = {tid: current[name] for tid, name in lent.items()}
+        gm = _deepcopy(pristine, memo)
+        STATS["hits"] += 1
+        inputs = tuple(example_inputs)
+        target = example_target
+        if loss_fn is not None and target is None:
+            target = torch.zeros_like(inputs[0])
+        return dataclasses.replace(traced, gm=gm, example_inputs=inputs, example_target=target)
+    STATS["misses"] += 1
+    traced = _original(model, example_inputs, example_kwargs, loss_fn, example_target, upcast_outputs, stamp_layers)
+    lent = _lent(traced.gm, model) if key is not None else None
+    if lent is not None:
+        own = {tid: t for t in _graph_tensors(traced.gm) for tid in [id(t)]}
+        pristine = _deepcopy(traced.gm, dict(own))  # the graph copied, the lent tensors shared
+        if len(_CACHE) >= _MAX_ENTRIES:
+            _CACHE.pop(next(iter(_CACHE)))
+        _CACHE[key] = (pristine, lent, dataclasses.replace(traced, gm=None))
+    return traced
+
+
+def _deepcopy(gm, memo: dict):
+    with warnings.catch_warnings():  # torch's pytree spec pickling warns about its own deprecation
+        warnings.simplefilter("ignore", FutureWarning)
+        return copy.deepcopy(gm, memo)
+
+
+def clear() -> None:
+    _CACHE.clear()
+
+
+def install() -> None:
+    """Route every ``trace_model`` of this process through the cache (idempotent)."""
+    global _original
+    if os.environ.get("AUTOPAR_TEST_TRACE_CACHE", "1") == "0":
+        return
+    from autopar.frontend import trace
+    if _original is None:
+        _original = trace.trace_model
+    for module in list(sys.modules.values()):
+        if getattr(module, "trace_model", None) is _original:
+            module.trace_model = cached_trace_model

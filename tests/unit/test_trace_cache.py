@@ -1,0 +1,57 @@
+"""The suite's trace cache (tests/trace_cache.py): a hit is the program a fresh export gives.
+
+A hit must be the same graph bound to the new model's own tensors (so values, aliasing and
+"the user's model is never mutated" are tested as without the cache), and anything the
+export can see must change the key.
+"""
+from __future__ import annotations
+
+import torch
+
+from tests import trace_cache
+from tests.jobs import BATCH, SEQ, VOCAB, build
+from tests.reference import make_batches
+
+
+def _trace(model, kwargs, loss_fn, ids, fresh=False):
+    fn = trace_cache._original if fresh else trace_cache.cached_trace_model
+    return fn(model, (ids,), kwargs, loss_fn)
+
+
+def test_a_hit_is_the_fresh_program_bound_to_the_new_model():
+    if trace_cache._original is None:
+        trace_cache.install()
+    (ids,), target = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)[0]
+    first, loss_fn, kwargs = build("example", {"num_layers": 3})
+    _trace(first, kwargs, loss_fn, ids)  # stored (or already stored by an earlier test)
+    second, _, _ = build("example", {"num_layers": 3}, seed=7)  # other values, same structure
+    hits = trace_cache.STATS["hits"]
+    hit = _trace(second, kwargs, loss_fn, ids)
+    assert trace_cache.STATS["hits"] == hits + 1
+    fresh = _trace(second, kwargs, loss_fn, ids, fresh=True)
+    assert hit.gm.code == fresh.gm.code
+    own = {id(t) for t in list(second.parameters()) + list(second.buffers())}
+    assert all(id(p) in own for p in hit.gm.parameters())
+    assert all(id(b) in own for b in hit.gm.buffers())
+    assert torch.equal(hit.gm(ids, target), fresh.gm(ids, target))
+
+
+def test_what_the_export_sees_changes_the_key():
+    model, loss_fn, kwargs = build("example", {})
+    ids = torch.zeros(BATCH, SEQ, dtype=torch.long)
+    base = trace_cache._call_key(model, (ids,), kwargs, loss_fn, None, False, True)
+    assert base == trace_cache._call_key(build("example", {}, seed=3)[0], (ids,), kwargs, loss_fn, None, False, True)
+    model.eval()
+    assert trace_cache._call_key(model, (ids,), kwargs, loss_fn, None, False, True) != base
+    model.train()
+    assert trace_cache._call_key(model, (ids,), kwargs, loss_fn, None, False, True) == base
+    other = trace_cache._call_key(build("example", {"num_layers": 3})[0], (ids,), kwargs, loss_fn, None, False, True)
+    assert other != base
+    longer = torch.zeros(BATCH, SEQ + 1, dtype=torch.long)
+    assert trace_cache._call_key(model, (longer,), kwargs, loss_fn, None, False, True) != base
+    mask = {"mask": torch.ones(2)}
+    assert (trace_cache._call_key(model, (ids,), mask, loss_fn, None, False, True)
+            != trace_cache._call_key(model, (ids,), {"mask": torch.zeros(2)}, loss_fn, None, False, True))
+    assert trace_cache._call_key(model, (ids,), kwargs, loss_fn, None, True, True) != base
+    model.register_buffer("extra", torch.zeros(3))
+    assert trace_cache._call_key(model, (ids,), kwargs, loss_fn, None, False, True) != base
