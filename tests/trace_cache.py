@@ -140,7 +140,7 @@ def cached_trace_model(model, example_inputs, example_kwargs=None, loss_fn=None,
     traced = _original(model, example_inputs, example_kwargs, loss_fn, example_target, upcast_outputs, stamp_layers)
     lent = _lent(traced.gm, model) if key is not None else None
     if lent is not None:
-        own = {tid: t for t in _graph_tensors(traced.gm) for tid in [id(t)]}
+        own = {id(t): t for t in _graph_tensors(traced.gm)}
         pristine = _deepcopy(traced.gm, dict(own))  # the graph copied, the lent tensors shared
         if len(_CACHE) >= _MAX_ENTRIES:
             _CACHE.pop(next(iter(_CACHE)))
