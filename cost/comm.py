@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from .symbols import (CPAG, CPRING, CPUL, E, FIRST, V, LAST, NRECV, NSEND, RFULL, RSEL, SP, Z1, Z2, Z3, Pe, Ph, a,
+from .symbols import (CPAG, CPRING, CPUL, E, FIRST, V, LAST, NRECV, NSEND, RFULL, RSEL, SP, Z1, Z2, Z3, Pe, Ph, a, en,
                       b, ccs, cp, d, dp, dv, ep, f, fe, g, gated, gc, h, hb, k, ld, le, lg, lq, m, mla, ncs, nl, nn,
                       nsh, pb, pp, qb, qkn, qkh, rho, rkv, rq, s, sgate, tp, aux, vpp, w, wgc, wp)
 from .flops import attention_weights
@@ -119,7 +119,8 @@ def local_param_elems():
     whole-width q/k norm weights, which each rank reads its slice of).  Besides the decoder:
     ``n_ln`` norms per layer; with ``p_b`` the column biases (MLP up/gate) split over tp and the
     row biases (o_proj, down: h each) whole, added after the reduction; ``P_emb`` (position and
-    token-type tables) on the first stage and ``P_head`` (a head transform) on the last, whole;
+    token-type tables) and ``emb_norm`` a norm of the embeddings (BERT's) on the first stage and
+    ``P_head`` (a head transform) on the last, whole;
     the LM head's bias ``head_bias * V / tp``.  Under SP the row biases, the tables and the head
     transform see a sequence shard, so their gradients are partial too.
     """
@@ -132,9 +133,9 @@ def local_param_elems():
     mlp = _mlp(f) / tp + pb * ((1 + gated) * f / tp + h)
     router_shared = h * E + nsh * _mlp(fe) + sgate * h
     dense = (ld * (attn + mlp + norms) + le * (attn + norms + router_shared)
-             + FIRST * (V * h / tp + Pe) + LAST * (V * h / tp * (1 - TIED * FIRST) + h * nn + hb * V / tp + Ph))
+             + FIRST * (V * h / tp + Pe + en * h * nn) + LAST * (V * h / tp * (1 - TIED * FIRST) + h * nn + hb * V / tp + Ph))
     expert = le * (E / ep) * _mlp(fe)
-    partial = (SP * ((nl * (ld + le) + LAST) * h * nn + pb * (2 * ld + le) * h + FIRST * Pe + LAST * Ph)
+    partial = (SP * ((nl * (ld + le) + LAST + en * FIRST) * h * nn + pb * (2 * ld + le) * h + FIRST * Pe + LAST * Ph)
                + le * router_shared + (ld + le) * qk_norms)
     return dense, expert, partial
 
@@ -378,7 +379,8 @@ def _data_parallel_rows() -> list[RowSpec]:
     # expert's replicas are the tp * dp*cp/ep ranks of a stage that hold the same expert index.
     # Backward re-gathers every unit but a first stage's embedding unit under pp (the lookup's
     # backward reads only the indices; without pp the embedding shares a unit with the head).
-    emb_only = FIRST * SPLIT_REST
+    # (An embedding norm's backward reads its weight, so then the unit is re-gathered.)
+    emb_only = FIRST * SPLIT_REST * (1 - en)
     for label, P, axis, n, u, P_bwd, u_bwd in (
             ("dense", dense, "dp*", dp * cp, units, dense - emb_only * (V * h / tp + Pe), units - emb_only),
             ("expert", expert, "edp*", tp * dp * cp / ep, sp.Max(le, 1, evaluate=False), expert, le)):

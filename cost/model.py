@@ -187,7 +187,7 @@ def model_values(spec, *, dtype_bytes: int, grad_bytes: int | None, routing_imba
         "gated": int(spec.gated_mlp), "L": spec.num_layers, "L_e": max(spec.num_moe_layers, 1),
         "tied": int(spec.tied_embeddings), "rho": routing_imbalance, "flash": int(flash_attention),
         "n_ln": spec.layer_norms, "p_b": int(spec.proj_bias), "P_emb": spec.embedding_extra_params,
-        "P_head": spec.head_extra_params, "head_bias": int(spec.lm_head_bias),
+        "emb_norm": int(spec.embedding_norm), "P_head": spec.head_extra_params, "head_bias": int(spec.lm_head_bias),
         "gathered_logits": int(spec.gathered_logits), "n_cs": spec.seq_cumsums,
         "c_cs": spec.seq_cumsum_bytes / max(spec.seq_cumsums, 1), "g_cp": spec.cp_kv_heads,
     }

@@ -37,8 +37,9 @@ class ModelSpec:
     rope key shared by every head, v of ``v_head_dim``; tensor parallelism does not split it.
     Beyond the decoder (``ModelSpec.from_module`` reads them, frontend/spec_dims.py): ``layer_norms``
     norms per layer; ``proj_bias``: biases on o_proj and the MLP (q/k/v's are ``qkv_bias``);
-    ``embedding_extra_params`` (positions, token types) on the first stage and ``head_extra_params``
-    (a head transform) on the last, replicated over tp; ``lm_head_bias``; ``gathered_logits``: the
+    ``embedding_extra_params`` (positions, token types) and ``embedding_norm`` (a norm of the summed
+    embeddings, BERT's) on the first stage and ``head_extra_params`` (a head transform) on the last,
+    replicated over tp; ``lm_head_bias``; ``gathered_logits``: the
     logits reach the loss through other ops than views, so tp all-gathers them instead of a
     vocabulary-parallel cross-entropy; ``seq_cumsums`` cumulative sums along the sequence, which cp
     makes global by all-gathering chunk totals of ``seq_cumsum_bytes`` per sample (summed over
@@ -75,6 +76,7 @@ class ModelSpec:
     layer_norms: int = 2  # norms per layer (Gemma 2 normalises the attention and MLP outputs again: 4)
     proj_bias: bool = False  # the attention output and MLP projections have biases (GPT-2, OPT, BERT)
     embedding_extra_params: int = 0  # embedding tables beyond the token table (learned positions, token types)
+    embedding_norm: bool = False  # a norm right after the embeddings, on the first stage (BERT's embeddings.LayerNorm)
     head_extra_params: int = 0  # other parameters between the last layer and the LM head (BERT's MLM transform)
     lm_head_bias: bool = False  # the LM head has a bias of the vocabulary's size
     gathered_logits: bool = False  # the logits reach the loss through other ops (a soft cap): tp gathers them
@@ -188,7 +190,8 @@ class ModelSpec:
 
     @property
     def embedding_params(self) -> int:
-        return self.vocab * self.hidden + self.embedding_extra_params
+        norm = self.hidden * self.norm_vectors * int(self.embedding_norm)
+        return self.vocab * self.hidden + self.embedding_extra_params + norm
 
     @property
     def head_params(self) -> int:
@@ -342,9 +345,11 @@ def _beyond_decoder_fields(cfg: dict, model_type: str, hidden: int, gpt_style: b
         rows += int(cfg.get("type_vocab_size") or 0) if encoder else 0
         out["embedding_extra_params"] = rows * hidden
     if encoder:
+        # the MLM transform (dense and LayerNorm; its LayerNorm takes the final norm's place) after
+        # the layers, the embeddings' LayerNorm before them
         out.update(gated_mlp=False, norm="layernorm", qkv_bias=True, lm_head_bias=True,
                    tied_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-                   head_extra_params=hidden * hidden + hidden + 2 * hidden)
+                   head_extra_params=hidden * hidden + hidden, embedding_norm=True)
     if model_type == "opt":  # positions from the cumulative sum of the (fp32) attention mask
         out.update(seq_cumsums=1, seq_cumsum_bytes=4)
     return out

@@ -9,7 +9,7 @@ Groups:
   * model: ``b`` (micro-batch size per replica), ``s`` (sequence length), ``h``,
     ``a`` (heads), ``g`` (KV heads), ``d`` (head dim), ``f`` (dense FFN), ``fe``
     (expert FFN), ``V``, ``E`` (experts), ``k`` (top-k), ``w`` (dtype bytes), the
-    parameters beyond the decoder (``n_ln``, ``p_b``, ``P_emb``, ``P_head``, ``head_bias``; ModelSpec's
+    parameters beyond the decoder (``n_ln``, ``p_b``, ``P_emb``, ``emb_norm``, ``P_head``, ``head_bias``; ModelSpec's
     fields of frontend/spec_dims.py), the logits gather ``gathered_logits``, the sequence cumsums
     ``n_cs`` / ``c_cs`` and the CP K/V heads ``g_cp``, and the per-stage layer counts ``ld`` (dense layers) / ``le`` (MoE layers) on the stage
     being scored;
@@ -25,7 +25,7 @@ import sympy as sp
 
 __all__ = [
     "b", "s", "h", "a", "g", "d", "f", "fe", "V", "E", "k", "w", "nsh", "sgate", "nn", "qb", "qkn", "qkh", "aux",
-    "gated", "mla", "lq", "rq", "rkv", "dr", "dv", "nl", "pb", "Pe", "Ph", "hb", "lg", "ncs", "ccs", "gc",
+    "gated", "mla", "lq", "rq", "rkv", "dr", "dv", "nl", "pb", "Pe", "en", "Ph", "hb", "lg", "ncs", "ccs", "gc",
     "ld", "le", "L", "Le",
     "tp", "dp", "cp", "pp", "ep", "vpp", "m", "SP", "RSEL", "RFULL",
     "Z1", "Z2", "Z3", "CPRING", "CPAG", "CPUL", "FIRST", "LAST", "INFL", "NSEND", "NRECV",
@@ -56,6 +56,7 @@ dv = sp.Symbol("d_v", **_pos)                           # V's head dim (d withou
 nl = sp.Symbol("n_ln", **_pos)                          # norms per layer (2; Gemma 2: 4)
 pb = sp.Symbol("p_b", nonnegative=True)                 # 1 if o_proj and the MLP projections have biases
 Pe = sp.Symbol("P_emb", nonnegative=True)               # embedding parameters beyond the token table
+en = sp.Symbol("emb_norm", nonnegative=True)           # 1 if a norm follows the embeddings (first stage)
 Ph = sp.Symbol("P_head", nonnegative=True)              # parameters of a head transform (outside the layers)
 hb = sp.Symbol("head_bias", nonnegative=True)           # 1 if the LM head has a bias [V]
 lg = sp.Symbol("gathered_logits", nonnegative=True)     # 1 if tp all-gathers the logits (no vocab-parallel loss)
@@ -95,7 +96,7 @@ def axis_link_symbols(axis: str):
 
 
 MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, sgate, nn, qb, qkn, qkh, aux, gated, mla, lq, rq, rkv, dr,
-                 dv, nl, pb, Pe, Ph, hb, lg, ncs, ccs, gc, L, Le)
+                 dv, nl, pb, Pe, en, Ph, hb, lg, ncs, ccs, gc, L, Le)
 PLAN_SYMBOLS = (tp, dp, cp, pp, ep, vpp, m, SP, RSEL, RFULL, Z1, Z2, Z3, CPRING, CPAG, CPUL,
                 FIRST, LAST, INFL, NSEND, NRECV, ld, le, rho, FLASH)
 ALL_SYMBOLS = MODEL_SYMBOLS + PLAN_SYMBOLS + (wp, wg, wgc, wo, wz, peak, hbm_bw, eta_max, kappa, eps, phi)

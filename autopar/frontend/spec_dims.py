@@ -9,6 +9,8 @@ terms (ops, shapes and parameters, never names) for ``ModelSpec.from_module``
 - ``proj_bias``: the row-parallel projections (attention output, MLP down) have biases, and
   then every MLP projection (GPT-2, OPT, BERT);
 - ``embedding_extra_params``: embedding tables beyond the token table (learned positions, token types);
+- ``embedding_norm``: the parameters outside the layers that ops before the first layer read are
+  one norm's (BERT's LayerNorm of the summed embeddings: the first pipeline stage's);
 - ``head_extra_params``: the other parameters outside the layers, besides the token table, the
   final norm and the LM head (BERT's MLM transform: a dense layer and a LayerNorm);
 - ``lm_head_bias``: the LM head has a bias (sharded over the vocabulary with it);
@@ -29,7 +31,7 @@ from torch.fx import GraphModule
 
 from autopar.compat import sym_hint
 from autopar.frontend.attention_dims import strip_gqa
-from autopar.frontend.fx_utils import within
+from autopar.frontend.fx_utils import module_path, within
 from autopar.frontend.loss import logits_consumer
 
 aten = torch.ops.aten
@@ -71,8 +73,9 @@ def _layer_norms(s, params: dict, dims: dict) -> int:
 
 
 def _outside_params(gm: GraphModule, s, params: dict, dims: dict) -> dict:
-    """Parameters outside every layer: extra embedding tables, and the rest beyond the spec's
-    token table, final norm and LM head (tied parameters counted once)."""
+    """Parameters outside every layer: extra embedding tables, a norm of the embeddings (read
+    before the first layer: the first pipeline stage's), and the rest beyond the spec's token
+    table, final norm and LM head (tied parameters counted once)."""
     def ids(names):
         return {id(gm.get_parameter(n)) for n in names if n}
 
@@ -81,11 +84,25 @@ def _outside_params(gm: GraphModule, s, params: dict, dims: dict) -> dict:
     tables = {n.args[0].target for n in s.embeddings if id(gm.get_parameter(n.args[0].target)) not in ids((token, *head))}
     counted = ids((token, *head, *tables))
     moe = {name for b in s.moe for name in params if within(name, b.module)}
-    outside = [p for name, p in params.items()
-               if not any(within(name, layer) for layer in s.layers) and name not in moe and id(p) not in counted]
-    final_norm = dims["hidden"] * (2 if dims["norm"] == "layernorm" else 1)
+    outside = {name: p for name, p in params.items()
+               if not any(within(name, layer) for layer in s.layers) and name not in moe and id(p) not in counted}
+    norm = dims["hidden"] * (2 if dims["norm"] == "layernorm" else 1)
+    before = _read_before_layers(gm, s, set(outside))
+    embedding_norm = bool(before) and sum(outside[n].numel() for n in before) == norm
+    rest = sum(p.numel() for n, p in outside.items() if not (embedding_norm and n in before))
     return {"embedding_extra_params": sum(gm.get_parameter(t).numel() for t in tables),
-            "head_extra_params": max(0, sum(p.numel() for p in outside) - final_norm)}
+            "embedding_norm": embedding_norm, "head_extra_params": max(0, rest - norm)}
+
+
+def _read_before_layers(gm: GraphModule, s, names: set) -> set:
+    """Those of parameters ``names`` that an op before the first layer's first op reads."""
+    if not s.layers:
+        return set()
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    start = next((order[n] for n in gm.graph.nodes if n.op == "call_function" and within(module_path(n), s.layers[0])),
+                 len(order))
+    return {n.target for n in gm.graph.nodes if n.op == "get_attr" and n.target in names
+            and any(order[u] < start for u in n.users)}
 
 
 def _seq_cumsums(gm: GraphModule, params: set) -> dict:

@@ -69,14 +69,20 @@ CASES = [("hf_gemma2", "tp=2"), ("hf_gemma2", "tp=2,sp"), ("hf_gemma2", "pp=2,mb
          ("hf_deepseek_v3", "pp=2,mb=2"), ("hf_deepseek_v3", "dp=2,zero=3"), ("hf_bert", "tp=2,sp"),
          ("hf_bert", "cp=2:ring"), ("hf_bert", "pp=2,mb=2"), ("hf_bert", "dp=2,zero=3")]
 # tp and sp with data parallelism, on 4 ranks (OPT refuses sp and DeepSeek-V3 tp: tests/e2e/test_matrix_refusals.py)
-CASES_4 = [(m, "tp=2,sp,dp=2") for m in ("hf_gemma2", "hf_phi3", "hf_olmo2", "hf_falcon", "hf_bert")]
+# and BERT's embedding LayerNorm, a first-stage parameter, under pp with dp (its gradient) and ZeRO-3
+# (backward re-gathers the embedding unit for it)
+CASES_4 = [(m, "tp=2,sp,dp=2") for m in ("hf_gemma2", "hf_phi3", "hf_olmo2", "hf_falcon", "hf_bert")] + [
+    ("hf_bert", "pp=2,mb=2,dp=2"), ("hf_bert", "pp=2,mb=2,dp=2,zero=3")]
 WORLD = {**{case: 2 for case in CASES}, **{case: 4 for case in CASES_4}}
 
 
 def _overrides(plan: str) -> dict:
     """pp=2 runs 4 layers, two a stage (the rest: 2 layers): a stage holds more than one layer,
-    and the traced graph stamps its fourth layer from the third (frontend/stamp.py)."""
-    return {"num_hidden_layers": 4} if plan.startswith("pp=") else {}
+    and the traced graph stamps its fourth layer from the third (frontend/stamp.py).  ZeRO-3 under
+    pp runs untied heads (a tied one is refused there)."""
+    if not plan.startswith("pp="):
+        return {}
+    return {"num_hidden_layers": 4, **({"tie_word_embeddings": False} if "zero=3" in plan else {})}
 
 
 def _reference(model_name: str, plan: str):

@@ -78,3 +78,25 @@ def test_traced_fields():
         model, _, kwargs = build(name, {})
         spec = ModelSpec.from_module(model, inputs, kwargs)
         assert {k: getattr(spec, k) for k in fields} == fields, name
+
+
+def _stage_totals(spec, plan, stage) -> dict:
+    out = defaultdict(lambda: [0.0, 0])
+    for r in estimate(spec, CLUSTER, plan, S, GB, dtype_bytes=W).comm_table(stage):
+        out[(r.phase, r.collective, r.axis)][0] += r.bytes_sent * r.count
+        out[(r.phase, r.collective, r.axis)][1] += r.count
+    return dict(out)
+
+
+def test_embedding_norm_is_the_first_stages():
+    """A norm of the embeddings (BERT's) is a first-stage parameter: its gradient is reduced there,
+    and under ZeRO-3 it makes backward re-gather the embedding unit (a lookup alone reads no weight)."""
+    plain, normed = ModelSpec(**BASE), ModelSpec(**BASE, embedding_norm=True)
+    assert normed.num_params == plain.num_params + H
+    key = ("grad", "all_reduce", "dp")
+    for stage, extra in ((0, H), (1, 0)):  # one layer a stage; 2 (n-1)/n bytes = the gradient's at dp=2
+        assert _stage_totals(normed, "pp=2,dp=2", stage)[key][0] == _stage_totals(plain, "pp=2,dp=2", stage)[key][0] + W * extra
+    bwd = ("bwd", "all_gather", "dp")
+    first_plain, first_normed = (_stage_totals(x, "pp=2,dp=2,zero=3", 0)[bwd] for x in (plain, normed))
+    assert first_normed[1] == first_plain[1] + 1  # the layer's unit, and now the embedding's
+    assert first_normed[0] == first_plain[0] + W * (V * H + H) / 2  # its shard of 2 gathered

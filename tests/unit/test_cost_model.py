@@ -180,7 +180,7 @@ def test_breakdown_terms(cost70):
                                                              "tp", "dp", "cp", "ep", "l_d", "l_e", "first",
                                                              "last", "tied", "w_p", "w_z", "z_3", "shared_gate",
                                                              "qk_norm", "qk_head_norm", "mla", "l_q", "r_q",
-                                                             "r_kv", "d_r", "d_v", "n_ln", "p_b", "P_emb",
+                                                             "r_kv", "d_r", "d_v", "n_ln", "p_b", "P_emb", "emb_norm",
                                                              "P_head", "head_bias"}
     text = str(cost70)
     assert "tp=8,sp,pp=4:1f1b,dp=32,zero=1,mb=8" in text and "MFU" in text and "memory" in text
