@@ -35,6 +35,8 @@ import warnings
 
 import torch
 
+from autopar.frontend.trace import default_target
+
 __all__ = ["install", "cached_trace_model", "model_key", "clear", "STATS"]
 
 _CACHE: dict = {}
@@ -53,6 +55,8 @@ def _freeze(value, depth: int = 0):
     if isinstance(value, (torch.dtype, torch.device, torch.Size)):
         return (type(value).__name__, str(value))
     if isinstance(value, torch.Tensor):
+        if value.device.type == "meta":  # no values to see: the export sees shapes and dtypes only
+            return ("tensor", tuple(value.shape), str(value.dtype), value.requires_grad, "meta")
         data = value.detach().cpu().contiguous()
         digest = hashlib.sha1(data.view(torch.uint8).numpy().tobytes() if data.numel() else b"").hexdigest()
         return ("tensor", tuple(value.shape), str(value.dtype), value.requires_grad, digest)
@@ -76,9 +80,10 @@ def model_key(model: torch.nn.Module) -> tuple:
     parts = []
     for name, module in model.named_modules(remove_duplicate=False):
         attrs = tuple((k, _freeze(v)) for k, v in sorted(module.__dict__.items()) if k not in _SKIP)
-        params = tuple((k, tuple(p.shape), str(p.dtype), p.requires_grad)
+        params = tuple((k, tuple(p.shape), str(p.dtype), str(p.device), p.requires_grad)
                        for k, p in module._parameters.items() if p is not None)
-        buffers = tuple((k, tuple(b.shape), str(b.dtype)) for k, b in module._buffers.items() if b is not None)
+        buffers = tuple((k, tuple(b.shape), str(b.dtype), str(b.device))
+                        for k, b in module._buffers.items() if b is not None)
         parts.append((name, type(module), module.training, attrs, params, buffers))
     return tuple(parts)
 
@@ -110,7 +115,7 @@ def _lent(gm, model) -> dict[int, str] | None:
 
 def _call_key(model, example_inputs, example_kwargs, loss_fn, example_target, upcast_outputs, stamp_layers):
     def meta(t):
-        return ("tensor", tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else _freeze(t)
+        return ("tensor", tuple(t.shape), str(t.dtype), str(t.device)) if isinstance(t, torch.Tensor) else _freeze(t)
     return (model_key(model), tuple(meta(t) for t in example_inputs), _freeze(dict(example_kwargs or {})),
             loss_fn, meta(example_target), upcast_outputs, stamp_layers, torch.get_default_dtype())
 
@@ -132,9 +137,7 @@ def cached_trace_model(model, example_inputs, example_kwargs=None, loss_fn=None,
         gm = _deepcopy(pristine, memo)
         STATS["hits"] += 1
         inputs = tuple(example_inputs)
-        target = example_target
-        if loss_fn is not None and target is None:
-            target = torch.zeros_like(inputs[0])
+        target = default_target(inputs, loss_fn, example_target)
         return dataclasses.replace(traced, gm=gm, example_inputs=inputs, example_target=target)
     STATS["misses"] += 1
     traced = _original(model, example_inputs, example_kwargs, loss_fn, example_target, upcast_outputs, stamp_layers)

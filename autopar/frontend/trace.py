@@ -27,7 +27,7 @@ from autopar.frontend import stamp, stamp_behaviour
 
 log = logging.getLogger("autopar.trace")
 
-__all__ = ["Traced", "trace_model", "MODEL_PREFIX"]
+__all__ = ["Traced", "trace_model", "default_target", "MODEL_PREFIX"]
 
 # The wrapper registers the user's model under this attribute, so every parameter of
 # the traced graph is named "model.<original name>".
@@ -102,6 +102,14 @@ def _export_failure(model: nn.Module, exc: Exception) -> AutoparError:
     )
 
 
+def default_target(example_inputs: tuple, loss_fn: Callable | None, example_target: Any) -> Any:
+    """The target the loss is traced with: ``example_target``, or with a loss and none given a tensor
+    shaped and typed like the first example input (next-token labels of a language model)."""
+    if loss_fn is not None and example_target is None:
+        return torch.zeros_like(example_inputs[0])
+    return example_target
+
+
 def trace_model(
     model: nn.Module,
     example_inputs: Sequence[Any],
@@ -128,8 +136,7 @@ def trace_model(
             f"(found {type(example_inputs[0]).__name__ if example_inputs else 'an empty tuple'}); "
             "pass e.g. example_inputs=(input_ids,)."
         )
-    if loss_fn is not None and example_target is None:
-        example_target = torch.zeros_like(example_inputs[0])
+    example_target = default_target(example_inputs, loss_fn, example_target)
     args = example_inputs + ((example_target,) if loss_fn is not None else ())
     export = _Exporter(model, args, loss_fn, len(example_inputs), example_kwargs, upcast_outputs)
     gm, notes = export.stamped() if stamp_layers else (None, [])

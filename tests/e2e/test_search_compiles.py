@@ -156,7 +156,9 @@ def _worker() -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     import autopar.runtime  # noqa: F401
+    from tests import trace_cache
 
+    trace_cache.install()  # the plans share one export per rank's model (tests/trace_cache.py)
     print(json.dumps(compile_all(sys.stdin.read().split())))
 
 
