@@ -31,7 +31,7 @@ aten = torch.ops.aten
 
 def _structure(name: str, **overrides):
     factory, loss_fn, kwargs = MODELS[name]
-    ids, target = make_batch(128, 2, 16, 0)
+    ids, target = make_batch(128, 4, 16, 0)  # the batch _compile and test_traced_fields trace: one export
     return analyze(trace_model(factory(**overrides), (ids,), kwargs, loss_fn, target).gm)
 
 
@@ -178,7 +178,7 @@ def test_config_and_module_give_the_same_spec(model_name):
 
     factory, _, kwargs = MODELS[model_name]
     model = factory()
-    ids, _ = make_batch(128, 2, 16, 0)
+    ids, _ = make_batch(128, 4, 16, 0)
     traced = ModelSpec.from_module(model, (ids,), kwargs)
     read = ModelSpec.from_hf_config(model.config.to_dict())
     fields = [f.name for f in dataclasses.fields(ModelSpec) if f.name != "name"]
@@ -193,7 +193,7 @@ def test_deepseek_config_and_module_give_the_same_latent_attention():
 
     factory, _, kwargs = MODELS["hf_deepseek_v3"]
     model = factory()
-    ids, _ = make_batch(128, 2, 16, 0)
+    ids, _ = make_batch(128, 4, 16, 0)
     traced = ModelSpec.from_module(model, (ids,), kwargs)
     read = ModelSpec.from_hf_config(model.config.to_dict())
     fields = ("num_heads", "num_kv_heads", "head_dim", "v_head_dim", "kv_lora_rank", "q_lora_rank",
