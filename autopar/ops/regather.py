@@ -32,10 +32,10 @@ from typing import Any, Iterator
 import torch
 
 from autopar.compat import tensor_base, top_saved_tensors_hooks
-from autopar.ops.collectives import gather_again
+from autopar.ops.collectives import all_gather, gather_again
 from autopar.ops.step import activate, find_current
 
-__all__ = ["SavedGathers", "keeping_shards"]
+__all__ = ["SavedGathers", "keeping_shards", "regathers"]
 
 
 class _Gathered:
@@ -107,11 +107,19 @@ def _regather(g: _Gathered, outer_unpack) -> torch.Tensor:
         return gather_again(shard, g.dim, g.axis, g.tag)
 
 
+def regathers(gm: torch.fx.GraphModule) -> bool:
+    """Does ``gm`` hold an all-gather whose output backward re-gathers (the SP pass's)?"""
+    return any(n.op == "call_function" and n.target is all_gather and n.kwargs.get("regather")
+               for n in gm.graph.nodes)
+
+
 @contextlib.contextmanager
-def keeping_shards() -> Iterator[SavedGathers | None]:
-    """Push the re-gather hooks for one micro-batch (or a pipelined step), innermost."""
+def keeping_shards(enabled: bool = True) -> Iterator[SavedGathers | None]:
+    """Push the re-gather hooks for one micro-batch (or a pipelined step), innermost.
+    ``enabled=False`` (a program without :func:`regathers`) pushes nothing: every saved tensor
+    would pass through them to the outer hooks, at a Python call each (2-3% of a step)."""
     step = find_current()
-    if step is None:
+    if step is None or not enabled:
         yield None
         return
     saved = SavedGathers(step, top_saved_tensors_hooks())

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from autopar.errors import AutoparError
-from autopar.ops.regather import keeping_shards
+from autopar.ops.regather import keeping_shards, regathers
 
 __all__ = ["FlatExecutor", "StepOutput", "weighted_loss"]
 
@@ -42,6 +42,7 @@ class FlatExecutor:
 
     def __init__(self, gm: torch.fx.GraphModule, program, plan):
         self.gm, self.program, self.plan = gm, program, plan
+        self._regathers = regathers(gm)
 
     def owner(self, name: str) -> int | None:
         """Pipeline rank holding parameter ``name`` (None: every rank of the stage)."""
@@ -62,7 +63,7 @@ class FlatExecutor:
             # ZeRO: per-micro-batch gathers / reduce-scatters; DP: the last backward starts the
             # bucket all-reduces; the meter counts saved activations.
             with (pm.memory.micro_batch(self.gm), pm.grad_sync.micro_batch(last=i == len(pieces) - 1),
-                  keeping_shards()):  # innermost: SP's gathered inputs saved as shards (ops/regather.py)
+                  keeping_shards(self._regathers)):  # innermost: SP's gathered inputs saved as shards (ops/regather.py)
                 loss = weighted_loss(self.gm(*chunk_inputs, chunk_target), weight)
                 (loss / self.plan.mb).backward()
             total += loss.detach().float() / self.plan.mb

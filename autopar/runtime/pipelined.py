@@ -33,7 +33,7 @@ import torch.distributed as dist
 from autopar.compat import pipeline_order, recording_stage_class
 from autopar.errors import AutoparError
 from autopar.ops import collectives as C
-from autopar.ops.regather import keeping_shards
+from autopar.ops.regather import keeping_shards, regathers
 from autopar.ops.schedules import SCHEDULE_CLASSES, Act, rank_orders, single_stage
 from autopar.plan_rules import V_SCHEDULES
 from autopar.runtime.executors import StepOutput, weighted_loss
@@ -83,6 +83,7 @@ class PipelineExecutor:
         pp_rank = pm.coords().get("pp", (0, 1))[0]
         chunk_ids = self.pipeline.rank_chunks(pp_rank)
         self._chunks = {c: torch.fx.GraphModule(self.gm, self.pipeline.chunks[c].gm.graph) for c in chunk_ids}
+        self._regathers = any(regathers(chunk) for chunk in self._chunks.values())
         last = len(self.pipeline.chunks) - 1
         self._last = self.pipeline.chunk_rank(last) == pp_rank
         tied = self.pipeline.tied
@@ -131,11 +132,11 @@ class PipelineExecutor:
 
     def run(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
         if pm.device.type == "meta":  # scale simulation: no values for torch's schedule to run on
-            with pm.grad_sync.pipeline_step(), keeping_shards():
+            with pm.grad_sync.pipeline_step(), keeping_shards(self._regathers):
                 losses = simulate_step(self, pm, inputs, target, coords)
             return StepOutput(torch.stack(losses).mean() if losses else None)
         # ZeRO-3: the units' gathers and saved-tensor hooks; inside them SP's re-gather hooks.
-        with pm.grad_sync.pipeline_step(), keeping_shards():
+        with pm.grad_sync.pipeline_step(), keeping_shards(self._regathers):
             out = self._drive(self._schedule.step, pm, inputs, target, coords, return_outputs=False)
         if self._fold and self.plan.mb > 1:  # the mean over micro-batches, on the fp32 main gradients
             pm.grad_sync.scale_grads(1.0 / self.plan.mb)

@@ -191,3 +191,13 @@ def test_placements_are_pytorch_placements():
     seen = {type(n.meta[PLACEMENT_KEY]["tp"]) for n in traced.gm.graph.nodes if PLACEMENT_KEY in n.meta
             and not isinstance(n.meta[PLACEMENT_KEY]["tp"], tuple)}
     assert {Replicate, Shard, Partial} <= seen
+
+
+@pytest.mark.parametrize("plan,expected", [("tp=2,sp", True), ("tp=2", False), ("dp=2", False)])
+def test_regather_hooks_only_where_sp_gathers(plan, expected):
+    """The executors push the re-gather hooks (ops/regather.py) only for a program whose SP
+    all-gathers backward re-gathers; elsewhere every saved tensor would pay a Python call for nothing."""
+    from autopar.ops.regather import regathers
+
+    traced, _ = _compile("example", plan, 2)
+    assert regathers(traced.gm) is expected
