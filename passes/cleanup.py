@@ -9,10 +9,20 @@ that check the *global* example's shapes, dtypes and guards.  After sharding, ev
 sees local shapes, so the checks would fire (or be meaningless).  This pass removes them
 deliberately, first in the pipeline; the removal is logged.
 
+A slice that keeps a whole dim (start 0, no end, step 1) is the identity.  Python indexing
+skips it (``x[:, :, None]``), but ``torch.export`` records it as ``aten.slice``, and autograd
+then gives it a backward that zero-fills a tensor of the input's size and copies the
+gradient into it; Hugging Face models write such slices for every GQA broadcast and before
+the LM head.  This pass replaces each with its input (the same values, still a tensor of the
+same storage), so the program runs the ops eager PyTorch runs.
+
 Neighbours: ``passes/runner.py`` runs it; ``autopar/trace.py`` produced the graph.
 """
 from __future__ import annotations
 
+import sys
+
+import torch
 from torch.fx import GraphModule
 
 from autopar.compat import ASSERT_METADATA_OPS, is_guards_call
@@ -40,6 +50,23 @@ def _dedupe_tied(gm: GraphModule, result: PassResult) -> None:
         result.notes.append(f"'{alias}' is tied to '{name}'")
 
 
+def _is_identity_slice(node) -> bool:
+    if node.op != "call_function" or node.target is not torch.ops.aten.slice.Tensor or node.kwargs:
+        return False
+    dim, start, end, step = (list(node.args[1:]) + [0, None, None, 1][len(node.args) - 1:])[:4]
+    return start in (0, None) and (end is None or (isinstance(end, int) and end >= sys.maxsize)) and step == 1
+
+
+def _drop_identity_slices(gm: GraphModule) -> int:
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        if _is_identity_slice(node):
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+            dropped += 1
+    return dropped
+
+
 def cleanup_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult("cleanup_pass")
     _dedupe_tied(gm, result)
@@ -52,6 +79,9 @@ def cleanup_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     for name, _ in list(gm.named_children()):
         if name.startswith("_guards_fn"):
             delattr(gm, name)
+    checks = result.num_rewritten
+    slices = _drop_identity_slices(gm)
+    result.num_rewritten += slices
     gm.graph.eliminate_dead_code()
-    result.notes.append(f"removed {result.num_rewritten} export-time shape/dtype checks")
+    result.notes.append(f"removed {checks} export-time shape/dtype checks and {slices} slices that keep a whole dim")
     return result
