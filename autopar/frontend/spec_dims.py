@@ -60,6 +60,11 @@ def graph_dims(gm: GraphModule, s, dims: dict) -> dict:
     return out
 
 
+def _norm_elems(dims: dict) -> int:
+    """Elements of one norm's weights: a scale (RMSNorm), and a bias too (LayerNorm)."""
+    return dims["hidden"] * (2 if dims["norm"] == "layernorm" else 1)
+
+
 def _layer_norms(s, params: dict, dims: dict) -> int:
     if not s.layers or not dims["hidden"]:
         return 2
@@ -67,8 +72,7 @@ def _layer_norms(s, params: dict, dims: dict) -> int:
     a, g, d = dims["num_heads"], dims["num_kv_heads"], dims["head_dim"]
     qk = (a + g) * d * dims["qk_norm"] + 2 * d * dims["qk_head_norm"]
     latent = dims.get("q_lora_rank", 0) + dims.get("kv_lora_rank", 0) if dims.get("kv_lora_rank") else 0
-    per_norm = dims["hidden"] * (2 if dims["norm"] == "layernorm" else 1)
-    count, rest = divmod(elems - qk - latent, per_norm)
+    count, rest = divmod(elems - qk - latent, _norm_elems(dims))
     return count if count > 0 and not rest else 2
 
 
@@ -86,7 +90,7 @@ def _outside_params(gm: GraphModule, s, params: dict, dims: dict) -> dict:
     moe = {name for b in s.moe for name in params if within(name, b.module)}
     outside = {name: p for name, p in params.items()
                if not any(within(name, layer) for layer in s.layers) and name not in moe and id(p) not in counted}
-    norm = dims["hidden"] * (2 if dims["norm"] == "layernorm" else 1)
+    norm = _norm_elems(dims)
     before = _read_before_layers(gm, s, set(outside))
     embedding_norm = bool(before) and sum(outside[n].numel() for n in before) == norm
     rest = sum(p.numel() for n, p in outside.items() if not (embedding_norm and n in before))

@@ -20,9 +20,10 @@ EXTRA = dict(layer_norms=4, proj_bias=True, embedding_extra_params=4224, head_ex
 CLUSTER = Cluster(gpu="cpu", num_nodes=1, gpus_per_node=8)
 
 
-def totals(spec, plan) -> dict:
+def totals(spec, plan, stage=None) -> dict:
+    cost = estimate(spec, CLUSTER, plan, S, GB, dtype_bytes=W)
     out = defaultdict(lambda: [0.0, 0])
-    for r in estimate(spec, CLUSTER, plan, S, GB, dtype_bytes=W).comm_table():
+    for r in (cost.comm_table() if stage is None else cost.comm_table(stage)):
         out[(r.phase, r.collective, r.axis)][0] += r.bytes_sent * r.count
         out[(r.phase, r.collective, r.axis)][1] += r.count
     return dict(out)
@@ -80,14 +81,6 @@ def test_traced_fields():
         assert {k: getattr(spec, k) for k in fields} == fields, name
 
 
-def _stage_totals(spec, plan, stage) -> dict:
-    out = defaultdict(lambda: [0.0, 0])
-    for r in estimate(spec, CLUSTER, plan, S, GB, dtype_bytes=W).comm_table(stage):
-        out[(r.phase, r.collective, r.axis)][0] += r.bytes_sent * r.count
-        out[(r.phase, r.collective, r.axis)][1] += r.count
-    return dict(out)
-
-
 def test_embedding_norm_is_the_first_stages():
     """A norm of the embeddings (BERT's) is a first-stage parameter: its gradient is reduced there,
     and under ZeRO-3 it makes backward re-gather the embedding unit (a lookup alone reads no weight)."""
@@ -95,8 +88,8 @@ def test_embedding_norm_is_the_first_stages():
     assert normed.num_params == plain.num_params + H
     key = ("grad", "all_reduce", "dp")
     for stage, extra in ((0, H), (1, 0)):  # one layer a stage; 2 (n-1)/n bytes = the gradient's at dp=2
-        assert _stage_totals(normed, "pp=2,dp=2", stage)[key][0] == _stage_totals(plain, "pp=2,dp=2", stage)[key][0] + W * extra
+        assert totals(normed, "pp=2,dp=2", stage)[key][0] == totals(plain, "pp=2,dp=2", stage)[key][0] + W * extra
     bwd = ("bwd", "all_gather", "dp")
-    first_plain, first_normed = (_stage_totals(x, "pp=2,dp=2,zero=3", 0)[bwd] for x in (plain, normed))
+    first_plain, first_normed = (totals(x, "pp=2,dp=2,zero=3", 0)[bwd] for x in (plain, normed))
     assert first_normed[1] == first_plain[1] + 1  # the layer's unit, and now the embedding's
     assert first_normed[0] == first_plain[0] + W * (V * H + H) / 2  # its shard of 2 gathered
