@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import collections
+import sys
 
 import pytest
 import torch
@@ -201,3 +202,52 @@ def test_regather_hooks_only_where_sp_gathers(plan, expected):
 
     traced, _ = _compile("example", plan, 2)
     assert regathers(traced.gm) is expected
+
+
+
+class _Slices(nn.Module):
+    """Full slices Python skips but torch.export records under dynamic shapes (every
+    ``[:, :, None]``, ``[:, 0:]``), beside slices that cut or stride."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.proj(x)
+        a = h[:, :, None, :] * h[:, 0:][:, :, None, :]
+        return a.sum() + h[:, 1:].sum() + h[::2, :, :3].sum()
+
+
+def _slices(gm):
+    return [n.args[1:] for n in gm.graph.nodes if n.target is torch.ops.aten.slice.Tensor]
+
+
+def _keeps_whole_dim(args):
+    start, end, step = (list(args[1:]) + [None, None, 1][len(args) - 1:])[:3]  # args: dim, start, end, step
+    return start in (0, None) and end in (None, sys.maxsize) and step == 1
+
+
+def test_cleanup_drops_only_slices_that_keep_a_whole_dim():
+    """cleanup_pass replaces a slice of a whole dim with its input (eager PyTorch runs no op
+    there) and keeps every slice that cuts or strides; the loss and gradients are unchanged."""
+    from autopar.frontend.trace import trace_model
+    from autopar.passes.cleanup import cleanup_pass
+
+    model, x = _Slices(), torch.randn(4, 5, 6)
+    traced = trace_model(model, (x,), loss_fn=lambda out, target: out)
+    gm = traced.gm
+    before = _slices(gm)
+    assert sum(map(_keeps_whole_dim, before)) >= 4, before  # what torch.export records here
+    loss_before = gm(x, traced.example_target)
+    grads_before = torch.autograd.grad(loss_before, list(gm.parameters()))
+    cleanup_pass(gm, None)
+    gm.recompile()
+    after = _slices(gm)
+    assert not any(map(_keeps_whole_dim, after)), after
+    assert sorted(after) == sorted([(1, 1, sys.maxsize), (0, 0, sys.maxsize, 2), (2, 0, 3)]), after
+    loss = gm(x, traced.example_target)
+    grads = torch.autograd.grad(loss, list(gm.parameters()))
+    torch.testing.assert_close(loss, loss_before, rtol=0, atol=0)
+    torch.testing.assert_close(grads, grads_before, rtol=0, atol=0)
+    torch.testing.assert_close(loss, model(x), rtol=0, atol=0)
