@@ -117,7 +117,24 @@ def _snapshot_globals() -> dict:
         "anomaly": torch.is_anomaly_enabled(),
         "environ": dict(os.environ),
         "cwd": os.getcwd(),
+        "gloo_threads": _gloo_threads(),
     }
+
+
+def _gloo_threads() -> int:
+    """This process's gloo loop threads (one per live gloo process group; -1 off Linux)."""
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return -1
+    count = 0
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                count += f.read().strip() == "gloo_tcp_loop"
+        except OSError:  # the thread ended meanwhile
+            pass
+    return count
 
 
 def _seed_job() -> None:
@@ -141,6 +158,7 @@ def _reset_after_job(saved: dict) -> None:
     for pg in list(c10d._world.pg_map):
         if pg is not world:
             dist.destroy_process_group(pg)
+    del pg  # the loop variable would keep the last group (and its gloo threads) alive
     mesh_module = sys.modules.get("torch.distributed.device_mesh")  # importing it costs ~1 s
     if mesh_module is not None and hasattr(mesh_module, "_mesh_resources"):
         mesh_module._mesh_resources.mesh_stack.clear()
@@ -162,6 +180,14 @@ def _reset_after_job(saved: dict) -> None:
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
     gc.collect()
+    # A process group outliving its job means something still holds the job's program (a
+    # reference cycle through a C++ hook, a global cache): every later job would then share
+    # the cores with its gloo threads, and a suite slows down job by job until it times out.
+    left = _gloo_threads() - saved["gloo_threads"]
+    if saved["gloo_threads"] >= 0 and left > 0:
+        raise RuntimeError(f"harness: the job left {left} gloo process group(s) alive after it "
+                           "returned (their groups were destroyed, so something still references "
+                           "them: a hook on a parameter, a module-level cache); free the program")
 
 
 def _worker_main(rank: int, world_size: int, init_method: str, task_q, result_q) -> None:

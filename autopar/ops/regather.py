@@ -81,7 +81,13 @@ class SavedGathers:
         base = tensor_base(t)
         entry = self._live.get(id(base))
         if entry is None or entry[0]() is not base:
-            return self._outer_pack(t) if self._outer_pack is not None else t
+            # ``t.detach()``, never ``t``: a saved *output* keeps its grad_fn, whose node would
+            # then own (in C++, out of the garbage collector's sight) a tensor owning that node.
+            # Backward frees the cycle, but a graph it never runs through (retain_graph, a
+            # pipeline stage's unused branch) would keep its activations, the program and its
+            # process groups alive for good.  Lossless: unpack re-attaches the grad_fn, and the
+            # version counter is shared.
+            return self._outer_pack(t) if self._outer_pack is not None else t.detach()
         gathered = entry[1]
         if gathered.shard is not None:  # backward keeps the shard: the outer hooks see (and count) it once
             shard, gathered.shard = gathered.shard, None

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import Iterator
 
 import torch
@@ -197,9 +198,15 @@ class _Overlap:
         self.active = False
         self.pending: dict[int, int] = {}
         self.started: dict[int, tuple] = {}
+        # The hook lives in the parameter's C++ autograd metadata, which Python's garbage
+        # collector cannot see into: a strong reference back to this object would close an
+        # uncollectable cycle (parameter -> hook -> _Overlap -> GradSync -> parameter) that
+        # keeps the program and its process groups (gloo's threads and sockets) alive for
+        # the rest of the process.  The hook holds a weak reference instead.
+        me = weakref.ref(self)
         for name, p in sync.params.items():
             if name in self.bucket_of and self.bucket_of[name] in self.sizes and p.requires_grad:
-                p.register_post_accumulate_grad_hook(functools.partial(self._ready, name))
+                p.register_post_accumulate_grad_hook(functools.partial(_ready_hook, me, name))
 
     @contextlib.contextmanager
     def armed(self) -> Iterator[None]:
@@ -223,6 +230,12 @@ class _Overlap:
         """The buckets started in the last backward (cleared for the next step)."""
         started, self.started = self.started, {}
         return started
+
+
+def _ready_hook(overlap: "weakref.ref[_Overlap]", name: str, param: torch.Tensor) -> None:
+    live = overlap()
+    if live is not None:  # a program that was freed leaves an inert hook on a parameter kept elsewhere
+        live._ready(name, param)
 
 
 @contextlib.contextmanager

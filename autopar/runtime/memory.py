@@ -88,7 +88,7 @@ class MemoryMeter:
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.observe(t)
-        return t
+        return t.detach()  # never ``t``: see autopar/ops/regather.py SavedGathers.pack
 
     def observe(self, t: torch.Tensor) -> None:
         """Count ``t`` as saved for backward (once per storage; parameters excluded)."""

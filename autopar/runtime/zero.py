@@ -504,7 +504,7 @@ class ZeroSync:
             self._saved_at[entry[1]] = next(self._clock)
             return (_HANDLE, entry[1], t.size(), t.stride(), t.storage_offset())
         observe_saved(t)  # these hooks shadow the memory meter's
-        return t
+        return t.detach()  # never ``t``: see autopar/ops/regather.py SavedGathers.pack
 
     def _unpack(self, packed):
         if not (isinstance(packed, tuple) and packed and packed[0] is _HANDLE):
