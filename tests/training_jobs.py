@@ -16,7 +16,7 @@ import autopar
 from tests.harness import OPTIMIZERS, make_batches
 from tests.jobs import BATCH, SEQ, VOCAB, build
 
-__all__ = ["recipe_job", "reference_recipe", "schedule_factor", "STEPS"]
+__all__ = ["recipe_job", "reference_recipe", "schedule_factor", "freed_job", "STEPS"]
 
 STEPS = 3
 
@@ -82,3 +82,20 @@ def reference_recipe(model_name: str, opt_name: str, max_grad_norm: float | None
             model.train()
     out["state"] = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return out
+
+
+def freed_job(model_name: str, plan: str) -> bool:
+    """Train a step and eval a step, drop the program: is it (and so its process groups) freed?"""
+    import gc
+    import weakref
+
+    model, loss_fn, kwargs = build(model_name, {})
+    batches = _batches()
+    pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
+                             loss_fn=loss_fn, optimizer=functools.partial(torch.optim.SGD, lr=0.1))
+    pm.train_step(*batches[0])
+    pm.eval_step(*batches[1])
+    ref = weakref.ref(pm)
+    del pm
+    gc.collect()
+    return ref() is None

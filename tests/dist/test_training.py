@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 
 from tests.harness import assert_equivalent
-from tests.training_jobs import recipe_job, reference_recipe
+from tests.training_jobs import freed_job, recipe_job, reference_recipe
 
 CLIP = 0.05  # below every gradient norm of these runs: each step clips
 
@@ -46,3 +46,14 @@ def test_recipe_matches_one_device(dist_pool, model_name, plan, world, opt, clip
         assert r["losses"] == results[0]["losses"]
         assert r["stats"]["tokens"] > 0 and r["stats"]["tokens_per_s"] > 0
     assert_equivalent((ref["losses"], ref["state"]), (results[0]["losses"], results[0]["state"]))
+
+
+FREED = [("dp=2", 2), ("tp=2,sp", 2), ("dp=2,zero=3", 2), ("pp=2,tp=2,sp,mb=4", 4)]
+
+
+@pytest.mark.parametrize("plan,world", FREED, ids=[p for p, _ in FREED])
+def test_dropped_program_is_freed(dist_pool, plan, world):
+    """A program the user drops is freed with its process groups: no reference cycle runs
+    through a gradient hook or a saved-tensor hook (C++ state the garbage collector cannot
+    see), which would keep its activations and gloo threads for the rest of the process."""
+    assert dist_pool(freed_job, "hf_llama", plan, world=world) == [True] * world
