@@ -6,7 +6,9 @@ Starting a gloo world and importing torch costs seconds per process, so one pool
 spawned workers per world size lives for the whole pytest session and runs job
 after job; a job is an importable module-level function called on every rank after
 the default process group (gloo) is up.  A failing, crashed or hung job kills its
-pool, which restarts lazily on next use.
+pool, which restarts lazily on next use.  After each job the worker destroys the job's
+sub-groups, and a job that leaves a gloo process group alive (something still holds its
+program) fails: each live group keeps gloo loop threads that would slow every later job.
 
 The single-process side of the equivalence tests (:func:`reference_train`,
 :func:`assert_equivalent`, :func:`make_batches`, :data:`OPTIMIZERS`,
