@@ -82,7 +82,7 @@ class ModelSpec:
     gathered_logits: bool = False  # the logits reach the loss through other ops (a soft cap): tp gathers them
     seq_cumsums: int = 0  # cumulative sums along the sequence kept by the program (OPT's mask-derived positions)
     seq_cumsum_bytes: int = 0  # their bytes per sample and position slice, summed over them
-    cp_kv_heads: int | None = None  # K/V heads the CP collectives move (default num_kv_heads; Falcon's: num_heads)
+    cp_kv_heads: int | None = None  # K/V heads CP moves (default num_kv_heads; Falcon's before transformers 5.25: num_heads)
 
     def __post_init__(self):
         for name in ("num_layers", "hidden", "num_heads", "vocab", "ffn", "moe_layer_freq"):
@@ -355,6 +355,18 @@ def _beyond_decoder_fields(cfg: dict, model_type: str, hidden: int, gpt_style: b
     return out
 
 
+def _transformers_version() -> tuple[int, int]:
+    """The installed transformers' (major, minor), read from its metadata (no import); the
+    newest behaviour when it is not installed."""
+    import importlib.metadata
+    import re
+    try:
+        found = re.findall(r"\d+", importlib.metadata.version("transformers"))
+    except importlib.metadata.PackageNotFoundError:
+        return (10**6, 0)
+    return (int(found[0]), int(found[1]) if len(found) > 1 else 0)
+
+
 def _falcon_fields(cfg: dict, heads: int, hidden: int) -> dict:
     """Falcon's own keys: KV heads (``num_kv_heads`` in the new decoder architecture, one with
     multi-query attention), a plain GELU MLP, LayerNorms with bias, optional projection biases."""
@@ -362,8 +374,9 @@ def _falcon_fields(cfg: dict, heads: int, hidden: int) -> dict:
         kv = int(_get(cfg, "num_kv_heads", default=heads))
     else:
         kv = 1 if cfg.get("multi_query", True) else heads
-    # The new decoder applies RoPE after broadcasting K and V to every query head, so CP moves all heads.
-    cp_kv = heads if cfg.get("new_decoder_architecture") else kv
+    # transformers < 5.25's new decoder applied RoPE after broadcasting K and V to every query
+    # head, so CP moved all heads; 5.25 ropes the KV heads and hands them to SDPA unbroadcast.
+    cp_kv = heads if cfg.get("new_decoder_architecture") and _transformers_version() < (5, 25) else kv
     return dict(num_kv_heads=kv, cp_kv_heads=cp_kv, ffn=int(_get(cfg, "ffn_hidden_size", default=4 * hidden)),
                 gated_mlp=False,
                 norm="layernorm", qkv_bias=bool(cfg.get("bias", False)), tied_embeddings=bool(

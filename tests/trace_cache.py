@@ -66,6 +66,8 @@ def _freeze(value, depth: int = 0):
         return ("set", tuple(sorted(repr(_freeze(v, depth + 1)) for v in value)))
     if isinstance(value, dict):
         return ("dict", tuple((repr(k), _freeze(v, depth + 1)) for k, v in value.items()))
+    if isinstance(value, torch.nn.Module):  # held as a plain attribute (transformers >= 5.25:
+        return ("module", _module_key(value, depth + 1))  # each attention's own kernel wrappers)
     if hasattr(value, "to_dict") and callable(value.to_dict):  # a transformers PretrainedConfig
         return (type(value), _freeze(value.to_dict(), depth + 1))
     try:
@@ -77,9 +79,13 @@ def _freeze(value, depth: int = 0):
 
 def model_key(model: torch.nn.Module) -> tuple:
     """Everything about ``model`` the export can see except parameter and buffer values."""
+    return _module_key(model, 0)
+
+
+def _module_key(model: torch.nn.Module, depth: int) -> tuple:
     parts = []
     for name, module in model.named_modules(remove_duplicate=False):
-        attrs = tuple((k, _freeze(v)) for k, v in sorted(module.__dict__.items()) if k not in _SKIP)
+        attrs = tuple((k, _freeze(v, depth)) for k, v in sorted(module.__dict__.items()) if k not in _SKIP)
         params = tuple((k, tuple(p.shape), str(p.dtype), str(p.device), p.requires_grad)
                        for k, p in module._parameters.items() if p is not None)
         buffers = tuple((k, tuple(b.shape), str(b.dtype), str(b.device))

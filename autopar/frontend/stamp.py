@@ -15,7 +15,8 @@ exported (the old, slower path) and the log says why:
 
 1. **Same kind.** Two layers are the same kind when their module trees, classes, parameter
    and buffer shapes, hooks and every attribute agree, except attributes that hold the
-   layer's own position (``layer_idx``).  (:func:`layer_kinds`)
+   layer's own position (``layer_idx``); a module held as a plain attribute (not a child)
+   agrees when its class and attributes do and it holds no tensor.  (:func:`layer_kinds`)
 2. **Same behaviour.** Each untraced layer is run eagerly, on the meta device (or fake
    tensors), under export's own "compiling" flags, on the inputs its traced twin received,
    and its aten calls (op, arguments, dataflow, parameters by name, small constants by value)
@@ -105,14 +106,28 @@ def _attributes(layer: nn.Module) -> dict[str, Any]:
     return out
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: Any, b: Any, depth: int = 0) -> bool:
+    """Whether two attribute values make a layer's forward do the same thing."""
     if a is b:
         return True
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+    if depth > 4 or type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
         return False  # an unregistered tensor attribute: a constant the graph would share
-    if isinstance(a, functools.partial) and isinstance(b, functools.partial):  # HF's per-layer activations
-        return (_same(a.func, b.func) and len(a.args) == len(b.args) and all(map(_same, a.args, b.args))
-                and a.keywords.keys() == b.keywords.keys() and all(_same(v, b.keywords[k]) for k, v in a.keywords.items()))
+    if isinstance(a, functools.partial):  # HF's per-layer activations
+        return (_same(a.func, b.func, depth + 1) and _same(a.args, b.args, depth + 1)
+                and _same(a.keywords, b.keywords, depth + 1))
+    if isinstance(a, nn.Module):
+        # A module held as a plain attribute, not a child (transformers >= 5.25 gives each
+        # attention its own ``_kernel_funcs`` wrapper of ``apply_rotary_pos_emb``): the same
+        # when its class and attributes agree and it holds no tensor of its own.
+        if _tensors(a) or _tensors(b):
+            return False
+        return _same(_attributes(a), _attributes(b), depth + 1)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(v, b[k], depth + 1) for k, v in a.items())
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y, depth + 1) for x, y in zip(a, b))
     try:
         return type(a) is type(b) and bool(a == b)
     except Exception:  # objects without a usable ==: equal only when identical

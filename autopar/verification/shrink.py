@@ -82,9 +82,16 @@ class _Shrink:
         self.notes.append(f"{key} {_short(old)} -> {_short(value)}" + (f" ({why})" if why else ""))
 
     def field(self, field: str, value, why: str = "") -> None:
+        """Set ``field``'s key, and every other key of it that holds the same value (a config
+        saved by transformers >= 5.25 writes Falcon's KV heads as both ``num_kv_heads`` and
+        ``num_key_value_heads``); a key of it holding another value means something else."""
         key = _key(self.cfg, field)
-        if key is not None:
-            self.set(key, value, why)
+        if key is None:
+            return
+        old = self.cfg[key]
+        for alias in KEYS[field]:
+            if alias == key or self.cfg.get(alias) == old:
+                self.set(alias, value, why)
 
 
 def shrink_config(cfg: dict, plan: Plan, layers: int | None = None, seq_len: int = 16) -> tuple[dict, list[str]]:

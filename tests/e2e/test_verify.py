@@ -99,6 +99,20 @@ def test_shrinking_keeps_what_the_plan_splits(model_type, plan):
     assert full["vocab_size"] > get["vocab"]  # the input is not modified
 
 
+def test_a_field_saved_under_two_names_shrinks_under_both():
+    """A key of a field holding the value read is the same quantity and shrinks with it; one
+    holding another value means something else (multi-query Falcon's unused num_kv_heads)."""
+    from autopar.plan import Plan
+    from autopar.verification.shrink import shrink_config
+
+    base = dict(model_type="falcon", num_hidden_layers=4, hidden_size=512, num_attention_heads=32,
+                vocab_size=1000)
+    both, _ = shrink_config(dict(base, num_key_value_heads=8, num_kv_heads=8), Plan.parse("dp=2"))
+    assert both["num_key_value_heads"] == both["num_kv_heads"] == 2
+    other, _ = shrink_config(dict(base, num_key_value_heads=1, num_kv_heads=32), Plan.parse("dp=2"))
+    assert (other["num_key_value_heads"], other["num_kv_heads"]) == (1, 32)
+
+
 @pytest.mark.parametrize("model_type, plan", [("deepseek_v3", "ep=2,dp=2"), ("falcon", "dp=2")])
 def test_shrunk_configs_build_and_run(model_type, plan):
     """MLA's rope / no-rope / value / low-rank widths shrink together (DeepSeek-V3), and the
@@ -112,11 +126,14 @@ def test_shrunk_configs_build_and_run(model_type, plan):
     if model_type == "falcon":  # Falcon-40B's layout: grouped fused qkv, parallel attention and MLP
         full.update(new_decoder_architecture=True, num_attention_heads=128, num_kv_heads=8, hidden_size=8192,
                     multi_query=False, parallel_attn=True, alibi=False)
+        if "num_key_value_heads" in full:  # transformers >= 5.25 writes the KV heads under both names
+            full["num_key_value_heads"] = 8
     cfg, _ = shrink_config(full, Plan.parse(plan), seq_len=16)
     if model_type == "deepseek_v3":
         assert cfg["qk_rope_head_dim"] == cfg["head_dim"] and cfg["first_k_dense_replace"] == 1
     else:
         assert cfg["num_kv_heads"] < 8 and cfg["num_attention_heads"] % cfg["num_kv_heads"] == 0
+        assert cfg.get("num_key_value_heads", cfg["num_kv_heads"]) == cfg["num_kv_heads"]
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg))
     logits = model(torch.randint(0, cfg["vocab_size"], (2, 16))).logits
     assert logits.shape == (2, 16, cfg["vocab_size"])

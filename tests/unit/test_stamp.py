@@ -141,6 +141,35 @@ def test_kinds_ignore_the_position_but_not_other_attributes():
     assert plan_stamping(buffered) is None
 
 
+class _Wrapper(nn.Module):
+    """A module a layer holds as a plain attribute, not a child (transformers >= 5.25 gives
+    each attention its own wrapper of ``apply_rotary_pos_emb`` in ``_kernel_funcs``)."""
+
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        self.scale = scale
+
+
+def _with_wrappers(scales, tensor_in: int | None = None) -> list[_Block]:
+    layers = []
+    for i, scale in enumerate(scales):
+        layer = _Block(i, 4)
+        wrapper = _Wrapper(scale)
+        if i == tensor_in:
+            wrapper.register_buffer("table", torch.zeros(2))
+        layer.__dict__["_kernel_funcs"] = {"rotary": wrapper}  # bypasses Module.__setattr__, as kernels does
+        layers.append(layer)
+    return layers
+
+
+def test_plain_attribute_modules_are_compared_by_their_contents():
+    """One wrapper object per layer, equal in all but identity: one kind.  A wrapper whose
+    attributes differ, or that holds a tensor (a constant the graph would bake in), is not."""
+    assert layer_kinds(_with_wrappers([1.0] * 4)) == (0, 0, 0, 0)
+    assert layer_kinds(_with_wrappers([1.0, 1.0, 2.0, 1.0])) == (0, 0, 1, 0)
+    assert layer_kinds(_with_wrappers([1.0] * 4, tensor_in=2)) == (0, 0, 1, 0)
+
+
 def test_the_users_model_is_not_modified():
     model = _Net()
     ids, target = _batch()

@@ -55,3 +55,17 @@ def test_what_the_export_sees_changes_the_key():
     assert trace_cache._call_key(model, (ids,), kwargs, loss_fn, None, True, True) != base
     model.register_buffer("extra", torch.zeros(3))
     assert trace_cache._call_key(model, (ids,), kwargs, loss_fn, None, False, True) != base
+
+
+def test_a_module_held_as_a_plain_attribute_is_keyed_by_its_contents():
+    """transformers >= 5.25 gives each attention its own wrapper module in a plain dict
+    attribute: two builds of one model share a key, a wrapper's attribute changes it."""
+    from tests.models import hf_llama
+
+    first, second = hf_llama(num_hidden_layers=2), hf_llama(num_hidden_layers=2, seed=3)
+    wrapper = torch.nn.Module()
+    first.model.layers[0].self_attn.__dict__["_kernel_funcs"] = {"rotary_pos_emb": wrapper}
+    second.model.layers[0].self_attn.__dict__["_kernel_funcs"] = {"rotary_pos_emb": torch.nn.Module()}
+    assert trace_cache.model_key(first) == trace_cache.model_key(second)
+    wrapper.scale = 2.0
+    assert trace_cache.model_key(first) != trace_cache.model_key(second)
