@@ -55,6 +55,19 @@ def tensor_base(t: torch.Tensor) -> torch.Tensor:
     return t._base if t._base is not None else t
 
 
+def storage_key(t: torch.Tensor) -> tuple:
+    """Equal for a tensor and every view or alias of its storage, while that storage lives.
+
+    Saved-tensor hooks recognise a gathered buffer by it.  The tensor autograd saves may be a
+    view of the buffer (``_base`` is the buffer) or an alias without ``_base``: a compiled
+    forward (``torch.compile``'s AOTAutograd) saves its inputs as fresh aliases.  On the meta
+    device, or for an empty storage, there is no address: the base tensor's identity then."""
+    storage = t.untyped_storage()
+    if t.device.type == "meta" or storage.nbytes() == 0:
+        return ("tensor", id(tensor_base(t)))
+    return ("storage", str(t.device), storage.data_ptr())
+
+
 def set_buffer(module: torch.nn.Module, leaf: str, value: torch.Tensor) -> None:
     """Replace buffer ``leaf`` of ``module`` keeping its persistence flag (``Module._buffers``;
     ``register_buffer`` would reset a non-persistent buffer to persistent)."""

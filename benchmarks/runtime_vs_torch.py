@@ -11,7 +11,9 @@ vocab 2048) from the same seed, on the same batches, with the same ``AdamW`` fac
 - ``pp``: ``pp=2:1f1b,mb=4`` against ``torch.distributed.pipelining``: a hand-written
   ``PipelineStage`` of each half, ``Schedule1F1B``, 4 micro-batches (autopar is given the same split);
 - ``cp``: ``cp=2:allgather`` against ``context_parallel()`` (its default all-gather rotation,
-  causal load balancing), with DDP averaging the gradients.
+  causal load balancing), with DDP averaging the gradients;
+- ``compile``: ``dp=2`` with ``parallelize(..., compile=True)`` against
+  ``torch.compile(DistributedDataParallel(model))``: both through Inductor.
 
 The ranks are spawned once per world size (4 for ``tp``, 2 for the others) and every pair
 of that size runs inside the one process group, one pair after the other.  For each
@@ -31,7 +33,7 @@ A pair whose PyTorch side cannot run here (``context_parallel`` needs a flash, e
 or cuDNN SDPA kernel, which CPUs lack) is reported as ``not run: <reason>``.  With CUDA
 and at least as many GPUs as ranks the pairs run on NCCL, else on CPU with gloo.
 
-Run: ``python benchmarks/runtime_vs_torch.py [--pairs tp,dp,zero3,pp,cp] [--steps N]
+Run: ``python benchmarks/runtime_vs_torch.py [--pairs tp,dp,zero3,pp,cp,compile] [--steps N]
 [--warmup N] [--json PATH]``.  Results and their discussion: ``docs/performance.md``.
 """
 from __future__ import annotations
@@ -83,6 +85,8 @@ class Pair:
     # pp: give autopar the torch side's split (half of the layers per stage) instead of its
     # cost-model balance, so that both pipelines hold the same layers.
     pipeline_halves: bool = False
+    # both sides through torch.compile (autopar: parallelize(..., compile=True))
+    compiled: bool = False
 
 
 PAIRS = {p.name: p for p in (
@@ -93,6 +97,8 @@ PAIRS = {p.name: p for p in (
     Pair("pp", 2, "pp=2:1f1b,mb=4", "torch.distributed.pipelining PipelineStage per half + Schedule1F1B",
          pipeline_halves=True),
     Pair("cp", 2, "cp=2:allgather", "context_parallel() (all-gather rotation, load-balanced) + DDP"),
+    Pair("compile", 2, "dp=2", "torch.compile(DistributedDataParallel(model)) (Inductor, DDPOptimizer)",
+         compiled=True),
 )}
 
 
@@ -240,6 +246,13 @@ def _torch_dp(model, make_opt, cfg: BenchConfig, device: torch.device) -> Callab
     return _data_parallel_step(ddp, make_opt(ddp.parameters()))
 
 
+def _torch_compiled_dp(model, make_opt, cfg: BenchConfig, device: torch.device) -> Callable:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return _data_parallel_step(torch.compile(ddp), make_opt(ddp.parameters()))
+
+
 def _torch_zero3(model, make_opt, cfg: BenchConfig, device: torch.device) -> Callable:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -354,7 +367,8 @@ def _torch_cp(model, make_opt, cfg: BenchConfig, device: torch.device) -> Callab
     return step
 
 
-TORCH_BUILDERS = {"tp": _torch_tp, "dp": _torch_dp, "zero3": _torch_zero3, "pp": _torch_pp, "cp": _torch_cp}
+TORCH_BUILDERS = {"tp": _torch_tp, "dp": _torch_dp, "zero3": _torch_zero3, "pp": _torch_pp, "cp": _torch_cp,
+                  "compile": _torch_compiled_dp}
 
 
 # --- one pair --------------------------------------------------------------------------------------
@@ -412,7 +426,8 @@ def _run_pair(pair: Pair, cfg: BenchConfig, batches: list, device: torch.device)
     t0 = time.perf_counter()
     pm = autopar.parallelize(base, example_inputs=(ids0.cpu(),), example_kwargs={"use_cache": False},
                              plan=pair.plan, loss_fn=_loss, optimizer=make_opt,
-                             pipeline_split=(cfg.layers // 2,) * 2 if pair.pipeline_halves else None)
+                             pipeline_split=(cfg.layers // 2,) * 2 if pair.pipeline_halves else None,
+                             compile=pair.compiled)
     result["autopar_compile_s"] = round(time.perf_counter() - t0, 2)
     sides = {"autopar": lambda ids, target: pm.train_step((ids,), target), "torch": torch_step}
 

@@ -15,7 +15,7 @@ import autopar
 from tests.harness import OPTIMIZERS, make_batches, reference_train
 from tests.models import MODELS
 
-__all__ = ["build", "reference", "train_job", "train_cases_job", "roundtrip_job", "load_original_job", "untouched_job", "auto_job",
+__all__ = ["build", "reference", "train_job", "train_cases_job", "compile_cases_job", "roundtrip_job", "load_original_job", "untouched_job", "auto_job",
            "BATCH", "SEQ", "VOCAB"]
 
 BATCH, SEQ, VOCAB = 4, 16, 128
@@ -36,11 +36,11 @@ def reference(model_name: str, opt_name: str, overrides: tuple):
                            OPTIMIZERS[opt_name], kwargs)
 
 
-def _parallelize(model_name: str, plan: str, opt_name: str, overrides: dict, seed: int = 0):
+def _parallelize(model_name: str, plan: str, opt_name: str, overrides: dict, seed: int = 0, **options):
     model, loss_fn, kwargs = build(model_name, overrides, seed)
     batches = make_batches(VOCAB, BATCH, SEQ, 3, seed=1)
     pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
-                             loss_fn=loss_fn, optimizer=OPTIMIZERS[opt_name])
+                             loss_fn=loss_fn, optimizer=OPTIMIZERS[opt_name], **options)
     return pm, batches
 
 
@@ -60,6 +60,25 @@ def train_job(model_name: str, plan: str, opt_name: str, overrides: dict, steps:
 def train_cases_job(cases: list, opt_name: str, steps: int = 3):
     """:func:`train_job` for each ``(model_name, plan, overrides)`` of ``cases`` in one pool call."""
     return [train_job(model_name, plan, opt_name, overrides, steps) for model_name, plan, overrides in cases]
+
+
+def compile_cases_job(cases: list, opt_name: str, backend: str, steps: int = 3):
+    """Each ``(model_name, plan, overrides)`` trained eagerly and with ``compile={"backend": backend}``:
+    the compiled run's losses and state, and whether both ran the same collectives (in any order:
+    a compiled backward may unpack saved tensors in another order) and print the same program."""
+    out = []
+    for model_name, plan, overrides in cases:
+        runs = []
+        for options in ({}, {"compile": {"backend": backend}}):
+            pm, batches = _parallelize(model_name, plan, opt_name, overrides, **options)
+            losses = [pm.train_step(inputs, target) for inputs, target in batches[:steps]]
+            runs.append((pm, losses))
+        (eager, _), (compiled, losses) = runs
+        state = compiled.state_dict()
+        comm = [sorted(repr(sorted(r.items())) for r in pm.comm_stats()) for pm in (eager, compiled)]
+        out.append({"losses": losses, "same_comm": comm[0] == comm[1], "same_code": eager.code() == compiled.code(),
+                    "state": {k: v.detach().cpu().clone() for k, v in state.items()} if dist.get_rank() == 0 else None})
+    return out
 
 
 def roundtrip_job(model_name: str, plan: str, overrides: dict):

@@ -31,7 +31,7 @@ from typing import Any, Iterator
 
 import torch
 
-from autopar.compat import tensor_base, top_saved_tensors_hooks
+from autopar.compat import storage_key, tensor_base, top_saved_tensors_hooks
 from autopar.ops.collectives import all_gather, gather_again
 from autopar.ops.step import activate, find_current
 
@@ -65,22 +65,22 @@ class SavedGathers:
     def __init__(self, step, outer: tuple | None) -> None:
         self.step = step
         self._outer_pack, self._outer_unpack = outer if outer is not None else (None, None)
-        # id(gathered buffer) -> (weak reference, _Gathered); an entry leaves with its buffer
-        self._live: dict[int, tuple] = {}
+        # storage_key(gathered buffer) -> (weak reference, _Gathered); an entry leaves with its buffer
+        self._live: dict[tuple, tuple] = {}
 
     def register(self, full: torch.Tensor, shard: torch.Tensor, dim: int, axis: str, tag: str) -> None:
         """``full`` is the all-gather of ``shard`` along ``dim`` over ``axis``."""
         # The gather may return a view of its buffer (a no-op .contiguous(), e.g. one batch row):
         # saved views name that buffer as their base, so key by it.
         full = tensor_base(full)
-        key = id(full)
+        key = storage_key(full)
         ref = weakref.ref(full, lambda _ref, key=key: self._live.pop(key, None))
         self._live[key] = (ref, _Gathered(shard.detach(), dim, axis, tag, self.step))
 
+    @torch.compiler.disable  # called from compiled forwards too (autopar/runtime/compiled.py)
     def pack(self, t: torch.Tensor):
-        base = tensor_base(t)
-        entry = self._live.get(id(base))
-        if entry is None or entry[0]() is not base:
+        entry = self._live.get(storage_key(t))
+        if entry is None or entry[0]() is None:
             # ``t.detach()``, never ``t``: a saved *output* keeps its grad_fn, whose node would
             # then own (in C++, out of the garbage collector's sight) a tensor owning that node.
             # Backward frees the cycle, but a graph it never runs through (retain_graph, a

@@ -21,6 +21,7 @@ from autopar.frontend.trace import trace_model
 from autopar.passes.compile import DEFAULT_BUCKET_BYTES, compile_program
 from autopar.plan import Plan
 from autopar.planning.autoplan import choose_plan
+from autopar.runtime.compiled import compile_options
 from autopar.runtime.mesh import world
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.precision import cast_inputs, low_precision_copy, mixed_precision_dtype
@@ -53,6 +54,7 @@ def parallelize(
     max_grad_norm: float | None = None,
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     mixed_precision: str | None = None,
+    compile: bool | dict = False,
 ) -> ParallelModule:
     """Compile ``model`` for ``plan`` on the current process group; the model is not modified.
 
@@ -65,6 +67,10 @@ def parallelize(
     ``"bf16"``: bf16 parameters and activations, fp32 master weights, optimizer state, main
     gradients (accumulated and reduced in fp32) and loss; ``state_dict()`` returns the fp32
     masters (:mod:`autopar.runtime.precision`).  None: train in the model's own dtype.
+    ``compile``: True (or a dict of ``torch.compile``'s keyword arguments, e.g.
+    ``{"backend": "aot_eager"}``) compiles this rank's program with ``torch.compile``; the
+    inserted collectives run eagerly between compiled regions (:mod:`autopar.runtime.compiled`).
+    Not with pipeline parallelism.
     """
     if loss_fn is None:
         raise AutoparError("autopar: parallelize needs loss_fn(output, target) to train the model; "
@@ -73,17 +79,20 @@ def parallelize(
     dtype = mixed_precision_dtype(mixed_precision)
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise AutoparError(f"autopar: max_grad_norm={max_grad_norm}; expected a positive number (or None: no clipping).")
+    auto = isinstance(plan, str) and plan.strip().lower() == "auto"
+    compile_options(compile, None if auto else Plan.parse(plan))  # refused before tracing
     traced_model = low_precision_copy(model, dtype) if dtype is not None else model
     example_inputs = cast_inputs(tuple(example_inputs), dtype)
-    if isinstance(plan, str) and plan.strip().lower() == "auto":
+    if auto:
         plan = _auto_plan(traced_model, example_inputs, example_kwargs, loss_fn, example_target, world_size)
     traced, program = compile_program(traced_model, example_inputs, example_kwargs, plan, loss_fn,
                                       world_size=world_size, example_target=example_target,
                                       bucket_bytes=bucket_bytes, pipeline_split=pipeline_split,
                                       upcast_outputs=dtype is not None)
+    options = compile_options(compile, program.plan)
     return ParallelModule(traced_model, traced, program, program.plan, optimizer or torch.optim.AdamW,
                           max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
-                          masters_from=model if dtype is not None else None)
+                          masters_from=model if dtype is not None else None, compile_options=options)
 
 
 def _auto_plan(model, example_inputs, example_kwargs, loss_fn, example_target, world_size: int) -> Plan:

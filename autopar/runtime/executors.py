@@ -20,6 +20,7 @@ import torch
 
 from autopar.errors import AutoparError
 from autopar.ops.regather import keeping_shards, regathers
+from autopar.runtime.compiled import compiled_program
 
 __all__ = ["FlatExecutor", "StepOutput", "weighted_loss"]
 
@@ -40,9 +41,11 @@ class StepOutput:
 class FlatExecutor:
     """Run the whole rewritten graph on each of this rank's micro-batches."""
 
-    def __init__(self, gm: torch.fx.GraphModule, program, plan):
+    def __init__(self, gm: torch.fx.GraphModule, program, plan, compile_options: dict | None = None):
         self.gm, self.program, self.plan = gm, program, plan
         self._regathers = regathers(gm)
+        self._compile_options = compile_options
+        self._forward = gm  # what runs: the graph, or its torch.compile (setup)
 
     def owner(self, name: str) -> int | None:
         """Pipeline rank holding parameter ``name`` (None: every rank of the stage)."""
@@ -53,7 +56,9 @@ class FlatExecutor:
         return None
 
     def setup(self, pm) -> None:
-        """Nothing to build: the graph runs as it is."""
+        """The graph runs as it is, or compiled over this rank's parameters (``compile=``)."""
+        if self._compile_options is not None:
+            self._forward = compiled_program(self.gm, self._compile_options)
 
     def run(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
         total = torch.zeros((), device=pm.device)
@@ -64,7 +69,7 @@ class FlatExecutor:
             # bucket all-reduces; the meter counts saved activations.
             with (pm.memory.micro_batch(self.gm), pm.grad_sync.micro_batch(last=i == len(pieces) - 1),
                   keeping_shards(self._regathers)):  # innermost: SP's gathered inputs saved as shards (ops/regather.py)
-                loss = weighted_loss(self.gm(*chunk_inputs, chunk_target), weight)
+                loss = weighted_loss(self._forward(*chunk_inputs, chunk_target), weight)
                 (loss / self.plan.mb).backward()
             total += loss.detach().float() / self.plan.mb
         return StepOutput(total)
@@ -73,7 +78,7 @@ class FlatExecutor:
         """Forward only (the caller holds ``torch.no_grad`` and eval mode): the mean loss."""
         total = torch.zeros((), device=pm.device)
         for chunk_inputs, chunk_target in pm.micro_batches(inputs, target, coords):
-            loss = weighted_loss(self.gm(*chunk_inputs, chunk_target), pm.loss_weight(chunk_target))
+            loss = weighted_loss(self._forward(*chunk_inputs, chunk_target), pm.loss_weight(chunk_target))
             total += loss.detach().float() / self.plan.mb
         return StepOutput(total)
 

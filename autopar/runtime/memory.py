@@ -86,6 +86,7 @@ class MemoryMeter:
             self._working_peak = max(self._working_peak, sum(self._working.values()))
             self._working, self._working_inputs = None, set()
 
+    @torch.compiler.disable  # called from compiled forwards too (autopar/runtime/compiled.py)
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.observe(t)
         return t.detach()  # never ``t``: see autopar/ops/regather.py SavedGathers.pack

@@ -61,7 +61,7 @@ class ParallelModule:
 
     def __init__(self, model: nn.Module, traced, program, plan, make_optimizer: Callable, *,
                  max_grad_norm: float | None = None, lr_scheduler: Callable | None = None,
-                 masters_from: nn.Module | None = None):
+                 masters_from: nn.Module | None = None, compile_options: dict | None = None):
         """``model``: the module that was traced; ``masters_from``: under mixed precision, the
         user's fp32 model whose tensors become the master weights (``model`` is its bf16 copy)."""
         self.plan = plan
@@ -79,7 +79,10 @@ class ParallelModule:
             # group) compiles and steps without memory; comm_stats() still counts bytes.
             # MoE blocks route evenly there (no values to route by: autopar.ops.moe.balanced_counts).
             self.device = torch.device("meta")
-        self.executor = (PipelineExecutor if plan.pp > 1 else FlatExecutor)(self.gm, program, plan)
+        if plan.pp > 1:
+            self.executor = PipelineExecutor(self.gm, program, plan)
+        else:  # compile_options: torch.compile's arguments (autopar.runtime.compiled; refused under pp)
+            self.executor = FlatExecutor(self.gm, program, plan, compile_options)
         self._aliases = _original_names(model, self.gm)
         self._full_meta = {name: (tuple(p.shape), p.dtype) for name, p in self.gm.named_parameters()}
         self._materialize()

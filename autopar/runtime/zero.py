@@ -54,7 +54,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.compat import tensor_base
+from autopar.compat import storage_key, tensor_base
 from autopar.errors import AutoparError
 from autopar.ops import collectives as C
 from autopar.ops.step import activate, current, observe_saved
@@ -110,7 +110,7 @@ class ZeroSync:
             self.shards.append(nn.Parameter(shard, requires_grad=True))
         self.dtypes = [params[u[0]].dtype for u in self.units]
         self.optimizer = make_optimizer(self.shards)
-        self._live: dict[int, tuple] = {}
+        self._live: dict[tuple, tuple] = {}
         self._regathered: dict[int, torch.Tensor] = {}
         self._prefetched: dict[int, tuple] = {}  # unit -> its forward all-gather in flight
         self._prefetched_bwd: dict[int, tuple] = {}  # unit -> its backward re-gather in flight
@@ -363,7 +363,7 @@ class ZeroSync:
         return flat if tensor_base(flat) is flat else flat.clone()
 
     def unit_views(self, unit: int, flat: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        self._live[id(flat)] = (weakref.ref(flat), unit)
+        self._live[storage_key(flat)] = (weakref.ref(flat), unit)
         views = self.layouts[unit].views(flat)
         return tuple(views[x] for x in self.layouts[unit].names)
 
@@ -497,10 +497,10 @@ class ZeroSync:
                 flat = lay.rank_major(lay.flatten(params).float())
                 self.shards[unit].copy_(flat.view(lay.n, -1)[self._rank(unit)])
 
+    @torch.compiler.disable  # called from compiled forwards too (autopar/runtime/compiled.py)
     def _pack(self, t: torch.Tensor):
-        base = tensor_base(t)
-        entry = self._live.get(id(base))
-        if entry is not None and entry[0]() is base:
+        entry = self._live.get(storage_key(t))
+        if entry is not None and entry[0]() is not None:
             self._saved_at[entry[1]] = next(self._clock)
             return (_HANDLE, entry[1], t.size(), t.stride(), t.storage_offset())
         observe_saved(t)  # these hooks shadow the memory meter's

@@ -1,0 +1,58 @@
+"""``parallelize(..., compile=...)`` in one process (autopar/runtime/compiled.py): the argument's
+checks, and a compiled program that computes what the eager one does.  Multi-rank plans:
+tests/dist/test_compile.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import autopar
+from autopar.compat import storage_key
+from autopar.errors import AutoparError
+from tests.harness import OPTIMIZERS
+from tests.jobs import build
+from tests.reference import make_batches
+
+
+def train(compile, model_name: str = "hf_llama"):
+    """3 AdamW steps of ``model_name`` under plan ``none``: the program and its losses."""
+    model, loss_fn, kwargs = build(model_name, {})
+    batches = make_batches(128, 4, 16, 3, seed=1)
+    pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan="none",
+                             loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"], compile=compile)
+    return pm, [pm.train_step(*b) for b in batches]
+
+
+def test_aot_eager_runs_the_eager_programs_ops():
+    """AOTAutograd without a code generator: the same aten ops, so bitwise the same training."""
+    eager, eager_losses = train(False)
+    compiled, losses = train({"backend": "aot_eager"})
+    assert losses == eager_losses
+    want, got = eager.state_dict(), compiled.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert compiled.code() == eager.code()  # the printed program is the rewritten graph, untouched
+
+
+@pytest.mark.parametrize("value, plan, message", [
+    ("yes", "none", "compile='yes'; expected False, True or a dict"),
+    ({"backend": "aot_eager", "fullgraf": True}, "none", "has 'fullgraf', which torch.compile does not take"),
+    (True, "pp=2,mb=2", "compile is not supported with pipeline parallelism (plan 'pp=2:1f1b,mb=2')"),
+    (True, "recompute=full", "compile is not supported with activation recompute (plan 'recompute=full')"),
+])
+def test_bad_compile_arguments_are_refused_before_tracing(value, plan, message):
+    model, loss_fn, kwargs = build("example", {})
+    ids = torch.zeros(4, 16, dtype=torch.long)
+    with pytest.raises(AutoparError) as info:
+        autopar.parallelize(model, example_inputs=(ids,), plan=plan, loss_fn=loss_fn, compile=value)
+    assert str(info.value).startswith("autopar: ") and message in str(info.value)
+
+
+def test_storage_key_names_every_alias_of_a_buffer():
+    """The saved-tensor hooks find a gathered buffer from what autograd saves: a view of it, or
+    (a compiled forward) a fresh alias of its storage; another tensor, even equal, is not it."""
+    buffer = torch.arange(12.0)
+    key = storage_key(buffer)
+    assert storage_key(buffer.view(3, 4)[1:]) == key and storage_key(buffer.detach()) == key
+    assert storage_key(buffer.clone()) != key
+    meta = torch.empty(4, device="meta")
+    assert storage_key(meta.view(2, 2)) == storage_key(meta) != storage_key(torch.empty(4, device="meta"))
