@@ -68,6 +68,21 @@ def storage_key(t: torch.Tensor) -> tuple:
     return ("storage", str(t.device), storage.data_ptr())
 
 
+def never_traced(fn) -> None:
+    """TorchDynamo runs ``fn`` (a function or a method) and everything it calls eagerly.
+
+    For the saved-tensor hooks, which autograd's C++ calls inside compiled regions
+    (autopar/runtime/compiled.py).  ``torch.compiler.disable`` would do the same by wrapping
+    ``fn``, at about a microsecond per call in eager programs too, where it is not needed;
+    marking the code object skips the frame, and the frames it calls, only while TorchDynamo
+    runs (torch._dynamo's frame strategies)."""
+    from torch._C._dynamo.eval_frame import set_code_exec_strategy
+    from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+    code = getattr(fn, "__func__", fn).__code__
+    set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
 def set_buffer(module: torch.nn.Module, leaf: str, value: torch.Tensor) -> None:
     """Replace buffer ``leaf`` of ``module`` keeping its persistence flag (``Module._buffers``;
     ``register_buffer`` would reset a non-persistent buffer to persistent)."""

@@ -50,7 +50,8 @@ def recipe_job(model_name: str, plan: str, opt_name: str, max_grad_norm: float |
             out["eval"] = pm.eval_step(*batches[STEPS])
             after = pm.state_dict()
             untouched = all(torch.equal(before[k], after[k]) for k in before)
-            no_grads = all(p.grad is None for p in pm.gm.parameters())
+            # no gradient left by the eval: none, or a bucket's gradient zeroed after the step
+            no_grads = all(p.grad is None or not p.grad.any() for p in pm.gm.parameters())
             out["eval_kept_state"] = untouched and no_grads
     state = pm.state_dict()
     out["state"] = {k: v.detach().cpu().clone() for k, v in state.items()} if dist.get_rank() == 0 else None

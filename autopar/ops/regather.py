@@ -77,7 +77,6 @@ class SavedGathers:
         ref = weakref.ref(full, lambda _ref, key=key: self._live.pop(key, None))
         self._live[key] = (ref, _Gathered(shard.detach(), dim, axis, tag, self.step))
 
-    @torch.compiler.disable  # called from compiled forwards too (autopar/runtime/compiled.py)
     def pack(self, t: torch.Tensor):
         entry = self._live.get(storage_key(t))
         if entry is None or entry[0]() is None:

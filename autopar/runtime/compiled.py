@@ -17,8 +17,9 @@ What is compiled, and what is not:
   step; traced, their recording would run once at compile time and not on every step.  So
   the communication, its bytes and its duals are exactly those of the eager program, and the
   graph breaks sit where the collectives are;
-* the saved-tensor hooks of the memory meter, SP's re-gather and ZeRO-3 are disabled for
-  TorchDynamo where they are defined (they run from autograd's C++ inside compiled regions).
+* the saved-tensor pack hooks of the memory meter, SP's re-gather and ZeRO-3, which autograd's
+  C++ calls inside compiled regions, are marked for TorchDynamo to run eagerly
+  (:func:`autopar.compat.never_traced`).
 
 The compiled program is a second ``GraphModule`` over the same parameter and buffer objects
 (built after the parameters are this rank's shards), so ``pm.code()``, the views and
@@ -41,7 +42,11 @@ from typing import Any, Callable
 
 import torch
 
+from autopar.compat import never_traced
 from autopar.errors import AutoparError
+from autopar.ops.regather import SavedGathers
+from autopar.runtime.memory import MemoryMeter
+from autopar.runtime.zero import ZeroSync
 
 __all__ = ["compile_options", "compiled_program"]
 
@@ -85,6 +90,8 @@ def _inserted(node: torch.fx.Node) -> bool:
 
 def compiled_program(gm: torch.fx.GraphModule, options: dict) -> Callable:
     """``torch.compile`` of a copy of ``gm`` whose autopar calls run eagerly (module docstring)."""
+    for hook in (MemoryMeter._pack, ZeroSync._pack, SavedGathers.pack):  # run inside compiled forwards
+        never_traced(hook)
     graph = copy.deepcopy(gm.graph)  # FX copies node by node, metadata shallowly (fake values shared)
     disabled: dict[Callable, Callable] = {}
     for node in graph.nodes:

@@ -1,8 +1,9 @@
 """Gradient synchronisation after backward, and the optimizer step around it.
 
 The data-parallel pass (``passes/data_parallel.py``) decides the buckets; this module
-executes them: for each bucket, flatten the gradients, all-reduce them over the bucket's
-mesh axis (sum for partial gradients, average over ``dp``), and write them back.  Every
+executes them: for each bucket, all-reduce its gradients over the bucket's mesh axis (sum for
+partial gradients, average over ``dp``) as one flat buffer, of which the gradients are views
+(``GradSync._bucket_views``; else flattened each step and written back).  Every
 collective is recorded with phase ``grad``.  In the flat executor's last micro-batch a
 bucket's all-reduce starts during backward, once its gradients exist (:class:`_Overlap`);
 ``sync()`` waits for it.
@@ -28,6 +29,7 @@ and the memory meter (:mod:`autopar.runtime.memory`) use:
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import weakref
@@ -61,6 +63,30 @@ class GradSync:
         self.params = self.main.masters if self.main is not None else params
         self.optimizer = make_optimizer([p for p in self.params.values() if p.requires_grad])
         self._overlap = _Overlap(self) if self.main is None and self.buckets else None
+        self._views = self._bucket_views() if self.main is None else {}
+
+    def _bucket_views(self) -> dict[int, tuple[torch.Tensor, list[torch.Tensor]]]:
+        """Bucket index -> (its flat buffer, each parameter's gradient as a view of it).
+
+        As DDP's ``gradient_as_bucket_view``: backward accumulates into the bucket, which is
+        averaged and all-reduced in place -- no flattening copy and no buffer allocated per
+        step -- and the gradients are zeroed in place after the step.  Not under mixed
+        precision (MainGrads writes the fp32 main gradients), nor for a parameter in two
+        buckets (a gradient partial over tp is summed, then averaged over dp)."""
+        count = collections.Counter(n for b in self.buckets for n in b.params)
+        out = {}
+        for index, bucket in enumerate(self.buckets):
+            params = [self.params[n] for n in bucket.params]
+            if any(count[n] > 1 for n in bucket.params) or len({(p.dtype, p.device) for p in params}) > 1:
+                continue
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            views, offset = [], 0
+            for p in params:
+                views.append(flat[offset:offset + p.numel()].view_as(p))
+                p.grad = views[-1]
+                offset += p.numel()
+            out[index] = (flat, views)
+        return out
 
     def micro_batch(self, last: bool = False):
         """Context around one micro-batch's forward and backward; in the ``last`` one of a step
@@ -99,9 +125,14 @@ class GradSync:
             self.main.copy_to_params()
 
     def step(self) -> None:
-        """The optimizer step on the synchronised gradients, which are then dropped."""
+        """The optimizer step on the synchronised gradients, which are then dropped (zeroed in
+        their buckets)."""
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        for index, (flat, views) in self._views.items():
+            flat.zero_()
+            for name, view in zip(self.buckets[index].params, views):
+                self.params[name].grad = view
         if self.main is not None:
             self.main.copy_to_params()
 
@@ -122,16 +153,15 @@ class GradSync:
         started = self._overlap.take() if self._overlap is not None else {}
         for index, bucket in enumerate(self.buckets):
             params = [self.params[n] for n in bucket.params]
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-            group = self.groups[bucket.axis]
+            grads = [p.grad if p.grad is not None or index in self._views else torch.zeros_like(p) for p in params]
             if index in started:
                 flat, work = started[index]
                 if work is not None:  # None: a group of one rank, nothing to wait for
                     work.wait()
             else:
                 flat = self.start(index, grads, async_op=False)[0]
-            if bucket.average and (bucket.divisor or group.size) > 1:
-                flat /= bucket.divisor or group.size
+            if index in self._views:
+                continue  # reduced in place: the gradients are views of the bucket
             offset = 0
             for p, grad in zip(params, grads):
                 n = grad.numel()
@@ -140,10 +170,31 @@ class GradSync:
 
     def start(self, index: int, grads: list[torch.Tensor], async_op: bool):
         """Flatten bucket ``index``'s gradients and all-reduce them (``async_op``: without waiting);
-        returns ``(flat, work or None)``."""
+        returns ``(flat, work or None)``.
+
+        A bucket of gradient views (:meth:`_bucket_views`) is reduced in place.  An averaged
+        bucket is divided before the all-reduce (as DDP does, instead of after the wait, on the
+        step's critical path); ``sum(g / d)`` equals ``sum(g) / d`` exactly for a power-of-two ``d``."""
         bucket = self.buckets[index]
-        flat = torch.cat([g.reshape(-1) for g in grads])
         group = self.groups[bucket.axis]
+        divisor = (bucket.divisor or group.size) if bucket.average else 1
+        if index in self._views:
+            flat, views = self._views[index]
+            for name, view in zip(bucket.params, views):
+                p = self.params[name]
+                if p.grad is not view:  # replaced since (set to None, assigned): back into the bucket
+                    view.zero_() if p.grad is None else view.copy_(p.grad)
+                    p.grad = view
+            if divisor > 1:
+                flat.div_(divisor)
+        elif divisor > 1:
+            flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype, device=grads[0].device)
+            offset = 0
+            for g in grads:
+                torch.div(g.reshape(-1), divisor, out=flat[offset:offset + g.numel()])
+                offset += g.numel()
+        else:
+            flat = torch.cat([g.reshape(-1) for g in grads])
         if group.size == 1:
             return flat, None
         C.record("all_reduce", bucket.axis, flat, "grad", f"gradient bucket ({len(grads)} tensors)")

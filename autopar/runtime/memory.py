@@ -48,6 +48,8 @@ class MemoryMeter:
         self._masters_in_optimizer = masters_in_optimizer
         self._excluded: set[int] = set()
         self._seen: dict[int, int] = {}
+        self._seen_total = 0  # sum(self._seen.values()), kept as tensors are seen
+        self._held: tuple = (None, [])  # (module, its parameters and buffers): listed once per module
         self._peak = 0
         self._metered = False  # a pipelined step runs its micro-batches inside torch's schedule, unmetered
         self._report: dict[str, int] = {}
@@ -59,15 +61,14 @@ class MemoryMeter:
     @contextlib.contextmanager
     def micro_batch(self, gm: torch.nn.Module) -> Iterator[None]:
         """Wrap one micro-batch's forward and backward (activations are counted at pack time)."""
-        self._excluded = {t.untyped_storage().data_ptr() for t in list(gm.parameters()) + list(gm.buffers())
-                          if t.numel()}
-        self._seen = {}
+        self._excluded = {t.untyped_storage().data_ptr() for t in self._tensors(gm) if t.numel()}
+        self._seen, self._seen_total = {}, 0
         self._metered = True
         try:
             with activate(current(), memory=self), torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
                 yield
         finally:
-            self._seen = {}
+            self._seen, self._seen_total = {}, 0
 
     def begin_step(self) -> None:
         self._peak = 0
@@ -86,7 +87,6 @@ class MemoryMeter:
             self._working_peak = max(self._working_peak, sum(self._working.values()))
             self._working, self._working_inputs = None, set()
 
-    @torch.compiler.disable  # called from compiled forwards too (autopar/runtime/compiled.py)
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         self.observe(t)
         return t.detach()  # never ``t``: see autopar/ops/regather.py SavedGathers.pack
@@ -104,12 +104,20 @@ class MemoryMeter:
         if ptr in self._excluded or ptr in self._seen:
             return
         self._seen[ptr] = storage.nbytes()
-        self._peak = max(self._peak, sum(self._seen.values()))
+        self._seen_total += self._seen[ptr]
+        self._peak = max(self._peak, self._seen_total)
+
+    def _tensors(self, gm: torch.nn.Module) -> list[torch.Tensor]:
+        """``gm``'s parameters and buffers: the module's tensor objects stay (their storage may
+        change, ZeRO's ``.data``), so walking the module tree once, not per micro-batch, suffices."""
+        if self._held[0] is not gm:
+            self._held = (gm, list(gm.parameters()) + list(gm.buffers()))
+        return self._held[1]
 
     def before_sync(self, gm: torch.nn.Module, sync) -> None:
         """After the last backward: parameters and gradients as held now."""
         held = sync.memory_tensors()
-        module = list(gm.parameters())
+        module = list(gm.parameters())  # once a step
         self._report = {
             "params": _nbytes(module) + _nbytes(held["params"]),
             "master_params": _nbytes(held["master_params"]),

@@ -29,7 +29,9 @@ Stages (bytes recorded by :func:`autopar.ops.collectives.record`, phases as in t
     parameter for backward but re-gather the unit when backward first needs it (phase
     ``bwd``; the re-gather of the unit backward reaches next is then started, prefetched like
     forward's) and drop it when the unit's gradient is reduce-scattered (phase ``grad``), once
-    per unit and micro-batch.
+    per unit and micro-batch; in a flat micro-batch that reduce-scatter runs while backward
+    computes the next unit's gradients (:meth:`ZeroSync.scatter_in_backward`).  Stages 1-2 run
+    their reduce-scatters and all-gathers blocking, after backward and after the step.
 
 Mixed precision (:mod:`autopar.runtime.precision`): the shards are cut from the user's fp32
 tensors and are the master weights; the module's parameters (stages 1-2) and every
@@ -114,6 +116,8 @@ class ZeroSync:
         self._regathered: dict[int, torch.Tensor] = {}
         self._prefetched: dict[int, tuple] = {}  # unit -> its forward all-gather in flight
         self._prefetched_bwd: dict[int, tuple] = {}  # unit -> its backward re-gather in flight
+        self._defer_scatter = False  # inside a flat micro-batch: reduce-scatters overlap backward
+        self._deferred: tuple | None = None  # the reduce-scatter in flight (_start_reduce_scatter)
         # unit -> when forward last saved its parameters for backward (a counter): backward
         # re-gathers the units in the reverse of that order (a tied head's unit comes first).
         self._saved_at: dict[int, int] = {}
@@ -164,8 +168,10 @@ class ZeroSync:
     # --- runtime entry points ---------------------------------------------------------
 
     @contextlib.contextmanager
-    def micro_batch(self, last: bool = False) -> Iterator[None]:
-        """Wrap one micro-batch's forward and backward (``last``: the step's last; unused)."""
+    def micro_batch(self, last: bool = False, defer_scatter: bool = True) -> Iterator[None]:
+        """Wrap one micro-batch's forward and backward (``last``: the step's last; unused).
+        ``defer_scatter``: stage 3 overlaps each unit's reduce-scatter with backward
+        (:meth:`scatter_in_backward`)."""
         if self.stage < 3:
             yield
             self.after_backward()
@@ -173,10 +179,13 @@ class ZeroSync:
                 for unit in range(len(self.units)):
                     self._scatter_param_grads(unit)
             return
+        self._defer_scatter = defer_scatter
         try:
             with activate(current(), zero=self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 yield
         finally:
+            self._finish_deferred()
+            self._defer_scatter = False
             self._live.clear()
             self._regathered.clear()
             self._drain_prefetched()
@@ -187,7 +196,7 @@ class ZeroSync:
         if self.stage < 3:
             yield
             return
-        with self.micro_batch():
+        with self.micro_batch(defer_scatter=False):
             yield
 
     def after_backward(self, chunk: int | None = None, kind: str = "full") -> None:
@@ -367,9 +376,27 @@ class ZeroSync:
         views = self.layouts[unit].views(flat)
         return tuple(views[x] for x in self.layouts[unit].names)
 
-    def scatter_in_backward(self, unit: int, grad: torch.Tensor) -> torch.Tensor:
+    def scatter_in_backward(self, unit: int, grad: torch.Tensor) -> torch.Tensor | None:
+        """The unit's gradient reduce-scattered into this rank's shard gradient.
+
+        In a flat micro-batch the reduce-scatter runs while backward computes the next unit's
+        gradients: it is started here and waited for when the next one starts (or the
+        micro-batch ends), which adds the result to the shard's ``.grad`` (returning None: the
+        shard has no gradient from autograd).  Under pp torch's stages differentiate the shards
+        themselves (the split weight backward), so the gradient is returned, reduced."""
         self._regathered.pop(unit, None)  # every use of the unit in backward has run
-        return self._reduce_scatter(unit, grad)
+        if not self._defer_scatter:
+            return self._finish_reduce_scatter(self._start_reduce_scatter(unit, grad, async_op=False))
+        self._finish_deferred()
+        self._deferred = self._start_reduce_scatter(unit, grad, async_op=True)
+        return None
+
+    def _finish_deferred(self) -> None:
+        """Wait for the reduce-scatter in flight, if any, and add it to its shard's gradient."""
+        pending, self._deferred = self._deferred, None
+        if pending is not None:
+            shard, grad = self.shards[pending[0]], self._finish_reduce_scatter(pending)
+            shard.grad = grad if shard.grad is None else shard.grad + grad
 
     # --- collectives ------------------------------------------------------------------
 
@@ -411,15 +438,31 @@ class ZeroSync:
 
     def _reduce_scatter(self, unit: int, flat_grad: torch.Tensor) -> torch.Tensor:
         """Average the unit's full ``[A | B]`` gradient over dp; returns this rank's fp32 shard."""
+        return self._finish_reduce_scatter(self._start_reduce_scatter(unit, flat_grad, async_op=False))
+
+    def _start_reduce_scatter(self, unit: int, flat_grad: torch.Tensor, async_op: bool) -> tuple:
+        """Start (``async_op``) or run the unit's reduce-scatter: ``(unit, result, work or None,
+        source)``; the source must stay alive until the work is waited for."""
         lay = self.layouts[unit]
         # Mixed precision reduces in fp32 (the cost model's w_gc = 4 B).
         buf = lay.rank_major((flat_grad.float() if self.mixed else flat_grad).contiguous())
-        axis, divisor = self.unit_axes[unit], self.unit_divisors[unit] or lay.n
         if lay.n == 1:
-            return buf.float() / divisor if divisor > 1 else buf.float()
+            return unit, buf, None, buf
+        axis = self.unit_axes[unit]
         C.record("reduce_scatter", axis, buf, "grad", f"ZeRO gradient unit {unit} ({len(lay.names)} tensors)")
         out = torch.empty(lay.shard_numel, dtype=buf.dtype, device=buf.device)
-        dist.reduce_scatter_single(out, buf, group=self.groups[axis].group)
+        work = dist.reduce_scatter_single(out, buf, group=self.groups[axis].group, async_op=async_op)
+        return unit, out, work, buf
+
+    def _finish_reduce_scatter(self, pending: tuple) -> torch.Tensor:
+        """The shard gradient of a started reduce-scatter, averaged, fp32."""
+        unit, out, work, _buf = pending
+        if work is not None:
+            work.wait()
+        lay = self.layouts[unit]
+        divisor = self.unit_divisors[unit] or lay.n
+        if lay.n == 1:
+            return out.float() / divisor if divisor > 1 else out.float()
         return out.float() / divisor
 
     def _scatter_param_grads(self, unit: int) -> None:
@@ -497,7 +540,6 @@ class ZeroSync:
                 flat = lay.rank_major(lay.flatten(params).float())
                 self.shards[unit].copy_(flat.view(lay.n, -1)[self._rank(unit)])
 
-    @torch.compiler.disable  # called from compiled forwards too (autopar/runtime/compiled.py)
     def _pack(self, t: torch.Tensor):
         entry = self._live.get(storage_key(t))
         if entry is not None and entry[0]() is not None:
