@@ -109,7 +109,7 @@ def calibration_rows() -> list[CalibrationRow]:
         rows.append(CalibrationRow(
             "A", size, _gpt(f"A-{size}", heads, hidden, layers, 131072), Cluster.for_world("h100", gpus),
             _plan(tp, pp, dp, mb, sp=True, zero=1), 4096, batch, tflops / 989,
-            options=dict(tp_comm_overlap=True)))
+            options=dict(tp_comm_overlap=True, zero_overlap=True)))
     for size, heads, hidden, layers, tp, pp, gpus, batch, micro, tflops, vpp in _SET_B:
         dp = gpus // (tp * pp)
         rows.append(CalibrationRow(

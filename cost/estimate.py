@@ -198,7 +198,7 @@ def plan_flags(plan: Plan) -> dict:
 
 def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_bytes: int = 2,
              grad_bytes: int | None = None, activation_formula: str = "derived",
-             tp_comm_overlap: bool = False, routing_imbalance: float = 1.0,
+             tp_comm_overlap: bool = False, zero_overlap: bool = False, routing_imbalance: float = 1.0,
              flash_attention: bool = True, constants: dict | None = None) -> Cost:
     """Predict step time, MFU and memory of ``plan`` for ``spec`` on ``cluster``.
 
@@ -206,7 +206,9 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
     conventions); ``grad_bytes``: bytes of a held gradient (default 4, Megatron's fp32
     main grads, when dtype_bytes is 2); ``activation_formula``: "derived" (ours, Llama-style
     layers) or "korthikanti" (GPT layer, set C); ``tp_comm_overlap``: TP collectives hidden
-    behind GEMMs (Megatron-Core's userbuffers); ``routing_imbalance``: MoE load factor of
+    behind GEMMs (Megatron-Core's userbuffers); ``zero_overlap``: ZeRO-1/2's reduce-scatters and
+    all-gathers hidden (Megatron's distributed optimizer; autopar's runtime runs them blocking);
+    ``routing_imbalance``: MoE load factor of
     the busiest rank; ``flash_attention``: False models Megatron's older unfused attention
     (full score matrix, memory-bound softmax and dropout); ``constants``: override the calibrated eta_max, kappa, epsilon, phi.
     """
@@ -241,7 +243,7 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
                           routing_imbalance=routing_imbalance, seq_len=seq_len,
                           flash_attention=flash_attention)
     values.update(plan_values(cluster, arrays, constants=consts, tp_comm_overlap=tp_comm_overlap,
-                              capacity=plan.capacity))
+                              zero_overlap=zero_overlap, capacity=plan.capacity))
     out = evaluate(model, values)
     slow = int(np.argmax(out["T_f"] + out["T_b"]))
     tf, tb, tw = (out[n][slow:slow + 1] for n in ("T_f", "T_b", "T_w"))

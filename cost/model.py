@@ -207,7 +207,8 @@ def link_values(cluster: Cluster, tp, cp, dp, pp, ep, epsilon: float) -> dict[st
 
 
 def plan_values(cluster: Cluster, arrays: dict[str, np.ndarray], *, constants: dict,
-                tp_comm_overlap: bool, capacity=None, links: dict | None = None) -> dict[str, np.ndarray]:
+                tp_comm_overlap: bool, zero_overlap: bool = False, capacity=None,
+                links: dict | None = None) -> dict[str, np.ndarray]:
     """Plan, view and hardware symbol values from integer-coded plan arrays.
 
     ``arrays`` keys: tp dp cp pp ep vpp m b sp zero recompute cp_variant schedule (codes
@@ -228,6 +229,7 @@ def plan_values(cluster: Cluster, arrays: dict[str, np.ndarray], *, constants: d
         "first": A["first"], "last": A["last"], "n_inflight": A["infl"],
         "n_send": A["nsend"], "n_recv": A["nrecv"], "l_d": A["ld"], "l_e": A["le"],
         "tp_overlap": 1.0 if tp_comm_overlap else 0.0,
+        "zero_overlap": 1.0 if zero_overlap else 0.0,
         "dualpipe": (sched == SCHEDULES.index("dualpipev")) * 1.0,
         "P_peak": cluster.peak_flops, "B_hbm": cluster.hbm_bandwidth,
         "eta_max": constants.get("eta_max") or cluster.gemm_efficiency, "kappa": constants["kappa"],

@@ -17,9 +17,11 @@ into both bandwidths).
 
 Exposure. Asynchronous communication hides behind compute up to a fraction ``phi``:
 exposed = max((1 - phi) t, t - window), the window being the compute it can run under:
-  * DP gradient reduction (ZeRO 0-1): the last micro-batch's backward; per-micro-batch
-    reduce-scatters (ZeRO 2-3): each backward; parameter all-gathers (ZeRO 1-2 after the
-    step, ZeRO-3 per use): the forward (or backward) they prefetch for;
+  * DP gradient reduction: the last micro-batch's backward (plain DP's bucket all-reduces);
+    ZeRO-3's per-unit reduce-scatters: each backward; parameter all-gathers (ZeRO-3 per use):
+    the forward (or backward) they prefetch for.  ZeRO 1-2's reduce-scatters and their
+    all-gathers after the step run blocking in autopar: exposed, unless ``zero_overlap``
+    (Megatron's distributed optimizer: the last / each backward, and the next forward);
   * CP ring: the attention block it pipelines with; PP P2P: (1 - phi) t;
   * TP/SP collectives sit on the critical path unless ``tp_comm_overlap`` (then
     (1 - phi) t); EP all-to-alls likewise, except under dualpipev (overlapped);
@@ -38,10 +40,10 @@ import sympy as sp
 
 from .comm import RowSpec, local_param_elems
 from .flops import gemm_classes
-from .symbols import (FLASH, LAST, RFULL, RSEL, SP, Z1, Z2, m, E, V, a, b, cp, d, dp, ep, eta_max, f, fe, g, gated,
+from .symbols import (FLASH, LAST, RFULL, RSEL, SP, Z1, Z2, Z3, m, E, V, a, b, cp, d, dp, ep, eta_max, f, fe, g, gated,
                       h, hbm_bw, k, kappa, ld, le, nsh, peak, phi, rho, s, tp, w, wg, wo, wp)
 
-__all__ = ["CALIBRATED", "TPOV", "DPV", "efficiency", "compute_terms", "row_time",
+__all__ = ["CALIBRATED", "TPOV", "DPV", "ZOV", "efficiency", "compute_terms", "row_time",
            "exposure", "optimizer_time", "link_symbols"]
 
 # Fitted to calibration.md sets A, B, C (calibration.py; docs/cost-model.md has the table).
@@ -51,6 +53,9 @@ CALIBRATED = dict(eta_max=None, kappa=1.0, epsilon=0.9, phi=0.8)
 
 TPOV = sp.Symbol("tp_overlap", nonnegative=True)  # 1 if TP communication overlaps compute
 DPV = sp.Symbol("dualpipe", nonnegative=True)     # 1 under the dualpipev schedule
+# 1 if ZeRO-1/2's reduce-scatters and parameter all-gathers overlap compute (Megatron's distributed
+# optimizer, calibration set A); autopar's runtime runs them blocking: 0.
+ZOV = sp.Symbol("zero_overlap", nonnegative=True)
 
 
 def link_symbols(axis: str, kind: str):
@@ -131,10 +136,14 @@ def exposure(row: RowSpec, t: sp.Expr, comp: dict[str, sp.Expr]) -> sp.Expr:
     if dim == "zero" and phase in ("fwd", "bwd"):
         return hide(comp["fwd"] if phase == "fwd" else comp["bwd"])
     if dim == "zero" and phase == "step":
-        return hide(comp["fwd"])
+        # ZeRO 1-2's all-gather of the updated parameters: after the step, blocking, in autopar.
+        return ZOV * hide(comp["fwd"]) + (1 - ZOV) * t
     if dim == "dp" and phase == "grad":
-        # ZeRO 2-3 reduce-scatter after every micro-batch's backward, so m of them hide.
-        return hide(comp["bwd"] * (1 + (m - 1) * Z2))
+        # Plain DP's bucket all-reduces start in the last backward; ZeRO-3 reduce-scatters each
+        # unit under every micro-batch's backward (m of them hide); ZeRO 1-2 reduce after
+        # backward, blocking, unless zero_overlap.
+        blocking = (Z1 - Z3) * (1 - ZOV)
+        return blocking * t + (1 - blocking) * hide(comp["bwd"] * (1 + (m - 1) * Z2))
     return t
 
 

@@ -44,7 +44,7 @@ _VIEW_FIELDS = {"ld": "dense", "le": "moe", "first": "first", "last": "last", "n
                 "nrecv": "recvs", "rank": "rank"}
 
 _VPP_CHOICES = (2, 3, 4, 5, 6, 8)
-_ESTIMATE_OPTIONS = ("dtype_bytes", "grad_bytes", "activation_formula", "tp_comm_overlap",
+_ESTIMATE_OPTIONS = ("dtype_bytes", "grad_bytes", "activation_formula", "tp_comm_overlap", "zero_overlap",
                      "routing_imbalance", "flash_attention", "constants")
 
 
@@ -168,7 +168,7 @@ def search(spec, cluster, seq_len: int, global_batch: int, top: int = 10, *,
     """The ``top`` fastest plans that fit, best first, as (Plan, Cost) pairs.
 
     ``options``: estimate()'s keyword options (dtype_bytes, grad_bytes, activation_formula,
-    tp_comm_overlap, routing_imbalance, constants), and restrictions of the space:
+    tp_comm_overlap, zero_overlap, routing_imbalance, constants), and restrictions of the space:
     ``world_size`` (default: the whole cluster), ``schedules``, ``cp_variants``,
     ``zero_stages``, ``recompute_modes``, ``sp`` (True/False), ``max_tp``,
     ``max_micro_batch`` (largest micro-batch size, default 64), ``micro_batches``;
@@ -226,6 +226,7 @@ class _Scorer:
         self.mem_model = compiled_memory(est_opts.get("activation_formula", "derived"))
         self.lb_model = compiled_compute()
         self.tp_overlap = est_opts.get("tp_comm_overlap", False)
+        self.zero_overlap = est_opts.get("zero_overlap", False)
 
     def slot_values(self, arrays, links, bidx, slot, rows=None) -> dict:
         """The symbol values of the candidates (``rows`` of them, or all) on scored rank ``slot``."""
@@ -239,7 +240,7 @@ class _Scorer:
         arrays["infl"] = inflight(arrays["schedule"], arrays["pp"], arrays["vpp"], rank, arrays["m"])
         values = dict(self.mvals)
         values.update(plan_values(self.cluster, arrays, constants=self.consts, tp_comm_overlap=self.tp_overlap,
-                                  links=links))
+                                  zero_overlap=self.zero_overlap, links=links))
         return values
 
     def take(self, lo, hi, rows=None):

@@ -225,3 +225,24 @@ def test_vectorised_model_agrees_with_itself_per_rank():
     out = c._out
     assert np.all(np.isfinite(out["T_f"])) and out["T_f"].shape == (4,)
     assert c.bottleneck_rank == int(np.argmax(out["T_f"] + out["T_b"]))
+
+
+@pytest.mark.parametrize("zero, hidden_by_runtime", [(0, True), (1, False), (2, False), (3, True)])
+def test_gradient_reduction_is_exposed_where_the_runtime_blocks(zero, hidden_by_runtime):
+    """The time model hides what autopar's runtime overlaps (plain DP's bucket all-reduces in
+    backward, ZeRO-3's per-unit reduce-scatters) and exposes what it runs blocking (ZeRO-1/2's
+    reduce-scatters and after-step all-gathers) unless ``zero_overlap`` (Megatron's optimizer)."""
+    def terms(**options):
+        cost = estimate("llama3-8b", Cluster.for_world("h100", 64), f"tp=8,dp=8,zero={zero}", 4096, 64, **options)
+        return {t.name: t.value for t in cost.breakdown(formulas=False) if t.name.startswith(("comm.grad.dp",
+                                                                                              "comm.step"))}
+    for overlap in (False, True):
+        got = terms(zero_overlap=overlap)
+        reductions = [k for k in got if not k.endswith("(exposed)")]
+        assert reductions, got
+        for name in reductions:
+            exposed = got[name + " (exposed)"]
+            if hidden_by_runtime or overlap:
+                assert exposed < got[name]
+            else:
+                assert exposed == pytest.approx(got[name])
