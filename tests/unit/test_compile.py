@@ -14,19 +14,22 @@ from tests.jobs import build
 from tests.reference import make_batches
 
 
-def train(compile, model_name: str = "hf_llama"):
+def train(compile, model_name: str = "hf_llama", mixed_precision: str | None = None):
     """3 AdamW steps of ``model_name`` under plan ``none``: the program and its losses."""
     model, loss_fn, kwargs = build(model_name, {})
     batches = make_batches(128, 4, 16, 3, seed=1)
     pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan="none",
-                             loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"], compile=compile)
+                             loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"], compile=compile,
+                             mixed_precision=mixed_precision)
     return pm, [pm.train_step(*b) for b in batches]
 
 
-def test_aot_eager_runs_the_eager_programs_ops():
-    """AOTAutograd without a code generator: the same aten ops, so bitwise the same training."""
-    eager, eager_losses = train(False)
-    compiled, losses = train({"backend": "aot_eager"})
+@pytest.mark.parametrize("mixed_precision", [None, "bf16"])
+def test_aot_eager_runs_the_eager_programs_ops(mixed_precision):
+    """AOTAutograd without a code generator: the same aten ops, so bitwise the same training
+    (under bf16 too: fp32 masters and main gradients around the compiled bf16 program)."""
+    eager, eager_losses = train(False, mixed_precision=mixed_precision)
+    compiled, losses = train({"backend": "aot_eager"}, mixed_precision=mixed_precision)
     assert losses == eager_losses
     want, got = eager.state_dict(), compiled.state_dict()
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
