@@ -71,3 +71,18 @@ def memory_job(model_name: str, plan: str, batch: int, overrides: dict | None = 
 def memory_plans_job(model_name: str, plans: list[str], batch: int, overrides: dict, seq: int):
     """``memory_job`` for each plan in turn, on the same ranks."""
     return [memory_job(model_name, plan, batch, overrides, seq) for plan in plans]
+
+
+def zero2_overlap_job(model_name: str, bucket_bytes: int):
+    """Stage 2 (``dp=2,zero=2``, small buckets): how many units' reduce-scatters had started at
+    each gradient backward accumulated, the number of units, and what is left after the step."""
+    model, loss_fn, kwargs = build(model_name, {})
+    batches = make_batches(VOCAB, 4, SEQ, 1, seed=1)
+    pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan="dp=2,zero=2",
+                             loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"], bucket_bytes=bucket_bytes)
+    zero, seen = pm.grad_sync, []
+    started = zero._started  # the hook holds this dict, not the program (a C++-held cycle would leak it)
+    for p in zero.gm.parameters():
+        p.register_post_accumulate_grad_hook(lambda _p: seen.append(len(started)))
+    pm.train_step(*batches[0])
+    return {"seen": seen, "units": len(zero.units), "left": len(zero._started)}

@@ -20,8 +20,8 @@ Stages (bytes recorded by :func:`autopar.ops.collectives.record`, phases as in t
   * 1: after the last micro-batch, partial gradients are all-reduced over their axis, each
     bucket is reduce-scattered (phase ``grad``), the optimizer steps on the shards and the
     updated shards are all-gathered into the parameters (phase ``step``);
-  * 2: each micro-batch's gradients are reduce-scattered at the end of its backward and the
-    full gradients freed (accumulation happens in the shards); partial gradients are summed
+  * 2: each micro-batch's gradients are reduce-scattered during its backward (a unit once
+    all its gradients exist; waited for at its end) and the full gradients freed (accumulation happens in the shards); partial gradients are summed
     over their axis once per step on the ``B`` shards (sum and scatter commute);
   * 3: parameters live only as shards; the graph calls :func:`zero_gather` per unit, which
     all-gathers before first use (phase ``fwd``; the chunk's next unit is prefetched, its
@@ -30,8 +30,9 @@ Stages (bytes recorded by :func:`autopar.ops.collectives.record`, phases as in t
     ``bwd``; the re-gather of the unit backward reaches next is then started, prefetched like
     forward's) and drop it when the unit's gradient is reduce-scattered (phase ``grad``), once
     per unit and micro-batch; in a flat micro-batch that reduce-scatter runs while backward
-    computes the next unit's gradients (:meth:`ZeroSync.scatter_in_backward`).  Stages 1-2 run
-    their reduce-scatters and all-gathers blocking, after backward and after the step.
+    computes the next unit's gradients (:meth:`ZeroSync.scatter_in_backward`).  Stage 2 starts
+    a unit's reduce-scatter from its gradients' hooks during backward; stage 1's reduce-scatters
+    and stages 1-2's after-step all-gathers run blocking.
 
 Mixed precision (:mod:`autopar.runtime.precision`): the shards are cut from the user's fp32
 tensors and are the master weights; the module's parameters (stages 1-2) and every
@@ -48,6 +49,7 @@ must be recorded with its bytes; ``ZeroRedundancyOptimizer`` shards whole parame
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import weakref
 from typing import Iterator
@@ -122,8 +124,25 @@ class ZeroSync:
         # re-gathers the units in the reverse of that order (a tied head's unit comes first).
         self._saved_at: dict[int, int] = {}
         self._clock = itertools.count(1)
+        # Stage 2 in a flat micro-batch: unit -> its parameters still without this backward's
+        # gradient (None outside one), and unit -> its reduce-scatter started from their hooks.
+        self._waiting: dict[int, int] | None = None
+        self._started: dict[int, tuple] = {}
+        if stage == 2:
+            self._hook_gradients(params)
         if stage == 3:
             self._free_parameters()
+
+    def _hook_gradients(self, params: dict) -> None:
+        """Stage 2: start a unit's reduce-scatter once backward has made all its gradients, so it
+        runs while backward computes the units before it (as DDP's buckets do).  The hooks hold
+        a weak reference: a strong one would close a cycle through the parameters' C++ autograd
+        metadata that the garbage collector cannot see (autopar/runtime/grad_sync.py ``_Overlap``)."""
+        me = weakref.ref(self)
+        for unit, names in enumerate(self.units):
+            for x in names:
+                if params[x].requires_grad:
+                    params[x].register_post_accumulate_grad_hook(functools.partial(_unit_grad_ready, me, unit))
 
     def _units(self, gm, params: dict) -> list[tuple[list[str], str, int | None]]:
         """(parameter names, mesh axis, gradient divisor) per unit, in gather order under stage 3."""
@@ -173,7 +192,16 @@ class ZeroSync:
         ``defer_scatter``: stage 3 overlaps each unit's reduce-scatter with backward
         (:meth:`scatter_in_backward`)."""
         if self.stage < 3:
-            yield
+            if self.stage == 2:
+                self._waiting = {u: sum(self.gm.get_parameter(x).requires_grad for x in names)
+                                 for u, names in enumerate(self.units)}
+            try:
+                yield
+            except BaseException:
+                self._drop_started()
+                raise
+            finally:
+                self._waiting = None
             self.after_backward()
             if self.stage == 2:
                 for unit in range(len(self.units)):
@@ -465,11 +493,32 @@ class ZeroSync:
             return out.float() / divisor if divisor > 1 else out.float()
         return out.float() / divisor
 
+    def _unit_grad_ready(self, unit: int) -> None:
+        """A gradient of ``unit`` was accumulated (stage 2 hook); the last one starts its reduce-scatter."""
+        if self._waiting is None:  # outside a flat micro-batch (pipelined: after_backward scatters)
+            return
+        self._waiting[unit] -= 1
+        if self._waiting[unit] == 0:
+            lay = self.layouts[unit]
+            grads = {x: self._grad(x, self.gm.get_parameter(x)) for x in lay.names}
+            self._started[unit] = self._start_reduce_scatter(unit, lay.flatten(grads), async_op=True)
+
+    def _drop_started(self) -> None:
+        """A micro-batch that failed: wait for its reduce-scatters in flight and drop them."""
+        for pending in self._started.values():
+            if pending[2] is not None:
+                pending[2].wait()
+        self._started.clear()
+
     def _scatter_param_grads(self, unit: int) -> None:
         lay = self.layouts[unit]
         params = {x: self.gm.get_parameter(x) for x in lay.names}
-        grads = {x: self._grad(x, p) for x, p in params.items()}
-        shard_grad = self._reduce_scatter(unit, lay.flatten(grads))
+        pending = self._started.pop(unit, None)
+        if pending is not None:  # started in backward (stage 2): its gradients were final then
+            shard_grad = self._finish_reduce_scatter(pending)
+        else:
+            grads = {x: self._grad(x, p) for x, p in params.items()}
+            shard_grad = self._reduce_scatter(unit, lay.flatten(grads))
         shard = self.shards[unit]
         shard.grad = shard_grad if shard.grad is None else shard.grad + shard_grad
         for x, p in params.items():
@@ -588,3 +637,9 @@ def _split_by(names: list[str], chunk_of: dict[str, int]) -> list[list[str]]:
     for x in names:
         groups.setdefault(chunk_of.get(x), []).append(x)
     return list(groups.values())
+
+
+def _unit_grad_ready(sync: "weakref.ref[ZeroSync]", unit: int, param: torch.Tensor) -> None:
+    live = sync()
+    if live is not None:  # a freed program leaves an inert hook on a parameter kept elsewhere
+        live._unit_grad_ready(unit)

@@ -16,7 +16,7 @@ import pytest
 
 from tests.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
 from tests.jobs import build
-from tests.zero_jobs import SEQ, VOCAB, outside_step_job, zero_state_job, zero_train_job
+from tests.zero_jobs import SEQ, VOCAB, outside_step_job, zero2_overlap_job, zero_state_job, zero_train_job
 
 # (plan, world, global batch): dp=2,mb=4 needs 8 samples.
 PLANS = [("dp=2,zero=1", 2, 4), ("dp=2,zero=2", 2, 4), ("dp=4,zero=3", 4, 4), ("tp=2,sp,dp=2,zero=3", 4, 4),
@@ -75,3 +75,11 @@ def test_zero3_program_outside_train_step(dist_pool):
                                                    ("example_fused", "tp=2,sp,dp=2,zero=2", 4)])
 def test_zero_tied_and_fused_models(dist_pool, model_name, plan, world):
     _check(dist_pool, model_name, plan, world, 4, "sgd")
+
+
+def test_zero2_starts_each_units_reduce_scatter_during_backward(dist_pool):
+    """Stage 2 starts a unit's reduce-scatter from its gradients' hooks while backward still runs
+    (several units started before backward ends), and none is left after the step."""
+    for r in dist_pool(zero2_overlap_job, "example", 16 * 1024, world=2):
+        assert r["units"] > 2 and any(0 < n < r["units"] for n in r["seen"]), r
+        assert r["left"] == 0

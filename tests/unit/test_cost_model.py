@@ -227,11 +227,11 @@ def test_vectorised_model_agrees_with_itself_per_rank():
     assert c.bottleneck_rank == int(np.argmax(out["T_f"] + out["T_b"]))
 
 
-@pytest.mark.parametrize("zero, hidden_by_runtime", [(0, True), (1, False), (2, False), (3, True)])
+@pytest.mark.parametrize("zero, hidden_by_runtime", [(0, True), (1, False), (2, "grad"), (3, True)])
 def test_gradient_reduction_is_exposed_where_the_runtime_blocks(zero, hidden_by_runtime):
     """The time model hides what autopar's runtime overlaps (plain DP's bucket all-reduces in
-    backward, ZeRO-3's per-unit reduce-scatters) and exposes what it runs blocking (ZeRO-1/2's
-    reduce-scatters and after-step all-gathers) unless ``zero_overlap`` (Megatron's optimizer)."""
+    backward, ZeRO 2-3's per-unit reduce-scatters) and exposes what it runs blocking (ZeRO-1's
+    reduce-scatters, ZeRO 1-2's after-step all-gathers) unless ``zero_overlap`` (Megatron's)."""
     def terms(**options):
         cost = estimate("llama3-8b", Cluster.for_world("h100", 64), f"tp=8,dp=8,zero={zero}", 4096, 64, **options)
         return {t.name: t.value for t in cost.breakdown(formulas=False) if t.name.startswith(("comm.grad.dp",
@@ -242,7 +242,7 @@ def test_gradient_reduction_is_exposed_where_the_runtime_blocks(zero, hidden_by_
         assert reductions, got
         for name in reductions:
             exposed = got[name + " (exposed)"]
-            if hidden_by_runtime or overlap:
+            if overlap or hidden_by_runtime is True or (hidden_by_runtime == "grad" and ".grad." in name):
                 assert exposed < got[name]
             else:
                 assert exposed == pytest.approx(got[name])

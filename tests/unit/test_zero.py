@@ -57,3 +57,4 @@ def test_zero_without_process_group(plan):
     losses = [pm.train_step(*b) for b in batches]
     assert pm.comm_stats() == []
     assert_equivalent(_reference("example", "adamw", 4), (losses, pm.state_dict()))
+
