@@ -69,7 +69,8 @@ def _freeze(value, depth: int = 0):
     if isinstance(value, torch.nn.Module):  # held as a plain attribute (transformers >= 5.25:
         return ("module", _module_key(value, depth + 1))  # each attention's own kernel wrappers)
     if hasattr(value, "to_dict") and callable(value.to_dict):  # a transformers PretrainedConfig
-        return (type(value), _freeze(value.to_dict(), depth + 1))
+        # to_dict() leaves out the attention implementation, which changes the graph (eager, sdpa)
+        return (type(value), _freeze(value.to_dict(), depth + 1), getattr(value, "_attn_implementation", None))
     try:
         hash(value)
     except TypeError:

@@ -69,3 +69,13 @@ def test_a_module_held_as_a_plain_attribute_is_keyed_by_its_contents():
     assert trace_cache.model_key(first) == trace_cache.model_key(second)
     wrapper.scale = 2.0
     assert trace_cache.model_key(first) != trace_cache.model_key(second)
+
+
+def test_the_attention_implementation_changes_the_key():
+    """transformers' ``config.to_dict()`` leaves ``_attn_implementation`` out; eager and SDPA
+    attention trace to different graphs, so the key holds it."""
+    from tests.models import hf_llama
+
+    sdpa, eager = hf_llama(), hf_llama(attn_implementation="eager")
+    assert eager.config._attn_implementation == "eager" and sdpa.config._attn_implementation == "sdpa"
+    assert trace_cache.model_key(sdpa) != trace_cache.model_key(eager)
