@@ -15,7 +15,8 @@ import pytest
 from tests.harness import assert_equivalent
 from tests.jobs import compile_cases_job, reference
 
-CASES = [("hf_llama", "tp=2,sp"), ("hf_llama", "dp=2,zero=3"), ("hf_llama", "cp=2:ring"),
+CASES = [("hf_llama", "tp=2,sp"), ("hf_llama", "tp=2"), ("hf_llama", "dp=2,zero=3"), ("hf_llama", "dp=2,zero=1"),
+         ("hf_llama", "dp=2,zero=2,mb=2"), ("hf_llama", "cp=2:ring"), ("hf_llama", "cp=2:ulysses"),
          ("example_moe", "ep=2,dp=2"), ("hf_llama", "dp=2,mb=2")]
 
 
