@@ -120,6 +120,7 @@ def auto_job(model_name: str):
     pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan="auto",
                              loss_fn=loss_fn, optimizer=OPTIMIZERS["sgd"])
     losses = [pm.train_step(inputs, target) for inputs, target in batches]
-    state = pm.state_dict() if dist.get_rank() == 0 else None
+    state = pm.state_dict()  # on every rank: a collective under ZeRO-3, which the plan may choose
+    state = state if dist.get_rank() == 0 else None
     return {"plan": str(pm.plan), "losses": losses,
             "state": {k: v.detach().cpu().clone() for k, v in state.items()} if state else None}

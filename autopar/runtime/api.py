@@ -99,4 +99,11 @@ def _auto_plan(model, example_inputs, example_kwargs, loss_fn, example_target, w
     structure = analyze(trace_model(model, example_inputs, example_kwargs, loss_fn, example_target).gm)
     ids = example_inputs[0]
     seq = ids.shape[1] if ids.dim() > 1 else 1
-    return choose_plan(structure, world_size, seq, ids.shape[0])
+    plan = choose_plan(structure, world_size, seq, ids.shape[0])
+    if dist.is_initialized() and world_size > 1:
+        # Every rank must run the same plan: rank 0's choice, whatever ties between equally
+        # priced plans (or the example inputs) might make another rank choose.
+        chosen = [str(plan)]
+        dist.broadcast_object_list(chosen, src=0)
+        plan = Plan.parse(chosen[0])
+    return plan
