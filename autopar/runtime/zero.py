@@ -21,7 +21,8 @@ Stages (bytes recorded by :func:`autopar.ops.collectives.record`, phases as in t
     bucket is reduce-scattered (phase ``grad``), the optimizer steps on the shards and the
     updated shards are all-gathered into the parameters (phase ``step``);
   * 2: each micro-batch's gradients are reduce-scattered during its backward (a unit once
-    all its gradients exist; waited for at its end) and the full gradients freed (accumulation happens in the shards); partial gradients are summed
+    all its gradients exist; waited for at its end) and the full gradients freed
+    (accumulation happens in the shards); partial gradients are summed
     over their axis once per step on the ``B`` shards (sum and scatter commute);
   * 3: parameters live only as shards; the graph calls :func:`zero_gather` per unit, which
     all-gathers before first use (phase ``fwd``; the chunk's next unit is prefetched, its
@@ -414,7 +415,7 @@ class ZeroSync:
         themselves (the split weight backward), so the gradient is returned, reduced."""
         self._regathered.pop(unit, None)  # every use of the unit in backward has run
         if not self._defer_scatter:
-            return self._finish_reduce_scatter(self._start_reduce_scatter(unit, grad, async_op=False))
+            return self._reduce_scatter(unit, grad)
         self._finish_deferred()
         self._deferred = self._start_reduce_scatter(unit, grad, async_op=True)
         return None
@@ -423,8 +424,11 @@ class ZeroSync:
         """Wait for the reduce-scatter in flight, if any, and add it to its shard's gradient."""
         pending, self._deferred = self._deferred, None
         if pending is not None:
-            shard, grad = self.shards[pending[0]], self._finish_reduce_scatter(pending)
-            shard.grad = grad if shard.grad is None else shard.grad + grad
+            self._add_shard_grad(pending[0], self._finish_reduce_scatter(pending))
+
+    def _add_shard_grad(self, unit: int, grad: torch.Tensor) -> None:
+        shard = self.shards[unit]
+        shard.grad = grad if shard.grad is None else shard.grad + grad
 
     # --- collectives ------------------------------------------------------------------
 
@@ -487,11 +491,8 @@ class ZeroSync:
         unit, out, work, _buf = pending
         if work is not None:
             work.wait()
-        lay = self.layouts[unit]
-        divisor = self.unit_divisors[unit] or lay.n
-        if lay.n == 1:
-            return out.float() / divisor if divisor > 1 else out.float()
-        return out.float() / divisor
+        divisor = self.unit_divisors[unit] or self.layouts[unit].n
+        return out.float() / divisor if divisor > 1 else out.float()
 
     def _unit_grad_ready(self, unit: int) -> None:
         """A gradient of ``unit`` was accumulated (stage 2 hook); the last one starts its reduce-scatter."""
@@ -519,8 +520,7 @@ class ZeroSync:
         else:
             grads = {x: self._grad(x, p) for x, p in params.items()}
             shard_grad = self._reduce_scatter(unit, lay.flatten(grads))
-        shard = self.shards[unit]
-        shard.grad = shard_grad if shard.grad is None else shard.grad + shard_grad
+        self._add_shard_grad(unit, shard_grad)
         for x, p in params.items():
             p.grad = None
             self.main_grads.pop(x, None)
