@@ -81,7 +81,7 @@ def mask_kind(mask: Node, ctx: PassContext) -> str | None:
             return None
         if bool(allowed.all()):
             kinds.add("full")
-        elif value.shape[-2] == s and bool((allowed == torch.ones(s, s, dtype=torch.bool).tril()).all()):
+        elif value.shape[-2] == s and bool((allowed == torch.ones(s, s, dtype=torch.bool, device=value.device).tril()).all()):
             kinds.add("causal")
         else:
             return None

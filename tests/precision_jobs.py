@@ -55,9 +55,11 @@ def bf16_job(model_name: str, plan: str, opt_name: str, overrides: dict, batch: 
 
 
 def reference_bf16(model_name: str, opt_name: str, overrides: dict, batch: int = BATCH,
-                   max_grad_norm: float | None = None):
-    """The bf16 recipe on one device (see the module docstring): losses and fp32 master state."""
-    model, loss_fn, kwargs = build(model_name, overrides)
+                   max_grad_norm: float | None = None, model=None):
+    """The bf16 recipe on one device (see the module docstring): losses and fp32 master state
+    (``model``: start from this fp32 model instead of a fresh ``build``)."""
+    built, loss_fn, kwargs = build(model_name, overrides)
+    model = built if model is None else model
     work = copy.deepcopy(model).to(torch.bfloat16)
     masters = dict(model.named_parameters())
     optimizer = OPTIMIZERS[opt_name](list(masters.values()))

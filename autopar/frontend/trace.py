@@ -27,7 +27,7 @@ from autopar.frontend import stamp, stamp_behaviour
 
 log = logging.getLogger("autopar.trace")
 
-__all__ = ["Traced", "trace_model", "default_target", "MODEL_PREFIX"]
+__all__ = ["Traced", "trace_model", "default_target", "model_device", "on_device", "MODEL_PREFIX"]
 
 # The wrapper registers the user's model under this attribute, so every parameter of
 # the traced graph is named "model.<original name>".
@@ -68,6 +68,7 @@ class Traced:
     example_inputs: tuple
     example_target: Any
     log: tuple[str, ...] = ()  # how the graph was traced (layers exported and stamped), for the program log
+    device: torch.device = torch.device("cpu")  # where the model's tensors were when it was traced
 
     @property
     def placeholders(self) -> list[torch.fx.Node]:
@@ -100,6 +101,31 @@ def _export_failure(model: nn.Module, exc: Exception) -> AutoparError:
         "data-dependent Python control flow depend on configuration instead of tensor values; "
         "check that the model runs eagerly on the example inputs."
     )
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of the model's parameters and buffers (the CPU for a model without any).
+
+    A model spread over several devices is refused: one rank's program runs on one device."""
+    devices = {t.device for t in list(model.parameters()) + list(model.buffers())}
+    if len(devices) > 1:
+        raise AutoparError(
+            f"autopar: the model's parameters and buffers are on several devices ({', '.join(sorted(map(str, devices)))}); "
+            "expected one device (cpu, meta or cuda): autopar places each rank's shards on that rank's device "
+            "itself. Build the model on one device, e.g. under `with torch.device('meta'):` for a large model.")
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def on_device(tree: Any, device: torch.device) -> Any:
+    """Every tensor of ``tree`` on ``device``; example inputs only stand for shapes and dtypes, so a
+    meta tensor moved to a real device becomes zeros (valid token ids and masks for a trace)."""
+    def move(t: torch.Tensor) -> torch.Tensor:
+        if t.device == device:
+            return t
+        if t.is_meta:
+            return torch.zeros(t.shape, dtype=t.dtype, device=device)
+        return t.to(device)
+    return map_tensors(tree, move)
 
 
 def default_target(example_inputs: tuple, loss_fn: Callable | None, example_target: Any) -> Any:
@@ -136,7 +162,12 @@ def trace_model(
             f"(found {type(example_inputs[0]).__name__ if example_inputs else 'an empty tuple'}); "
             "pass e.g. example_inputs=(input_ids,)."
         )
-    example_target = default_target(example_inputs, loss_fn, example_target)
+    # The example tensors go where the model is: they only stand for shapes and dtypes, and an
+    # export mixing devices fails in fake-tensor propagation (a CPU embedding of CUDA ids).
+    device = model_device(model)
+    example_inputs = on_device(example_inputs, device)
+    example_kwargs = on_device(example_kwargs, device)
+    example_target = on_device(default_target(example_inputs, loss_fn, example_target), device)
     args = example_inputs + ((example_target,) if loss_fn is not None else ())
     export = _Exporter(model, args, loss_fn, len(example_inputs), example_kwargs, upcast_outputs)
     gm, notes = export.stamped() if stamp_layers else (None, [])
@@ -155,6 +186,7 @@ def trace_model(
         example_inputs=example_inputs,
         example_target=example_target,
         log=tuple(notes),
+        device=device,
     )
 
 

@@ -55,6 +55,7 @@ def parallelize(
     lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
     mixed_precision: str | None = None,
     compile: bool | dict = False,
+    init_weights: Callable[[nn.Module], None] | None = None,
 ) -> ParallelModule:
     """Compile ``model`` for ``plan`` on the current process group; the model is not modified.
 
@@ -71,6 +72,15 @@ def parallelize(
     ``{"backend": "aot_eager"}``) compiles this rank's program with ``torch.compile``; the
     inserted collectives run eagerly between compiled regions (:mod:`autopar.runtime.compiled`).
     Not with pipeline parallelism.
+
+    Devices: the model may be on the CPU, on a GPU or on the meta device, and the example inputs
+    anywhere (they stand for shapes and dtypes); the program runs on this rank's device
+    (``cuda:LOCAL_RANK`` under NCCL, else the CPU: ``pm.device``), and ``train_step`` moves what it
+    is given there.  A model built on the meta device (bigger than one host) gets its values on
+    each rank, for that rank's shards only, from ``pm.load_pretrained(hf_dir)``, from
+    ``init_weights`` (``fn(module)`` initialising one module in place, e.g. a transformers model's
+    ``model._init_weights``, applied as ``model.apply(fn)`` would; :mod:`autopar.runtime.initialize`),
+    or from ``pm.load(checkpoint)``; under a fake process group it is the scale simulation.
     """
     if loss_fn is None:
         raise AutoparError("autopar: parallelize needs loss_fn(output, target) to train the model; "
@@ -92,7 +102,8 @@ def parallelize(
     options = compile_options(compile, program.plan)
     return ParallelModule(traced_model, traced, program, program.plan, optimizer or torch.optim.AdamW,
                           max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
-                          masters_from=model if dtype is not None else None, compile_options=options)
+                          masters_from=model if dtype is not None else None, compile_options=options,
+                          init_weights=init_weights)
 
 
 def _auto_plan(model, example_inputs, example_kwargs, loss_fn, example_target, world_size: int) -> Plan:

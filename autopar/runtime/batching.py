@@ -83,10 +83,11 @@ def micro_rows(rows: range, mb: int) -> list[range]:
 
 def cut_rows(t: Any, batch: int, rows: range, device: torch.device | None = None) -> Any:
     """Rows ``rows`` of a tensor with ``batch`` rows (moved to ``device``); anything else as it is."""
-    if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == batch:
+    if not isinstance(t, torch.Tensor):
+        return t
+    if t.dim() > 0 and t.shape[0] == batch:
         t = t[rows.start:rows.stop]
-        return t.to(device) if device is not None else t
-    return t
+    return t.to(device) if device is not None else t  # every tensor of the step on the rank's device
 
 
 def cut_positions(t: Any, seq: int | None, positions: torch.Tensor | None) -> Any:

@@ -64,6 +64,11 @@ class FlatLayout:
     def shard_segments(self, rank: int) -> list[tuple[str, int, int]]:
         """``(name, start, stop)``: the pieces of each parameter inside rank ``rank``'s shard
         ``[A_r | B_r]`` (offsets into the shard; padding belongs to no parameter)."""
+        return [(x, start, stop) for x, start, stop, _ in self.shard_pieces(rank)]
+
+    def shard_pieces(self, rank: int) -> list[tuple[str, int, int, int]]:
+        """``(name, start, stop, offset)``: as :meth:`shard_segments`, with where the piece
+        starts in the parameter's own flattened elements (to write one parameter into a shard)."""
         out = []
         for names, base, size, shard_off in ((self.a_names, 0, self.sa, 0), (self.b_names, self.na, self.sb, self.sa)):
             lo, hi = rank * size, (rank + 1) * size  # this rank's window of the segment
@@ -72,7 +77,7 @@ class FlatLayout:
                 stop = start + math.prod(self.shapes[x])
                 a, b = max(start, lo), min(stop, hi)
                 if a < b:
-                    out.append((x, shard_off + a - lo, shard_off + b - lo))
+                    out.append((x, shard_off + a - lo, shard_off + b - lo, a - start))
         return out
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:

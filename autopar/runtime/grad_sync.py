@@ -124,6 +124,20 @@ class GradSync:
         if write_back and self.main is not None:
             self.main.copy_to_params()
 
+    def write_parameter(self, name: str, value: torch.Tensor) -> None:
+        """Set graph parameter ``name`` to ``value`` (its tp-local shape): the parameter, and under
+        mixed precision its fp32 master too (loading weights one tensor at a time)."""
+        with torch.no_grad():
+            self.params[name].copy_(value)
+            if self.main is not None:
+                self.main.params[name].copy_(value)
+
+    def read_parameters(self, names) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, value)`` for each graph parameter of ``names`` (its tp-local shape; the fp32
+        master under mixed precision), one at a time (every rank calls it: ZeRO's is collective)."""
+        for name in names:
+            yield name, self.params[name].detach()
+
     def step(self) -> None:
         """The optimizer step on the synchronised gradients, which are then dropped (zeroed in
         their buckets)."""

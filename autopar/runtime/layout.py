@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["shard_local", "gather_full"]
+__all__ = ["shard_local", "gather_full", "local_index"]
 
 
 def _blocks(t: torch.Tensor, shard) -> list[torch.Tensor]:
@@ -29,6 +29,25 @@ def shard_local(full: torch.Tensor, shards: dict, coords: dict[str, tuple[int, i
         parts = [torch.chunk(b, size, dim=shard.dim)[rank] for b in _blocks(t, shard)]
         t = torch.cat(parts, dim=shard.dim) if len(parts) > 1 else parts[0]
     return t.contiguous()
+
+
+def local_index(shape: tuple[int, ...], shards: dict, coords: dict[str, tuple[int, int]]) -> list[torch.Tensor | None]:
+    """Which positions of the full tensor along each dim this rank's piece keeps (None: all),
+    the same cut as :func:`shard_local` made on index vectors instead of the tensor, so a
+    checkpoint reader can read just the piece."""
+    kept: list[torch.Tensor | None] = [None] * len(shape)
+    for axis, shard in shards.items():
+        rank, size = coords.get(axis, (0, 1))
+        dim = shard.dim
+        idx = kept[dim] if kept[dim] is not None else torch.arange(shape[dim])
+        if shard.owner is not None:
+            idx = idx if rank == shard.owner or size == 1 else idx[:0]
+        else:
+            blocks = list(torch.split(idx, list(shard.blocks))) if shard.blocks else [idx]
+            idx = torch.cat([torch.chunk(b, size)[rank] for b in blocks])
+        kept[dim] = idx
+    return [None if k is not None and len(k) == n and bool((k == torch.arange(n)).all()) else k
+            for k, n in zip(kept, shape)]
 
 
 def _broadcast_owned(t: torch.Tensor, shard, group, full_shape) -> torch.Tensor:

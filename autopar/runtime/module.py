@@ -40,13 +40,16 @@ from autopar.runtime.batching import global_sizes, local_micro_batches, split_mi
 from autopar.runtime.checkpoint import MODEL_PREFIX, OPTIM_PREFIX, SCHEDULER_KEY
 from autopar.runtime.clipping import clip_gradients, norm_weights
 from autopar.runtime.data import BatchSlice
+from autopar.runtime.devices import is_simulation, move_constants, retarget_devices
 from autopar.runtime.executors import FlatExecutor
 from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.initialize import check_initialized, initialize, initialize_buffers
 from autopar.runtime.layout import gather_full, shard_local
 from autopar.runtime.memory import MemoryMeter
 from autopar.runtime.mesh import build_groups, local_device
 from autopar.runtime.pipelined import PipelineExecutor
 from autopar.runtime.precision import cast_inputs
+from autopar.runtime.pretrained import CheckpointNames, load_pretrained
 from autopar.runtime.zero import ZeroSync
 from autopar.views.program import format_program
 
@@ -61,7 +64,8 @@ class ParallelModule:
 
     def __init__(self, model: nn.Module, traced, program, plan, make_optimizer: Callable, *,
                  max_grad_norm: float | None = None, lr_scheduler: Callable | None = None,
-                 masters_from: nn.Module | None = None, compile_options: dict | None = None):
+                 masters_from: nn.Module | None = None, compile_options: dict | None = None,
+                 init_weights: Callable[[nn.Module], None] | None = None):
         """``model``: the module that was traced; ``masters_from``: under mixed precision, the
         user's fp32 model whose tensors become the master weights (``model`` is its bf16 copy)."""
         self.plan = plan
@@ -73,19 +77,28 @@ class ParallelModule:
         self.groups = build_groups(plan, experts=bool(program.expert_params), tied_ranks=tied_ranks)
         self.step_context = StepContext(groups=self.groups)
         self.step_context.seed = random_ops.common_seed()  # rank 0's torch.initial_seed(), on every rank
-        self.device = local_device()
-        if any(p.is_meta for p in model.parameters()):
-            # Scale simulation: a full-size model on the meta device (with a fake process
-            # group) compiles and steps without memory; comm_stats() still counts bytes.
+        self.device = local_device()  # where this rank's program runs (autopar/runtime/devices.py)
+        self.simulation = is_simulation(model)
+        if self.simulation:
+            # Scale simulation: a full-size model on the meta device under a fake process group
+            # compiles and steps without memory; comm_stats() still counts bytes.
             # MoE blocks route evenly there (no values to route by: autopar.ops.moe.balanced_counts).
             self.device = torch.device("meta")
+        self._traced_device = traced.device
+        # Graph names of parameters and buffers without values yet: a model built on the meta
+        # device gets them from load_pretrained, init_weights, load or load_state_dict.
+        self._unset: set[str] = set()
         if plan.pp > 1:
             self.executor = PipelineExecutor(self.gm, program, plan)
         else:  # compile_options: torch.compile's arguments (autopar.runtime.compiled; refused under pp)
             self.executor = FlatExecutor(self.gm, program, plan, compile_options)
-        self._aliases = _original_names(model, self.gm)
+        self._tensor_names = _original_names(model, self.gm, every_buffer=True)  # non-persistent buffers too
+        state_keys = model.state_dict().keys()
+        self._aliases = {k: v for k, v in self._tensor_names.items() if k in state_keys}
+        self.checkpoint_names = CheckpointNames.of(model)  # what load_pretrained needs of the model
         self._full_meta = {name: (tuple(p.shape), p.dtype) for name, p in self.gm.named_parameters()}
         self._materialize()
+        self._param_names = {n for n, _ in self.gm.named_parameters()}
         self.mixed_precision = masters_from is not None
         self._orig_dtypes = {k: v.dtype for k, v in (masters_from or model).state_dict().items()}
         originals = self._master_values(masters_from) if masters_from is not None else None
@@ -111,6 +124,10 @@ class ParallelModule:
                                           names, copies)
         self.memory = MemoryMeter(masters_in_optimizer=self.mixed_precision)
         self.executor.setup(self)
+        if init_weights is not None:
+            initialize(self, model, init_weights)
+        elif self._unset:
+            initialize_buffers(self, model)  # a transformers model's rotary frequencies (no checkpoint has them)
 
     # --- where things are ---------------------------------------------------------------
 
@@ -138,25 +155,77 @@ class ParallelModule:
         return out
 
     def _materialize(self) -> None:
+        """This rank's parameters and buffers on its device, and the graph moved there
+        (devices.py); a meta tensor outside the scale simulation becomes uninitialised memory of
+        its local shape, listed in ``_unset`` until weights are loaded or initialised."""
+        retarget_devices(self.gm, self._traced_device, self.device)
+        for chunk in (self.program.pipeline.chunks if self.program.pipeline is not None else ()):
+            retarget_devices(chunk.gm, self._traced_device, self.device)  # the pipeline's own graphs
+        move_constants(self.gm, self.device)
         coords = self.coords()
         for name, p in list(self.gm.named_parameters()):
             if not self.holds(name):
                 *path, leaf = name.split(".")
                 delattr(self.gm.get_submodule(".".join(path)), leaf)
                 continue
-            local = shard_local(p.detach(), self.program.param_shards.get(name, {}), coords)
-            _set_attr(self.gm, name, nn.Parameter(local.clone().to(self.device), requires_grad=p.requires_grad))
+            local = self._placed(name, shard_local(p.detach(), self.program.param_shards.get(name, {}), coords))
+            _set_attr(self.gm, name, nn.Parameter(local, requires_grad=p.requires_grad))
         for name, b in list(self.gm.named_buffers()):
-            _set_attr(self.gm, name, b.detach().clone().to(self.device), buffer=True)
+            _set_attr(self.gm, name, self._placed(name, b.detach()), buffer=True)
+
+    def _placed(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        if local.is_meta and not self.simulation:
+            self._unset.add(name)
+            return torch.empty(local.shape, dtype=local.dtype, device=self.device)
+        return local.clone().to(self.device)
+
+    # --- writing one tensor at a time (load_pretrained, init_weights) ----------------------
+
+    def graph_name(self, orig: str) -> str | None:
+        """The graph's name for the original model's parameter or buffer ``orig`` (None: not in the graph)."""
+        return self._tensor_names.get(orig)
+
+    def shards_of(self, name: str) -> dict:
+        """How graph tensor ``name`` is cut over the mesh axes (``{}``: held whole)."""
+        return self.program.param_shards.get(name, {})
+
+    def write_local(self, name: str, local: torch.Tensor) -> None:
+        """Set this rank's piece of graph parameter or buffer ``name`` (wherever the program keeps it:
+        the parameter, its fp32 master, its piece of a ZeRO shard)."""
+        local = local.to(self.device)
+        if name in self._param_names:
+            self.grad_sync.write_parameter(name, local)
+        else:
+            with torch.no_grad():
+                _get_attr(self.gm, name).copy_(local)
+        self._unset.discard(name)
+
+    def unset_names(self) -> list[str]:
+        """Original names of the tensors still without values (a meta-built model not loaded yet)."""
+        by_graph = {}
+        for orig, name in self._tensor_names.items():
+            by_graph.setdefault(name, orig)
+        return sorted(by_graph.get(n, n) for n in self._unset)
+
+    def load_pretrained(self, path) -> None:
+        """Load a Hugging Face safetensors checkpoint (a model directory with ``model.safetensors`` or
+        ``model.safetensors.index.json`` and its shards, or one ``.safetensors`` file) under the
+        model's own names; each rank reads only the slices it holds (:mod:`autopar.runtime.pretrained`)."""
+        load_pretrained(self, path)
+        check_initialized(self)
 
     def _master_values(self, masters_from: nn.Module) -> dict[str, torch.Tensor]:
         """Graph name -> this rank's piece of the user's fp32 parameter (the master's first value)."""
         originals = dict(masters_from.named_parameters(remove_duplicate=False))
         coords = self.coords()
-        return {name: shard_local(originals[orig].detach(), self.program.param_shards.get(name, {}), coords)
-                .to(device=self.device, dtype=torch.float32)
-                for name, orig in self._graph_to_original().items()
-                if orig in originals and self.holds(name)}
+        out = {}
+        for name, orig in self._graph_to_original().items():
+            if orig in originals and self.holds(name):
+                local = shard_local(originals[orig].detach(), self.program.param_shards.get(name, {}), coords)
+                out[name] = (torch.empty(local.shape, dtype=torch.float32, device=self.device)
+                             if local.is_meta and not self.simulation  # loaded later (_unset)
+                             else local.to(device=self.device, dtype=torch.float32))
+        return out
 
     def _value(self, values: dict[str, torch.Tensor], name: str) -> torch.Tensor:
         """The tensor holding graph parameter or buffer ``name`` (``values``: from ``full_parameters``)."""
@@ -217,6 +286,7 @@ class ParallelModule:
                     raise AutoparError(f"autopar: state dict entry '{orig}' has shape {tuple(state_dict[orig].shape)}; "
                                        f"expected the full shape of the original parameter.")
                 target.copy_(local)
+                self._unset.discard(name)
 
     # --- checkpoints (autopar/runtime/checkpoint.py does the I/O) --------------------------
 
@@ -296,6 +366,7 @@ class ParallelModule:
 
         ``local=True``: ``inputs`` and ``target`` are this rank's part of the global batch
         (``self.batch_slice(...).take``), not the whole of it; the step is the same."""
+        check_initialized(self)
         inputs = self._check_inputs(inputs)
         self._local_batch = local
         start = time.perf_counter()
@@ -323,6 +394,7 @@ class ParallelModule:
     def eval_step(self, inputs: Sequence[Any], target: Any, *, local: bool = False) -> float:
         """The global mean loss of ``inputs`` in eval mode: no gradients kept, no update
         (``local``: this rank's part of the batch, as in :meth:`train_step`)."""
+        check_initialized(self)
         inputs = self._check_inputs(inputs)
         self._local_batch = local
         self.step_context.begin()
@@ -441,8 +513,9 @@ class ParallelModule:
         return format_program(self.executor.describe_stage(stage), self.program)
 
 
-def _original_names(model: nn.Module, gm: nn.Module) -> dict[str, str]:
-    """Original state-dict key -> graph attribute name (tied weights share one attribute)."""
+def _original_names(model: nn.Module, gm: nn.Module, every_buffer: bool = False) -> dict[str, str]:
+    """Original state-dict key -> graph attribute name (tied weights share one attribute);
+    ``every_buffer``: every parameter and buffer name, non-persistent buffers included."""
     by_id: dict[int, list[str]] = {}
     for name, t in list(model.named_parameters(remove_duplicate=False)) + list(
             model.named_buffers(remove_duplicate=False)):
@@ -452,6 +525,8 @@ def _original_names(model: nn.Module, gm: nn.Module) -> dict[str, str]:
             gm.named_buffers(remove_duplicate=False)):
         for orig in by_id.get(id(t), []):
             graph_names[orig] = name
+    if every_buffer:
+        return graph_names
     return {k: graph_names[k] for k in model.state_dict() if k in graph_names}
 
 

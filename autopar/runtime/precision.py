@@ -8,7 +8,8 @@ The layout is Megatron's, priced by the cost model as ``dtype_bytes=2`` (cost/me
   RMSNorm) are bf16 too; floating model outputs are upcast to fp32 before the loss
   function (``trace_model(upcast_outputs=True)``), so the loss is computed in fp32;
 * fp32 master weights are cut from the user's own fp32 tensors, never from the rounded
-  bf16 copy: plain per-parameter tensors without ZeRO (:class:`MainGrads`), the flat
+  bf16 copy (a model built on the meta device: from the checkpoint or ``init_weights``, which
+  write the masters and the bf16 parameters alike): plain per-parameter tensors without ZeRO (:class:`MainGrads`), the flat
   ``dp`` shards with ZeRO (:class:`autopar.runtime.zero.ZeroSync`), which under stage 3 are
   also the parameter shards, cast to bf16 as they are gathered (FSDP2's layout);
 * the bf16 gradients autograd leaves on the parameters are folded into fp32 main
@@ -52,10 +53,7 @@ def mixed_precision_dtype(value: str | None) -> torch.dtype | None:
 
 def low_precision_copy(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """A copy of ``model`` with its floating parameters and buffers in ``dtype`` (the model is unchanged)."""
-    if any(p.is_meta for p in model.parameters()):
-        raise AutoparError("autopar: mixed_precision needs the model's fp32 values for its master weights; the "
-                           "model is on the meta device. Materialise it, or use mixed_precision=None for a "
-                           "scale simulation (autopar.estimate prices bf16 offline with dtype_bytes=2).")
+    # A meta-built model copies for free; its masters then come from load_pretrained / init_weights.
     return copy.deepcopy(model).to(dtype)
 
 

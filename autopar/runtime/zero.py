@@ -104,6 +104,7 @@ class ZeroSync:
         self._local = {g: i for i, g in enumerate(self._global_units)}
         self.unit_axes = [axis for _, axis, _ in units]
         self.unit_divisors = [div for _, _, div in units]
+        self._unit_of = {x: unit for unit, names in enumerate(self.units) for x in names}
         self.layouts = [FlatLayout(u, {x: params[x].shape for x in u}, partial if axis == self.axis else set(),
                                    groups[axis].size if axis in groups else 1)
                         for u, axis, _ in units]
@@ -325,6 +326,41 @@ class ZeroSync:
                 self._recut_shards(values)
             if self.stage == 3:
                 self._free_parameters()
+
+    def write_parameter(self, name: str, value: torch.Tensor) -> None:
+        """Set graph parameter ``name`` to ``value`` (its tp-local shape): this rank's piece of it in
+        its unit's shard (the master under mixed precision) and, under stages 1-2, the module's
+        parameter; nothing is gathered (loading weights one tensor at a time)."""
+        unit = self._unit_of.get(name)
+        with torch.no_grad():
+            if unit is None or self.stage < 3:  # a parameter outside every unit (frozen), or held whole
+                self.gm.get_parameter(name).copy_(value)
+            if unit is None:
+                return
+            flat = value.reshape(-1)
+            shard = self.shards[unit]
+            for x, start, stop, offset in self.layouts[unit].shard_pieces(self._rank(unit)):
+                if x == name:
+                    shard[start:stop].copy_(flat[offset:offset + stop - start])
+
+    def read_parameters(self, names) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, value)`` for each graph parameter of ``names`` (its tp-local shape; the fp32
+        master under mixed precision).  A unit's shards are all-gathered (collective: every rank
+        of the unit's axis calls it with the same names) once for its names that follow each
+        other, and dropped before the next unit's: at most one unit is held whole."""
+        held: tuple[int, dict] | None = None
+        for name in names:
+            unit = self._unit_of.get(name)
+            if unit is None or (self.stage < 3 and not self.mixed):
+                yield name, self.gm.get_parameter(name).detach()
+                continue
+            if held is None or held[0] != unit:
+                held = None
+                with torch.no_grad():
+                    dtype = torch.float32 if self.mixed else None
+                    flat = self._all_gather(unit, self.shards[unit].detach(), None, dtype=dtype)
+                    held = (unit, self.layouts[unit].views(flat))
+            yield name, held[1][name]
 
     def _full_masters(self, write_back: bool):
         values = {}
