@@ -6,7 +6,9 @@ code would pass ``is_causal=True`` to SDPA, but tracing takes the materialised p
 ``[b, 1, s, s]`` tensor per layer that SDPA adds to the scores and saves for backward --
 ``b*s^2`` elements a layer, unsharded by tp or sp.  For every ``scaled_dot_product_attention``
 whose ``attn_mask`` depends only on the batch and sequence sizes and evaluates to the lower
-triangle (0 / below -1e30, or True / False) at two sizes, this pass drops the mask and sets
+triangle (0 / below -1e30, or True / False) at every size -- checked at sizes past every
+threshold its subgraph holds (:func:`check_sizes`), so a sliding window or a chunked mask is
+never taken for the causal mask -- this pass drops the mask and sets
 ``is_causal=True`` (the same probabilities: a masked score's ``exp`` underflows to 0 either
 way); a mask that is 0 (or True) everywhere at both sizes is dropped with ``is_causal`` off
 (adding 0 changes nothing); the mask subgraphs left dead are removed.  A mask that reads input data (a padding
@@ -23,7 +25,8 @@ from torch.fx import GraphModule, Node
 from autopar.compat import sym_expr
 from .context import PassContext, PassResult
 
-__all__ = ["causal_mask_pass", "is_causal_mask", "mask_kind", "evaluate_sizes_only"]
+__all__ = ["causal_mask_pass", "is_causal_mask", "mask_kind", "evaluate_sizes_only", "check_sizes",
+           "mask_thresholds", "LARGEST_THRESHOLD"]
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
@@ -60,15 +63,58 @@ def evaluate_sizes_only(node: Node, sizes: dict[str, int], memo: dict):
     return memo[node]
 
 
+# The largest threshold a mask is checked past.  A mask with a larger integer constant (a
+# 4096-token window) would need an s x s evaluation beyond it; it is kept as a mask instead
+# (exact under every plan that can run it, not proven causal).
+LARGEST_THRESHOLD = 1024
+_SENTINEL = 2 ** 31  # larger integers are "to the end" markers (a slice's 2**63 - 1), not thresholds
+
+
+def mask_thresholds(mask: Node) -> int:
+    """The largest integer constant among the arguments of ``mask``'s subgraph: every position
+    threshold a mask built from the sizes alone can have (a window, a chunk size, a sink count)."""
+    largest, seen, todo = 0, set(), [mask]
+    while todo:
+        node = todo.pop()
+        if node in seen or not isinstance(node, Node):
+            continue
+        seen.add(node)
+        for value in list(node.args) + list(node.kwargs.values()):
+            for v in (value if isinstance(value, (list, tuple)) else (value,)):
+                if isinstance(v, int) and not isinstance(v, bool) and abs(v) < _SENTINEL:
+                    largest = max(largest, abs(v))
+        todo.extend(node.all_input_nodes)
+    return largest
+
+
+def check_sizes(mask: Node) -> tuple[tuple[int, int], ...] | None:
+    """The ``(batch, seq)`` sizes that decide ``mask``'s kind for every size: two small ones and
+    two past every threshold of its subgraph; None when a threshold is above :data:`LARGEST_THRESHOLD`.
+
+    Why these suffice: a mask computed from the sizes alone compares positions (``arange`` of the
+    sequence, their differences, cumulative sums) with each other and with the graph's integer
+    constants, so whether a pair of positions is allowed can change with the sequence length only
+    where a difference of positions crosses one of those constants; at a length past all of them
+    every kind of pair (inside and outside each window or chunk) exists.  Two samples shorter than
+    a window (what this pass checked before) would take a sliding window for the causal mask."""
+    largest = mask_thresholds(mask)
+    if largest > LARGEST_THRESHOLD:
+        return None
+    return (2, 6), (3, 9), (1, largest + 2), (2, 2 * largest + 3)
+
+
 def mask_kind(mask: Node, ctx: PassContext) -> str | None:
     """``"causal"`` when ``mask`` depends only on sizes and equals the lower-triangular causal
-    mask at two sizes, ``"full"`` when it allows every position (an encoder's mask without
-    padding), else None."""
+    mask at every size (:func:`check_sizes`), ``"full"`` when it allows every position (an
+    encoder's mask without padding), else None: the mask stays (exact, not rewritten)."""
     if ctx.seq_symbol is None:
+        return None
+    sizes = check_sizes(mask)
+    if sizes is None:
         return None
     batch, seq = str(ctx.batch_symbol), str(ctx.seq_symbol)
     kinds = set()
-    for b, s in ((2, 6), (3, 9)):
+    for b, s in sizes:
         try:
             value = evaluate_sizes_only(mask, {batch: b, seq: s}, {})
         except Exception:

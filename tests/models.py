@@ -30,6 +30,7 @@ __all__ = [
     "hf_olmo2",
     "hf_mixtral_aux",
     "hf_qwen3",
+    "hf_mistral_window",
     "aux_loss",
     "lm_loss",
     "make_batch",
@@ -267,3 +268,15 @@ def hf_bert(seed: int = 0, **overrides):
 
 
 MODELS["hf_bert"] = (hf_bert, hf_loss, {})
+
+
+def hf_mistral_window(seed: int = 0, **overrides):
+    """A tiny ``transformers.MistralForCausalLM`` whose sliding window (8 tokens) is shorter than the
+    tests' sequence (16): the window acts in every test (vocab 128, hidden 64, 2 layers, GQA)."""
+    return _hf("MistralConfig", "MistralForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=8, attn_implementation="sdpa"),
+        overrides)
+
+
+MODELS["hf_mistral_window"] = (hf_mistral_window, hf_loss, {"use_cache": False})

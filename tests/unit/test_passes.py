@@ -251,3 +251,35 @@ def test_cleanup_drops_only_slices_that_keep_a_whole_dim():
     torch.testing.assert_close(loss, loss_before, rtol=0, atol=0)
     torch.testing.assert_close(grads, grads_before, rtol=0, atol=0)
     torch.testing.assert_close(loss, model(x), rtol=0, atol=0)
+
+
+def test_a_mask_decision_taken_at_small_sizes_is_checked_past_every_window():
+    """An 8-token sliding window looks causal at sequence 6 and 9 (what the pass checked before);
+    the sizes it is checked at now reach past the window, so it stays a mask.  The plain causal
+    mask of the same family is still proven causal."""
+    import torch
+
+    from autopar.frontend.trace import trace_model
+    from passes.causal_mask import check_sizes, evaluate_sizes_only, mask_kind
+    from tests.models import MODELS
+
+    def first_mask(name):
+        factory, loss_fn, kwargs = MODELS[name]
+        ids = torch.zeros(2, 16, dtype=torch.long)
+        traced = trace_model(factory(), (ids,), kwargs, loss_fn)
+        sdpa = next(n for n in traced.gm.graph.nodes if n.target is torch.ops.aten.scaled_dot_product_attention.default)
+        return traced, sdpa.args[3] if len(sdpa.args) > 3 else sdpa.kwargs["attn_mask"]
+
+    class Ctx:
+        pass
+
+    traced, mask = first_mask("hf_mistral_window")
+    ctx = Ctx()
+    ctx.batch_symbol, ctx.seq_symbol = traced.batch_symbol, traced.seq_symbol
+    small = evaluate_sizes_only(mask, {str(ctx.batch_symbol): 2, str(ctx.seq_symbol): 6}, {})
+    assert bool((small[0, 0] == torch.ones(6, 6, dtype=torch.bool).tril()).all())  # causal-looking at 6
+    assert max(s for _, s in check_sizes(mask)) > 8
+    assert mask_kind(mask, ctx) is None
+    traced, mask = first_mask("hf_llama")
+    ctx.batch_symbol, ctx.seq_symbol = traced.batch_symbol, traced.seq_symbol
+    assert mask_kind(mask, ctx) == "causal"
