@@ -14,7 +14,7 @@ import autopar
 from tests.harness import OPTIMIZERS, make_batches
 from tests.jobs import BATCH, SEQ, VOCAB, build
 
-__all__ = ["meta_cases_job", "INIT_SEED"]
+__all__ = ["meta_cases_job", "meta_checkpoint_job", "INIT_SEED"]
 
 INIT_SEED = 1234
 
@@ -46,3 +46,23 @@ def meta_job(model_name: str, overrides: dict, plan: str, path: str | None, mixe
 def meta_cases_job(cases: list):
     """:func:`meta_job` for each ``(model_name, overrides, plan, path, mixed_precision)`` in one pool call."""
     return [meta_job(*case) for case in cases]
+
+
+def meta_checkpoint_job(model_name: str, overrides: dict, plan: str, path: str):
+    """A real model trains a step and saves a DCP checkpoint; a meta-built program of another plan
+    loads it with ``pm.load``: rank 0's state dicts of both, and the next step's losses of both."""
+    model, loss_fn, kwargs = build(model_name, overrides)
+    batches = make_batches(VOCAB, BATCH, SEQ, 2, seed=1)
+    trained = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
+                                  loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"])
+    trained.train_step(*batches[0])
+    trained.save(path)
+    with torch.device("meta"):
+        meta, _, _ = build(model_name, overrides)
+    other = "dp=2" if plan != "dp=2" else "tp=2"
+    pm = autopar.parallelize(meta, example_inputs=batches[0][0], example_kwargs=kwargs, plan=other,
+                             loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"])
+    pm.load(path)
+    expected, got = _state(trained), _state(pm)
+    return {"expected": expected, "got": got,
+            "losses": [trained.train_step(*batches[1]), pm.train_step(*batches[1])]}

@@ -114,3 +114,13 @@ def test_init_weights_equals_one_device_initialisation(dist_pool, plan, world):
     ref = reference_train(lambda: _initialised("hf_llama", LLAMA4).train(), make_batches(VOCAB, BATCH, SEQ, 3, seed=1),
                           loss_fn, OPTIMIZERS["adamw"], kwargs)
     assert_equivalent(ref, (got["losses"], got["state"]), loss_atol=LOSS_ATOL, param_atol=PARAM_ATOL)
+
+
+def test_a_meta_built_program_loads_a_checkpoint_of_another_plan(dist_pool, tmp_path):
+    from tests.pretrained_jobs import meta_checkpoint_job
+
+    results = dist_pool(meta_checkpoint_job, "hf_llama", {}, "dp=2,zero=3", str(tmp_path / "ckpt"), world=2)
+    got = results[0]
+    _check_state(got["got"], got["expected"], atol=0.0)
+    trained, loaded = got["losses"]
+    assert abs(trained - loaded) <= LOSS_ATOL  # optimizer state came along: the same next step
