@@ -19,7 +19,7 @@ import copy
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 
-__all__ = ["shrink_config", "preset_config", "default_layers", "KEYS"]
+__all__ = ["shrink_config", "preset_config", "default_layers", "KEYS", "LENGTH_KEYS"]
 
 # Canonical field -> the config keys different model families use for it (first present wins).
 KEYS = {
@@ -35,6 +35,11 @@ KEYS = {
     "top_k": ("num_experts_per_tok", "top_k"),
     "vocab": ("vocab_size",),
 }
+# Lengths a config holds that act only on sequences longer than them (attention windows, local
+# attention chunks, a state-space scan's chunks): cut below the test sequence, so that a
+# certificate covers what they do at the user's length.
+LENGTH_KEYS = ("sliding_window", "sliding_window_size", "attention_chunk_size", "local_attention_window_len",
+               "chunk_size", "mamba_chunk_size")
 HEAD_DIM = 16      # per-head width of the shrunk model
 MAX_GROUP = 4      # query heads per KV head, at most
 MIN_VOCAB = 128    # vocabulary of the shrunk model (rounded up to a multiple of tp)
@@ -123,8 +128,7 @@ def _shrink_layers(s: _Shrink, layers: int, why: str) -> None:
     s.field("layers", layers, why)
     for key in ("layer_types", "no_rope_layers"):  # per-layer lists (attention kinds, NoPE layers)
         if isinstance(cfg.get(key), list) and len(cfg[key]) != layers:
-            pattern = cfg[key]
-            s.set(key, [pattern[i % len(pattern)] for i in range(layers)], "one entry per layer")
+            s.set(key, _every_kind(cfg[key], layers), "one entry per layer, every kind kept")
     if isinstance(cfg.get("mlp_only_layers"), list):
         s.set("mlp_only_layers", [i for i in cfg["mlp_only_layers"] if i < layers])
     if isinstance(cfg.get("first_k_dense_replace"), int) and cfg["first_k_dense_replace"] >= layers:
@@ -132,8 +136,21 @@ def _shrink_layers(s: _Shrink, layers: int, why: str) -> None:
     for key in ("decoder_sparse_step", "moe_layer_freq"):
         if isinstance(cfg.get(key), int) and cfg[key] > layers:
             s.set(key, layers, "keep a mixture-of-experts layer")
-    if isinstance(cfg.get("max_window_layers"), int) and cfg["max_window_layers"] > layers:
-        s.set("max_window_layers", layers)
+    if isinstance(cfg.get("max_window_layers"), int) and cfg["max_window_layers"] >= layers:
+        # Qwen2-style: layers from max_window_layers on slide; keep both kinds where it had both.
+        s.set("max_window_layers", layers // 2 if cfg.get("use_sliding_window") else layers,
+              "sliding and full layers both" if cfg.get("use_sliding_window") else "")
+
+
+def _every_kind(pattern: list, layers: int) -> list:
+    """``layers`` entries of a per-layer list, repeating its pattern, with every kind of entry it
+    has kept where the layers allow (a model whose sliding layers come last keeps one)."""
+    out = [pattern[i % len(pattern)] for i in range(layers)]
+    kinds = list(dict.fromkeys(map(repr, pattern)))
+    missing = [next(v for v in pattern if repr(v) == k) for k in kinds if k not in set(map(repr, out))]
+    if missing and len(kinds) <= layers:
+        out[len(out) - len(missing):] = missing
+    return out
 
 
 def _shrink_attention(s: _Shrink, plan: Plan) -> None:
@@ -220,9 +237,10 @@ def _fixups(s: _Shrink, seq_len: int) -> None:
     for key, value in list(cfg.items()):
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
             s.set(key, 0.0, "dropout off: verify compares exact numerics")
-    window = cfg.get("sliding_window")
-    if isinstance(window, int) and window > seq_len // 2 > 0:
-        s.set("sliding_window", seq_len // 2, "shorter than the sequence, so the window applies")
+    for key in LENGTH_KEYS:  # windows and chunks shorter than the sequence, so they act in the test
+        value = cfg.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > seq_len // 2 > 0:
+            s.set(key, seq_len // 2, "shorter than the sequence, so it applies")
     for key in ("dtype", "torch_dtype"):
         if cfg.get(key) not in (None, "float32"):
             s.set(key, "float32", "verify runs in fp32")

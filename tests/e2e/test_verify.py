@@ -152,3 +152,35 @@ def test_without_sgd_the_report_says_gradients_are_not_compared():
     assert result.worst_grad_diff is None and "gradients: not compared" in result.report()
     assert not result.ok and result.loss_diffs[0] > 1e-5 and result.worst_param_tensor == "w"
     assert "verdict: DIFFERENT" in result.report() and "the loss of step 1" in result.verdict()
+
+
+@pytest.mark.parametrize("model_type, extra", [
+    ("mistral", {"sliding_window": 4096}),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 4096, "max_window_layers": 21}),
+    ("llama4_text", {}),
+])
+def test_shrinking_makes_windows_and_chunks_act(model_type, extra):
+    """Windows and local-attention chunks longer than verify's sequence are cut below it, and a
+    model whose sliding layers come last keeps one, so the certificate covers them."""
+    from autopar.plan import Plan
+    from autopar.verification.shrink import LENGTH_KEYS, shrink_config
+
+    full = transformers.AutoConfig.for_model(model_type, **extra).to_dict()
+    cfg, notes = shrink_config(full, Plan.parse("dp=2"), seq_len=16)
+    lengths = {k: cfg[k] for k in LENGTH_KEYS if isinstance(cfg.get(k), int)}
+    assert lengths and all(v <= 8 for v in lengths.values()), lengths
+    if cfg.get("layer_types"):
+        assert len(set(cfg["layer_types"])) == len(set(full["layer_types"])), cfg["layer_types"]
+    assert any("so it applies" in n for n in notes)
+
+
+def test_a_window_longer_than_the_test_sequence_is_exercised(tmp_path, capsys):
+    """Mistral with a 4096-token window: verify cuts it below its 16 tokens and the plan is
+    equal with the window acting (the mask stays a mask: passes/causal_mask.py check_sizes)."""
+    config = _config(tmp_path, transformers.MistralConfig, vocab_size=256, hidden_size=128, intermediate_size=256,
+                     num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                     sliding_window=4096)
+    assert main(["verify", "--model", config, "--plan", "dp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "shrunk: sliding_window 4096 -> 8" in out
+    assert _line(out, "verdict:").startswith("verdict: EQUAL")
