@@ -1,11 +1,13 @@
 """Shared pytest setup: import paths, tier markers and the session-wide multi-rank pool fixture.
 
-Tests live in three tiers, one directory each, and every test gets the marker of its
-directory (``pytest -m unit`` / ``-m dist`` / ``-m e2e``, or select the directory):
+Tests live in four tiers, one directory each, and every test gets the marker of its
+directory (``pytest -m unit`` / ``-m dist`` / ``-m e2e`` / ``-m gpu``, or select the directory):
   * ``tests/unit``: one process, no process group or subprocess (graphs, passes, plans,
     cost model, search, schedules, layouts, errors);
   * ``tests/dist``: multi-rank equivalence and byte tests on the gloo pools (``dist_pool``);
-  * ``tests/e2e``: the ``autopar`` CLI, the examples and the scale simulation.
+  * ``tests/e2e``: the ``autopar`` CLI, the examples and the scale simulation;
+  * ``tests/gpu``: one CUDA GPU, a real NCCL process group at world 1 (skipped without CUDA;
+    run on a lent GPU by ``benchmarks/device_check.sh``).
 Helper modules (``tests/harness.py``, ``tests/reference.py``, ``tests/jobs.py``, ...) stay
 here at the root. The pools themselves live in ``tests/harness.py``; this file only exposes
 them as the ``dist_pool`` fixture and shuts them down when the session ends.
@@ -41,7 +43,7 @@ def dist_pool():
     shutdown_pools()
 
 
-TIERS = ("unit", "dist", "e2e")
+TIERS = ("unit", "dist", "e2e", "gpu")
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker

@@ -17,7 +17,7 @@ import autopar
 from tests.harness import OPTIMIZERS, make_batches
 from tests.jobs import BATCH, SEQ, VOCAB, build
 
-__all__ = ["bf16_job", "reference_bf16", "STEPS"]
+__all__ = ["bf16_job", "reference_bf16", "bf16_recipe", "STEPS"]
 
 STEPS = 3
 
@@ -59,19 +59,31 @@ def reference_bf16(model_name: str, opt_name: str, overrides: dict, batch: int =
     """The bf16 recipe on one device (see the module docstring): losses and fp32 master state
     (``model``: start from this fp32 model instead of a fresh ``build``)."""
     built, loss_fn, kwargs = build(model_name, overrides)
-    model = built if model is None else model
+    return bf16_recipe(built if model is None else model, _batches(batch), loss_fn, kwargs,
+                       OPTIMIZERS[opt_name], max_grad_norm=max_grad_norm)
+
+
+def _fp32(output):
+    if hasattr(output, "logits"):  # a Hugging Face ModelOutput: attribute and key stay in sync
+        output.logits = output.logits.float()
+        return output
+    return output.float()
+
+
+def bf16_recipe(model, batches, loss_fn, kwargs: dict, make_optimizer, *, device="cpu",
+                max_grad_norm: float | None = None) -> dict:
+    """The recipe of the module docstring for ``model`` (its tensors are the masters; moved to
+    ``device`` first, which copies it when it is elsewhere), inputs moved to ``device``: the losses,
+    the gradient norm, the eval loss on the first batch after training, and the fp32 master state."""
+    model = model.to(device=device, dtype=torch.float32)
     work = copy.deepcopy(model).to(torch.bfloat16)
     masters = dict(model.named_parameters())
-    optimizer = OPTIMIZERS[opt_name](list(masters.values()))
+    optimizer = make_optimizer(list(masters.values()))
     losses, norm = [], None
-    for inputs, target in _batches(batch):
+    on = lambda t: t.to(device)  # noqa: E731
+    for inputs, target in batches:
         optimizer.zero_grad()
-        output = work(*inputs, **kwargs)
-        if hasattr(output, "logits"):  # a Hugging Face ModelOutput: attribute and key stay in sync
-            output.logits = output.logits.float()
-        else:
-            output = output.float()
-        loss = loss_fn(output, target)
+        loss = loss_fn(_fp32(work(*map(on, inputs), **kwargs)), on(target))
         loss.backward()
         for name, p in work.named_parameters():
             masters[name].grad = p.grad.float()
@@ -85,12 +97,7 @@ def reference_bf16(model_name: str, opt_name: str, overrides: dict, batch: int =
         losses.append(float(loss.detach()))
     work.eval()
     with torch.no_grad():
-        inputs, target = _batches(batch)[0]
-        output = work(*inputs, **kwargs)
-        if hasattr(output, "logits"):
-            output.logits = output.logits.float()
-        else:
-            output = output.float()
-        evaluated = float(loss_fn(output, target))
+        inputs, target = batches[0]
+        evaluated = float(loss_fn(_fp32(work(*map(on, inputs), **kwargs)), on(target)))
     state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
     return {"losses": losses, "state": state, "norm": norm, "eval": evaluated}

@@ -21,10 +21,10 @@ transformers = pytest.importorskip("transformers")
 from autopar.verification.compare import LOSS_ATOL, PARAM_ATOL  # noqa: E402
 from tests.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train  # noqa: E402
 from tests.jobs import BATCH, SEQ, VOCAB, build  # noqa: E402
+from tests.dist.test_precision import LOSS_RTOL, STATE_ATOL  # noqa: E402  (bf16 against its recipe)
 from tests.precision_jobs import reference_bf16  # noqa: E402
 from tests.pretrained_jobs import INIT_SEED, meta_cases_job  # noqa: E402
 
-LOSS_RTOL, STATE_ATOL = 2e-2, 2e-2  # tests/dist/test_precision.py's bounds for bf16 against its recipe
 LLAMA4 = {"num_hidden_layers": 4}
 
 

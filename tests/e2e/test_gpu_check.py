@@ -1,4 +1,6 @@
-"""benchmarks/gpu_check.py runs on the CPU with --dry-run (the GPU check is ready for the first GPU)."""
+"""benchmarks/gpu_check.py runs on the CPU with --dry-run: the user's large-model path (a
+``save_pretrained`` checkpoint, a meta model, ``pm.load_pretrained``), every pair, and the
+cost model's terms next to the measurements (the GPU check is ready for the first GPU)."""
 from __future__ import annotations
 
 import json
@@ -18,6 +20,17 @@ def test_gpu_check_dry_run(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert "autopar/torch" in out.stdout
     result = json.loads(out_json.read_text())
-    eager = next(p for p in result["pairs"] if p["pair"] == "eager")
-    assert eager["equal"] and eager["ratio"] > 0 and eager["autopar_s"] > 0
-    assert any(p["pair"] == "compiled" for p in result["pairs"])
+    assert result["checkpoint_files"] >= 2  # sharded, read back by load_pretrained
+    pairs = {p["pair"]: p for p in result["pairs"]}
+    assert set(pairs) == {"eager", "recompute", "compiled"}
+    for p in pairs.values():
+        assert p["equal"] and p["ratio"] > 0 and p["autopar_s"] > 0 and p["torch_s"] > 0
+        assert "load_pretrained" in p["autopar_side"]
+        names = {t["name"] for t in p["predicted"]["terms"]}
+        assert "compute.fwd.mlp" in names and "memory.params" in names and "optimizer" in names
+        # autopar's meter next to the prediction: the static terms are exact byte counts
+        terms = {t["name"]: t["value"] for t in p["predicted"]["terms"]}
+        for key in ("params", "grads", "optimizer"):
+            assert p["memory_autopar"][key] == terms[f"memory.{key}"], key
+    assert "checkpoint" in pairs["recompute"]["torch_side"]
+    assert pairs["recompute"]["predicted"]["plan"] == "dp=1,recompute=selective"
