@@ -17,9 +17,9 @@ import logging
 import time
 from typing import Callable, Sequence
 
-from torch.fx import GraphModule
+from torch.fx import GraphModule, Node
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, describe_node
 from .context import CompiledProgram, Decisions, PassContext, PassInputs, PassResult
 from .batch_propagation import batch_propagation_pass, needs_batch_propagation
 from .context_parallel import context_parallel_pass
@@ -33,7 +33,7 @@ from .shard_propagation import shard_propagation_pass
 from .tensor_parallel import tensor_parallel_pass
 from .zero import zero3_pass
 
-__all__ = ["run_passes", "default_passes", "op_counts"]
+__all__ = ["run_passes", "default_passes", "op_counts", "failing_node"]
 
 log = logging.getLogger("autopar.passes")
 
@@ -71,9 +71,14 @@ def run_passes(gm: GraphModule, inputs: PassInputs, passes: Sequence[Pass],
         except AutoparError as exc:
             ran = ", ".join(done) or "none"
             raise AutoparError(f"{exc}\n  (in pass {name}; passes that ran before it: {ran})") from exc
-        except Exception as exc:
+        except Exception as exc:  # a bug of the pass or a graph it does not understand: say where
             ran = ", ".join(done) or "none"
-            raise RuntimeError(f"autopar: pass {name} failed (passes that ran before it: {ran}): {exc}") from exc
+            node = failing_node(exc)
+            where = f" at {describe_node(node)}" if node is not None else ""
+            raise AutoparError(
+                f"autopar: pass {name} failed{where}: {type(exc).__name__}: {exc}\n"
+                f"  (passes that ran before it: {ran}). This is a gap in autopar, not in your model: please "
+                "report it with this message; a plan without the dimension this pass implements avoids it.") from exc
         decided = decided.merge(result)
         elapsed = time.perf_counter() - start
         msg = f"{name}: {elapsed * 1e3:.1f} ms, {_diff(before, op_counts(gm))}"
@@ -84,6 +89,19 @@ def run_passes(gm: GraphModule, inputs: PassInputs, passes: Sequence[Pass],
         gm.recompile()
     fields = {f.name: getattr(PassContext.of(inputs, decided), f.name) for f in dataclasses.fields(PassContext)}
     return CompiledProgram(**fields, log=tuple(lines))
+
+
+def failing_node(exc: BaseException) -> Node | None:
+    """The graph node a failing pass was working on: the innermost frame of the traceback that
+    holds an FX node in a local variable (passes name it ``node``, ``n``, ``user``, ...)."""
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        for value in tb.tb_frame.f_locals.values():
+            if isinstance(value, Node) and value.graph is not None:
+                found = value
+                break
+        tb = tb.tb_next
+    return found
 
 
 def default_passes(plan, gm: GraphModule | None = None) -> list[Pass]:

@@ -183,8 +183,18 @@ def test_runner_names_failing_pass_and_predecessors():
     traced, ctx = _compile("example", "none", 1)
     from autopar.passes.cleanup import cleanup_pass
 
-    with pytest.raises(RuntimeError, match=r"pass broken_pass failed \(passes that ran before it: cleanup_pass\)"):
+    with pytest.raises(AutoparError, match=r"^autopar: pass broken_pass failed: ValueError: boom\n"
+                                           r"  \(passes that ran before it: cleanup_pass\)"):
         run_passes(traced.gm, ctx, [cleanup_pass, broken_pass])
+
+    def broken_on_a_node(gm, ctx):
+        for node in gm.graph.nodes:
+            if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+                raise IndexError("tuple index out of range")
+
+    with pytest.raises(AutoparError, match=r"^autopar: pass broken_on_a_node failed at node 'scaled_dot_product_attention"
+                                           r".*in module '.*attn.*'.*at .*model.py.*: IndexError"):
+        run_passes(traced.gm, ctx, [broken_on_a_node])
 
 
 def test_placements_are_pytorch_placements():
