@@ -11,9 +11,9 @@ does the I/O only and reads nothing private of the module.  Full tensors under p
 make a checkpoint load under any other plan (each rank cuts its own shards on load) and
 into the unparallelized model (:func:`load_model_state_dict`).
 
-Export: :func:`export_safetensors` writes the full weights alone (``pm.state_dict()``)
-as one safetensors file, rank 0 writing, for the unparallelized model's
-``load_state_dict`` or a Hugging Face ``from_pretrained`` directory.
+Export: :func:`export_safetensors` (``pm.export_weights``) writes the full weights alone as
+a Hugging Face directory (sharded safetensors, ``config.json``) or one safetensors file, each
+rank writing its own pieces without gathering the model (:mod:`autopar.runtime.export`).
 
 Crash safety: the data go to a fresh directory ``<path>.data-<token>.tmp``; only after
 every rank finished writing is it renamed to ``<path>.data-<token>``, and ``<path>`` (a
@@ -37,6 +37,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.errors import AutoparError
+from autopar.runtime.export import export_weights
 __all__ = ["save", "load", "load_model_state_dict", "MODEL_PREFIX", "OPTIM_PREFIX", "SCHEDULER_KEY",
            "export_safetensors", "SAFETENSORS_NAME"]
 
@@ -103,61 +104,14 @@ def load(pm, path: str | os.PathLike) -> None:
     pm.load_checkpoint_state(_read(os.path.abspath(os.fspath(path)), pm.checkpoint_wants))
 
 
-# --- full-weights export -----------------------------------------------------------------
+# --- full-weights export (autopar/runtime/export.py) ----------------------------------------
 
 # The file name Hugging Face's save_pretrained / from_pretrained use for one unsharded file.
 SAFETENSORS_NAME = "model.safetensors"
 
 
-def export_safetensors(pm, path: str | os.PathLike) -> str:
-    """Write ``pm``'s full weights, under the original model's names, as one safetensors file.
-
-    ``pm.state_dict()`` (full tensors on every rank) is written by rank 0 only, the other
-    ranks wait at a barrier; call it on every rank.  ``path`` is the file, or a directory
-    that gets ``model.safetensors`` (next to a ``config.json``, a Hugging Face model
-    directory for ``from_pretrained``).  The unmodified model loads it with
-    ``model.load_state_dict(safetensors.torch.load_file(path))``.  Tied weights are written
-    once per name, each its own copy (safetensors refuses shared tensors; loading ties them
-    again).  The file appears atomically: written next to ``path``, then renamed.  Returns
-    the path of the file."""
-    try:
-        from safetensors.torch import save_file
-    except ImportError as exc:
-        raise AutoparError("autopar: export_safetensors needs the safetensors package, which is not installed; "
-                           "install it with `pip install safetensors`.") from exc
-    raw = os.fspath(path)
-    path = os.path.abspath(raw)
-    if raw.endswith(os.sep) or os.path.isdir(path):
-        path = os.path.join(path, SAFETENSORS_NAME)
-    state = pm.state_dict()  # collective (tp/ep gathers, pp broadcasts): every rank
-    failure = [None]
-    if not _dist() or dist.get_rank() == 0:
-        try:
-            _write_safetensors(save_file, state, path)
-        except Exception as exc:  # reported on every rank below, not left to a barrier's timeout
-            failure[0] = f"{type(exc).__name__}: {exc}"
-            if not _dist():
-                raise
-    if _dist():
-        dist.broadcast_object_list(failure, src=0)  # also the barrier: the file is complete when this returns
-    if failure[0] is not None:
-        raise AutoparError(f"autopar: export_safetensors could not write {path} on rank 0: {failure[0]}")
-    return path
-
-
-def _write_safetensors(save_file, state: dict[str, torch.Tensor], path: str) -> None:
-    tensors, storages = {}, set()
-    for name, value in state.items():
-        t = value.detach().to("cpu").contiguous()
-        if t.untyped_storage().data_ptr() in storages and t.numel():  # shares memory with an entry before it
-            t = t.clone()
-        storages.add(t.untyped_storage().data_ptr())
-        tensors[name] = t
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:12]}"
-    try:
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+def export_safetensors(pm, path: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> str:
+    """``pm.export_weights(path)``: the full weights under the original names, no rank gathering
+    them; a Hugging Face directory, or one file for a path ending in ``.safetensors``
+    (:func:`autopar.runtime.export.export_weights`; collective: call on every rank)."""
+    return export_weights(pm, path, max_shard_size=max_shard_size)

@@ -355,9 +355,12 @@ class ParallelModule:
         """Read a checkpoint written by :meth:`save` under any plan (every rank)."""
         checkpoint.load(self, path)
 
-    def export_weights(self, path) -> str:
-        """Write the full weights under the original names as safetensors (rank 0 writes; call on every rank)."""
-        return checkpoint.export_safetensors(self, path)
+    def export_weights(self, path, *, max_shard_size: int | str = "5GB") -> str:
+        """Write the full weights under the original names as a Hugging Face directory (``config.json``,
+        safetensors shards of at most ``max_shard_size`` and their index), or one file for a path
+        ending in ``.safetensors``; each rank writes its own pieces, no rank gathers the model
+        (:mod:`autopar.runtime.export`; call on every rank).  Returns the directory or file."""
+        return checkpoint.export_safetensors(self, path, max_shard_size=max_shard_size)
 
     # --- training -----------------------------------------------------------------------
 
