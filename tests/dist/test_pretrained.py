@@ -92,10 +92,14 @@ def test_load_pretrained_under_tp_sp_dp(dist_pool, checkpoints):
                       loss_atol=LOSS_ATOL, param_atol=PARAM_ATOL)
 
 
-def test_load_pretrained_in_bf16(dist_pool, checkpoints):
-    cases = [("hf_llama", LLAMA4, "dp=2,zero=3", checkpoints["hf_llama"], "bf16"),
-             ("hf_mixtral", {}, "ep=2,dp=2", checkpoints["hf_mixtral"], "bf16")]
-    results = dist_pool(meta_cases_job, cases, world=2)
+BF16_CASES = [("hf_llama", LLAMA4, "dp=2,zero=3", 2), ("hf_mixtral", {}, "ep=2,dp=2", 2),
+              ("hf_llama", LLAMA4, "pp=2,mb=2", 2), ("hf_llama", LLAMA4, "tp=2,sp,dp=2", 4)]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_load_pretrained_in_bf16(dist_pool, checkpoints, world):
+    cases = [(name, overrides, plan, checkpoints[name], "bf16") for name, overrides, plan, w in BF16_CASES if w == world]
+    results = dist_pool(meta_cases_job, cases, world=world)
     for index, (name, overrides, plan, path, _) in enumerate(cases):
         ref = reference_bf16(name, "adamw", overrides, model=_pretrained(name, overrides, path).train())
         got = results[0][index]
