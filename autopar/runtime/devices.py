@@ -1,8 +1,8 @@
 """Which device a rank's program runs on, and moving a traced program there.
 
 A program is traced wherever the user's model is (cpu, cuda or meta, :func:`autopar.frontend.trace.model_device`)
-and runs on the rank's own device (:func:`autopar.runtime.mesh.local_device`: ``cuda:LOCAL_RANK``
-under NCCL, the CPU under gloo).  Three kinds of tensor must follow it there, and this module
+and runs on the rank's own device (:func:`run_device`: ``cuda:LOCAL_RANK`` under NCCL, the CPU
+under gloo; in one process without a process group, where the model is).  Three kinds of tensor must follow it there, and this module
 moves all of them, so no pass and no runtime part needs to know where the model was traced:
 
 * parameters and buffers: cut and placed by :class:`autopar.runtime.module.ParallelModule`;
@@ -24,8 +24,20 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.errors import AutoparError
+from autopar.runtime.mesh import local_device
 
-__all__ = ["is_simulation", "retarget_devices", "move_constants", "move_to"]
+__all__ = ["run_device", "is_simulation", "retarget_devices", "move_constants", "move_to"]
+
+
+def run_device(traced: torch.device) -> torch.device:
+    """Where a rank's program runs: under a process group the rank's device (``cuda:LOCAL_RANK``
+    under NCCL, the CPU under gloo: :func:`autopar.runtime.mesh.local_device`); in one process
+    without one, where the model is (a meta-built model: the current GPU if there is one)."""
+    if dist.is_initialized():
+        return local_device()
+    if traced.type == "meta":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    return traced
 
 
 def is_simulation(model: nn.Module) -> bool:

@@ -40,13 +40,13 @@ from autopar.runtime.batching import global_sizes, local_micro_batches, split_mi
 from autopar.runtime.checkpoint import MODEL_PREFIX, OPTIM_PREFIX, SCHEDULER_KEY
 from autopar.runtime.clipping import clip_gradients, norm_weights
 from autopar.runtime.data import BatchSlice
-from autopar.runtime.devices import is_simulation, move_constants, retarget_devices
+from autopar.runtime.devices import is_simulation, move_constants, retarget_devices, run_device
 from autopar.runtime.executors import FlatExecutor
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.initialize import check_initialized, initialize, initialize_buffers
 from autopar.runtime.layout import gather_full, shard_local
 from autopar.runtime.memory import MemoryMeter
-from autopar.runtime.mesh import build_groups, local_device
+from autopar.runtime.mesh import build_groups
 from autopar.runtime.pipelined import PipelineExecutor
 from autopar.runtime.precision import cast_inputs
 from autopar.runtime.pretrained import CheckpointNames, load_pretrained
@@ -77,7 +77,7 @@ class ParallelModule:
         self.groups = build_groups(plan, experts=bool(program.expert_params), tied_ranks=tied_ranks)
         self.step_context = StepContext(groups=self.groups)
         self.step_context.seed = random_ops.common_seed()  # rank 0's torch.initial_seed(), on every rank
-        self.device = local_device()  # where this rank's program runs (autopar/runtime/devices.py)
+        self.device = run_device(traced.device)  # where this rank's program runs (autopar/runtime/devices.py)
         self.simulation = is_simulation(model)
         if self.simulation:
             # Scale simulation: a full-size model on the meta device under a fake process group

@@ -2,7 +2,7 @@
 
 A program is traced wherever the model is and runs on the rank's device.  Without a GPU the
 class of bug is caught with the meta device: a program traced on the CPU is made to run on meta
-(``local_device`` patched), so any CPU tensor left in it (a constant the trace captured, an
+(``run_device`` patched), so any CPU tensor left in it (a constant the trace captured, an
 ``arange(device=cpu)`` node, a tensor a pass made) fails the step; and the reverse, a model
 built on meta running on the CPU.  Example inputs on another device than the model are traced
 as shapes and dtypes.
@@ -32,7 +32,7 @@ def _parallelize(model, example, **options):
 
 
 def _on_meta(monkeypatch):
-    monkeypatch.setattr(module_mod, "local_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(module_mod, "run_device", lambda traced: torch.device("meta"))
 
 
 def test_a_program_traced_on_the_cpu_runs_on_another_device(monkeypatch):
@@ -115,3 +115,12 @@ def test_a_model_on_several_devices_is_refused():
     model.lm_head.to("meta")
     with pytest.raises(AutoparError, match=r"^autopar: the model's parameters and buffers are on several devices"):
         _parallelize(model, _batches()[0][0])
+
+
+def test_without_a_process_group_the_program_runs_where_the_model_is():
+    from autopar.runtime.devices import run_device
+
+    assert run_device(torch.device("cpu")) == torch.device("cpu")
+    assert run_device(torch.device("cuda", 1)) == torch.device("cuda", 1)  # a model the user put on a GPU
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert run_device(torch.device("meta")).type == expected
