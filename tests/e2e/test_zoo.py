@@ -1,0 +1,77 @@
+"""The CI subset of the zoo sweep: a few dozen (model type, plan) pairs keep the outcome recorded.
+
+benchmarks/zoo.py trains every causal LM type of transformers, shrunk from its default config,
+under four plans on 2 gloo ranks against one process, and docs/zoo.md is its table.  This file
+runs the same code (``benchmarks.zoo.run_types``: the same shrinking, batches, reference and
+comparison) on pairs chosen to cover the classes of architecture -- dense GQA, multi-query
+attention, mixtures of experts, sliding windows, ALiBi, Conv1D weights, parallel attention and
+MLP, tied heads, an encoder used as a causal LM, state-space and hybrid models that are refused
+-- a handful of model types per pool call on the session's pooled gloo workers
+(tests/harness.py), and checks that each pair's outcome is the one the sweep recorded:
+``equal`` stays equal, ``refused`` stays refused (with an ``autopar:`` message) and nothing
+fails.  Only pairs that pass are listed; :data:`EXPECTED` is the data.
+"""
+from __future__ import annotations
+
+import pytest
+
+transformers = pytest.importorskip("transformers")
+
+from benchmarks.zoo import run_types  # noqa: E402
+
+E, R, T = "equal", "refused", "refused (trace)"
+# model type -> {plan: outcome, or (outcome, a phrase of the refusal)}, as the sweep recorded them.
+EXPECTED: dict[str, dict[str, object]] = {
+    # dense, grouped-query attention
+    "llama": {"tp=2,sp": E, "cp=2:ring": E, "pp=2,mb=2": E},
+    # multi-query attention: one KV head, which tp cannot split
+    "gpt_bigcode": {"tp=2,sp": (R, "does not divide the 1 KV heads"), "cp=2:ring": E},
+    # mixtures of experts: stacked experts; shared experts
+    "mixtral": {"tp=2,sp": E, "pp=2,mb=2": E},
+    "qwen2_moe": {"dp=2,zero=3": E},
+    # sliding-window attention: its mask is not the causal one ring attention splits
+    "mistral": {"tp=2,sp": E, "cp=2:ring": (R, "context parallelism supports causal attention")},
+    # tied input and output embeddings
+    "gemma": {"tp=2,sp": E, "dp=2,zero=3": E},
+    # Conv1D weights ([in, out], addmm); the full-size vocabulary 50257 is odd
+    "gpt2": {"dp=2,zero=3": E, "pp=2,mb=2": E, "tp=2,sp": (R, "does not divide the vocabulary size 50257")},
+    # parallel attention and MLP
+    "phi": {"tp=2,sp": E},
+    "gpt_neox": {"cp=2:ring": E},
+    "falcon": {"cp=2:ring": E, "tp=2,sp": (R, "does not divide the 71 attention heads")},
+    # ALiBi: eager attention with a bias, no SDPA op for cp
+    "bloom": {"dp=2,zero=3": E, "tp=2,sp": (R, "cannot shard node"),
+              "cp=2:ring": (R, "found no scaled_dot_product_attention op")},
+    # decoder layers that flatten batch and sequence
+    "opt": {"tp=2,sp": (R, "sequence parallelism needs the sequence dimension")},
+    # an encoder built as a causal LM
+    "bert": {"tp=2,sp": E},
+    # a hybrid of attention and state-space layers
+    "jamba": {"tp=2,sp": (R, "sequence parallelism needs the sequence dimension")},
+    # multi-head latent attention
+    "deepseek_v3": {"tp=2,sp": (R, "tensor parallelism cannot split the attention")},
+}
+
+GROUP = 4  # model types per pool call
+
+
+@pytest.fixture(scope="module")
+def outcomes(dist_pool):
+    """Every pair of :data:`EXPECTED`, run once for the module (``dist_pool``: shut down at the end)."""
+    return run_types({t: list(plans) for t, plans in EXPECTED.items()}, group=GROUP)
+
+
+PAIRS = [(t, p) for t, plans in EXPECTED.items() for p in plans]
+
+
+@pytest.mark.parametrize("model_type,plan", PAIRS, ids=[f"{t}-{p}" for t, p in PAIRS])
+def test_zoo_pair_keeps_its_outcome(outcomes, model_type, plan):
+    expected = EXPECTED[model_type][plan]
+    kind, phrase = expected if isinstance(expected, tuple) else (expected, None)
+    got = outcomes[model_type][plan]
+    detail = f"{got['outcome']}: {got.get('reason', '')} at {got.get('where')}"
+    assert got["outcome"] == kind, detail
+    if kind in (R, T):
+        assert got["reason"].startswith("autopar:"), detail
+        if phrase:
+            assert phrase in got["reason"], detail
