@@ -36,7 +36,7 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from autopar.compat import sym_hint
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, describe_node
 from autopar.ops.zero_gather import zero_gather
 from autopar.plan import check_micro_batches, chunk_rank, chunks_per_rank, valid_micro_batches
 from .context import META_KEY, PassContext, PassResult
@@ -261,6 +261,20 @@ def _build_chunk(gm, c, last, chunk, free, params, boundary_in, boundary_out, kw
     return GraphModule(gm, g), tuple(dict.fromkeys(used_params))
 
 
+def _check_tensors_cross(boundaries: list[list[Node]]) -> None:
+    """torch.distributed.pipelining sends tensors only between stages: a Python number (an int a
+    model computes from sizes or a config and carries between layers) crossing a cut would fail
+    in the first step, so it is refused here."""
+    for k, values in enumerate(boundaries):
+        for v in values:
+            if not isinstance(v.meta.get("val"), torch.Tensor):
+                raise AutoparError(
+                    f"autopar: a value that is not a tensor ({type(v.meta.get('val')).__name__}) crosses pipeline "
+                    f"boundary {k} at {describe_node(v)}; expected only tensors between pipeline stages "
+                    "(torch.distributed.pipelining sends tensors). Use pp=1 for this model, or a "
+                    "pipeline_split that keeps the layers using it in one chunk.")
+
+
 def pipeline_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     """Cut ``gm`` into ``result.pipeline`` (a :class:`PipelineProgram`); ``gm`` itself is unchanged."""
     plan = ctx.plan
@@ -289,6 +303,7 @@ def pipeline_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
             last_use[n] = max(user_chunks)
     boundaries = [[v for v in gm.graph.nodes if v in chunk and chunk[v] <= k < last_use.get(v, -1)]
                   for k in range(n_chunks - 1)]
+    _check_tensors_cross(boundaries)
     param_owner: dict[str, int] = {}
     chunks = []
     start = 0

@@ -46,3 +46,20 @@ def test_unsupported_micro_batch_count_names_nearest(plan, nearest):
 def test_bad_user_split():
     with pytest.raises(AutoparError, match=r"autopar: pipeline split \[2, 1\] .* 2 layers"):
         _compile("pp=2:1f1b,mb=2", split=(2, 1))
+
+
+def test_a_number_crossing_a_pipeline_cut_is_refused():
+    """torch's pipelining sends tensors only: an int carried between layers (RecurrentGemma's
+    reshape size) crossing a cut is refused at compile time, not in the first step."""
+    import pytest
+    import torch
+
+    from autopar.errors import AutoparError
+    from passes.pipeline import _check_tensors_cross
+
+    graph = torch.fx.Graph()
+    hidden, size = graph.placeholder("hidden"), graph.placeholder("size")
+    hidden.meta["val"], size.meta["val"] = torch.empty(2, 3), 6
+    _check_tensors_cross([[hidden]])
+    with pytest.raises(AutoparError, match=r"^autopar: a value that is not a tensor \(int\) crosses pipeline boundary 0"):
+        _check_tensors_cross([[hidden, size]])
