@@ -29,8 +29,12 @@ EXPECTED: dict[str, dict[str, object]] = {
     # mixtures of experts: stacked experts; shared experts
     "mixtral": {"tp=2,sp": E, "pp=2,mb=2": E},
     "qwen2_moe": {"dp=2,zero=3": E},
+    "qwen3_moe": {"tp=2,sp": E, "cp=2:ring": E},
     # sliding-window attention: its mask is not the causal one ring attention splits
     "mistral": {"tp=2,sp": E, "cp=2:ring": (R, "context parallelism supports causal attention")},
+    "cohere2": {"tp=2,sp": E, "cp=2:ring": (R, "context parallelism supports causal attention")},
+    # soft-capped scores: eager attention, no SDPA op for cp
+    "gemma2": {"cp=2:ring": (R, "found no scaled_dot_product_attention op")},
     # tied input and output embeddings
     "gemma": {"tp=2,sp": E, "dp=2,zero=3": E},
     # Conv1D weights ([in, out], addmm); the full-size vocabulary 50257 is odd
