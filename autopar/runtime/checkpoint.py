@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 
 import torch
 import torch.distributed as dist
@@ -37,24 +36,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.errors import AutoparError
-from autopar.runtime.export import export_weights
+from autopar.runtime.export import distributed, export_weights, shared_token
+from autopar.runtime.safetensors_io import WEIGHTS_NAME
 __all__ = ["save", "load", "load_model_state_dict", "MODEL_PREFIX", "OPTIM_PREFIX", "SCHEDULER_KEY",
            "export_safetensors", "SAFETENSORS_NAME"]
 
 # Entry names: ``model.<original name>``, ``optim.<original name>.<state key>``, and the
 # learning-rate scheduler's pickled state dict as one uint8 tensor.
 MODEL_PREFIX, OPTIM_PREFIX, SCHEDULER_KEY = "model.", "optim.", "sched.state"
-
-
-def _dist() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _shared_token() -> str:
-    token = [uuid.uuid4().hex[:12]]
-    if _dist():
-        dist.broadcast_object_list(token, src=0)
-    return token[0]
 
 
 def save(pm, path: str | os.PathLike) -> None:
@@ -64,13 +53,13 @@ def save(pm, path: str | os.PathLike) -> None:
         raise AutoparError(f"autopar: checkpoint path {path} exists and is not an autopar checkpoint link; "
                            "expected a new path or one written by ParallelModule.save; choose another path.")
     state = pm.checkpoint_state()
-    token = _shared_token()
+    token = shared_token()
     data_dir = f"{path}.data-{token}"
     tmp_dir = data_dir + ".tmp"
-    dcp.save(state, checkpoint_id=tmp_dir, no_dist=not _dist())
-    if _dist():
+    dcp.save(state, checkpoint_id=tmp_dir, no_dist=not distributed())
+    if distributed():
         dist.barrier()
-    if not _dist() or dist.get_rank() == 0:
+    if not distributed() or dist.get_rank() == 0:
         old = os.path.realpath(path) if os.path.islink(path) else None
         os.rename(tmp_dir, data_dir)
         link = f"{path}.link-{token}"
@@ -78,7 +67,7 @@ def save(pm, path: str | os.PathLike) -> None:
         os.replace(link, path)  # atomic: readers see the old or the new checkpoint, never a mix
         if old and old != data_dir and os.path.isdir(old):
             shutil.rmtree(old, ignore_errors=True)
-    if _dist():
+    if distributed():
         dist.barrier()
 
 
@@ -89,7 +78,7 @@ def _read(path: str, wanted) -> dict[str, torch.Tensor]:
     state = {k: torch.empty(m.size, dtype=m.properties.dtype)
              for k, m in meta.state_dict_metadata.items()
              if isinstance(m, TensorStorageMetadata) and wanted(k)}
-    dcp.load(state, checkpoint_id=path, no_dist=not _dist())
+    dcp.load(state, checkpoint_id=path, no_dist=not distributed())
     return state
 
 
@@ -107,7 +96,7 @@ def load(pm, path: str | os.PathLike) -> None:
 # --- full-weights export (autopar/runtime/export.py) ----------------------------------------
 
 # The file name Hugging Face's save_pretrained / from_pretrained use for one unsharded file.
-SAFETENSORS_NAME = "model.safetensors"
+SAFETENSORS_NAME = WEIGHTS_NAME
 
 
 def export_safetensors(pm, path: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> str:

@@ -40,21 +40,19 @@ import torch.distributed as dist
 
 from autopar.errors import AutoparError
 from autopar.runtime.layout import local_index
-from autopar.runtime.safetensors_io import SafetensorsLayout, parse_size
+from autopar.runtime.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsLayout, parse_size
 
-__all__ = ["export_weights", "shard_names", "INDEX_NAME", "WEIGHTS_NAME"]
+__all__ = ["export_weights", "distributed", "shared_token", "shard_names", "INDEX_NAME", "WEIGHTS_NAME"]
 
-INDEX_NAME = "model.safetensors.index.json"
-WEIGHTS_NAME = "model.safetensors"
 _WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
 
 
-def _dist() -> bool:
+def distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
 def _rank() -> int:
-    return dist.get_rank() if _dist() else 0
+    return dist.get_rank() if distributed() else 0
 
 
 def export_weights(pm, path, *, max_shard_size: int | str = "5GB") -> str:
@@ -74,7 +72,7 @@ def export_weights(pm, path, *, max_shard_size: int | str = "5GB") -> str:
     shards = [list(tensors)] if single else _split(tensors, limit)
     names = [os.path.basename(path)] if single else shard_names(len(shards))
     layouts = {file: SafetensorsLayout({n: tensors[n] for n in shard}) for file, shard in zip(names, shards)}
-    token = _shared_token()
+    token = shared_token()
     staging = f"{path}.tmp-{token}" if single else f"{path}.export-{token}.tmp"
     file_of = {n: file for file, shard in zip(names, shards) for n in shard}
 
@@ -191,8 +189,8 @@ class _Writers:
         self.pm = pm
         self.me = _rank()
         mine = (pm._pp_rank(), {a: r for a, (r, _) in pm.coords().items()})
-        everyone = [None] * (dist.get_world_size() if _dist() else 1)
-        if _dist():
+        everyone = [None] * (dist.get_world_size() if distributed() else 1)
+        if distributed():
             dist.all_gather_object(everyone, mine)
         else:
             everyone[0] = mine
@@ -216,9 +214,10 @@ class _Writers:
         return self._cache[key]
 
 
-def _shared_token() -> str:
+def shared_token() -> str:
+    """A random name part every rank agrees on (rank 0's, broadcast)."""
     token = [uuid.uuid4().hex[:12]]
-    if _dist():
+    if distributed():
         dist.broadcast_object_list(token, src=0)
     return token[0]
 
@@ -233,7 +232,7 @@ def _everywhere(action, what: str, where: str, cleanup: str | None = None) -> No
             failure[0] = f"{type(exc).__name__}: {exc}"
             if cleanup is not None:
                 _remove(cleanup)
-    if _dist():
+    if distributed():
         dist.broadcast_object_list(failure, src=0)
     if failure[0] is not None:
         raise AutoparError(f"autopar: export_weights could not {what} {where} on rank 0: {failure[0]}")
@@ -242,7 +241,7 @@ def _everywhere(action, what: str, where: str, cleanup: str | None = None) -> No
 def _report(error: str | None, staging: str) -> None:
     """Every rank's write failure, raised on every rank (the gather is also the barrier)."""
     errors = [error]
-    if _dist():
+    if distributed():
         errors = [None] * dist.get_world_size()
         dist.all_gather_object(errors, error)
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]

@@ -98,9 +98,9 @@ def initialize_buffers(pm, model: nn.Module) -> None:
 
 def check_initialized(pm) -> None:
     """Refuse a step on a program some of whose tensors never got values."""
-    if not pm.unset_names():
-        return
     missing = pm.unset_names()
+    if not missing:
+        return
     raise AutoparError(
         f"autopar: the model was built on the meta device and {len(missing)} of its tensors have no values yet "
         f"({', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}); expected weights from one of: "

@@ -35,12 +35,10 @@ import torch.nn as nn
 
 from autopar.errors import AutoparError
 from autopar.runtime.layout import local_index, shard_local
-from autopar.runtime.safetensors_io import SafetensorsFile
+from autopar.runtime.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsFile
 
 __all__ = ["CheckpointNames", "load_pretrained", "checkpoint_files", "INDEX_NAME", "WEIGHTS_NAME"]
 
-INDEX_NAME = "model.safetensors.index.json"  # Hugging Face's names for a sharded / one-file checkpoint
-WEIGHTS_NAME = "model.safetensors"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,7 +33,7 @@ import struct
 
 import torch
 
-__all__ = ["SafetensorsFile", "SafetensorsLayout", "SAFETENSORS_DTYPES", "BLOCK_BYTES", "parse_size"]
+__all__ = ["WEIGHTS_NAME", "INDEX_NAME", "SafetensorsFile", "SafetensorsLayout", "SAFETENSORS_DTYPES", "BLOCK_BYTES", "parse_size"]
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -42,6 +42,9 @@ SAFETENSORS_DTYPES = {
     "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64,
 }
 DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+# Hugging Face's file names: one file, or an index of shards (save_pretrained / from_pretrained).
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
 BLOCK_BYTES = 16 * 1024 * 1024  # the most read at once beyond the slice itself
 
 
