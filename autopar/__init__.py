@@ -6,12 +6,25 @@ The pipeline (docs/architecture.md draws it and the package layers):
 a plan proved on CPU processes before a cluster runs it (autopar.verification, ``verify``)
 and, offline, the symbolic cost model (autopar.cost) and plan search (autopar.planning).
 
+The modules of this package's top level (layer 0, imported by everything above):
+``errors`` (``AutoparError`` and message helpers), ``plan`` (``Plan``: degrees and options,
+its text syntax), ``plan_space`` (every rule about which plans are valid and which the
+runtime runs, option names and codes, the mesh axes), ``support`` (the runtime rules of
+``plan_space`` asked about a plan), ``compat`` (every private PyTorch API autopar uses).
+The sub-packages: ``frontend`` (trace, analyze), ``passes`` (folder ``passes/``: the graph
+passes and ``compile_program``), ``ops`` (the operators a program calls), ``runtime``
+(``parallelize``, ``ParallelModule``), ``cost`` (folder ``cost/``), ``planning`` (search,
+``plan="auto"``), ``views`` (readable programs and schedules), ``verification``
+(``autopar verify``), ``cli`` (the ``autopar`` command).
+
 Public names are imported lazily so that the offline tools (`autopar plan`) start
-fast and never touch torch.distributed.
+fast and never touch torch.distributed; type checkers and IDEs see them through the
+``TYPE_CHECKING`` imports below, which never run.
 """
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 __all__ = [
     "Plan",
@@ -23,6 +36,9 @@ __all__ = [
     "init_distributed",
     "parallelize",
     "ParallelModule",
+    "BatchSlice",
+    "DistributedBatchSampler",
+    "load_model_state_dict",
     "verify",
     "VerifyResult",
     "AutoparError",
@@ -38,10 +54,24 @@ _LAZY = {
     "init_distributed": ("autopar.runtime", "init_distributed"),
     "parallelize": ("autopar.runtime", "parallelize"),
     "ParallelModule": ("autopar.runtime", "ParallelModule"),
+    "BatchSlice": ("autopar.runtime.data", "BatchSlice"),
+    "DistributedBatchSampler": ("autopar.runtime.data", "DistributedBatchSampler"),
+    "load_model_state_dict": ("autopar.runtime.checkpoint", "load_model_state_dict"),
     "verify": ("autopar.verification", "verify"),
     "VerifyResult": ("autopar.verification", "VerifyResult"),
     "AutoparError": ("autopar.errors", "AutoparError"),
 }
+
+
+if TYPE_CHECKING:  # the names of _LAZY, for type checkers and IDEs (never imported at run time)
+    from autopar.cost import Cluster, Cost, ModelSpec, estimate
+    from autopar.errors import AutoparError
+    from autopar.plan import Plan
+    from autopar.planning.search import search
+    from autopar.runtime import ParallelModule, init_distributed, parallelize
+    from autopar.runtime.checkpoint import load_model_state_dict
+    from autopar.runtime.data import BatchSlice, DistributedBatchSampler
+    from autopar.verification import VerifyResult, verify
 
 
 def __getattr__(name: str):

@@ -72,7 +72,7 @@ def never_traced(fn) -> None:
     """TorchDynamo runs ``fn`` (a function or a method) and everything it calls eagerly.
 
     For the saved-tensor hooks, which autograd's C++ calls inside compiled regions
-    (autopar/runtime/compiled.py).  ``torch.compiler.disable`` would do the same by wrapping
+    (autopar/runtime/inductor.py).  ``torch.compiler.disable`` would do the same by wrapping
     ``fn``, at about a microsecond per call in eager programs too, where it is not needed;
     marking the code object skips the frame, and the frames it calls, only while TorchDynamo
     runs (torch._dynamo's frame strategies)."""

@@ -3,7 +3,9 @@
 A :class:`Plan` says how one training step is spread over ``world_size`` ranks. The
 graph passes (``autopar.passes``) read it to rewrite the graph, the runtime
 (``autopar.runtime``) reads it to build the device mesh, and the cost model
-(``autopar.cost``) and search (``autopar.search``) score and enumerate plans.
+(``autopar.cost``) and search (:mod:`autopar.planning.search`) score and enumerate plans.
+The rules a plan obeys are :mod:`autopar.plan_space`'s predicates; ``Plan`` asks them and
+words the refusals.
 
 Text syntax (comma-separated, whitespace and key case ignored, each option at most once)::
 
@@ -14,9 +16,9 @@ Text syntax (comma-separated, whitespace and key case ignored, each option at mo
 ``"none"`` or ``""`` is the default plan (one rank, nothing sharded). ``str(plan)`` is
 the canonical text and ``Plan.parse(str(plan)) == plan`` for every valid plan.
 
-The mesh is ``pp x dp x cp x tp``, outer to inner (tp varies fastest). Expert
-parallelism is folded into the ``dp x cp`` ranks of a pipeline stage, so ``ep`` is not
-a mesh factor of its own and must divide ``dp * cp``.
+The mesh is ``pp x dp x cp x tp``, outer to inner (tp varies fastest:
+:data:`autopar.plan_space.MESH_AXES`). Expert parallelism is folded into the ``dp x cp`` ranks
+of a pipeline stage, so ``ep`` is not a mesh factor of its own and must divide ``dp * cp``.
 """
 from __future__ import annotations
 
@@ -27,12 +29,14 @@ import operator
 from dataclasses import dataclass
 
 from autopar.errors import AutoparError
-from autopar.plan_rules import (CP_VARIANTS, MULTI_CHUNK_SCHEDULES, RECOMPUTE_MODES, SCHEDULES,
-                                V_SCHEDULES, check_micro_batches, chunk_rank, chunks_per_rank,
-                                micro_batches_ok, ulysses_fits, ulysses_heads_ok,
-                                valid_micro_batches)
+from autopar.plan_space import (CP_VARIANTS, MESH_AXES, MULTI_CHUNK_SCHEDULES, RECOMPUTE_MODES, SCHEDULES,
+                                V_SCHEDULES, ZERO_STAGES, batch_ok, check_micro_batches, chunk_rank,
+                                chunks_per_rank, cp_seq_ok, divisors, ep_ok, experts_ok, heads_ok,
+                                latent_attention_ok, layers_ok, micro_batches_ok, sp_ok, sp_seq_ok, ulysses_fits,
+                                ulysses_heads_ok, ulysses_ok, valid_micro_batches, vocab_ok)
+from autopar.plan_space import code as _code
 
-# The shared rules (autopar.plan_rules) are re-exported: import them from here.
+# Names of the plan space used with plans (autopar.plan_space) are re-exported here.
 __all__ = ["Plan", "CP_VARIANTS", "SCHEDULES", "RECOMPUTE_MODES", "V_SCHEDULES", "MULTI_CHUNK_SCHEDULES",
            "chunks_per_rank", "chunk_rank", "micro_batches_ok", "valid_micro_batches",
            "check_micro_batches", "ulysses_heads_ok", "ulysses_fits"]
@@ -41,13 +45,9 @@ _INT_OPTIONS = ("dp", "tp", "cp", "ep", "pp", "vpp", "mb", "zero")
 _OPTIONS = ("dp", "tp", "sp", "cp", "ep", "pp", "vpp", "mb", "zero", "recompute", "capacity")
 _SYNTAX = (
     f"dp=N, tp=N, sp, cp=N[:{'|'.join(CP_VARIANTS)}], ep=N, "
-    f"pp=N[:{'|'.join(SCHEDULES)}], vpp=N, mb=N, zero=0|1|2|3, "
+    f"pp=N[:{'|'.join(SCHEDULES)}], vpp=N, mb=N, zero={'|'.join(map(str, ZERO_STAGES))}, "
     f"recompute={'|'.join(RECOMPUTE_MODES)}, capacity=F"
 )
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def _nearest(candidates: list[int], target: int) -> list[int]:
@@ -131,9 +131,9 @@ class Plan:
                     f"autopar: plan option {name}={value} is not allowed; expected an "
                     f"integer >= 1 (use {name}=1 to turn it off)"
                 )
-        if self.zero not in (0, 1, 2, 3):
+        if self.zero not in ZERO_STAGES:
             raise AutoparError(
-                f"autopar: zero={self.zero} is not a ZeRO stage; expected one of 0, 1, 2, 3"
+                f"autopar: zero={self.zero} is not a ZeRO stage; expected one of {_fmt_list(ZERO_STAGES)}"
             )
         if not isinstance(self.sp, bool):
             raise AutoparError(f"autopar: plan option sp must be True or False, got {self.sp!r}")
@@ -149,7 +149,7 @@ class Plan:
                 )
             object.__setattr__(self, name, value.lower())
 
-        if self.sp and self.tp == 1:
+        if not sp_ok(self.sp, self.tp):
             raise AutoparError(
                 "autopar: sp (sequence parallelism) splits activations over the tensor-"
                 "parallel group, but tp=1; use tp>=2 with sp, or drop sp"
@@ -165,8 +165,8 @@ class Plan:
                 f"needs pp>=2 (e.g. pp=2:{self.schedule}), or drop it"
             )
         self._check_vpp()
-        if (self.dp * self.cp) % self.ep:
-            good = _divisors(self.dp * self.cp)
+        if not ep_ok(self.ep, self.dp, self.cp):
+            good = divisors(self.dp * self.cp)
             raise AutoparError(
                 f"autopar: ep={self.ep} does not divide dp*cp={self.dp * self.cp} (dp={self.dp}, "
                 f"cp={self.cp}); expert parallelism is folded into the data/context-parallel "
@@ -298,35 +298,7 @@ class Plan:
                     f"autopar: plan option {key!r} needs a value, got {token!r} in {text!r}; "
                     f"syntax: {_SYNTAX}"
                 )
-            if key in ("cp", "pp"):
-                number, colon, variant = (p.strip() for p in value.partition(":"))
-                if colon:
-                    allowed = CP_VARIANTS if key == "cp" else SCHEDULES
-                    if variant.lower() not in allowed:
-                        what = "context-parallel variant" if key == "cp" else "pipeline schedule"
-                        raise AutoparError(
-                            f"autopar: unknown {what} {variant!r} in {text!r}; expected one "
-                            f"of {_fmt_list(allowed)} (e.g. {key}={number or 2}:{allowed[0]})"
-                        )
-                    fields["cp_variant" if key == "cp" else "schedule"] = variant.lower()
-                fields[key] = _parse_int(key, number, text)
-            elif key in _INT_OPTIONS:
-                fields[key] = _parse_int(key, value, text)
-            elif key == "recompute":
-                if value.lower() not in RECOMPUTE_MODES:
-                    raise AutoparError(
-                        f"autopar: unknown recompute mode {value!r} in {text!r}; expected one "
-                        f"of {_fmt_list(RECOMPUTE_MODES)}"
-                    )
-                fields["recompute"] = value.lower()
-            else:  # capacity
-                try:
-                    fields["capacity"] = float(value)
-                except ValueError:
-                    raise AutoparError(
-                        f"autopar: capacity needs a number, got {value!r} in {text!r}; "
-                        f"write e.g. capacity=1.25"
-                    ) from None
+            fields.update(_parse_value(key, value, text))
         return cls(**fields)
 
     def __str__(self) -> str:
@@ -364,13 +336,13 @@ class Plan:
     @property
     def num_chunks_per_rank(self) -> int:
         """Model chunks each pipeline rank holds: vpp (interleaved), 2 (zbv, dualpipev), else 1
-        (:func:`autopar.plan_rules.chunks_per_rank`)."""
+        (:func:`autopar.plan_space.chunks_per_rank`)."""
         return chunks_per_rank(self.schedule, self.vpp)
 
     @property
     def degrees(self) -> dict[str, int]:
-        """Mesh axis -> size, outer to inner: ``{"pp", "dp", "cp", "tp"}``."""
-        return {"pp": self.pp, "dp": self.dp, "cp": self.cp, "tp": self.tp}
+        """Mesh axis -> size, outer to inner (:data:`autopar.plan_space.MESH_AXES`)."""
+        return {axis: getattr(self, axis) for axis in MESH_AXES}
 
     # ------------------------------------------------------------------ model checks
     def validate(
@@ -384,11 +356,13 @@ class Plan:
         num_experts: int | None = None,
         global_batch: int | None = None,
         seq_len: int | None = None,
+        latent_attention: bool | None = None,
     ) -> "Plan":
         """Check the plan against a model and a run; return ``self`` or raise AutoparError.
 
         Arguments left as ``None`` are not checked. ``num_kv_heads=None`` means the same
-        as ``num_heads`` (no GQA). ``num_experts=0`` means a dense model.
+        as ``num_heads`` (no GQA). ``num_experts=0`` means a dense model. ``latent_attention``:
+        the model has multi-head latent attention, which the cost model does not split by heads.
         """
         if world_size is not None and world_size != self.world_size:
             rest = self.pp * self.cp * self.tp
@@ -405,12 +379,17 @@ class Plan:
         kv = num_kv_heads if num_kv_heads is not None else num_heads
         if num_heads is not None:
             self._check_heads(num_heads, kv)
-        elif num_kv_heads is not None and num_kv_heads % self.tp:
+        elif num_kv_heads is not None and not heads_ok(self.tp, num_kv_heads, num_kv_heads):
             raise AutoparError(
                 f"autopar: tp={self.tp} does not divide the {num_kv_heads} KV heads; "
-                f"valid tp values: {_fmt_list(_divisors(num_kv_heads))}"
+                f"valid tp values: {_fmt_list(divisors(num_kv_heads))}"
             )
-        if vocab is not None and vocab % self.tp:
+        if latent_attention is not None and not latent_attention_ok(self.tp, int(latent_attention)):
+            raise AutoparError(
+                f"autopar: plan '{self}' splits multi-head latent attention (a low-rank latent K/V) over tp; the "
+                "runtime does not shard latent attention by heads yet, so neither does the cost model. Use tp=1 "
+                "(dp, cp, ep, pp and ZeRO run it).")
+        if vocab is not None and not vocab_ok(self.tp, vocab):
             padded = -(-vocab // self.tp) * self.tp
             raise AutoparError(
                 f"autopar: tp={self.tp} does not divide the vocabulary size {vocab}; the "
@@ -420,7 +399,7 @@ class Plan:
             )
         if num_layers is not None:
             chunks = self.pp * self.num_chunks_per_rank
-            if num_layers < chunks:
+            if not layers_ok(self.pp, self.num_chunks_per_rank, num_layers):
                 raise AutoparError(
                     f"autopar: plan '{self}' cuts the model into pp*chunks_per_rank = "
                     f"{self.pp}*{self.num_chunks_per_rank} = {chunks} pipeline chunks, but "
@@ -428,14 +407,14 @@ class Plan:
                     f"(a smaller pp or vpp)"
                 )
         if num_experts is not None:
-            if num_experts == 0 and (self.ep > 1 or self.capacity is not None):
+            if num_experts == 0 and (not experts_ok(self.ep, 0) or self.capacity is not None):
                 what = f"ep={self.ep}" if self.ep > 1 else f"capacity={self.capacity!r}"
                 raise AutoparError(
                     f"autopar: {what} applies to mixture-of-experts layers, but the model "
                     f"has no experts; drop {what.split('=')[0]}"
                 )
-            if num_experts and num_experts % self.ep:
-                good = [d for d in _divisors(num_experts) if (self.dp * self.cp) % d == 0]
+            if num_experts and not experts_ok(self.ep, num_experts):
+                good = [d for d in divisors(num_experts) if ep_ok(d, self.dp, self.cp)]
                 raise AutoparError(
                     f"autopar: ep={self.ep} does not divide the {num_experts} experts; ep "
                     f"must divide both the experts and dp*cp={self.dp * self.cp}: valid ep "
@@ -448,42 +427,41 @@ class Plan:
         return self
 
     def _check_heads(self, heads: int, kv: int) -> None:
-        valid_tp = _divisors(math.gcd(heads, kv))
-        if heads % self.tp:
+        valid_tp = divisors(math.gcd(heads, kv))
+        if not heads_ok(self.tp, heads, heads):
             raise AutoparError(
                 f"autopar: tp={self.tp} does not divide the {heads} attention heads; tensor "
                 f"parallelism splits whole heads, so tp must be one of {_fmt_list(valid_tp)}"
             )
-        if kv % self.tp:
+        if not heads_ok(self.tp, heads, kv):
             raise AutoparError(
                 f"autopar: tp={self.tp} does not divide the {kv} KV heads (grouped-query "
                 f"attention, {heads} query heads); replicating KV heads across tensor-"
                 f"parallel ranks is not supported, so tp must divide both: valid tp values "
                 f"are {_fmt_list(valid_tp)}"
             )
-        if self.cp > 1 and self.cp_variant == "ulysses":
+        if not ulysses_ok(self.cp, _code("cp_variant", self.cp_variant), heads, kv, self.tp):
             split = self.tp * self.cp
-            if not ulysses_fits(heads, kv, self.tp, self.cp):
-                # tp divides gcd(heads, kv) here, so cp must divide what is left per tp rank.
-                good_cp = [c for c in _divisors(math.gcd(heads, kv) // self.tp) if c > 1]
-                hint = (
-                    f"with tp={self.tp} use cp in {_fmt_list(good_cp)}, or"
-                    if good_cp
-                    else f"with tp={self.tp} no cp>1 fits; use"
-                )
-                raise AutoparError(
-                    f"autopar: cp={self.cp}:ulysses splits the heads over tp*cp = "
-                    f"{self.tp}*{self.cp} = {split} ranks, but the model has {heads} heads "
-                    f"and {kv} KV heads, which must both be divisible by {split}; {hint} "
-                    f"the ring or allgather variant"
-                )
+            # tp divides gcd(heads, kv) here, so cp must divide what is left per tp rank.
+            good_cp = [c for c in divisors(math.gcd(heads, kv) // self.tp) if c > 1]
+            hint = (
+                f"with tp={self.tp} use cp in {_fmt_list(good_cp)}, or"
+                if good_cp
+                else f"with tp={self.tp} no cp>1 fits; use"
+            )
+            raise AutoparError(
+                f"autopar: cp={self.cp}:ulysses splits the heads over tp*cp = "
+                f"{self.tp}*{self.cp} = {split} ranks, but the model has {heads} heads "
+                f"and {kv} KV heads, which must both be divisible by {split}; {hint} "
+                f"the ring or allgather variant"
+            )
 
     def _check_batch(self, global_batch: int) -> None:
         parts = self.dp * self.mb
-        if global_batch % parts == 0:
+        if batch_ok(global_batch, self.dp, self.mb):
             return
-        if global_batch % self.dp:
-            good_dp = _divisors(global_batch)
+        if not batch_ok(global_batch, self.dp, 1):
+            good_dp = divisors(global_batch)
             raise AutoparError(
                 f"autopar: the global batch of {global_batch} does not split into dp={self.dp} "
                 f"replicas times mb={self.mb} micro-batches; dp must divide the batch "
@@ -491,7 +469,7 @@ class Plan:
                 f"{parts}"
             )
         per_replica = global_batch // self.dp
-        near = _nearest(_divisors(per_replica), self.mb)
+        near = _nearest(divisors(per_replica), self.mb)
         raise AutoparError(
             f"autopar: the global batch of {global_batch} does not split into dp*mb = "
             f"{self.dp}*{self.mb} = {parts} equal parts; each replica gets {per_replica} "
@@ -500,7 +478,7 @@ class Plan:
         )
 
     def _check_seq(self, seq_len: int) -> None:
-        if self.cp > 1 and seq_len % (2 * self.cp):
+        if not cp_seq_ok(seq_len, self.cp):
             lo = seq_len // (2 * self.cp) * 2 * self.cp
             near = [n for n in (lo, lo + 2 * self.cp) if n > 0]
             raise AutoparError(
@@ -509,7 +487,7 @@ class Plan:
                 f"{seq_len} is not a multiple of {2 * self.cp}; use a sequence length of "
                 f"{' or '.join(str(n) for n in near)}, or a cp with 2*cp dividing {seq_len}"
             )
-        if self.sp and (seq_len // self.cp) % self.tp:
+        if not sp_seq_ok(seq_len, self.cp, self.tp, self.sp):
             local = seq_len // self.cp
             step = self.cp * self.tp
             lo = seq_len // step * step
@@ -520,6 +498,42 @@ class Plan:
                 f"of {' or '.join(str(n) for n in near)} (a multiple of cp*tp = {step}), or "
                 f"drop sp"
             )
+
+
+
+def _parse_value(key: str, value: str, text: str) -> dict:
+    """The fields one ``key=value`` token of plan ``text`` sets (``sp`` is handled by the caller)."""
+    fields: dict = {}
+    if key in ("cp", "pp"):
+        number, colon, variant = (p.strip() for p in value.partition(":"))
+        if colon:
+            allowed = CP_VARIANTS if key == "cp" else SCHEDULES
+            if variant.lower() not in allowed:
+                what = "context-parallel variant" if key == "cp" else "pipeline schedule"
+                raise AutoparError(
+                    f"autopar: unknown {what} {variant!r} in {text!r}; expected one "
+                    f"of {_fmt_list(allowed)} (e.g. {key}={number or 2}:{allowed[0]})"
+                )
+            fields["cp_variant" if key == "cp" else "schedule"] = variant.lower()
+        fields[key] = _parse_int(key, number, text)
+    elif key in _INT_OPTIONS:
+        fields[key] = _parse_int(key, value, text)
+    elif key == "recompute":
+        if value.lower() not in RECOMPUTE_MODES:
+            raise AutoparError(
+                f"autopar: unknown recompute mode {value!r} in {text!r}; expected one "
+                f"of {_fmt_list(RECOMPUTE_MODES)}"
+            )
+        fields["recompute"] = value.lower()
+    else:  # capacity
+        try:
+            fields["capacity"] = float(value)
+        except ValueError:
+            raise AutoparError(
+                f"autopar: capacity needs a number, got {value!r} in {text!r}; "
+                f"write e.g. capacity=1.25"
+            ) from None
+    return fields
 
 
 def _parse_int(key: str, value: str, text: str) -> int:

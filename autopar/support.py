@@ -1,66 +1,53 @@
-"""What the runtime can run today: the one source of truth for plan combinations.
+"""What the runtime runs today: the runtime rules of :mod:`autopar.plan_space`, asked about a plan.
 
-``parallelize`` (through :func:`autopar.passes.compile.compile_program`) refuses a plan
-that :func:`unsupported` finds fault with, and ``plan="auto"``
-(:mod:`autopar.planning.autoplan`) only considers plans it accepts, so neither offers a
-plan the runtime would refuse.  The offline cost model and search cover every dimension.
-Torch-free: offline planning imports it.
+``parallelize`` (through :func:`autopar.passes.compile.compile_program`) refuses a plan that
+:func:`check_runnable` finds fault with, and the search (``runnable=True``, which ``plan="auto"``
+uses) only ranks plans that :func:`autopar.plan_space.runnable` accepts: the same rules, so
+neither offers a plan the runtime would refuse.  The offline cost model and search cover every
+dimension.  Torch-free: offline planning imports it.
 """
 from __future__ import annotations
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
-from autopar.plan_rules import SPLIT_BACKWARD_SCHEDULES
+from autopar.plan_space import encode, moe_rewritten, runtime_refusals, supported_summary
 
-__all__ = ["unsupported", "check_supported", "moe_needs_rewrite", "SUPPORTED_SUMMARY"]
+__all__ = ["unsupported", "check_supported", "check_runnable", "moe_needs_rewrite", "SUPPORTED_SUMMARY"]
 
-SUPPORTED_SUMMARY = ("the runtime supports dp, tp, sp, cp, ep (with dp, cp, tp, sp, pp, zero), zero (with dp, cp, tp, "
-                     "sp, ep and pp; zero=3 with the zbv / dualpipev schedules only without tp, cp and ep), pp (with "
-                     "dp, cp, tp, sp, ep, zero, "
-                     "tied embeddings with zero=0|1), mb (gradient accumulation) and recompute=selective|full (with dp, "
-                     "tp, sp, cp, zero and pp, not with MoE rewrites or the zbv / dualpipev schedules)")
+SUPPORTED_SUMMARY = supported_summary()
+"""What the runtime runs, generated from :data:`autopar.plan_space.RUNTIME_RULES`."""
 
 
 def moe_needs_rewrite(plan: Plan) -> bool:
-    """Experts split over ep, token shards under tp+sp, or a capacity: a MoE block's routing is rewritten."""
-    return plan.ep > 1 or plan.tp > 1 or plan.capacity is not None
+    """Experts split over ep, token shards under tp+sp, or a capacity: a MoE block's routing is
+    rewritten (:func:`autopar.plan_space.moe_rewritten`)."""
+    return bool(moe_rewritten(plan.tp, plan.ep, plan.capacity or 0))
 
 
-def unsupported(plan: Plan, *, moe_rewrite: bool = False, tied: bool = False) -> list[str]:
-    """The parts of ``plan`` the runtime cannot run yet (empty when it runs).
+def unsupported(plan: Plan, *, moe: bool = False, tied: bool = False) -> list[str]:
+    """The parts of ``plan`` the runtime cannot run, each with why (empty when it runs).
 
-    ``moe_rewrite``: the model has MoE blocks that the plan's ep, tp or capacity rewrites;
-    ``tied``: its LM head shares the embedding matrix."""
-    missing = []
-
-    if (plan.pp > 1 and plan.zero == 3 and plan.schedule in SPLIT_BACKWARD_SCHEDULES
-            and (plan.tp > 1 or plan.cp > 1 or plan.ep > 1)):
-        # A unit's one flat shard feeds every weight of a layer, so torch's split weight backward
-        # re-runs the layer's backward from the attention on, collectives included (measured:
-        # extra CP sends), which neither the cost model nor the wall clock should pay.
-        missing.append(f"zero=3 with the {plan.schedule} schedule together with tp, cp or ep (its weight "
-                       "backward would re-run the layer's backward collectives)")
-    if plan.pp > 1 and plan.zero > 1 and tied:
-        # The first and last stages' copies of the tied weight would have to be summed shard by
-        # shard, with the copy in a unit of its own on both (on one rank under the V schedules).
-        missing.append(f"zero={plan.zero} with pp on a model whose LM head is tied to the embedding "
-                       "(zero=1 runs there)")
-    if plan.recompute != "none":
-        # The MoE blocks' routed activations and all-to-alls are not in the cost model's
-        # recompute accounting (a CP attention's collectives are: cost/comm.py).
-        if plan.pp > 1 and plan.schedule in SPLIT_BACKWARD_SCHEDULES:
-            missing.append(f"recompute={plan.recompute} with the {plan.schedule} schedule (its split backward "
-                           "would recompute every region twice)")
-        if moe_rewrite:
-            missing.append(f"recompute={plan.recompute} on a mixture-of-experts model whose blocks the plan rewrites")
-    return missing
+    ``moe``: the model has mixture-of-experts blocks; ``tied``: its LM head shares the
+    embedding matrix."""
+    return [rule.says(plan) for rule in runtime_refusals(encode(plan), moe=int(moe), tied=int(tied))]
 
 
-def check_supported(plan: Plan, *, moe_rewrite: bool = False, tied: bool = False) -> None:
+def check_supported(plan: Plan, *, moe: bool = False, tied: bool = False) -> None:
     """Raise an ``autopar:`` error naming what the runtime cannot run in ``plan``."""
-    missing = unsupported(plan, moe_rewrite=moe_rewrite, tied=tied)
+    missing = unsupported(plan, moe=moe, tied=tied)
     if missing:
         raise AutoparError(
-            f"autopar: plan '{plan}' uses {', '.join(missing)}, which the runtime does not support yet; "
+            f"autopar: plan '{plan}' uses {'; '.join(missing)}, which the runtime does not support yet; "
             f"{SUPPORTED_SUMMARY}. The offline cost model and search (autopar plan / autopar.estimate) "
             "cover every dimension.")
+
+
+def check_runnable(plan: Plan, *, world_size: int | None = None, num_heads: int | None = None,
+                   num_kv_heads: int | None = None, vocab: int | None = None, num_experts: int = 0,
+                   tied: bool = False) -> None:
+    """The checks ``parallelize`` makes of a plan against a model before compiling it: what the
+    runtime runs (:func:`check_supported`), then :meth:`autopar.plan.Plan.validate` (``vocab``:
+    the vocabulary of a model with embeddings, else None)."""
+    check_supported(plan, moe=num_experts > 0, tied=tied)
+    plan.validate(world_size=world_size, num_heads=num_heads, num_kv_heads=num_kv_heads, vocab=vocab,
+                  num_experts=num_experts)

@@ -6,7 +6,7 @@ The example MoE decoder (``examples/model.py``, ModuleList experts, top-2) train
 - ``dp=2``: every rank holds every expert and runs them on its own tokens (the traced
   experts, unchanged);
 - ``ep=2,dp=2``: each rank holds half of the experts; tokens travel to their experts'
-  owner and back (``autopar/moe.py``: counts all-to-all, token all-to-all, reverse
+  owner and back (``autopar/ops/moe.py``: counts all-to-all, token all-to-all, reverse
   all-to-all), and expert gradients need no reduction.
 
 Both plans compute the same function on the same batches, so the first steps' losses are
@@ -54,7 +54,7 @@ def _free_port() -> int:
 
 def _worker(rank: int, port: int, args, out_path: str) -> None:
     import autopar
-    from tests.models import example_moe, lm_loss, make_batch
+    from tests.support.models import example_moe, lm_loss, make_batch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)

@@ -204,7 +204,7 @@ class AutoparSide:
             model = LlamaForCausalLM(config)
         model.train()
         options = {} if compile_options is None else {"compile": compile_options or True}
-        self.pm = autopar.parallelize(model, (ids,), {"use_cache": False}, plan=plan, loss_fn=_loss,
+        self.pm = autopar.parallelize(model, (ids,), example_kwargs={"use_cache": False}, plan=plan, loss_fn=_loss,
                                       optimizer=functools.partial(torch.optim.AdamW, lr=LR),
                                       mixed_precision="bf16", **options)
         self.pm.load_pretrained(checkpoint)

@@ -1,6 +1,6 @@
 """Benchmark: autopar's generated programs against PyTorch's own parallelisms, pair by pair.
 
-Each pair trains the same Hugging Face ``LlamaForCausalLM`` (``tests/models.py``
+Each pair trains the same Hugging Face ``LlamaForCausalLM`` (``tests/support/models.py``
 ``hf_llama``, a tiny config: hidden 256, 4 layers, 8 heads, 4 KV heads, FFN 768,
 vocab 2048) from the same seed, on the same batches, with the same ``AdamW`` factory:
 
@@ -50,26 +50,22 @@ import statistics
 import sys
 import tempfile
 import time
-import traceback
 import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-import torch.nn as nn
 
 _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
+from benchmarks.torch_baselines import MODEL_SIZE, TORCH_BUILDERS, _first_error, _loss, _model  # noqa: E402
+
 __all__ = ["BenchConfig", "PAIRS", "MODEL_SIZE", "run_benchmark", "main"]
 
-# hidden 256, 4 layers: each rank's matmuls are non-trivial on one CPU core, a step stays near a second.
-MODEL_SIZE = dict(vocab_size=2048, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=4)
 # Relative loss agreement required between the two sides before anything is timed (fp32).
 LOSS_RTOL = 1e-4
 
@@ -133,244 +129,6 @@ class BenchConfig:
                              "(tp=4 shards the sequence, pp takes 4 micro-batches, cp 2 x 2 chunks)")
 
 
-def _model(cfg: BenchConfig) -> nn.Module:
-    from tests.models import hf_llama
-
-    return hf_llama(cfg.seed, max_position_embeddings=cfg.seq, **{**MODEL_SIZE, "num_hidden_layers": cfg.layers})
-
-
-def _loss(output, target: torch.Tensor) -> torch.Tensor:
-    from tests.models import hf_loss
-
-    return hf_loss(output, target)
-
-
-def _positions(ids: torch.Tensor) -> torch.Tensor:
-    """Explicit position ids: under SP and CP a rank's local sequence is not the global one."""
-    return torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids).contiguous()
-
-
-def _global_mean(loss: torch.Tensor, group=None) -> float:
-    """The mean over the ranks of ``group`` of their local losses (what autopar's train_step returns)."""
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=group)
-    return float(total) / dist.get_world_size(group)
-
-
-# --- the PyTorch sides: each builder returns step(ids, target) -> global mean loss ----------------
-
-
-def torch_tp_plan(model) -> dict:
-    """``parallelize_module``'s plan for ``LlamaForCausalLM``: Megatron TP + SP, vocab-parallel head."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel)
-
-    plan = {
-        # Vocabulary-parallel lookup; the partial sum is reduce-scattered to sequence shards.
-        "model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "model.norm": SequenceParallel(),
-        # Logits stay sharded over the vocabulary for loss_parallel().
-        "lm_head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
-    }
-    for i in range(len(model.model.layers)):
-        p = f"model.layers.{i}."
-        plan.update({
-            p + "input_layernorm": SequenceParallel(),
-            # The decoder layer calls self_attn(hidden_states=..., position_embeddings=...): gather x's shards.
-            p + "self_attn": PrepareModuleInput(input_kwarg_layouts={"hidden_states": Shard(1)},
-                                                desired_input_kwarg_layouts={"hidden_states": Replicate()}),
-            p + "self_attn.q_proj": ColwiseParallel(),
-            p + "self_attn.k_proj": ColwiseParallel(),
-            p + "self_attn.v_proj": ColwiseParallel(),
-            p + "self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1)),
-            p + "post_attention_layernorm": SequenceParallel(),
-            p + "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            p + "mlp.gate_proj": ColwiseParallel(),
-            p + "mlp.up_proj": ColwiseParallel(),
-            p + "mlp.down_proj": RowwiseParallel(output_layouts=Shard(1)),
-        })
-    return plan
-
-
-def _torch_tp(model, make_opt, cfg: BenchConfig, device: torch.device) -> Callable:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
-
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("tp",))
-    # HF attention views q/k/v as (..., -1, head_dim): the local head count needs no model edit.
-    parallelize_module(model, mesh, torch_tp_plan(model))
-    opt = make_opt(model.parameters())
-
-    def step(ids, target):
-        with loss_parallel():
-            loss = _loss(model(ids, position_ids=_positions(ids), use_cache=False), target)
-            loss.backward()
-        if cfg.replicate_partial_grads:
-            # Under SP the norm weights' gradients are Partial; left alone, AdamW all-reduces
-            # each of them once per op that reads it.
-            for p in model.parameters():
-                if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements):
-                    p.grad = p.grad.redistribute(placements=[Replicate()] * p.grad.device_mesh.ndim)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        loss = loss.detach()
-        return float(loss.full_tensor() if isinstance(loss, DTensor) else loss)
-
-    return step
-
-
-def _rows(ids: torch.Tensor) -> slice:
-    """This rank's rows of the global batch (autopar's dp split: contiguous, in rank order)."""
-    n = ids.shape[0] // dist.get_world_size()
-    return slice(dist.get_rank() * n, (dist.get_rank() + 1) * n)
-
-
-def _data_parallel_step(model, opt) -> Callable:
-    def step(ids, target):
-        rows = _rows(ids)
-        loss = _loss(model(ids[rows], use_cache=False), target[rows])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return _global_mean(loss)
-
-    return step
-
-
-def _torch_dp(model, make_opt, cfg: BenchConfig, device: torch.device) -> Callable:
-    from torch.nn.parallel import DistributedDataParallel
-
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    return _data_parallel_step(ddp, make_opt(ddp.parameters()))
-
-
-def _torch_compiled_dp(model, make_opt, cfg: BenchConfig, device: torch.device) -> Callable:
-    from torch.nn.parallel import DistributedDataParallel
-
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    return _data_parallel_step(torch.compile(ddp), make_opt(ddp.parameters()))
-
-
-def _torch_zero3(model, make_opt, cfg: BenchConfig, device: torch.device) -> Callable:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return _data_parallel_step(model, make_opt(model.parameters()))
-
-
-class _LlamaHalf(nn.Module):
-    """One pipeline stage of ``LlamaForCausalLM``: the embedding and the first layers, or the
-    last layers, the final norm and the LM head.  Each stage recomputes the rotary tables
-    (no parameters), so only the hidden state crosses the cut, as in autopar's pipeline pass."""
-
-    def __init__(self, model, layers: range, first: bool, last: bool):
-        super().__init__()
-        inner = model.model
-        self.embed_tokens = inner.embed_tokens if first else None
-        self.layers = nn.ModuleList(inner.layers[i] for i in layers)
-        self.rotary_emb = inner.rotary_emb
-        self.norm = inner.norm if last else None
-        self.lm_head = model.lm_head if last else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(x) if self.embed_tokens is not None else x
-        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
-        rotary = self.rotary_emb(h, position_ids=positions)
-        for layer in self.layers:  # no mask: SDPA's is_causal, as HF's sdpa path does without padding
-            h = layer(h, attention_mask=None, position_embeddings=rotary, position_ids=positions)
-        if self.lm_head is not None:
-            h = self.lm_head(self.norm(h))
-        return h
-
-
-def _logits_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
-def _torch_pp(model, make_opt, cfg: BenchConfig, device: torch.device) -> Callable:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    rank, stages = dist.get_rank(), dist.get_world_size()
-    per_stage = len(model.model.layers) // stages
-    half = _LlamaHalf(model, range(rank * per_stage, (rank + 1) * per_stage), rank == 0, rank == stages - 1)
-    stage = PipelineStage(half, rank, stages, device)
-    schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=_logits_loss, scale_grads=True)
-    opt = make_opt(half.parameters())
-    last = rank == stages - 1
-
-    def step(ids, target):
-        losses: list = []
-        if rank == 0:
-            schedule.step(ids)
-        else:
-            schedule.step(target=target if last else None, losses=losses)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        # The last stage's mean over micro-batches, shared with every stage (others add 0).
-        loss = torch.stack([l.detach() for l in losses]).mean() if last else torch.zeros((), device=device)
-        dist.all_reduce(loss)
-        return float(loss)
-
-    return step
-
-
-def _probe_context_parallel(device: torch.device) -> None:
-    """Run one causal SDPA forward and backward under ``context_parallel`` on a one-rank mesh
-    of this rank alone.  It fails the same way on every rank where the kernel has no CP
-    implementation (torch 2.13 has one for the flash, efficient and cuDNN kernels, none for
-    the CPU's ``_scaled_dot_product_flash_attention_for_cpu``), instead of failing on one rank
-    inside the real step while another waits in a collective."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor.experimental import context_parallel
-
-    own, _ = dist.new_subgroups(1)
-    mesh = DeviceMesh.from_group(own, device.type, mesh_dim_names=("cp",))
-    q = torch.randn(1, 2, 8, 4, device=device, requires_grad=True)
-    try:
-        with context_parallel(mesh, buffers=[torch.zeros(1, 8, device=device)], buffer_seq_dims=[1]):
-            torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
-    except Exception as exc:
-        raise RuntimeError(f"context_parallel cannot run SDPA on {device.type}: {_first_error(exc)}") from exc
-    finally:
-        dist.destroy_process_group(own)
-
-
-def _torch_cp(model, make_opt, cfg: BenchConfig, device: torch.device) -> Callable:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.experimental import context_parallel
-    from torch.nn.parallel import DistributedDataParallel
-
-    _probe_context_parallel(device)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("cp",))
-    # The weights are replicated over cp; DDP averages their gradients over the cp ranks.
-    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    opt = make_opt(ddp.parameters())
-
-    def step(ids, target):
-        ids, target, positions = ids.clone(), target.clone(), _positions(ids)
-        buffers = [ids, target, positions]
-        # Shards the buffers in place over the sequence (2·cp chunks, head-tail balanced) and
-        # replaces SDPA by ring attention for the forward and the backward.
-        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1], no_restore_buffers=set(buffers)):
-            loss = _loss(ddp(ids, position_ids=positions, use_cache=False), target)
-            loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return _global_mean(loss)
-
-    return step
-
-
-TORCH_BUILDERS = {"tp": _torch_tp, "dp": _torch_dp, "zero3": _torch_zero3, "pp": _torch_pp, "cp": _torch_cp,
-                  "compile": _torch_compiled_dp}
-
-
 # --- one pair --------------------------------------------------------------------------------------
 
 
@@ -387,17 +145,56 @@ def _agree(ok: bool) -> bool:
     return int(flag) == 0
 
 
-def _first_error(exc: BaseException) -> str:
-    lines = [l for l in traceback.format_exception_only(type(exc), exc) if l.strip()]
-    text = " ".join(l.strip() for l in lines)
-    return text[:300] + ("..." if len(text) > 300 else "")
-
-
 def _not_run(result: dict, error: BaseException | None) -> dict:
     reason = _first_error(error) if error is not None else "failed on another rank"
     result["status"] = f"not run: torch side failed: {reason}"
     _say(f"{result['pair']}: {result['status']}")
     return result
+
+
+def _equal_work(result: dict, sides: dict, batches: list) -> BaseException | None:
+    """Equal work: the same global mean loss on the same batches (step 0: the forward; step 1:
+    after one update, so the backward and the optimizer step too).  Records the check in
+    ``result`` (with a ``status`` when the losses differ); returns the torch side's error, if any."""
+    check, error = [], None
+    for i in range(2):
+        ids, target = batches[i % len(batches)]
+        a, t = sides["autopar"](ids, target), float("nan")
+        try:
+            t = sides["torch"](ids, target)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        check.append({"autopar": a, "torch": t, "rel_diff": abs(a - t) / max(abs(a), 1e-12)})
+        if not _agree(error is None):
+            return error if error is not None else RuntimeError("failed on another rank")
+    result["equal_work"] = {"losses": check, "rtol": LOSS_RTOL,
+                            "max_rel_diff": max(c["rel_diff"] for c in check)}
+    if not result["equal_work"]["max_rel_diff"] <= LOSS_RTOL:
+        diff = result["equal_work"]["max_rel_diff"]
+        result["status"] = f"not timed: unequal work (first losses differ by {diff:.2e} relative > {LOSS_RTOL})"
+        _say(f"{result['pair']}: {result['status']}: {check}")
+    return None
+
+
+def _timed_steps(sides: dict, cfg: BenchConfig, batches: list, device: torch.device) -> dict:
+    """Warm-up, then interleaved timed steps of each side; each step's time is its slowest rank's."""
+    times = {"autopar": [], "torch": []}
+    for i in range(2, 2 + cfg.warmup + cfg.steps):
+        ids, target = batches[i % len(batches)]
+        for name, step in sides.items():
+            dist.barrier()
+            start = time.perf_counter()
+            step(ids, target)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= 2 + cfg.warmup:
+                times[name].append(time.perf_counter() - start)
+    slowest = {}
+    for name, ts in times.items():  # a step lasts as long as its slowest rank
+        t = torch.tensor(ts, dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        slowest[name] = t.tolist()
+    return slowest
 
 
 def _run_pair(pair: Pair, cfg: BenchConfig, batches: list, device: torch.device) -> dict:
@@ -431,46 +228,13 @@ def _run_pair(pair: Pair, cfg: BenchConfig, batches: list, device: torch.device)
     result["autopar_compile_s"] = round(time.perf_counter() - t0, 2)
     sides = {"autopar": lambda ids, target: pm.train_step((ids,), target), "torch": torch_step}
 
-    # Equal work: the same global mean loss on the same batches (step 0: the forward; step 1:
-    # after one update, so the backward and the optimizer step too).
-    check = []
-    for i in range(2):
-        ids, target = batches[i % len(batches)]
-        a, t = sides["autopar"](ids, target), float("nan")
-        try:
-            t = torch_step(ids, target)
-        except Exception as exc:  # noqa: BLE001
-            error = exc
-        check.append({"autopar": a, "torch": t, "rel_diff": abs(a - t) / max(abs(a), 1e-12)})
-        if not _agree(error is None):
-            return _not_run(result, error)
-    result["equal_work"] = {"losses": check, "rtol": LOSS_RTOL,
-                            "max_rel_diff": max(c["rel_diff"] for c in check)}
-    if not result["equal_work"]["max_rel_diff"] <= LOSS_RTOL:
-        diff = result["equal_work"]["max_rel_diff"]
-        result["status"] = f"not timed: unequal work (first losses differ by {diff:.2e} relative > {LOSS_RTOL})"
-        _say(f"{pair.name}: {result['status']}: {check}")
-        return result
-
+    error = _equal_work(result, sides, batches)
+    if error is not None or "status" in result:
+        return result if error is None else _not_run(result, error)
     _say(f"{pair.name}: equal work ok (max relative loss diff {result['equal_work']['max_rel_diff']:.1e}); "
          f"{cfg.warmup} warm-up + {cfg.steps} interleaved timed steps of each side ...")
-    times = {"autopar": [], "torch": []}
     load_before = os.getloadavg()[0]
-    for i in range(2, 2 + cfg.warmup + cfg.steps):
-        ids, target = batches[i % len(batches)]
-        for name, step in sides.items():
-            dist.barrier()
-            start = time.perf_counter()
-            step(ids, target)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= 2 + cfg.warmup:
-                times[name].append(time.perf_counter() - start)
-    slowest = {}
-    for name, ts in times.items():  # a step lasts as long as its slowest rank
-        t = torch.tensor(ts, dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        slowest[name] = t.tolist()
+    slowest = _timed_steps(sides, cfg, batches, device)
     ratios = [a / t for a, t in zip(slowest["autopar"], slowest["torch"])]
     result.update({
         "status": "ok",
@@ -512,7 +276,7 @@ def _worker(rank: int, world: int, port: int, cfg: BenchConfig, names: list[str]
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-    from tests.models import make_batch
+    from tests.support.models import make_batch
 
     batches = [tuple(t.to(device) for t in make_batch(MODEL_SIZE["vocab_size"], cfg.batch, cfg.seq, cfg.seed + i))
                for i in range(4)]

@@ -1,6 +1,6 @@
 """Plan-search speed: full searches at the scales users run, timed end to end.
 
-Runs :func:`autopar.search` (autopar/search.py over the compiled cost model in cost/)
+Runs :func:`autopar.search` (autopar/planning/search.py over the lambdified cost model in cost/)
 for two cases and prints, for each, the candidate plans scored, the wall time and the
 candidates per second, plus the one-off cost of compiling the model (sympy lambdify,
 paid once per process):
@@ -63,8 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     import autopar.cost.model as cost_model  # compile once, outside the timed searches
 
-    cost_model.compiled("derived", False)
-    cost_model.compiled("derived", True)
+    cost_model.model_formulas("derived", False)
+    cost_model.model_formulas("derived", True)
     compile_s = time.perf_counter() - start
 
     results = []

@@ -2,8 +2,16 @@
 
 Public API: ``ModelSpec`` (spec.py), ``Cluster`` (hardware.py), ``estimate`` -> ``Cost``
 (estimate.py) with ``breakdown()`` -> [``Term``] and ``comm_table()`` -> [``CommRow``]
-(comm.py). Plan search is ``autopar.search``. docs/cost-model.md has the full account and
-the calibration table.
+(comm.py). Plan search is ``autopar.search`` (autopar/planning/search.py). docs/cost-model.md
+has the full account and the calibration table.
+
+The modules: ``spec`` (``ModelSpec``: the model's dimensions), ``hardware`` (``Cluster``: GPU
+presets, links, which axes cross nodes), ``symbols`` (the sympy symbols), ``comm`` (bytes per
+collective), ``flops`` (FLOPs by GEMM class), ``memory`` (memory per GPU), ``time`` (compute
+and collective time, overlap, the step), ``pipeline`` (layer placement, micro-batches in
+flight, the bubble), ``estimate`` (``estimate`` and ``Cost``: one plan), ``model`` (every
+formula lambdified once and evaluated on arrays of plans), ``cache`` (the lambdified
+formulas on disk), ``calibration`` (the fitted constants against published runs).
 
 The model, as formulas (symbols in symbols.py; T = b*S/cp tokens of a micro-batch on a
 rank, T_sp = T/tp under SP; l_d, l_e dense / MoE layers on the rank):

@@ -1,18 +1,18 @@
-"""The on-disk cache of the compiled cost formulas (model.py), so that a warm process skips sympy's work.
+"""The on-disk cache of the lambdified cost formulas (model.py), so that a warm process skips sympy's work.
 
-Compiling the cost model -- building the sympy formulas of comm.py, flops.py, memory.py,
+Lambdifying the cost model -- building the sympy formulas of comm.py, flops.py, memory.py,
 pipeline.py and time.py, eliminating common subexpressions and ``lambdify``-ing them --
 is most of what ``autopar plan`` spends before its search. What it produces is plain
 Python source over numpy (``inspect.getsource`` of each lambdified function) plus the
-names of its inputs and outputs. model.py stores that here, once per compiled variant
-(``compiled("derived", True)``, ``compiled_memory(...)``, ...), and a later process
-compiles the stored source (milliseconds) instead of the formulas; the sympy expressions
-themselves are rebuilt only when asked for (``Compiled.exprs``: ``Cost.breakdown()``'s
+names of its inputs and outputs. model.py stores that here, once per lambdified variant
+(``model_formulas("derived", True)``, ``memory_formulas(...)``, ...), and a later process
+executes the stored source (milliseconds) instead of lambdifying the formulas; the sympy expressions
+themselves are rebuilt only when asked for (``Formulas.exprs``: ``Cost.breakdown()``'s
 formulas, ``autopar explain --formulas``).
 
 Key: a SHA-256 of every ``*.py`` file of this package (the formulas, the symbols, the way
 model.py lambdifies them, this file) and of the autopar modules the formulas read
-(``autopar/plan.py``, ``autopar/plan_rules.py``: schedule and variant names), with the
+(``autopar/plan.py``, ``autopar/plan_space.py``: schedule and variant names, the plan encoding), with the
 Python, numpy and sympy versions and :data:`FORMAT`. Any edit to those files gives a new key, so
 a stale entry is never read; an entry's file name carries its key and the file repeats
 the whole key, which is checked on load.
@@ -58,15 +58,15 @@ def cache_dir() -> Path | None:
 
 def _key_files() -> list[Path]:
     import autopar.plan
-    import autopar.plan_rules
+    import autopar.plan_space
 
     here = Path(__file__).resolve().parent
-    return sorted(here.glob("*.py")) + [Path(autopar.plan.__file__), Path(autopar.plan_rules.__file__)]
+    return sorted(here.glob("*.py")) + [Path(autopar.plan.__file__), Path(autopar.plan_space.__file__)]
 
 
 @functools.lru_cache(maxsize=1)
 def source_key() -> str | None:
-    """The key of this cost model's compiled formulas (module docstring), or None if a source is unreadable."""
+    """The key of this cost model's lambdified formulas (module docstring), or None if a source is unreadable."""
     import sympy
 
     h = hashlib.sha256()

@@ -5,7 +5,7 @@ options; ``calibration_table()`` predicts each one and returns predicted vs publ
 MFU (and iteration time, and memory for set C) with the relative errors;
 ``fit_constants()`` is how time.CALIBRATED was obtained (a coarse grid then coordinate
 refinement minimising the median plus a quarter of the maximum absolute relative MFU
-error). docs/cost-model.md prints the table and tests/test_calibration.py holds its
+error). docs/cost-model.md prints the table and tests/unit/test_calibration.py holds its
 error bounds.
 
 Assumptions, since the tables do not say: set A models are GPT layers (MHA, FFN 4h,

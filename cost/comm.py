@@ -50,15 +50,14 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from .symbols import (CPAG, CPRING, CPUL, E, FIRST, V, LAST, NRECV, NSEND, RFULL, RSEL, SP, Z1, Z2, Z3, Pe, Ph, a, en,
+from .symbols import (CPAG, CPRING, CPUL, E, FIRST, TIED, V, LAST, NRECV, NSEND, RFULL, RSEL, SP, Z1, Z2, Z3, Pe, Ph, a, en,
                       b, ccs, cp, d, dp, dv, ep, f, fe, g, gated, gc, h, hb, k, ld, le, lg, lq, m, mla, ncs, nl, nn,
                       nsh, pb, pp, qb, qkn, qkh, rho, rkv, rq, s, sgate, tp, aux, vpp, w, wgc, wp)
 from .flops import attention_weights
 
-__all__ = ["CommRow", "RowSpec", "TIED", "TOKEN_ROWS", "row_specs", "routed_row_formulas", "routed_all_to_all_rows",
+__all__ = ["CommRow", "RowSpec", "TOKEN_ROWS", "row_specs", "routed_row_formulas", "routed_all_to_all_rows",
            "activation_bytes", "local_param_elems", "zero3_units"]
 
-TIED = sp.Symbol("tied", nonnegative=True)  # 1 if the LM head shares the embedding matrix
 
 
 @dataclass(frozen=True)
@@ -85,7 +84,7 @@ class RowSpec:
     phase: str
     dimension: str
     collective: str
-    axis: str          # mesh axis; "dp*" picks dp or dp_cp, "edp*" picks the expert replica axis
+    axis: str          # an axis of autopar.plan_space.GROUP_AXES, or "pp_embed" (priced as pp links)
     group: sp.Expr
     sent: sp.Expr
     recv: sp.Expr
@@ -272,7 +271,7 @@ def _tensor_parallel_rows() -> list[RowSpec]:
     add("grad", "sp", "all_reduce", "tp", tp, _ar(partial * wgc * (1 - Z2 + Z2 / (dp * cp)), tp), 1, False,
         "gradients of tp-replicated weights used on token shards (norms under SP, MoE routers)")
     # A norm over a q or k projection's whole (tp-sharded) width sums its fp32 statistics per token
-    # across ranks, and in backward the statistics' gradient (passes/rules.py _reduce_across_ranks).
+    # across ranks, and in backward the statistics' gradient (passes/reduction_rules.py _reduce_across_ranks).
     add("fwd", "tp", "all_reduce", "tp", tp, _ar(T * 4, tp), 2 * qkn * (ld + le), True,
         "all-reduce of the q/k norms' per-token statistics over the sharded width (OLMo 2), fp32")
     add("bwd", "tp", "all_reduce", "tp", tp, _ar(T * 4, tp), 2 * qkn * (ld + le) * (1 + RFULL), True,
@@ -382,8 +381,8 @@ def _data_parallel_rows() -> list[RowSpec]:
     # (An embedding norm's backward reads its weight, so then the unit is re-gathered.)
     emb_only = FIRST * SPLIT_REST * (1 - en)
     for label, P, axis, n, u, P_bwd, u_bwd in (
-            ("dense", dense, "dp*", dp * cp, units, dense - emb_only * (V * h / tp + Pe), units - emb_only),
-            ("expert", expert, "edp*", tp * dp * cp / ep, sp.Max(le, 1, evaluate=False), expert, le)):
+            ("dense", dense, "dp_cp", dp * cp, units, dense - emb_only * (V * h / tp + Pe), units - emb_only),
+            ("expert", expert, "edp", tp * dp * cp / ep, sp.Max(le, 1, evaluate=False), expert, le)):
         # Stage 2 under pp splits its units at chunk borders (each chunk's gradients are scattered
         # after its backward): one reduce-scatter per chunk and micro-batch, one gather per chunk.
         per_chunk = 1 + Z2 * (1 - Z3) * (vpp - 1)
@@ -406,14 +405,14 @@ def _loss_rows() -> list[RowSpec]:
     """Per-step fp32 loss reductions: the mean over dp*cp replicas and the broadcast over pp; the
     load-balancing loss's two statistics (token fractions, mean router probabilities, summed
     over the layers) averaged over each axis that splits the tokens, and the gradient of the
-    probabilities in backward (passes/batch_propagation.py, rules._on_data_axis)."""
+    probabilities in backward (passes/batch_propagation.py, pointwise_rules._on_data_axis)."""
     rows, add = _row_collector()
     for axis, n in (("dp", dp), ("cp", cp)):
         add("fwd", axis, "all_reduce", axis, n, _ar(E * 4, n), 2 * aux, True,
             "average of the load-balancing statistics over the ranks holding other tokens, fp32 [E]")
         add("bwd", axis, "all_reduce", axis, n, _ar(E * 4, n), aux, True,
             "average of the gradient of the mean router probabilities, fp32 [E]")
-    add("loss", "dp", "all_reduce", "dp*", dp * cp, _ar(4, dp * cp), LAST, False,
+    add("loss", "dp", "all_reduce", "dp_cp", dp * cp, _ar(4, dp * cp), LAST, False,
         "mean of the fp32 loss over data-parallel replicas")
     add("loss", "pp", "all_reduce", "pp", pp, _ar(4, pp), 1, False,
         "the fp32 loss from the last stage to every pipeline rank (the others add 0)")

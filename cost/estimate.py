@@ -13,14 +13,14 @@ import numpy as np
 import sympy as sp
 
 from autopar.errors import AutoparError
-from autopar.plan import CP_VARIANTS, RECOMPUTE_MODES, SCHEDULES, Plan
+from autopar.plan import Plan
+from autopar.plan_space import encode
 
-from . import symbols as S
+from . import symbols
 from .comm import CommRow, routed_all_to_all_rows
 from .flops import model_flops, per_token_layer_flops
 from .hardware import Cluster
-from .model import (DEFAULT_CONSTANTS, compiled, evaluate, model_values, plan_values,
-                    step_time_arrays)
+from .model import DEFAULT_CONSTANTS, evaluate, model_formulas, model_values, plan_values, step_time_arrays
 from .pipeline import inflight, stage_views
 from .spec import ModelSpec
 
@@ -83,15 +83,15 @@ class Cost:
     def fits(self) -> bool:
         return self.memory_per_gpu <= self.cluster.usable_memory
 
-    def _value(self, name: str, rank: int) -> float:
-        return float(self._out[name][rank])
+    def _value(self, name: str, pp_rank: int) -> float:
+        return float(self._out[name][pp_rank])
 
     def _formula(self, expr) -> sp.Expr:
         return sp.sympify(expr).xreplace(self._subs)
 
-    def memory(self, rank: int | None = None) -> dict[str, float]:
-        """Bytes per GPU by category on ``rank`` (default: the fullest pipeline rank)."""
-        r = self.memory_rank if rank is None else rank
+    def memory(self, pp_rank: int | None = None) -> dict[str, float]:
+        """Bytes per GPU by category on pipeline rank ``pp_rank`` (default: the fullest)."""
+        r = self.memory_rank if pp_rank is None else pp_rank
         return {n.split(".", 1)[1]: self._value(n, r) for n in self._out if n.startswith("memory.")}
 
     def breakdown(self, *, formulas: bool = True) -> list[Term]:
@@ -109,7 +109,7 @@ class Cost:
         terms: list[Term] = []
         for name in model.names:
             if name.startswith("compute.") and self._value(name, r) > 0:
-                terms.append(Term(name, "compute", formula(name, S.m), mb * self._value(name, r)))
+                terms.append(Term(name, "compute", formula(name, symbols.m), mb * self._value(name, r)))
         for i, row in enumerate(model.rows):
             value = self._value(f"row{i}.time", r)
             if value > 0 and self._value(f"row{i}.count", r) > 0:
@@ -128,24 +128,26 @@ class Cost:
         from .pipeline import bubble_expr
         return bubble_expr(self.plan.schedule if self.plan.pp > 1 else "1f1b")
 
-    def comm_table(self, stage: int = 0, *, expert_counts=None, ep_rank: int = 0) -> list[CommRow]:
-        """Collectives one rank of pipeline stage ``stage`` issues per optimizer step.
+    def comm_table(self, pp_rank: int = 0, *, expert_counts=None, ep_rank: int = 0) -> list[CommRow]:
+        """Collectives one rank of pipeline rank ``pp_rank`` issues per optimizer step.
 
         MoE token all-to-alls are priced at the expected routing (uniform x ``routing_imbalance``,
         or the capacity factor); given the realised ``expert_counts`` of each MoE call (as the
         runtime records them in ``comm_stats()``) they are the exact rows of rank ``ep_rank``."""
-        if not 0 <= stage < self.plan.pp:
-            raise AutoparError(f"autopar: stage {stage} is outside 0..{self.plan.pp - 1}")
+        if not 0 <= pp_rank < self.plan.pp:
+            raise AutoparError(f"autopar: pipeline rank {pp_rank} is outside 0..{self.plan.pp - 1}")
         p = self.plan
         dp_axis = "dp" if p.cp == 1 else "dp_cp"
         out = []
         for i, row in enumerate(self._model.rows):
-            count = self._value(f"row{i}.count", stage)
-            group = self._value(f"row{i}.group", stage)
-            sent, recv = self._value(f"row{i}.sent", stage), self._value(f"row{i}.recv", stage)
+            count = self._value(f"row{i}.count", pp_rank)
+            group = self._value(f"row{i}.group", pp_rank)
+            sent, recv = self._value(f"row{i}.sent", pp_rank), self._value(f"row{i}.recv", pp_rank)
             if count <= 0 or group <= 1 or (sent <= 0 and recv <= 0):
                 continue
-            axis = {"dp*": dp_axis, "edp*": dp_axis if p.ep == 1 and p.tp == 1 else "edp"}.get(row.axis, row.axis)
+            # The runtime's group of that name: plain dp without cp, dp_cp for the experts' copies
+            # too when neither ep nor tp splits them.
+            axis = {"dp_cp": dp_axis, "edp": dp_axis if p.ep == 1 and p.tp == 1 else "edp"}.get(row.axis, row.axis)
             if expert_counts is not None and row.routed:
                 continue
             out.append(CommRow(row.phase, row.dimension, row.collective, axis, int(round(group)),
@@ -189,13 +191,6 @@ def _as_cluster(cluster) -> Cluster:
     return Cluster(gpu=cluster) if isinstance(cluster, str) else cluster
 
 
-def plan_flags(plan: Plan) -> dict:
-    """Integer codes of a plan's options, as model.plan_values expects them."""
-    return dict(tp=plan.tp, dp=plan.dp, cp=plan.cp, pp=plan.pp, ep=plan.ep, vpp=plan.num_chunks_per_rank,
-                m=plan.mb, sp=int(plan.sp), zero=plan.zero, recompute=RECOMPUTE_MODES.index(plan.recompute),
-                cp_variant=CP_VARIANTS.index(plan.cp_variant), schedule=SCHEDULES.index(plan.schedule))
-
-
 def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_bytes: int = 2,
              grad_bytes: int | None = None, activation_formula: str = "derived",
              tp_comm_overlap: bool = False, zero_overlap: bool = False, routing_imbalance: float = 1.0,
@@ -219,19 +214,14 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
             f"autopar: plan '{plan}' needs {plan.world_size} GPUs but the cluster has "
             f"{cluster.world_size} ({cluster.num_nodes} nodes x {cluster.gpus_per_node}); use a "
             f"bigger cluster or smaller degrees")
-    if plan.tp > 1 and spec.kv_lora_rank:
-        raise AutoparError(
-            f"autopar: plan '{plan}' splits multi-head latent attention (kv_lora_rank={spec.kv_lora_rank}) "
-            "over tp; the runtime does not shard latent attention by heads yet, so neither does the cost "
-            "model. Use tp=1 (dp, cp, ep, pp and ZeRO run it).")
     plan.validate(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, vocab=spec.vocab,
                   num_layers=spec.num_layers, num_experts=spec.num_experts,
-                  global_batch=global_batch, seq_len=seq_len)
+                  global_batch=global_batch, seq_len=seq_len, latent_attention=spec.kv_lora_rank > 0)
     consts = {**DEFAULT_CONSTANTS, **(constants or {})}
-    model = compiled(activation_formula, True)
+    model = model_formulas(activation_formula, True)
     views = stage_views(spec, plan.pp, plan.schedule, plan.vpp, head_layers(spec, seq_len))
     pp = plan.pp
-    arrays = {key: np.full(pp, val, dtype=np.float64) for key, val in plan_flags(plan).items()}
+    arrays = {key: np.full(pp, val, dtype=np.float64) for key, val in encode(plan).items()}
     arrays["b"] = np.full(pp, global_batch / (plan.dp * plan.mb))
     arrays["schedule"] = arrays["schedule"].astype(np.int64)
     for key, attr in (("ld", "dense"), ("le", "moe"), ("first", "first"), ("last", "last"),
@@ -252,10 +242,9 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
     step = float(pipe[0] + np.max(out["step_comm"]) + np.max(out["optimizer"]))
     mem_rank = int(np.argmax(out["memory"]))
     tokens = global_batch * seq_len
-    subs = {sym: values[sym.name] for sym in (S.SP, S.RSEL, S.RFULL, S.Z1, S.Z2, S.Z3, S.CPRING, S.CPAG,
-                                              S.CPUL, S.gated, S.qb, S.nn, S.FLASH)}
-    subs.update({sp.Symbol("tp_overlap", nonnegative=True): values["tp_overlap"],
-                 sp.Symbol("dualpipe", nonnegative=True): float(values["dualpipe"][0])})
+    subs = {sym: values[sym.name] for sym in (symbols.SP, symbols.RSEL, symbols.RFULL, symbols.Z1, symbols.Z2,
+                                              symbols.Z3, symbols.CPRING, symbols.CPAG, symbols.CPUL, symbols.gated,
+                                              symbols.qb, symbols.nn, symbols.FLASH, symbols.TPOV, symbols.DPV)}
     subs = {k: (float(v[0]) if isinstance(v, np.ndarray) else float(v)) for k, v in subs.items()}
     subs = {k: sp.Integer(int(v)) if v == int(v) else sp.Float(v) for k, v in subs.items()}
     return Cost(plan=plan, spec=spec, cluster=cluster, seq_len=seq_len, global_batch=global_batch,

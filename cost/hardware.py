@@ -2,8 +2,8 @@
 
 The time model (time.py) charges every collective on a mesh axis by an alpha-beta model
 per link class: NVLink inside a node, the network across nodes. Which links an axis
-uses follows from the mesh layout ``pp x dp x cp x tp`` (outer to inner, tp fastest;
-expert groups are carved from ``dp x cp`` with stride tp, docs/architecture.md): an axis of size
+uses follows from the mesh layout (:func:`autopar.plan_space.axis_geometry`: ``pp x dp x cp x tp``,
+outer to inner, tp fastest; expert groups carved from ``dp x cp`` with stride tp): an axis of size
 ``n`` and rank stride ``st`` has ``r = min(n, G // st)`` members per node (``G`` GPUs per
 node; ``r = 1`` once ``st >= G``) and spans ``N = ceil(n / r)`` nodes. Collectives are
 taken to be hierarchical (NCCL-like): the intra-node part runs on NVLink and each GPU
@@ -18,31 +18,56 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.errors import AutoparError
+from autopar.plan_space import axis_geometry
 
-__all__ = ["Cluster", "GPU_PRESETS", "AXES", "axis_geometry", "axis_link_arrays"]
+__all__ = ["Cluster", "GPU_PRESETS", "NODE_GPUS", "node_gpus", "axis_link_arrays"]
 
-# Vendor figures from calibration.md (bytes, bytes/s, FLOP/s); latencies are typical NCCL
-# per-step figures (a few microseconds on NVLink, ~10 us across InfiniBand). gemm_efficiency is
-# the fraction of peak a large bf16 GEMM reaches (eta_max of time.py), fitted per GPU generation
-# on calibration.md (calibration.py): A100s get closer to their peak than H100s do.
+def _gpu(peak_flops: float, hbm_bytes: float, hbm_bandwidth: float, intra_node_bandwidth: float,
+         inter_node_bandwidth: float = 50e9, *, gemm_efficiency: float = 0.75, intra_node_latency: float = 5e-6,
+         inter_node_latency: float = 10e-6) -> dict[str, float]:
+    """One preset's figures (bytes, bytes/s per direction, FLOP/s, seconds)."""
+    return dict(gemm_efficiency=gemm_efficiency, peak_flops=peak_flops, hbm_bytes=hbm_bytes,
+                hbm_bandwidth=hbm_bandwidth, intra_node_bandwidth=intra_node_bandwidth,
+                intra_node_latency=intra_node_latency, inter_node_bandwidth=inter_node_bandwidth,
+                inter_node_latency=inter_node_latency)
+
+
+# Vendor figures (dense bf16 peaks, no sparsity); latencies are typical NCCL per-step figures (a
+# few microseconds on NVLink, ~10 us across InfiniBand); the network default is one 400 Gb/s NIC per
+# GPU. gemm_efficiency is the fraction of peak a large bf16 GEMM reaches (eta_max of time.py),
+# fitted per GPU generation on calibration.md (calibration.py): A100s get closer to their peak
+# than H100s do. B200, GB200 and MI300X take H100's fit: calibration.md has no GEMM table for
+# them yet, so `autopar calibrate` on the machine is the better source.
 GPU_PRESETS: dict[str, dict[str, float]] = {
-    "a100": dict(gemm_efficiency=0.75, peak_flops=312e12, hbm_bytes=80 * 2**30, hbm_bandwidth=2.0e12,
-                 intra_node_bandwidth=300e9, intra_node_latency=5e-6,
-                 inter_node_bandwidth=25e9, inter_node_latency=10e-6),
-    "h100": dict(gemm_efficiency=0.75, peak_flops=989e12, hbm_bytes=80 * 2**30, hbm_bandwidth=3.35e12,
-                 intra_node_bandwidth=450e9, intra_node_latency=5e-6,
-                 inter_node_bandwidth=50e9, inter_node_latency=10e-6),
-    "h200": dict(gemm_efficiency=0.75, peak_flops=989e12, hbm_bytes=141e9, hbm_bandwidth=4.8e12,
-                 intra_node_bandwidth=450e9, intra_node_latency=5e-6,
-                 inter_node_bandwidth=50e9, inter_node_latency=10e-6),
+    # A100, H100, H200: the figures of calibration.md.
+    "a100": _gpu(312e12, 80 * 2**30, 2.0e12, 300e9, 25e9),
+    "h100": _gpu(989e12, 80 * 2**30, 3.35e12, 450e9),
+    "h200": _gpu(989e12, 141e9, 4.8e12, 450e9),
+    # B200 in an HGX / DGX B200 (1,000 W): 2.25 PFLOP/s, 180 GB HBM3e at 8 TB/s, NVLink 5 at 1.8 TB/s
+    # both ways (NVIDIA DGX B200 datasheet; per-precision table: glennklockwood.com/garden/processors/B200).
+    "b200": _gpu(2.25e15, 180e9, 8.0e12, 900e9),
+    # B200 in a GB200 NVL72 rack (1,200 W): 2.5 PFLOP/s; 13.4 TB HBM3e and 576 TB/s over 72 GPUs
+    # (186 GB, 8 TB/s each); the NVLink domain is the rack's 72 GPUs (NODE_GPUS) (NVIDIA GB200 NVL72
+    # product page; the same per-precision table).
+    "gb200": _gpu(2.5e15, 186e9, 8.0e12, 900e9),
+    # AMD Instinct MI300X: 1,307.4 TFLOP/s, 192 GB HBM3 at 5.3 TB/s (AMD MI300X datasheet); 8 GPUs
+    # fully connected by Infinity Fabric, 7 links of 64 GB/s each way: 448 GB/s in all, which a
+    # collective over the 8 GPUs drives (a pair alone gets one link; not modelled).
+    "mi300x": _gpu(1307.4e12, 192e9, 5.3e12, 448e9),
     # A toy "accelerator" for tests and CPU runs: gloo over shared memory / loopback.
-    "cpu": dict(gemm_efficiency=0.5, peak_flops=1e11, hbm_bytes=16 * 2**30, hbm_bandwidth=2e10,
-                intra_node_bandwidth=5e9, intra_node_latency=20e-6,
-                inter_node_bandwidth=1e9, inter_node_latency=100e-6),
+    "cpu": _gpu(1e11, 16 * 2**30, 2e10, 5e9, 1e9, gemm_efficiency=0.5, intra_node_latency=20e-6,
+                inter_node_latency=100e-6),
 }
 
-# Mesh axes the cost model uses: (name, stride, size) as functions of the degrees.
-AXES = ("tp", "cp", "dp", "pp", "dp_cp", "ep", "edp")
+NODE_GPUS: dict[str, int] = {"gb200": 72}
+"""GPUs that share the fast links (a "node" of the time model) where a preset's domain is not the
+8 GPUs of one server: GB200 NVL72's NVLink spans the rack.  Others default to 8."""
+DEFAULT_NODE_GPUS = 8
+
+
+def node_gpus(gpu: str) -> int:
+    """The default ``gpus_per_node`` (fast-link domain) of a GPU preset."""
+    return NODE_GPUS.get(gpu.lower(), DEFAULT_NODE_GPUS)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,12 +75,14 @@ class Cluster:
     """A homogeneous GPU cluster. ``None`` overrides take the ``gpu`` preset's value.
 
     ``usable_memory_fraction`` is the share of HBM a plan may fill (the rest covers the
-    CUDA context, the framework and allocator fragmentation).
+    CUDA context, the framework and allocator fragmentation).  ``gpus_per_node`` is the size of
+    the fast-link domain (NVLink / Infinity Fabric); ``None`` takes the preset's (:data:`NODE_GPUS`,
+    else 8: 72 for ``gb200``).
     """
 
     gpu: str = "h100"
     num_nodes: int = 1
-    gpus_per_node: int = 8
+    gpus_per_node: int | None = None
     peak_flops: float | None = None
     hbm_bytes: float | None = None
     hbm_bandwidth: float | None = None
@@ -68,6 +95,8 @@ class Cluster:
 
     def __post_init__(self):
         gpu = self.gpu.lower()
+        if self.gpus_per_node is None:
+            object.__setattr__(self, "gpus_per_node", node_gpus(gpu))
         if gpu not in GPU_PRESETS:
             missing = [n for n in GPU_PRESETS["h100"] if getattr(self, n) is None]
             if missing:
@@ -100,9 +129,10 @@ class Cluster:
         return self.hbm_bytes * self.usable_memory_fraction
 
     @classmethod
-    def for_world(cls, gpu: str, world_size: int, gpus_per_node: int = 8, **overrides) -> "Cluster":
-        """The smallest cluster of ``gpu`` with ``world_size`` GPUs (a partial last node is not modelled)."""
-        per_node = min(gpus_per_node, world_size)
+    def for_world(cls, gpu: str, world_size: int, gpus_per_node: int | None = None, **overrides) -> "Cluster":
+        """The smallest cluster of ``gpu`` with ``world_size`` GPUs (a partial last node is not modelled);
+        ``gpus_per_node`` defaults to the preset's fast-link domain (:func:`node_gpus`)."""
+        per_node = min(gpus_per_node or node_gpus(gpu), world_size)
         if world_size % per_node:
             raise AutoparError(
                 f"autopar: {world_size} GPUs do not fill whole nodes of {per_node}; give "
@@ -114,22 +144,6 @@ class Cluster:
         return dataclasses.replace(self, **changes)
 
 
-def axis_geometry(axis: str, tp, cp, dp, pp, ep):
-    """(stride, size) of ``axis`` in the rank layout; arguments may be numpy arrays."""
-    table = {
-        "tp": (1, tp),
-        "cp": (tp, cp),
-        "dp": (tp * cp, dp),
-        "pp": (tp * cp * dp, pp),
-        "dp_cp": (tp, dp * cp),
-        "ep": (tp, ep),
-        # the tp ranks of an expert replica are adjacent; the link class is set by the
-        # dp*cp/ep outer replicas at stride tp*ep
-        "edp": (tp * ep, dp * cp // ep),
-    }
-    return table[axis]
-
-
 def axis_link_arrays(cluster: Cluster, axis: str, tp, cp, dp, pp, ep, eps: float):
     """Per-axis link costs for arrays of plans.
 
@@ -138,7 +152,8 @@ def axis_link_arrays(cluster: Cluster, axis: str, tp, cp, dp, pp, ep, eps: float
     all-reduce) and for all-to-all / P2P, and seconds of latency per call (per unit of
     the collective's ring passes; an all-reduce is two passes).
     """
-    stride, size = axis_geometry(axis, *(np.asarray(x, dtype=np.int64) for x in (tp, cp, dp, pp, ep)))
+    tp, cp, dp, pp, ep = (np.asarray(x, dtype=np.int64) for x in (tp, cp, dp, pp, ep))
+    stride, size = axis_geometry(axis, pp=pp, dp=dp, cp=cp, tp=tp, ep=ep)
     stride = np.broadcast_to(stride, np.broadcast(stride, size).shape)
     size = np.broadcast_to(size, stride.shape).astype(np.float64)
     per_node = cluster.gpus_per_node

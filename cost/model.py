@@ -1,14 +1,16 @@
-"""The compiled cost model: every formula lambdified once, evaluated on arrays of plans.
+"""The lambdified cost model: every formula lambdified once, evaluated on arrays of plans.
 
-``compiled(activation_formula, full)`` gathers the per-stage formulas of flops.py,
+``model_formulas(activation_formula, full)`` gathers the per-stage formulas of flops.py,
 memory.py, comm.py and time.py into one list, lambdifies it once (numpy, common
 subexpressions shared) and caches it, in the process and on disk (cache.py: the
 generated numpy source, keyed by a hash of the cost model's sources and the sympy and
 numpy versions, so that a warm process neither builds nor lambdifies a formula).
 ``evaluate`` fills the symbols with numbers -- model and hardware as scalars, plans (and
 the pipeline rank being scored) as arrays -- and returns one array per output.
-``estimate.py`` scores one plan on every pipeline rank, ``autopar.search`` millions of
-(plan, rank) pairs in a few calls; sympy is never called per candidate.
+``estimate.py`` scores one plan on every pipeline rank, :mod:`autopar.planning.search` millions
+of (plan, rank) pairs in a few calls; sympy is never called per candidate.  Plans arrive encoded
+(:func:`autopar.plan_space.encode`); :func:`plan_values` turns the codes into the formulas' 0/1
+indicators, and link figures come per axis of :data:`autopar.plan_space.GROUP_AXES`.
 """
 from __future__ import annotations
 
@@ -19,27 +21,24 @@ from typing import Callable
 import numpy as np
 import sympy as sp
 
-from autopar.plan import CP_VARIANTS, RECOMPUTE_MODES, SCHEDULES
+from autopar.plan_space import GROUP_AXES, SCHEDULES, among
 
 from . import cache as _cache
-from . import symbols as S
+from . import symbols
 from .comm import RowSpec, row_specs
 from .hardware import Cluster, axis_link_arrays
 from .memory import memory_terms, precision_bytes
 from .pipeline import T_b, T_f, T_w, bubble_expr
-from .time import CALIBRATED, compute_terms, exposure, link_symbols, optimizer_time, row_time
+from .time import CALIBRATED, compute_terms, exposure, optimizer_time, row_time
 
-__all__ = ["LINK_AXES", "Compiled", "RowInfo", "compiled", "compiled_memory", "compiled_compute",
+__all__ = ["Formulas", "RowInfo", "model_formulas", "memory_formulas", "compute_formulas",
            "model_values", "plan_values", "link_values", "evaluate", "step_time_arrays"]
-
-# link-symbol tag -> mesh axis geometry in hardware.axis_geometry
-LINK_AXES = {"tp": "tp", "cp": "cp", "ep": "ep", "pp": "pp", "dp": "dp_cp", "edp": "edp"}
 
 _NP_FUNCTIONS = {"Max": lambda *x: functools.reduce(np.maximum, x),
                  "Min": lambda *x: functools.reduce(np.minimum, x)}
 _NP_MODULES = [_NP_FUNCTIONS, "numpy"]
 
-# (rows, output names, output formulas) of one compiled variant
+# (rows, output names, output formulas) of one lambdified variant
 Outputs = tuple[list[RowSpec], list[str], list[sp.Expr]]
 
 
@@ -57,8 +56,8 @@ class RowInfo:
 
 
 @dataclass
-class Compiled:
-    """Output names, input symbol names and the numpy function of one compiled variant.
+class Formulas:
+    """Output names, input symbol names and the numpy function of one lambdified variant.
 
     ``exprs`` (the sympy formulas, one per output) are built on first use when the
     function came from the disk cache."""
@@ -78,33 +77,25 @@ class Compiled:
         return self._exprs
 
 
-def _link_symbol_list():
-    out = []
-    for tag in LINK_AXES:
-        for kind in ("ring", "a2a"):
-            out.extend(link_symbols(tag, kind))
-    return out
-
-
-def _lambdified(entry: str, outputs: Callable[[], Outputs], bubbles: bool = False) -> Compiled:
+def _lambdified(entry: str, outputs: Callable[[], Outputs], bubbles: bool = False) -> Formulas:
     """``outputs()`` lambdified (with each schedule's bubble formula if ``bubbles``), through the disk cache."""
     key = _cache.source_key()
     stored = _cache.load(entry, key)
     if stored is not None:
         try:
             fns = _cache.load_functions(stored["functions"], _NP_FUNCTIONS)
-            return Compiled([RowInfo(*row) for row in stored["rows"]], stored["names"], stored["inputs"],
+            return Formulas([RowInfo(*row) for row in stored["rows"]], stored["names"], stored["inputs"],
                             fns.pop("fn"), {name[len("bubble."):]: fn for name, fn in fns.items()}, outputs)
-        except Exception:  # noqa: BLE001 -- a foreign or damaged entry: compile instead
+        except Exception:  # noqa: BLE001 -- a foreign or damaged entry: lambdify instead
             pass
     rows, names, exprs = outputs()
     inputs = sorted(set().union(*(e.free_symbols for e in exprs)), key=lambda x: x.name)
     fns = {"fn": sp.lambdify(inputs, exprs, modules=_NP_MODULES, cse=True)}
     if bubbles:
-        fns.update({f"bubble.{name}": sp.lambdify([T_f, T_b, T_w, S.pp, S.vpp], bubble_expr(name),
+        fns.update({f"bubble.{name}": sp.lambdify([T_f, T_b, T_w, symbols.pp, symbols.vpp], bubble_expr(name),
                                                   modules=_NP_MODULES) for name in SCHEDULES})
     info = [RowInfo(r.phase, r.dimension, r.collective, r.axis, r.per_mb, r.what, r.routed) for r in rows]
-    model = Compiled(info, names, [x.name for x in inputs], fns["fn"],
+    model = Formulas(info, names, [x.name for x in inputs], fns["fn"],
                      {name[len("bubble."):]: fn for name, fn in fns.items() if name != "fn"}, outputs, exprs)
     functions = _cache.dump_functions(fns, _NP_FUNCTIONS)
     if functions is not None:
@@ -118,7 +109,7 @@ def _memory_outputs(activation_formula: str) -> Outputs:
 
 
 @functools.lru_cache(maxsize=8)
-def compiled_memory(activation_formula: str = "derived") -> Compiled:
+def memory_formulas(activation_formula: str = "derived") -> Formulas:
     """Only the memory total (search prunes with it before scoring time)."""
     return _lambdified(f"memory-{activation_formula}", functools.partial(_memory_outputs, activation_formula))
 
@@ -129,7 +120,7 @@ def _compute_outputs() -> Outputs:
 
 
 @functools.lru_cache(maxsize=2)
-def compiled_compute() -> Compiled:
+def compute_formulas() -> Formulas:
     """Only compute time per micro-batch (T_f, T_b without communication): a lower bound for search."""
     return _lambdified("compute", _compute_outputs)
 
@@ -145,7 +136,7 @@ def _model_outputs(activation_formula: str, full: bool) -> Outputs:
         key = row.phase if (row.per_mb and row.phase in ("fwd", "bwd")) else "step"
         exposed[key] += exp_t
         if full:
-            mult = S.m if row.per_mb else 1
+            mult = symbols.m if row.per_mb else 1
             row_outputs += [(f"row{i}.count", row.count * mult), (f"row{i}.group", row.group),
                             (f"row{i}.sent", row.sent), (f"row{i}.recv", row.recv),
                             (f"row{i}.time", t * mult), (f"row{i}.exposed", exp_t * mult)]
@@ -167,7 +158,8 @@ def _model_outputs(activation_formula: str, full: bool) -> Outputs:
 
 
 @functools.lru_cache(maxsize=8)
-def compiled(activation_formula: str = "derived", full: bool = False) -> Compiled:
+def model_formulas(activation_formula: str = "derived", full: bool = False) -> Formulas:
+    """The whole model's formulas: step-time parts and memory (``full``: every term and row too)."""
     return _lambdified(f"model-{activation_formula}-{'full' if full else 'search'}",
                        functools.partial(_model_outputs, activation_formula, full), bubbles=True)
 
@@ -198,10 +190,10 @@ def model_values(spec, *, dtype_bytes: int, grad_bytes: int | None, routing_imba
 def link_values(cluster: Cluster, tp, cp, dp, pp, ep, epsilon: float) -> dict[str, np.ndarray]:
     """Values of every link symbol (seconds per byte / per pass, per axis) for arrays of plans."""
     vals = {}
-    for tag, axis in LINK_AXES.items():
+    for axis in GROUP_AXES:
         br, ba, ar, aa = axis_link_arrays(cluster, axis, tp, cp, dp, pp, ep, epsilon)
-        for (beta, alpha), (bv, av) in ((link_symbols(tag, "ring"), (br, ar)),
-                                        (link_symbols(tag, "a2a"), (ba, aa))):
+        for (beta, alpha), (bv, av) in ((symbols.link_symbols(axis, "ring"), (br, ar)),
+                                        (symbols.link_symbols(axis, "a2a"), (ba, aa))):
             vals[beta.name], vals[alpha.name] = bv, av
     return vals
 
@@ -211,26 +203,25 @@ def plan_values(cluster: Cluster, arrays: dict[str, np.ndarray], *, constants: d
                 links: dict | None = None) -> dict[str, np.ndarray]:
     """Plan, view and hardware symbol values from integer-coded plan arrays.
 
-    ``arrays`` keys: tp dp cp pp ep vpp m b sp zero recompute cp_variant schedule (codes
-    index RECOMPUTE_MODES / CP_VARIANTS / SCHEDULES of autopar.plan) and the view: ld le
-    first last nsend nrecv infl.
+    ``arrays`` keys: the encoded plan (:data:`autopar.plan_space.PLAN_COLUMNS`), ``b`` (the
+    micro-batch size) and the view: ld le first last nsend nrecv infl.
     """
     A = arrays
     zero, rec, cpv, sched = A["zero"], A["recompute"], A["cp_variant"], A["schedule"]
     vals = {
         "tp": A["tp"], "dp": A["dp"], "cp": A["cp"], "pp": A["pp"], "ep": A["ep"], "v": A["vpp"],
         "m": A["m"], "b": A["b"], "sp": A["sp"],
-        "r_sel": (rec == RECOMPUTE_MODES.index("selective")) * 1.0,
-        "r_full": (rec == RECOMPUTE_MODES.index("full")) * 1.0,
+        "r_sel": among(rec, "recompute", ("selective",)) * 1.0,
+        "r_full": among(rec, "recompute", ("full",)) * 1.0,
         "z_1": (zero >= 1) * 1.0, "z_2": (zero >= 2) * 1.0, "z_3": (zero == 3) * 1.0,
-        "cp_ring": ((cpv == CP_VARIANTS.index("ring")) & (A["cp"] > 1)) * 1.0,
-        "cp_ag": (cpv == CP_VARIANTS.index("allgather")) * 1.0,
-        "cp_ul": (cpv == CP_VARIANTS.index("ulysses")) * 1.0,
+        "cp_ring": (among(cpv, "cp_variant", ("ring",)) & (A["cp"] > 1)) * 1.0,
+        "cp_ag": among(cpv, "cp_variant", ("allgather",)) * 1.0,
+        "cp_ul": among(cpv, "cp_variant", ("ulysses",)) * 1.0,
         "first": A["first"], "last": A["last"], "n_inflight": A["infl"],
         "n_send": A["nsend"], "n_recv": A["nrecv"], "l_d": A["ld"], "l_e": A["le"],
         "tp_overlap": 1.0 if tp_comm_overlap else 0.0,
         "zero_overlap": 1.0 if zero_overlap else 0.0,
-        "dualpipe": (sched == SCHEDULES.index("dualpipev")) * 1.0,
+        "dualpipe": among(sched, "schedule", ("dualpipev",)) * 1.0,
         "P_peak": cluster.peak_flops, "B_hbm": cluster.hbm_bandwidth,
         "eta_max": constants.get("eta_max") or cluster.gemm_efficiency, "kappa": constants["kappa"],
         "epsilon": constants["epsilon"], "phi": constants["phi"],
@@ -243,7 +234,7 @@ def plan_values(cluster: Cluster, arrays: dict[str, np.ndarray], *, constants: d
     return vals
 
 
-def evaluate(model: Compiled, values: dict) -> dict[str, np.ndarray]:
+def evaluate(model: Formulas, values: dict) -> dict[str, np.ndarray]:
     args = []
     for name in model.input_names:
         if name not in values:
@@ -260,7 +251,7 @@ def evaluate(model: Compiled, values: dict) -> dict[str, np.ndarray]:
             for name, v in zip(model.names, out)}
 
 
-def step_time_arrays(model: Compiled, schedule_codes, tf, tb, tw, pp, vpp, m):
+def step_time_arrays(model: Formulas, schedule_codes, tf, tb, tw, pp, vpp, m):
     """m (T_f + T_b) + bubble, with each schedule's bubble formula (vectorised)."""
     bubble = np.zeros(np.shape(tf))
     for code, name in enumerate(SCHEDULES):

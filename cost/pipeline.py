@@ -32,7 +32,7 @@ from functools import lru_cache
 
 import sympy as sp
 
-from autopar.plan import SCHEDULES, chunk_rank, chunks_per_rank
+from autopar.plan_space import among, chunk_rank, chunks_per_rank, code
 
 __all__ = ["StageView", "place_layers", "stage_views", "inflight", "bubble_expr", "T_f", "T_b", "T_w"]
 
@@ -41,7 +41,7 @@ T_f, T_b, T_w = sp.symbols("T_f T_b T_w", nonnegative=True)
 
 @dataclass(frozen=True)
 class StageView:
-    rank: int          # pipeline rank
+    pp_rank: int       # pipeline rank
     dense: int         # dense layers on the rank
     moe: int           # MoE layers on the rank
     first: int         # holds the embedding
@@ -103,23 +103,23 @@ def stage_views(spec, pp: int, schedule: str, vpp: int, head_layers: float) -> t
     return _views(flags, pp, schedule, vpp, round(float(head_layers), 3))
 
 
-def inflight(schedule, pp, vpp, rank, m):
-    """Micro-batches of the rank's activations held at the peak (see the module docstring).
+def inflight(schedule, pp, vpp, pp_rank, m):
+    """Micro-batches of pipeline rank ``pp_rank``'s activations held at the peak (see the module
+    docstring).
 
-    ``schedule`` is a name or an array of indices into SCHEDULES; the other
+    ``schedule`` is a name or an array of its codes (:func:`autopar.plan_space.encode`); the other
     arguments may be numpy arrays.
     """
     import numpy as np
 
-    pp, vpp, rank, m = (np.asarray(x, dtype=np.float64) for x in (pp, vpp, rank, m))
-    code = (np.asarray(SCHEDULES.index(schedule)) if isinstance(schedule, str)
-            else np.asarray(schedule))
+    pp, vpp, pp_rank, m = (np.asarray(x, dtype=np.float64) for x in (pp, vpp, pp_rank, m))
+    codes = np.asarray(code("schedule", schedule) if isinstance(schedule, str) else schedule)
     per_round = np.floor(m / np.maximum(1.0, np.floor(m / pp)))
-    interleaved = np.minimum((vpp - 1) * per_round + 2 * (pp - rank - 1) + 1, m * vpp) / vpp
+    interleaved = np.minimum((vpp - 1) * per_round + 2 * (pp - pp_rank - 1) + 1, m * vpp) / vpp
     held = np.select(
-        [code == SCHEDULES.index(name) for name in ("gpipe", "interleaved", "zbv", "dualpipev")],
+        [among(codes, "schedule", (name,)) for name in ("gpipe", "interleaved", "zbv", "dualpipev")],
         [m, interleaved, np.minimum(pp, m), np.minimum(pp + 0.5, m)],
-        default=np.minimum(pp - rank, m),
+        default=np.minimum(pp - pp_rank, m),
     )
     return np.where(pp == 1, np.minimum(1.0, m), held)
 

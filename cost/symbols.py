@@ -1,9 +1,10 @@
 """The sympy symbols of the cost model, in one place.
 
 Every formula in ``autopar.cost`` (comm.py, flops.py, memory.py, pipeline.py,
-time.py) is written in these symbols. ``estimate.py`` lambdifies the formulas once
-and evaluates them with numbers: scalars for the model and hardware symbols, numpy
-arrays (one entry per candidate plan) for the plan symbols (``autopar.search``).
+time.py) is written in these symbols, each defined here once (one Python name, one sympy
+name). ``model.py`` lambdifies the formulas once and evaluates them with numbers: scalars for
+the model and hardware symbols, numpy arrays (one entry per candidate plan) for the plan
+symbols (:mod:`autopar.planning.search`).
 
 Groups:
   * model: ``b`` (micro-batch size per replica), ``s`` (sequence length), ``h``,
@@ -11,13 +12,14 @@ Groups:
     (expert FFN), ``V``, ``E`` (experts), ``k`` (top-k), ``w`` (dtype bytes), the
     parameters beyond the decoder (``n_ln``, ``p_b``, ``P_emb``, ``emb_norm``, ``P_head``, ``head_bias``; ModelSpec's
     fields of frontend/spec_dims.py), the logits gather ``gathered_logits``, the sequence cumsums
-    ``n_cs`` / ``c_cs`` and the CP K/V heads ``g_cp``, and the per-stage layer counts ``ld`` (dense layers) / ``le`` (MoE layers) on the stage
-    being scored;
+    ``n_cs`` / ``c_cs`` and the CP K/V heads ``g_cp``, ``tied`` (the LM head shares the embedding), and
+    the per-stage layer counts ``ld`` (dense layers) / ``le`` (MoE layers) on the stage being scored;
   * plan: degrees ``tp, dp, cp, pp, ep, vpp, m`` (micro-batches per step) and 0/1
     indicators (``sp``, recompute, ZeRO stage, CP variant, stage role) so that every
     formula is a rational function without ``Piecewise`` (fast to evaluate on arrays);
-  * hardware and calibration constants (``peak``, link bandwidths and latencies,
-    ``eta_max``, ``kappa``, ``eps``, ``phi``).
+  * options of the run: ``tp_overlap`` (TPOV), ``zero_overlap`` (ZOV) and ``dualpipe`` (DPV);
+  * hardware and calibration constants (``peak``, link bandwidths and latencies per axis and
+    kind, :func:`link_symbols`; ``eta_max``, ``kappa``, ``eps``, ``phi``).
 """
 from __future__ import annotations
 
@@ -29,9 +31,9 @@ __all__ = [
     "ld", "le", "L", "Le",
     "tp", "dp", "cp", "pp", "ep", "vpp", "m", "SP", "RSEL", "RFULL",
     "Z1", "Z2", "Z3", "CPRING", "CPAG", "CPUL", "FIRST", "LAST", "INFL", "NSEND", "NRECV",
-    "rho", "FLASH", "wg", "wgc", "wo", "wp", "wz",
+    "rho", "FLASH", "TIED", "TPOV", "ZOV", "DPV", "wg", "wgc", "wo", "wp", "wz",
     "peak", "hbm_bw", "eta_max", "kappa", "eps", "phi",
-    "MODEL_SYMBOLS", "PLAN_SYMBOLS", "ALL_SYMBOLS", "axis_link_symbols",
+    "MODEL_SYMBOLS", "PLAN_SYMBOLS", "ALL_SYMBOLS", "link_symbols",
 ]
 
 _pos = dict(positive=True)
@@ -65,6 +67,7 @@ ccs = sp.Symbol("c_cs", nonnegative=True)               # bytes per sample of on
 gc = sp.Symbol("g_cp", **_pos)                          # K/V heads the CP collectives move (g, or a)
 ld, le = sp.symbols("l_d l_e", nonnegative=True)        # dense / MoE layers on the scored stage
 L, Le = sp.symbols("L L_e", **_pos)                     # layers in the model / MoE layers in the model
+TIED = sp.Symbol("tied", nonnegative=True)              # 1 if the LM head shares the embedding matrix
 
 # ---- plan
 tp, dp, cp, pp, ep, vpp, m = sp.symbols("tp dp cp pp ep v m", **_pos)
@@ -78,6 +81,13 @@ NSEND, NRECV = sp.symbols("n_send n_recv", nonnegative=True)  # P2P sends / rece
 rho = sp.Symbol("rho", positive=True)                   # EP routing imbalance (or capacity factor)
 FLASH = sp.Symbol("flash", nonnegative=True)            # 1: fused (flash) attention, 0: scores materialised
 
+# ---- options of the run
+TPOV = sp.Symbol("tp_overlap", nonnegative=True)        # 1 if TP communication overlaps compute
+DPV = sp.Symbol("dualpipe", nonnegative=True)           # 1 under the dualpipev schedule
+# 1 if ZeRO-1/2's reduce-scatters and parameter all-gathers overlap compute (Megatron's distributed
+# optimizer, calibration set A); autopar's runtime runs them blocking: 0.
+ZOV = sp.Symbol("zero_overlap", nonnegative=True)
+
 # ---- precision (bytes per element)
 wp = sp.Symbol("w_p", **_pos)    # parameter
 wg = sp.Symbol("w_g", **_pos)    # gradient held in memory
@@ -90,13 +100,15 @@ peak, hbm_bw = sp.symbols("P_peak B_hbm", **_pos)
 eta_max, kappa, eps, phi = sp.symbols("eta_max kappa epsilon phi", **_pos)
 
 
-def axis_link_symbols(axis: str):
-    """Per-axis link symbols: (time per byte of the axis' collective bytes, latency per call)."""
-    return sp.Symbol(f"beta_{axis}", positive=True), sp.Symbol(f"alpha_{axis}", nonnegative=True)
+def link_symbols(axis: str, kind: str):
+    """(seconds per byte sent, seconds per pass) on mesh axis ``axis`` (one of
+    :data:`autopar.plan_space.GROUP_AXES`) for ``kind`` 'ring' or 'a2a'."""
+    return (sp.Symbol(f"beta_{kind}_{axis}", nonnegative=True),
+            sp.Symbol(f"alpha_{kind}_{axis}", nonnegative=True))
 
 
 MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, sgate, nn, qb, qkn, qkh, aux, gated, mla, lq, rq, rkv, dr,
-                 dv, nl, pb, Pe, en, Ph, hb, lg, ncs, ccs, gc, L, Le)
+                 dv, nl, pb, Pe, en, Ph, hb, lg, ncs, ccs, gc, L, Le, TIED)
 PLAN_SYMBOLS = (tp, dp, cp, pp, ep, vpp, m, SP, RSEL, RFULL, Z1, Z2, Z3, CPRING, CPAG, CPUL,
                 FIRST, LAST, INFL, NSEND, NRECV, ld, le, rho, FLASH)
 ALL_SYMBOLS = MODEL_SYMBOLS + PLAN_SYMBOLS + (wp, wg, wgc, wo, wz, peak, hbm_bw, eta_max, kappa, eps, phi)

@@ -40,30 +40,16 @@ import sympy as sp
 
 from .comm import RowSpec, local_param_elems
 from .flops import gemm_classes
-from .symbols import (FLASH, LAST, RFULL, RSEL, SP, Z1, Z2, Z3, m, E, V, a, b, cp, d, dp, ep, eta_max, f, fe, g, gated,
-                      h, hbm_bw, k, kappa, ld, le, nsh, peak, phi, rho, s, tp, w, wg, wo, wp)
+from .symbols import (DPV, FLASH, LAST, RFULL, RSEL, SP, TPOV, Z1, Z2, Z3, ZOV, m, E, V, a, b, cp, d, dp, ep, eta_max, f,
+                      fe, g, gated, h, hbm_bw, k, kappa, ld, le, link_symbols, nsh, peak, phi, rho, s, tp, w, wg, wo,
+                      wp)
 
-__all__ = ["CALIBRATED", "TPOV", "DPV", "ZOV", "efficiency", "compute_terms", "row_time",
-           "exposure", "optimizer_time", "link_symbols"]
+__all__ = ["CALIBRATED", "efficiency", "compute_terms", "row_time", "exposure", "optimizer_time"]
 
 # Fitted to calibration.md sets A, B, C (calibration.py; docs/cost-model.md has the table).
 # eta_max is per GPU (hardware.GPU_PRESETS' gemm_efficiency, 0.75 on A100 and H100 alike);
 # a value here overrides it. kappa = 1 puts the efficiency knee at the roofline's.
 CALIBRATED = dict(eta_max=None, kappa=1.0, epsilon=0.9, phi=0.8)
-
-TPOV = sp.Symbol("tp_overlap", nonnegative=True)  # 1 if TP communication overlaps compute
-DPV = sp.Symbol("dualpipe", nonnegative=True)     # 1 under the dualpipev schedule
-# 1 if ZeRO-1/2's reduce-scatters and parameter all-gathers overlap compute (Megatron's distributed
-# optimizer, calibration set A); autopar's runtime runs them blocking: 0.
-ZOV = sp.Symbol("zero_overlap", nonnegative=True)
-
-
-def link_symbols(axis: str, kind: str):
-    """(seconds per byte sent, seconds per pass) symbols of ``axis`` for ``kind`` 'ring' or 'a2a'."""
-    tag = axis.replace("*", "").replace("_", "")
-    return (sp.Symbol(f"beta_{kind}_{tag}", nonnegative=True),
-            sp.Symbol(f"alpha_{kind}_{tag}", nonnegative=True))
-
 
 def efficiency(n):
     """eta_max * n / (n + n_knee), n_knee = kappa * 1.5 * w * P_peak / B_hbm: a smoothed roofline,

@@ -364,14 +364,8 @@ def _build_model(args):
     return config, model
 
 
-def train(args) -> int:
-    import autopar
-
-    run = _init_process_group()
-    torch.manual_seed(args.seed)  # every rank alike (dropout streams derive from it)
-    config, model = _build_model(args)
-    tokenizer = load_tokenizer(args.model, config, announce=run.say)
-
+def _load_data(args, tokenizer, run):
+    """(training ids, training targets, the fixed held-out batches)."""
     records = read_records(args.data)
     train_records, eval_records = split_records(records, args.eval_frac if args.eval_every else 0.0, args.seed)
     train_ids, train_targets = build_rows(encode_records(train_records, tokenizer), args.seq, args.pack,
@@ -391,10 +385,14 @@ def train(args) -> int:
             eval_batches.append((eval_ids[rows], eval_targets[rows]))
     run.say(f"data: {len(train_records)} training records -> {len(train_ids)} rows of {args.seq} tokens "
             f"({'packed' if args.pack else 'padded'}); {len(eval_records)} held-out records")
+    return train_ids, train_targets, eval_batches
+
+
+def _parallelize(args, model, example, run):
+    import autopar
 
     schedule = functools.partial(torch.optim.lr_scheduler.LambdaLR, lr_lambda=functools.partial(
         lr_factor, warmup=args.warmup, total=args.steps, min_ratio=args.min_lr_ratio))
-    example = train_ids[batch_rows(len(train_ids), args.batch, 0, args.seed)]
     pm = autopar.parallelize(
         model,
         example_inputs=(example,),
@@ -408,7 +406,11 @@ def train(args) -> int:
         init_weights=model._init_weights if args.from_scratch else None,
     )
     run.say(f"plan: {pm.plan} on {run.world} rank(s), device {pm.device}")
+    return pm
 
+
+def _restore(args, pm, run) -> int:
+    """Resume from --ckpt, or load the pretrained weights; the step to start at."""
     start = 0
     if args.ckpt and os.path.lexists(args.ckpt):
         pm.load(args.ckpt)  # weights, optimizer and schedule, saved under any plan
@@ -421,7 +423,10 @@ def train(args) -> int:
     elif not args.from_scratch:
         pm.load_pretrained(args.model)
         run.say(f"loaded {args.model}")
+    return start
 
+
+def _train_loop(args, pm, run, start, train_ids, train_targets, eval_batches) -> None:
     slc = pm.batch_slice(args.batch, seq_len=args.seq)  # this rank's rows (and cp positions)
     mine = list(slc.rows)
 
@@ -463,15 +468,30 @@ def train(args) -> int:
         pm.save(args.ckpt)
         run.say(f"saved {args.ckpt} at step {args.steps}")
 
+
+def _export(args, pm, run, tokenizer) -> None:
+    pm.export_weights(args.out, max_shard_size=args.max_shard_size)
+    if run.rank == 0:
+        if isinstance(tokenizer, HFTokenizer):
+            tokenizer.tokenizer.save_pretrained(args.out)
+        generation = os.path.join(args.model, "generation_config.json")
+        if os.path.isfile(generation):
+            shutil.copy(generation, os.path.join(args.out, "generation_config.json"))
+    run.say(f"exported {args.out}")
+
+
+def train(args) -> int:
+    run = _init_process_group()
+    torch.manual_seed(args.seed)  # every rank alike (dropout streams derive from it)
+    config, model = _build_model(args)
+    tokenizer = load_tokenizer(args.model, config, announce=run.say)
+    train_ids, train_targets, eval_batches = _load_data(args, tokenizer, run)
+    example = train_ids[batch_rows(len(train_ids), args.batch, 0, args.seed)]
+    pm = _parallelize(args, model, example, run)
+    start = _restore(args, pm, run)
+    _train_loop(args, pm, run, start, train_ids, train_targets, eval_batches)
     if args.out:
-        pm.export_weights(args.out, max_shard_size=args.max_shard_size)
-        if run.rank == 0:
-            if isinstance(tokenizer, HFTokenizer):
-                tokenizer.tokenizer.save_pretrained(args.out)
-            generation = os.path.join(args.model, "generation_config.json")
-            if os.path.isfile(generation):
-                shutil.copy(generation, os.path.join(args.out, "generation_config.json"))
-        run.say(f"exported {args.out}")
+        _export(args, pm, run, tokenizer)
 
     import torch.distributed as dist
 

@@ -2,7 +2,7 @@
 
 Nothing here knows about autopar: it is the kind of model a user hands to
 ``autopar.parallelize`` unchanged. It has the structures the analysis
-(``autopar/analyze.py``) must recognise: RMSNorm modules, rotary embeddings whose
+(``autopar/frontend/analyze.py``) must recognise: RMSNorm modules, rotary embeddings whose
 position ids are built inside ``forward`` with ``torch.arange`` over the sequence
 length, grouped-query attention by expanding K/V, a SwiGLU MLP, optionally fused
 q/k/v and gate/up projections, and a tied or untied LM head.  With ``num_experts > 0``
@@ -11,7 +11,7 @@ selection, and a ``ModuleList`` of SwiGLU experts run on the tokens routed to th
 Optional dropout (``hidden_dropout``, ``attention_dropout``, ``mlp_dropout``; none by
 default, and then no dropout op in the graph) covers replicated and tp-sharded regions.
 
-``tests/models.py`` builds it (and a tiny Hugging Face Llama) for the test suite;
+``tests/support/models.py`` builds it (and a tiny Hugging Face Llama) for the test suite;
 ``examples/train_llama.py`` trains it; ``autopar inspect examples/model.py:build_tiny`` (or
 ``build_tiny_moe``)
 prints its parallel program.

@@ -27,8 +27,8 @@ from torch.fx import GraphModule, Node
 
 from autopar.compat import sym_expr, sym_hint
 from autopar.errors import AutoparError, describe_node
-from autopar.frontend.fx_utils import SHAPED_FILLS
-from autopar.ops import collectives as C
+from autopar.frontend.op_sets import SHAPED_FILLS
+from autopar.ops import collectives
 from .context import META_KEY, PassContext, PassResult
 from .gradient_placement import requires_grad_nodes
 from .rules import R, RuleContext
@@ -61,11 +61,11 @@ def predict_token_bytes(gm: GraphModule, ctx: PassContext, axis: str) -> int:
     n = ctx.axis_sizes[axis]
     count = 0
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not C.token_all_reduce or node.args[1] != axis:
+        if node.op != "call_function" or node.target is not collectives.token_all_reduce or node.args[1] != axis:
             continue
         src = node.args[0]
         size = local_numel(src, ctx) * src.meta["val"].element_size()
-        nbytes = C.ring_bytes("all_reduce", size, n)[0]
+        nbytes = collectives.ring_bytes("all_reduce", size, n)[0]
         node.meta[META_KEY].bytes = {"fwd": ("all_reduce", nbytes)}
         if src in needs_grad:
             node.meta[META_KEY].bytes["bwd"] = ("all_reduce", nbytes)
@@ -73,8 +73,8 @@ def predict_token_bytes(gm: GraphModule, ctx: PassContext, axis: str) -> int:
     return count
 
 
-def _refuse_under_micro_batches(gm: GraphModule, plan) -> None:
-    stats = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is C.token_all_reduce]
+def _refuse_under_microbatches(gm: GraphModule, plan) -> None:
+    stats = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is collectives.token_all_reduce]
     if stats:
         parts = plan.mb if plan.pp == 1 else f"the pipeline's {plan.mb}"
         raise AutoparError(
@@ -97,7 +97,7 @@ def batch_propagation_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     fixed.update(_row_wise(gm, rc, fixed))
     placements = propagate(gm, rc, lambda node: Shard(0) if node in rows else R, fixed)
     if plan.mb > 1 or plan.pp > 1:
-        _refuse_under_micro_batches(gm, plan)
+        _refuse_under_microbatches(gm, plan)
     result.num_inserted = predict_token_bytes(gm, ctx, "dp") if plan.dp > 1 else 0
     shares = sum(isinstance(p, Partial) for p in placements.values())
     result.notes.append(f"placed {len(placements)} nodes on dp ({shares} shares of batch statistics), "

@@ -23,13 +23,11 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autopar.compat import sym_expr
+from autopar.frontend.op_sets import SDPA, sdpa_args
 from .context import PassContext, PassResult
 
 __all__ = ["causal_mask_pass", "is_causal_mask", "mask_kind", "evaluate_sizes_only", "check_sizes",
            "mask_thresholds", "LARGEST_THRESHOLD"]
-
-_SDPA = torch.ops.aten.scaled_dot_product_attention.default
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
 
 
 def evaluate_sizes_only(node: Node, sizes: dict[str, int], memo: dict):
@@ -143,9 +141,9 @@ def causal_mask_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult("causal_mask_pass")
     verdicts: dict[Node, bool] = {}  # one mask usually feeds every layer's attention
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target is not _SDPA:
+        if node.op != "call_function" or node.target is not SDPA:
             continue
-        bound = dict(zip(_SDPA_ARGS, node.args), **node.kwargs)
+        bound = sdpa_args(node)
         mask = bound.pop("attn_mask", None)
         if not isinstance(mask, Node) or bound.get("is_causal"):
             continue

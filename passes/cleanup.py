@@ -1,7 +1,7 @@
 """Normalise the exported graph: one name per tensor, and no export-time shape checks.
 
 Tied weights (an LM head sharing the embedding's table) reach the graph under two
-attribute names for one tensor.  Every later stage keys layouts and gradients by name, so
+attribute names for one tensor.  Every later pass keys layouts and gradients by name, so
 this pass points every ``get_attr`` at one canonical name per tensor and drops the aliases.
 
 ``torch.export`` leaves ``aten._assert_tensor_metadata`` nodes and a ``_guards_fn`` call
@@ -16,7 +16,7 @@ gradient into it; Hugging Face models write such slices for every GQA broadcast 
 the LM head.  This pass replaces each with its input (the same values, still a tensor of the
 same storage), so the program runs the ops eager PyTorch runs.
 
-Neighbours: ``passes/runner.py`` runs it; ``autopar/trace.py`` produced the graph.
+Neighbours: ``passes/compile.py`` runs it first; ``autopar/frontend/trace.py`` produced the graph.
 """
 from __future__ import annotations
 

@@ -13,11 +13,11 @@ import dataclasses
 from types import MappingProxyType
 from typing import Any, Callable, Sequence
 
-from autopar.errors import AutoparError
 from autopar.frontend.analyze import analyze
 from autopar.frontend.trace import trace_model
-from autopar.plan import Plan, check_micro_batches
-from autopar.support import check_supported, moe_needs_rewrite
+from autopar.plan import Plan
+from autopar.plan_space import check_micro_batches
+from autopar.support import check_runnable, check_supported, moe_needs_rewrite
 from .causal_mask import causal_mask_pass
 from .cleanup import cleanup_pass
 from .context import PassInputs
@@ -38,8 +38,7 @@ def compile_program(model, example_inputs: Sequence[Any], example_kwargs: dict |
     :class:`passes.context.CompiledProgram` with every pass's decisions."""
     plan = Plan.parse(plan)
     check_supported(plan)
-    if plan.pp > 1:
-        check_micro_batches(plan)  # a rule of the plan alone: refused before tracing
+    check_micro_batches(plan)  # a rule of the plan alone: refused before tracing
     traced = trace_model(model, example_inputs, example_kwargs, loss_fn, example_target, upcast_outputs)
     inputs = PassInputs(plan=plan, structure=None, axis_sizes=MappingProxyType({**plan.degrees, "ep": plan.ep}),
                         seq_symbol=traced.seq_symbol, batch_symbol=traced.batch_symbol,
@@ -58,14 +57,7 @@ def _validate(plan: Plan, structure, world_size: int) -> None:
     """The plan against the model's structure and what the runtime supports (``autopar:`` errors)."""
     if structure.moe_error is not None and moe_needs_rewrite(plan):
         raise structure.moe_error
-    check_supported(plan, moe_rewrite=bool(structure.moe) and moe_needs_rewrite(plan),
-                    tied=bool(structure.tied_embeddings and structure.lm_head))
-    plan.validate(world_size=world_size, num_heads=structure.num_heads or None,
-                  num_kv_heads=structure.num_kv_heads or None,
-                  vocab=structure.vocab if plan.tp > 1 and structure.embeddings else None,
-                  num_experts=structure.num_experts)
-    if structure.moe and plan.tp > 1 and not plan.sp:
-        raise AutoparError(
-            f"autopar: plan '{plan}' uses tp={plan.tp} without sp on a mixture-of-experts model; MoE blocks "
-            "run on each rank's sequence shard (experts are not split by tp), so add sp to the plan "
-            f"('{dataclasses.replace(plan, sp=True)}'), as Megatron-Core also requires.")
+    check_runnable(plan, world_size=world_size, num_heads=structure.num_heads or None,
+                   num_kv_heads=structure.num_kv_heads or None,
+                   vocab=structure.vocab if structure.embeddings else None, num_experts=structure.num_experts,
+                   tied=bool(structure.tied_embeddings and structure.lm_head))

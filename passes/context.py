@@ -20,10 +20,15 @@ from typing import Any, Mapping
 from torch.fx import Node
 
 __all__ = ["GradBucket", "ParamShard", "PassInputs", "Decisions", "PassContext", "CompiledProgram", "PassResult",
-           "Provenance", "provenance", "META_KEY", "PLACEMENT_KEY"]
+           "Provenance", "provenance", "META_KEY", "PLACEMENT_KEY", "SOURCE_META", "COPIED_META"]
 
 META_KEY = "autopar"
 PLACEMENT_KEY = "autopar_placement"
+# Where a node came from: the model module and the source line (errors and views name them).
+SOURCE_META = ("nn_module_stack", "stack_trace")
+# What a node that stands for another (the same value, rewritten or moved) takes over from it:
+# its value and placements, and where it came from.
+COPIED_META = ("val", PLACEMENT_KEY, "tensor_meta", *SOURCE_META, "source_fn_stack")
 
 
 def _empty() -> Mapping:

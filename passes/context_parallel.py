@@ -38,20 +38,20 @@ from torch.fx import GraphModule, Node
 
 from autopar.compat import sym_expr, sym_hint
 from autopar.frontend.attention_dims import strip_gqa
-from autopar.ops import cp_attention as CPA
+from autopar.frontend.op_sets import SDPA, sdpa_args
+from autopar.ops import cp_attention
 from autopar.errors import AutoparError
 from autopar.plan import ulysses_heads_ok
 from .causal_mask import is_causal_mask
-from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult, provenance
+from .context import COPIED_META, META_KEY, SOURCE_META, PassContext, PassResult, provenance
+from .op_sets import CP_ATTENTION_VARIANTS
 from .gradient_placement import requires_grad_nodes
 from .rules import R, RuleContext
 from .shard_propagation import local_numel, propagate
 from .batch_propagation import predict_token_bytes, sums_loss
 
-__all__ = ["context_parallel_pass", "VARIANTS"]
+__all__ = ["context_parallel_pass"]
 
-VARIANTS = {"ring": CPA.ring_attention, "allgather": CPA.allgather_attention, "ulysses": CPA.ulysses_attention}
-_SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _ARANGES = (torch.ops.aten.arange.default, torch.ops.aten.arange.start)
 
 
@@ -61,11 +61,11 @@ def _where(node: Node) -> str:
 
 
 def _check_ulysses(plan, ctx: PassContext) -> None:
-    num = plan.tp * plan.cp
+    tp_cp = plan.tp * plan.cp
     for what, count in (("attention heads", ctx.structure.num_heads), ("key/value heads", ctx.structure.num_kv_heads)):
         if count and not ulysses_heads_ok(count, plan.tp, plan.cp):
             raise AutoparError(
-                f"autopar: cp={plan.cp}:ulysses with tp={plan.tp} splits the {what} over tp*cp={num} ranks, "
+                f"autopar: cp={plan.cp}:ulysses with tp={plan.tp} splits the {what} over tp*cp={tp_cp} ranks, "
                 f"but the model has {count} {what}; use a tp*cp that divides {count}, or the ring or "
                 f"allgather variant (cp={plan.cp}:ring).")
 
@@ -101,12 +101,13 @@ def _positions_call(node: Node, ctx: PassContext) -> tuple | None:
     positions, when ``node`` is ``arange(seq)`` or ``table[..., :seq]``; else None."""
     length = _seq_arange(node, ctx)
     if length is not None:
-        return (CPA.cp_positions, (length, "cp"), {"dtype": node.kwargs.get("dtype"),
-                                                   "device": node.kwargs.get("device")},
+        return (cp_attention.cp_positions, (length, "cp"),
+                {"dtype": node.kwargs.get("dtype"), "device": node.kwargs.get("device")},
                 "global position ids of this rank's sequence chunks")
     length = _table_slice(node, ctx)
     if length is not None:
-        return (CPA.cp_table_rows, (node.args[0], node.args[1] % node.meta["val"].dim(), length, "cp"), {},
+        dim = node.args[1] % node.meta["val"].dim()
+        return (cp_attention.cp_table_rows, (node.args[0], dim, length, "cp"), {},
                 "a position table's rows at this rank's global positions")
     return None
 
@@ -158,7 +159,7 @@ def _propagate_tokens(gm: GraphModule, ctx: PassContext, result: PassResult) -> 
     result.num_inserted += predict_token_bytes(gm, ctx, "cp")
     needs_grad = requires_grad_nodes(gm)
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target is CPA.cp_cumsum:
+        if node.op == "call_function" and node.target is cp_attention.cp_cumsum:
             x = node.args[0]
             itemsize = torch.empty((), dtype=node.meta["val"].dtype).element_size()
             length = sym_expr(x.meta["val"].shape[node.args[1]])
@@ -175,14 +176,12 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     n, variant = plan.cp, plan.cp_variant
     if variant == "ulysses":
         _check_ulysses(plan, ctx)
-    fn = VARIANTS[variant]
+    fn = CP_ATTENTION_VARIANTS[variant]
     graph = gm.graph
     for node in list(graph.nodes):
-        if node.op != "call_function" or node.target is not _SDPA:
+        if node.op != "call_function" or node.target is not SDPA:
             continue
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
-        bound = dict(zip(names, node.args))
-        bound.update({k: v for k, v in node.kwargs.items()})
+        bound = sdpa_args(node)
         if bound.get("dropout_p", 0.0):
             raise AutoparError(f"autopar: context parallelism needs attention without dropout; {_where(node)} "
                                f"has dropout_p={bound['dropout_p']}. Set the model's attention dropout to 0 or drop cp.")
@@ -204,12 +203,7 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
             new = graph.call_function(fn, (q, k, v, "cp"), {
                 "scale": bound.get("scale"), "causal": causal, "num_kv_groups": groups,
                 "tag": f"cp {variant} {node.name}"})
-        new.meta["val"] = node.meta.get("val")
-        if PLACEMENT_KEY in node.meta:
-            new.meta[PLACEMENT_KEY] = node.meta[PLACEMENT_KEY]
-        for key in ("nn_module_stack", "stack_trace"):
-            if key in node.meta:
-                new.meta[key] = node.meta[key]
+        new.meta.update({k: node.meta[k] for k in COPIED_META if k in node.meta})
         provenance(new, "context_parallel_pass", "cp",
                    f"{variant} attention over the cp-sharded sequence (causal={causal}, kv groups={groups})")
         new.meta[META_KEY].bytes = _predicted_bytes(variant, q, k, v, node, n, ctx)
@@ -225,7 +219,7 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         fn, args, kwargs, reason = call
         with graph.inserting_before(node):
             new = graph.call_function(fn, args, kwargs)
-        new.meta.update({k: node.meta[k] for k in ("val", "nn_module_stack", "stack_trace") if k in node.meta})
+        new.meta.update({k: node.meta[k] for k in ("val", *SOURCE_META) if k in node.meta})
         provenance(new, "context_parallel_pass", "cp", reason)
         node.replace_all_uses_with(new)
         graph.erase_node(node)

@@ -56,16 +56,16 @@ def data_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         members = [n for n in names if axis in ctx.grad_partial_axes.get(n, set())]
         buckets += _buckets(gm, ctx, members, axis, False, cap)
     cp = ctx.axis_sizes.get("cp", 1)
-    num_dc = ctx.axis_sizes.get("dp", 1) * cp
-    if num_dc > 1:  # dense weights are replicated over dp*cp ranks
+    dp_cp = ctx.axis_sizes.get("dp", 1) * cp  # the degree of dp*cp
+    if dp_cp > 1:  # dense weights are replicated over dp*cp ranks
         buckets += _buckets(gm, ctx, names, "dp_cp" if cp > 1 else "dp", True, cap)
     moe = [n for n in all_names if n in experts]
-    if moe and (num_dc > 1 or ctx.axis_sizes.get("tp", 1) > 1):
+    if moe and (dp_cp > 1 or ctx.axis_sizes.get("tp", 1) > 1):
         # An expert's gradient on its owner sums every token routed to it from the ep group;
         # summed over the ranks holding the same experts (edp: the other dp*cp/ep token slices,
         # times tp under sp) it covers all dp*cp slices, so it is averaged by dp*cp.
         plain = ctx.axis_sizes.get("ep", 1) == 1 and ctx.axis_sizes.get("tp", 1) == 1
         axis = ("dp_cp" if cp > 1 else "dp") if plain else "edp"  # edp is dp*cp itself then
-        buckets += _buckets(gm, ctx, moe, axis, True, cap, divisor=num_dc)
+        buckets += _buckets(gm, ctx, moe, axis, True, cap, divisor=dp_cp)
     result.notes.append(f"{len(buckets)} gradient buckets")
     return result

@@ -7,7 +7,7 @@
 masks from the same default generator: dp ranks holding different rows, and tp ranks
 holding different shards.  This pass, after shard propagation (and context parallelism,
 which rewrites attention first), turns each one with ``p > 0`` in train mode into
-:func:`autopar.ops.random.dropout` or :func:`autopar.ops.random.attention` with its stream:
+:func:`autopar.ops.rng.dropout` or :func:`autopar.ops.rng.attention` with its stream:
 
 * ``"tp"`` when the values the mask covers are sharded over tp (``Shard`` on a dimension
   the mask spans: heads, hidden features, sequence shards under SP; for feature dropout
@@ -16,7 +16,7 @@ which rewrites attention first), turns each one with ``p > 0`` in train mode int
 
 The placements are shard propagation's (``node.meta["autopar_placement"]``), decided for
 every node, not by pattern.  Data-parallel ranks (dp, cp) always draw different masks:
-that is in the seeds (:mod:`autopar.ops.random`).  Dropout inside a MoE expert body (a
+that is in the seeds (:mod:`autopar.ops.rng`).  Dropout inside a MoE expert body (a
 graph of its own, run on the routed tokens of this rank's sequence shard) reads the
 ``"tp"`` stream under tp.  A graph without such dropout is left unchanged, and
 :func:`has_dropout` tells the runner whether to run the pass at all.
@@ -30,27 +30,22 @@ from torch.distributed.tensor import Shard
 from torch.fx import GraphModule, Node
 
 from autopar.errors import AutoparError, describe_node
-from autopar.ops import random as RNG
-from .context import PLACEMENT_KEY, PassContext, PassResult, provenance
+from autopar.frontend.op_sets import SDPA, sdpa_args
+from autopar.ops import rng
+from .context import COPIED_META, PLACEMENT_KEY, PassContext, PassResult, provenance
 
 aten = torch.ops.aten
 
 __all__ = ["dropout_pass", "has_dropout", "DROPOUT_OPS"]
 
 _PASS = "dropout_pass"
-DROPOUT_OPS = {getattr(aten, kind).default: kind for kind in RNG.KINDS}
-_SDPA = aten.scaled_dot_product_attention.default
-_SDPA_ARGS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
-_COPIED_META = ("val", PLACEMENT_KEY, "nn_module_stack", "stack_trace", "source_fn_stack", "tensor_meta")
+DROPOUT_OPS = {getattr(aten, kind).default: kind for kind in rng.KINDS}
 
 
 def _bound(node: Node) -> dict:
-    if node.target is _SDPA:
-        bound = dict(zip(_SDPA_ARGS, node.args))
-    else:
-        bound = dict(zip(("input", "p", "train"), node.args))
-    bound.update(node.kwargs)
-    return bound
+    if node.target is SDPA:
+        return sdpa_args(node)
+    return {**dict(zip(("input", "p", "train"), node.args)), **node.kwargs}
 
 
 def _drops(node: Node) -> bool:
@@ -60,7 +55,7 @@ def _drops(node: Node) -> bool:
     if node.target in DROPOUT_OPS:
         bound = _bound(node)
         return bool(bound.get("train", True)) and float(bound.get("p", 0.5)) > 0
-    if node.target is _SDPA:
+    if node.target is SDPA:
         return float(_bound(node).get("dropout_p", 0.0) or 0.0) > 0
     return False
 
@@ -79,8 +74,8 @@ def _stream(node: Node, ctx: PassContext, nested: bool) -> tuple[str, str]:
     """(stream, reason) for dropout ``node`` from its placement on each tracked axis."""
     if nested:
         if "tp" in ctx.sharded_axes:
-            return RNG.TP, "in a MoE expert body: this rank's routed tokens of its sequence shard differ per tp rank"
-        return RNG.REPLICATED, "in a MoE expert body, no tp"
+            return rng.TP, "in a MoE expert body: this rank's routed tokens of its sequence shard differ per tp rank"
+        return rng.REPLICATED, "in a MoE expert body, no tp"
     placements = node.meta.get(PLACEMENT_KEY) or {}
     mask_dims = None
     if node.target in DROPOUT_OPS and DROPOUT_OPS[node.target].startswith("feature"):
@@ -94,30 +89,30 @@ def _stream(node: Node, ctx: PassContext, nested: bool) -> tuple[str, str]:
         if axis != "tp":
             raise AutoparError(f"autopar: dropout {describe_node(node)} sees values sharded over '{axis}'; only "
                                "tp-sharded dropout streams exist. Please report it with the plan.")
-        return RNG.TP, f"values placed {pl} on tp: each tp rank draws its own mask"
-    return RNG.REPLICATED, "values replicated over tp: every tp rank draws the same mask"
+        return rng.TP, f"values placed {pl} on tp: each tp rank draws its own mask"
+    return rng.REPLICATED, "values replicated over tp: every tp rank draws the same mask"
 
 
 def _rewrite(graph: torch.fx.Graph, node: Node, stream: str, reason: str) -> Node:
     bound = _bound(node)
     with graph.inserting_before(node):
-        if node.target is _SDPA:
+        if node.target is SDPA:
             kwargs = {"scale": bound.get("scale"), "stream": stream}
             if bound.get("enable_gqa"):
                 kwargs["enable_gqa"] = True
             args = tuple(bound.get(k, d) for k, d in (("query", None), ("key", None), ("value", None),
                                                       ("attn_mask", None), ("dropout_p", 0.0), ("is_causal", False)))
-            new = graph.call_function(RNG.attention, args, kwargs)
+            new = graph.call_function(rng.attention, args, kwargs)
             what = f"attention dropout p={bound['dropout_p']}"
         else:
             kind = DROPOUT_OPS[node.target]
-            new = graph.call_function(RNG.dropout, (bound["input"], float(bound.get("p", 0.5)), True, stream),
+            new = graph.call_function(rng.dropout, (bound["input"], float(bound.get("p", 0.5)), True, stream),
                                       {"kind": kind} if kind != "dropout" else {})
             what = f"{kind} p={bound.get('p', 0.5)}"
-    for key in _COPIED_META:
+    for key in COPIED_META:
         if key in node.meta:
             new.meta[key] = node.meta[key]
-    provenance(new, _PASS, "tp" if stream == RNG.TP else None, f"{what} from the '{stream}' stream: {reason}")
+    provenance(new, _PASS, "tp" if stream == rng.TP else None, f"{what} from the '{stream}' stream: {reason}")
     node.replace_all_uses_with(new)
     graph.erase_node(node)
     return new
@@ -125,7 +120,7 @@ def _rewrite(graph: torch.fx.Graph, node: Node, stream: str, reason: str) -> Nod
 
 def dropout_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult(_PASS)
-    counts = {RNG.REPLICATED: 0, RNG.TP: 0}
+    counts = {rng.REPLICATED: 0, rng.TP: 0}
     for graph_module, nested in _graphs(gm):
         changed = False
         for node in list(graph_module.graph.nodes):
@@ -139,6 +134,6 @@ def dropout_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         if changed and nested:
             graph_module.graph.lint()
             graph_module.recompile()
-    result.notes.append(f"{result.num_rewritten} dropouts: {counts[RNG.REPLICATED]} on the replicated stream, "
-                        f"{counts[RNG.TP]} on the tp stream")
+    result.notes.append(f"{result.num_rewritten} dropouts: {counts[rng.REPLICATED]} on the replicated stream, "
+                        f"{counts[rng.TP]} on the tp stream")
     return result

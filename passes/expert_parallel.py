@@ -37,8 +37,9 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from autopar.compat import sym_expr
-from autopar.ops import moe as M
+from autopar.ops import moe
 from autopar.frontend.analyze_moe import MoEBlock, extract_body, in_module
+from autopar.frontend.op_sets import SIZED_RESHAPE_OPS
 from autopar.errors import AutoparError, describe_node
 from autopar.support import moe_needs_rewrite
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
@@ -48,7 +49,6 @@ __all__ = ["expert_parallel_pass", "AXIS"]
 AXIS = "ep"
 _PASS = "expert_parallel_pass"
 aten = torch.ops.aten
-_RESHAPES = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}  # ops with a sizes list
 
 
 def _param_nodes(gm: GraphModule, names: list[str], before: Node) -> list[Node]:
@@ -77,13 +77,13 @@ def _replace(gm: GraphModule, block: MoEBlock, i: int, ctx: PassContext) -> None
     why = f"MoE block '{block.module}' ({block.style}, {block.num_experts} experts, top-{block.top_k})"
     routed = "rows_out / rows_in: (token, slot) rows sent to / received from other ep ranks, recorded per call"
     with graph.inserting_before(out_node):
-        dispatch = graph.call_function(M.moe_dispatch, (block.tokens, block.index, block.num_experts, AXIS,
+        dispatch = graph.call_function(moe.moe_dispatch, (block.tokens, block.index, block.num_experts, AXIS,
                                                         ctx.plan.capacity))
         rows = graph.call_function(operator.getitem, (dispatch, 0))
         routing = graph.call_function(operator.getitem, (dispatch, 1))
         bodies_node = graph.get_attr(holder)
-        experts = graph.call_function(M.moe_experts, (rows, routing, bodies_node, params, block.style, AXIS))
-        combine = graph.call_function(M.moe_combine, (experts, block.weights, routing, AXIS))
+        experts = graph.call_function(moe.moe_experts, (rows, routing, bodies_node, params, block.style, AXIS))
+        combine = graph.call_function(moe.moe_combine, (experts, block.weights, routing, AXIS))
     tok = block.tokens.meta["val"]
     dispatch.meta["val"] = (tok, None)
     rows.meta["val"] = tok
@@ -146,7 +146,7 @@ def _seq_major_tokens(gm: GraphModule, block: MoEBlock, ctx: PassContext) -> Non
     ``[b*s, h] -> [b, s, h]`` back through ``[s, b, h]`` and a transpose."""
     flats, unflats = [], []
     for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in _RESHAPES or not in_module(n, block.module):
+        if n.op != "call_function" or n.target not in SIZED_RESHAPE_OPS or not in_module(n, block.module):
             continue
         src, out = _dims(n.args[0]), _dims(n)
         if len(src) == 3 and len(out) == 2 and _is_seq(src[1], ctx):

@@ -25,7 +25,7 @@ per input of an op, from the op's output gradient ``g`` and its inputs' forward 
 a ``Shard(d)`` input gets ``Shard(d)``; a ``Partial`` input gets ``g`` (which must be
 replicated); a replicated input gets a replicated gradient when ``g`` is replicated and every
 other input is replicated, and a partial one otherwise (it met sharded data).  Collectives
-follow their backward.  Forward rules are ``passes/rules.py``; the caller is
+follow their backward.  Forward rules are the registry of ``passes/rules.py``; the caller is
 ``passes/shard_propagation.py``; the argument is docs/soundness.md.
 """
 from __future__ import annotations
@@ -38,8 +38,8 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import GraphModule, Node
 
 from autopar.compat import rename_node
-from autopar.frontend.fx_utils import SHAPED_FILLS
-from autopar.ops import collectives as C
+from autopar.frontend.op_sets import SHAPED_FILLS
+from autopar.ops import collectives
 from .context import META_KEY
 from .rules import P, R, RuleContext, axis_of, tensor_inputs
 
@@ -51,9 +51,9 @@ GRAD_PLACEMENT_KEY = "autopar_grad_placement"
 
 # Ops whose floating-point output carries no gradient to their inputs.
 _NO_GRAD = SHAPED_FILLS | {aten.detach.default, aten.sym_size.int}
-
-
-_COLLECTIVES = {C.region_entry, C.all_gather, C.gather_replicated, C.reduce_scatter, C.local_shard}
+# Ops on one mesh axis whose inputs' gradient placement is their backward's, not the general rule's.
+_AXIS_OPS = {collectives.region_entry, collectives.all_gather, collectives.gather_replicated,
+             collectives.reduce_scatter, collectives.local_shard}
 
 
 def _floating(val: Any) -> bool:
@@ -102,7 +102,7 @@ def _combine(node: Node, found: set, forward: Any, rc: RuleContext):
 def _retarget(node: Node, target, reason: str) -> None:
     if node.target is not target:
         node.target = target
-        if target is C.gather_replicated:  # its backward needs no input: nothing to re-gather
+        if target is collectives.gather_replicated:  # its backward needs no input: nothing to re-gather
             node.kwargs = {}
         rename_node(node, target.__name__)
         meta = node.meta.get(META_KEY)
@@ -113,8 +113,8 @@ def _retarget(node: Node, target, reason: str) -> None:
 def _contributions(node: Node, grad: Any, pls: list, rc: RuleContext) -> list:
     """What the gradient ``grad`` of ``node``'s output gives each of its tensor inputs."""
     target = node.target
-    on_axis = target in _COLLECTIVES and axis_of(node) == rc.axis
-    if on_axis and target is C.region_entry:
+    on_axis = target in _AXIS_OPS and axis_of(node) == rc.axis
+    if on_axis and target is collectives.region_entry:
         meta = node.meta.get(META_KEY)
         if not isinstance(grad, Partial) and meta is not None and meta.role == "reduction":
             # a reduction over a sharded dim whose result feeds replicated work only (an MoE
@@ -127,16 +127,16 @@ def _contributions(node: Node, grad: Any, pls: list, rc: RuleContext) -> list:
             raise rc.fail(node, f"a tensor-parallel region entry whose result's gradient is {_name(grad)}: its "
                                 "backward all-reduce would sum identical copies")
         return [R]
-    if on_axis and target in (C.all_gather, C.gather_replicated):
+    if on_axis and target in (collectives.all_gather, collectives.gather_replicated):
         if isinstance(grad, Partial):
-            _retarget(node, C.all_gather, "its result feeds sharded work: backward reduce-scatters")
+            _retarget(node, collectives.all_gather, "its result feeds sharded work: backward reduce-scatters")
         else:
-            _retarget(node, C.gather_replicated, "its result feeds replicated work: backward keeps this rank's "
-                                                 "slice of the gradient")
+            _retarget(node, collectives.gather_replicated,
+                      "its result feeds replicated work: backward keeps this rank's slice of the gradient")
         return [pls[0]]
-    if on_axis and target is C.reduce_scatter:
+    if on_axis and target is collectives.reduce_scatter:
         return [R]
-    if on_axis and target is C.local_shard:
+    if on_axis and target is collectives.local_shard:
         return [P]
     out = []
     for i, pl in enumerate(pls):

@@ -12,8 +12,9 @@ import torch
 from torch.distributed.tensor import Shard
 from torch.fx import Node
 
-from autopar.ops import moe as M
-from .rules import R, RuleContext, ndim_of, pointwise_rule, register
+from autopar.ops import moe
+from .pointwise_rules import pointwise_rule
+from .rules import R, RuleContext, ndim_of, register
 
 __all__ = ["topk_rule", "gather_scatter_rule", "moe_token_rule"]
 
@@ -58,10 +59,10 @@ def gather_scatter_rule(node: Node, pls: list, rc: RuleContext):
                   "are supported; use a plan without this dimension.")
 
 
-@register(M.moe_dispatch, M.moe_experts, M.moe_combine)
+@register(moe.moe_dispatch, moe.moe_experts, moe.moe_combine)
 def moe_token_rule(node: Node, pls: list, rc: RuleContext):
     """Tokens keep their placement: each rank routes, computes and combines its own tokens."""
     pl = pls[0]
-    if node.target is M.moe_dispatch:
+    if node.target is moe.moe_dispatch:
         return (pl, R)
     return pl

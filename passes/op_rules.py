@@ -2,9 +2,8 @@
 and positions, and the vocabulary-parallel embedding and loss.
 
 Registered in the one registry of ``passes/rules.py`` (``passes/shard_propagation.py``, the
-registry's one reader, imports this module as it does the others), next to
-the aten rules there and the view-family and MoE rules of ``passes/view_rules.py`` and
-``passes/moe_rules.py``.  Each rule checks that the op is applied to what it was inserted
+registry's one reader, imports this module as it does the other families, which hold the
+aten rules).  Each rule checks that the op is applied to what it was inserted
 for (an all-gather to a shard, a reduction to a partial sum) and gives its output placement.
 """
 from __future__ import annotations
@@ -12,27 +11,29 @@ from __future__ import annotations
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
-from autopar.ops import collectives as C
-from autopar.ops import cp_attention as CPA
-from .rules import P, R, RuleContext, _norm, _token_loss, axis_of, is_sharded, ndim_of, register
+from autopar.ops import collectives
+from autopar.ops import cp_attention
+from .op_sets import CP_ATTENTION_OPS
+from .reduction_rules import token_loss
+from .rules import P, R, RuleContext, axis_of, canonical_dim, is_sharded, ndim_of, register
 
 __all__ = ["all_gather_rule", "reduce_scatter_rule", "all_reduce_rule", "region_entry_rule",
            "vocab_embedding_rule", "vocab_ce_rule", "local_shard_rule", "cp_positions_rule", "cp_table_rows_rule",
            "cp_attention_rule"]
 
 
-@register(C.local_shard)
+@register(collectives.local_shard)
 def local_shard_rule(node: Node, pls: list, rc: RuleContext):
     return Shard(node.args[1]) if node.args[2] == rc.axis else pls[0]
 
 
-@register(CPA.cp_positions)
+@register(cp_attention.cp_positions)
 def cp_positions_rule(node: Node, pls: list, rc: RuleContext):
     """This rank's global positions: its tokens on the cp axis, the same on every rank of another."""
     return Shard(0) if node.args[1] == rc.axis else R
 
 
-@register(CPA.cp_table_rows)
+@register(cp_attention.cp_table_rows)
 def cp_table_rows_rule(node: Node, pls: list, rc: RuleContext):
     """A replicated table's rows at this rank's global positions: its tokens on the cp axis."""
     if node.args[3] != rc.axis:
@@ -42,7 +43,7 @@ def cp_table_rows_rule(node: Node, pls: list, rc: RuleContext):
     return Shard(node.args[1])
 
 
-@register(CPA.ring_attention, CPA.allgather_attention, CPA.ulysses_attention)
+@register(*CP_ATTENTION_OPS)
 def cp_attention_rule(node: Node, pls: list, rc: RuleContext):
     """Context-parallel attention of this rank's queries, keys and values ([b, h, s, d]) over the
     whole sequence (the op exchanges the keys and values): its output holds the same tokens."""
@@ -56,26 +57,26 @@ def cp_attention_rule(node: Node, pls: list, rc: RuleContext):
     raise rc.fail(node, f"context-parallel attention of q/k/v placed {q}, {k}, {v}")
 
 
-@register(C.all_gather, C.gather_replicated)
+@register(collectives.all_gather, collectives.gather_replicated)
 def all_gather_rule(node: Node, pls: list, rc: RuleContext):
     if axis_of(node) != rc.axis:
         return pls[0]
-    dim = _norm(node.args[1], ndim_of(node))
+    dim = canonical_dim(node.args[1], ndim_of(node))
     if pls[0] != Shard(dim):
         raise rc.fail(node, f"all-gather on dim {dim} of an input placed {pls[0]}")
     return R
 
 
-@register(C.reduce_scatter)
+@register(collectives.reduce_scatter)
 def reduce_scatter_rule(node: Node, pls: list, rc: RuleContext):
     if axis_of(node) != rc.axis:
         return pls[0]
     if not isinstance(pls[0], Partial):
         raise rc.fail(node, f"reduce-scatter of an input placed {pls[0]}, expected a partial sum")
-    return Shard(_norm(node.args[1], ndim_of(node)))
+    return Shard(canonical_dim(node.args[1], ndim_of(node)))
 
 
-@register(C.all_reduce, C.token_all_reduce)  # the latter: a data axis's share of a statistic
+@register(collectives.all_reduce, collectives.token_all_reduce)  # the latter: a data axis's share of a statistic
 def all_reduce_rule(node: Node, pls: list, rc: RuleContext):
     if axis_of(node) != rc.axis:
         return pls[0]
@@ -84,14 +85,14 @@ def all_reduce_rule(node: Node, pls: list, rc: RuleContext):
     return R
 
 
-@register(C.region_entry)
+@register(collectives.region_entry)
 def region_entry_rule(node: Node, pls: list, rc: RuleContext):
     if axis_of(node) == rc.axis and not isinstance(pls[0], Replicate):
         raise rc.fail(node, f"tensor-parallel region entered with an input placed {pls[0]}")
     return pls[0]
 
 
-@register(C.vocab_parallel_embedding)
+@register(collectives.vocab_parallel_embedding)
 def vocab_embedding_rule(node: Node, pls: list, rc: RuleContext):
     if axis_of(node) != rc.axis:
         return pls[1]
@@ -100,11 +101,11 @@ def vocab_embedding_rule(node: Node, pls: list, rc: RuleContext):
     return P
 
 
-@register(C.vocab_parallel_cross_entropy)
+@register(collectives.vocab_parallel_cross_entropy)
 def vocab_ce_rule(node: Node, pls: list, rc: RuleContext):
     if axis_of(node) != rc.axis:
         if rc.local_sizes and is_sharded(pls):
-            return _token_loss(node, pls[0], pls[1], node.args[4], False, rc, class_dim=ndim_of(node.args[0]) - 1)
+            return token_loss(node, pls[0], pls[1], node.args[4], False, rc, class_dim=ndim_of(node.args[0]) - 1)
         return pls[0]
     if pls[0] != Shard(ndim_of(node.args[0]) - 1) or not isinstance(pls[1], Replicate):
         raise rc.fail(node, f"vocab-parallel cross-entropy of logits {pls[0]} and target {pls[1]}")

@@ -1,4 +1,4 @@
-"""Pipeline pass: cut the rewritten training graph into ``pp * chunks`` GraphModules.
+"""Pipeline pass: cut the rewritten training graph into ``num_chunks(plan)`` GraphModules.
 
 Runs last (after TP / SP / shard propagation / DP, see ``passes/runner.py``), so every
 chunk already carries its tensor-parallel collectives.  The cut follows decoder-layer
@@ -74,8 +74,9 @@ class PipelineProgram:
     def chunk_rank(self, c: int) -> int:
         return chunk_rank(c, self.pp, self.schedule)
 
-    def rank_chunks(self, rank: int) -> list[int]:
-        return [c for c in range(len(self.chunks)) if self.chunk_rank(c) == rank]
+    def rank_chunks(self, pp_rank: int) -> list[int]:
+        """The chunks pipeline rank ``pp_rank`` holds, in model order."""
+        return [c for c in range(len(self.chunks)) if self.chunk_rank(c) == pp_rank]
 
     def param_chunk(self) -> dict[str, int]:
         """Parameter -> the first chunk that uses it (its owner; the tied weight's is chunk 0)."""
@@ -88,14 +89,14 @@ class PipelineProgram:
     def param_ranks(self, name: str) -> tuple[int, ...]:
         """The pipeline ranks holding parameter ``name``: its owner's, and for the tied weight
         the last chunk's too (one rank under the V-shaped schedules, which place both there)."""
-        ranks = [self.chunk_rank(ch.index) for ch in self.chunks if name in ch.params]
-        return tuple(dict.fromkeys(ranks))
+        pp_ranks = [self.chunk_rank(ch.index) for ch in self.chunks if name in ch.params]
+        return tuple(dict.fromkeys(pp_ranks))
 
     def tied_ranks(self) -> tuple[int, ...]:
         """The pipeline ranks whose copies of the tied weight sum their gradients (Megatron's
         embedding group); empty without a tied weight or when one rank holds both uses."""
-        ranks = self.param_ranks(self.tied) if self.tied else ()
-        return ranks if len(ranks) > 1 else ()
+        pp_ranks = self.param_ranks(self.tied) if self.tied else ()
+        return pp_ranks if len(pp_ranks) > 1 else ()
 
 
 def num_chunks(plan) -> int:
@@ -104,7 +105,7 @@ def num_chunks(plan) -> int:
 
 
 # chunk_rank, check_micro_batches and valid_micro_batches (re-exported here) are the shared
-# rules of autopar.plan_rules.
+# rules of autopar.plan_space.
 
 
 # ---- layer placement ---------------------------------------------------------------------
@@ -285,7 +286,7 @@ def pipeline_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     # are summed every step (the runtime's embedding group, as Megatron-Core does).
     tied = ctx.structure.lm_head.weight if ctx.structure.tied_embeddings and ctx.structure.lm_head else None
     chunk, free, params = _assign(gm, ctx.structure, counts)
-    n_chunks = len(counts)
+    last = len(counts) - 1  # the last chunk's index
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     names = [input_kwarg(i) for i in range(ctx.num_inputs)] + [TARGET_KWARG]
     names = names[:len(placeholders)]
@@ -298,21 +299,21 @@ def pipeline_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     # Values live across boundary k (between chunk k and k + 1), in graph order.
     last_use: dict[Node, int] = {}
     for n in gm.graph.nodes:
-        user_chunks = [chunk[u] for u in n.users if u in chunk] + ([n_chunks - 1] if n is loss else [])
+        user_chunks = [chunk[u] for u in n.users if u in chunk] + ([last] if n is loss else [])
         if n in chunk and user_chunks:
             last_use[n] = max(user_chunks)
     boundaries = [[v for v in gm.graph.nodes if v in chunk and chunk[v] <= k < last_use.get(v, -1)]
-                  for k in range(n_chunks - 1)]
+                  for k in range(last)]
     _check_tensors_cross(boundaries)
     param_owner: dict[str, int] = {}
     chunks = []
     start = 0
-    for c in range(n_chunks):
+    for c in range(last + 1):
         b_in = boundaries[c - 1] if c > 0 else []
-        b_out = boundaries[c] if c < n_chunks - 1 else []
-        cgm, used = _build_chunk(gm, c, c == n_chunks - 1, chunk, free, params, b_in, b_out, kw, loss)
+        b_out = boundaries[c] if c < last else []
+        cgm, used = _build_chunk(gm, c, c == last, chunk, free, params, b_in, b_out, kw, loss)
         for p in used:
-            if param_owner.setdefault(p, c) != c and not (p == tied and c == n_chunks - 1):
+            if param_owner.setdefault(p, c) != c and not (p == tied and c == last):
                 raise AutoparError(
                     f"autopar: parameter '{p}' is used by pipeline chunks {param_owner[p]} and {c}; "
                     "shared weights across stages are not supported, use pp=1 or untie them.")

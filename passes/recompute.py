@@ -49,24 +49,18 @@ from torch.fx import Graph, GraphModule, Node
 
 from autopar.errors import AutoparError
 from autopar.frontend.fx_utils import module_path, within
-from autopar.ops import cp_attention as CPA
-from autopar.ops import random as RNG
+from autopar.frontend.op_sets import PROJECTION_OPS
 from autopar.ops.recompute import Recompute
 from autopar.ops.zero_gather import zero_gather
-from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult, provenance
-
-aten = torch.ops.aten
+from .context import COPIED_META, META_KEY, PassContext, PassResult, provenance
+from .op_sets import CP_ATTENTION_OPS, PROGRAM_ATTENTION_OPS
 
 __all__ = ["recompute_pass", "RecomputeRegion", "find_regions"]
 
 _PASS = "recompute_pass"
-# The attention ops a selective region starts at: SDPA, its dropout form and the CP variants
-# (whose collectives then run again in backward, where cost/comm.py counts them).
-_CP_ATTENTION_OPS = {CPA.ring_attention, CPA.allgather_attention, CPA.ulysses_attention}
-_ATTENTION_OPS = {aten.scaled_dot_product_attention.default, RNG.attention} | _CP_ATTENTION_OPS
-# Projections as the earlier passes leave them (TP turns a row-parallel Conv1D addmm into mm + bias).
-_LINEAR_OPS = {aten.linear.default, aten.addmm.default, aten.mm.default}
-_COPIED_META = ("val", PLACEMENT_KEY, "tensor_meta", "nn_module_stack", "stack_trace")
+# A selective region starts at an attention op: SDPA, its dropout form or a CP variant (whose
+# collectives then run again in backward, where cost/comm.py counts them), and ends at a
+# projection as the earlier passes leave it (TP turns a row-parallel Conv1D addmm into mm + bias).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,7 +99,7 @@ def _layer_region(gm: GraphModule, layer: str, free: set[Node]) -> RecomputeRegi
     if not nodes:
         return None
     last = max((i for i, n in enumerate(nodes) if _forward_collective(n)), default=None)
-    if last is not None and not any(n.target in _LINEAR_OPS for n in nodes[last:]):
+    if last is not None and not any(n.target in PROJECTION_OPS for n in nodes[last:]):
         # The trailing collective and what follows it (a moved bias, the residual add) stay outside.
         nodes = nodes[:last]
     return RecomputeRegion("layer", layer, tuple(nodes))
@@ -138,13 +132,13 @@ def _find(graph, module: str, targets) -> list[Node]:
 def _selective_regions(gm: GraphModule, structure) -> list[RecomputeRegion]:
     regions = []
     for region in structure.regions:
-        rows = [n for row in region.rows for n in _find(gm.graph, row.module, _LINEAR_OPS)]
+        rows = [n for row in region.rows for n in _find(gm.graph, row.module, PROJECTION_OPS)]
         if region.kind == "attention":
-            start = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in _ATTENTION_OPS
+            start = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in PROGRAM_ATTENTION_OPS
                      and within(module_path(n), region.module)]
             include_start = True
         else:
-            start = [n for col in region.columns for n in _find(gm.graph, col.module, _LINEAR_OPS)]
+            start = [n for col in region.columns for n in _find(gm.graph, col.module, PROJECTION_OPS)]
             include_start = False
         if not start or len(rows) != 1:
             raise AutoparError(
@@ -153,7 +147,7 @@ def _selective_regions(gm: GraphModule, structure) -> list[RecomputeRegion]:
         nodes = _between(start, rows[0])
         if include_start:
             nodes = [n for n in gm.graph.nodes if n in set(start) | set(nodes)]
-        if any(_forward_collective(n) and n.target not in _CP_ATTENTION_OPS for n in nodes):
+        if any(_forward_collective(n) and n.target not in CP_ATTENTION_OPS for n in nodes):
             raise AutoparError(
                 f"autopar: recompute=selective would recompute a collective in '{region.module}'; this is an "
                 "autopar bug, please report it with the plan.")
@@ -222,7 +216,7 @@ def _stack_to(node: Node, module: str) -> dict:
 
 
 def _copy_meta(src: Node, dst: Node) -> None:
-    for key in _COPIED_META:
+    for key in COPIED_META:
         if key in src.meta:
             dst.meta[key] = src.meta[key]
 

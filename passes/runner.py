@@ -1,9 +1,12 @@
-"""The one pass runner: applies passes in order, checks the graph after each, recompiles.
+"""The one pass runner: applies passes in order, lints the graph after each, recompiles once.
 
-For every pass it logs the wall time and the change in op counts and lints the graph; the
-module's Python code is generated once, after the last pass of a run (no pass executes the
-module, and codegen of an 80-layer graph costs as much as most passes: 0.1-0.2 s).  When a pass fails, the error names the pass and the passes that
-ran before it, so a user (or a developer) knows where in the pipeline the problem is.
+For every pass it lints the graph (``graph.lint()``), logs the wall time and the change in
+op counts, and merges the pass's decisions into those the next pass sees; the module's
+Python code is generated once (``gm.recompile()``), after the last pass of a run, or not at
+all with ``recompile=False`` (no pass executes the module, and codegen of an 80-layer graph
+costs as much as most passes: 0.1-0.2 s).  When a pass fails, the error names the pass and
+the passes that ran before it, so a user (or a developer) knows where in the pipeline the
+problem is.
 
 Neighbours: the passes themselves (``passes/*.py``), :mod:`passes.context` for the pass
 contract (inputs, decisions, results), :func:`default_passes` for the order the runtime uses,
@@ -105,7 +108,7 @@ def failing_node(exc: BaseException) -> Node | None:
 
 
 def default_passes(plan, gm: GraphModule | None = None) -> list[Pass]:
-    """The passes for ``plan`` after cleanup and analysis, in order (unused dimensions skipped;
+    """The passes for ``plan`` after cleanup and analysis, in order (those of unused axes skipped;
     the dropout pass only when ``gm`` has a dropout that draws a mask, or ``gm`` is not given)."""
     passes: list[Pass] = []
     if plan.tp > 1:

@@ -23,7 +23,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autopar.compat import rename_node, sym_expr
-from autopar.ops import collectives as C
+from autopar.ops import collectives
 from autopar.errors import AutoparError, describe_node
 from .context import META_KEY, PassContext, PassResult, provenance
 from .tensor_parallel import AXIS
@@ -34,8 +34,10 @@ _PASS = "sequence_parallel_pass"
 
 # TP boundary op -> (SP op, the TP roles it replaces, why)
 _REWRITES = {
-    C.region_entry: (C.all_gather, ("column_input", "lm_head_input"), "gather sequence shards"),
-    C.all_reduce: (C.reduce_scatter, ("row_output", "embedding_output"), "reduce-scatter to sequence shards"),
+    collectives.region_entry: (collectives.all_gather, ("column_input", "lm_head_input"),
+                               "gather sequence shards"),
+    collectives.all_reduce: (collectives.reduce_scatter, ("row_output", "embedding_output"),
+                             "reduce-scatter to sequence shards"),
 }
 
 
@@ -65,7 +67,7 @@ def sequence_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         x = node.args[0]
         node.target = new_target
         node.args = (x, _seq_dim(x, ctx), AXIS, node.args[2])
-        if new_target is C.all_gather:  # backward all-gathers the saved shard again (ops/regather.py)
+        if new_target is collectives.all_gather:  # backward all-gathers the saved shard again (ops/regather.py)
             node.kwargs = {"regather": True}
         rename_node(node, new_target.__name__)
         provenance(node, _PASS, AXIS, f"{reason}: {meta.reason}", role=role)

@@ -2,8 +2,8 @@
 
 Runs after the passes that choose parameter layouts and insert collectives (TP, SP).  For
 each mesh axis whose placements vary inside the graph (``ctx.sharded_axes``) it walks the
-graph in order and asks the rule registry (``passes/rules.py``, ``passes/view_rules.py``)
-for each node's output placement, given its inputs'.  Rules rewrite size arguments to
+graph in order and asks the rule registry (``passes/rules.py``, whose families this module
+imports) for each node's output placement, given its inputs'.  Rules rewrite size arguments to
 local sizes on the way.  Afterwards:
 
 - every node carries ``node.meta["autopar_placement"][axis]``;
@@ -26,27 +26,27 @@ import math
 from typing import Any, Callable
 
 import sympy
-import torch
 from torch.distributed.tensor import Partial, Shard
 from torch.fx import GraphModule, Node
 
-from autopar.compat import sym_expr
-from autopar.ops import collectives as C
+from autopar.ops import collectives
 from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult
 from .gradient_placement import gradient_placements
-from .rules import P, R, RuleContext, is_loss_share, is_sharded, lookup, tensor_inputs
-from . import moe_rules, op_rules, view_rules  # noqa: F401  (register the MoE, autopar-op and view-family rules)
+from .rules import P, R, RuleContext, is_loss_share, is_sharded, lookup, size_expr, tensor_inputs
+# Every rule family registers into the one table when imported (passes/rules.py lists them).
+from . import matmul_rules, moe_rules, op_rules, pointwise_rules, reduction_rules, view_rules  # noqa: F401
 
 __all__ = ["shard_propagation_pass", "propagate", "tensor_inputs", "local_numel"]
 
-_COLLECTIVES = {C.all_gather, C.gather_replicated, C.reduce_scatter, C.all_reduce, C.region_entry,
-                C.vocab_parallel_cross_entropy}
+# The collectives of the TP and SP passes, whose bytes this pass predicts (CP and EP predict their own).
+_TP_COLLECTIVES = {collectives.all_gather, collectives.gather_replicated, collectives.reduce_scatter,
+                   collectives.all_reduce, collectives.region_entry, collectives.vocab_parallel_cross_entropy}
 
 
 def local_numel(node: Node, ctx: PassContext) -> sympy.Expr:
     """Number of elements of ``node``'s value on one rank (sympy, symbolic batch/sequence)."""
     val = node.meta["val"]
-    sizes = [sym_expr(s) if isinstance(s, torch.SymInt) else sympy.Integer(int(s)) for s in val.shape]
+    sizes = [size_expr(s) for s in val.shape]
     for axis, pl in (node.meta.get(PLACEMENT_KEY) or {}).items():
         if isinstance(pl, Shard):
             sizes[pl.dim] = sizes[pl.dim] / ctx.axis_sizes[axis]
@@ -130,15 +130,15 @@ def _predict_bytes(node: Node, ctx: PassContext) -> dict:
     src = node.args[0]
     itemsize = src.meta["val"].element_size()
     numel = local_numel(src, ctx)
-    if node.target is C.all_gather:
+    if node.target is collectives.all_gather:
         return {"fwd": ("all_gather", numel * itemsize), "bwd": ("reduce_scatter", numel * itemsize * n)}
-    if node.target is C.gather_replicated:
+    if node.target is collectives.gather_replicated:
         return {"fwd": ("all_gather", numel * itemsize)}
-    if node.target is C.reduce_scatter:
+    if node.target is collectives.reduce_scatter:
         return {"fwd": ("reduce_scatter", numel * itemsize), "bwd": ("all_gather", numel * itemsize / n)}
-    if node.target is C.all_reduce:
+    if node.target is collectives.all_reduce:
         return {"fwd": ("all_reduce", numel * itemsize)}
-    if node.target is C.region_entry:
+    if node.target is collectives.region_entry:
         return {"bwd": ("all_reduce", numel * itemsize)}
     # vocab-parallel cross-entropy: three all-reduces of one fp32 value per token
     tokens = numel / sympy.Integer(int(src.meta["val"].shape[-1]) // n)
@@ -151,11 +151,11 @@ def shard_propagation_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     for axis in ctx.sharded_axes:
         _propagate_axis(gm, ctx, result, axis, local_syms)
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _COLLECTIVES and META_KEY in node.meta:
+        if node.op == "call_function" and node.target in _TP_COLLECTIVES and META_KEY in node.meta:
             buffers = _predict_bytes(node, ctx)
             n = ctx.axis_sizes[node.meta[META_KEY].axis]
             node.meta[META_KEY].bytes = {
-                phase: (op, C.ring_bytes(op, size, n)[0]) for phase, (op, size) in buffers.items()
+                phase: (op, collectives.ring_bytes(op, size, n)[0]) for phase, (op, size) in buffers.items()
             }
             result.num_rewritten += 1
     result.notes.append(f"placed {len(list(gm.graph.nodes))} nodes on axes {ctx.sharded_axes or ['none']}")

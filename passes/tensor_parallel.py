@@ -22,9 +22,10 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from autopar.ops import collectives as C
-from autopar.frontend.analyze import RESHAPE_OPS, LinearInfo, ModelStructure, reshape_chain
-from autopar.frontend.fx_utils import module_path, within
+from autopar.ops import collectives
+from autopar.frontend.analyze import LinearInfo, ModelStructure
+from autopar.frontend.fx_utils import module_path, reshape_chain, within
+from autopar.frontend.op_sets import RESHAPE_OPS
 from autopar.frontend.loss import logits_loss
 from autopar.errors import AutoparError, describe_node
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
@@ -90,7 +91,7 @@ def _shard_row(gm: GraphModule, ctx: PassContext, result: PassResult, info: Line
     # Reduce after the reshapes that follow the projection (Conv1D's view back to
     # [batch, seq, hidden]), so SP can reduce-scatter along the sequence dim.
     last = reshape_chain(node)[-1]
-    reduced = _insert_after(gm, last, C.all_reduce, (last, AXIS, f"{info.module}: row-parallel output"),
+    reduced = _insert_after(gm, last, collectives.all_reduce, (last, AXIS, f"{info.module}: row-parallel output"),
                             f"sum the partial outputs of row-parallel {info.module}", "row_output")
     _redirect(last, reduced)
     out = reduced
@@ -119,7 +120,7 @@ def _enter_region(gm: GraphModule, columns: list[LinearInfo], label: str, role: 
         x, user = _region_input(c)
         by_input.setdefault(x, set()).add(user)
     for x, users in by_input.items():
-        entry = _insert_after(gm, x, C.region_entry, (x, AXIS, f"{label}: column-parallel input"),
+        entry = _insert_after(gm, x, collectives.region_entry, (x, AXIS, f"{label}: column-parallel input"),
                               f"enter the tensor-parallel region of {label}", role)
         _redirect(x, entry, only=users)
 
@@ -128,10 +129,10 @@ def _vocab_parallel_embedding(gm: GraphModule, result: PassResult, node: Node) -
     weight, ids = node.args[0], node.args[1]
     padding_idx = node.args[2] if len(node.args) > 2 else -1
     result.shard_param(weight.target, AXIS, ParamShard(0))
-    node.target = C.vocab_parallel_embedding
+    node.target = collectives.vocab_parallel_embedding
     node.args = (weight, ids, AXIS, padding_idx)
     provenance(node, _PASS, AXIS, "embedding rows sharded over the vocabulary", role="embedding")
-    reduced = _insert_after(gm, node, C.all_reduce, (node, AXIS, "embedding output"),
+    reduced = _insert_after(gm, node, collectives.all_reduce, (node, AXIS, "embedding output"),
                             "sum the vocabulary-parallel embedding lookups", "embedding_output")
     _redirect(node, reduced)
 
@@ -147,7 +148,7 @@ def _vocab_parallel_loss(gm: GraphModule, loss: Node) -> None:
             f"autopar: cross-entropy with class weights or label smoothing at {describe_node(loss)} "
             "is not supported vocabulary-parallel; expected plain cross_entropy(logits, target). "
             "Use a plan without tp, or drop the class weights / label smoothing.")
-    loss.target = C.vocab_parallel_cross_entropy
+    loss.target = collectives.vocab_parallel_cross_entropy
     loss.args = (loss.args[0], loss.args[1], AXIS, ignore_index, reduction, "vocab-parallel cross-entropy")
     loss.kwargs = {}
     provenance(loss, _PASS, AXIS, "cross-entropy on vocabulary-sharded logits", role="loss")
@@ -208,7 +209,7 @@ def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         if loss is not None:
             _vocab_parallel_loss(gm, loss)
         else:
-            gathered = _insert_after(gm, s.lm_head.node, C.all_gather,
+            gathered = _insert_after(gm, s.lm_head.node, collectives.all_gather,
                                      (s.lm_head.node, s.lm_head.node.meta["val"].dim() - 1, AXIS, "logits"),
                                      "gather vocabulary-sharded logits (no cross-entropy loss found)", "logits")
             _redirect(s.lm_head.node, gathered)

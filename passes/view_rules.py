@@ -7,7 +7,7 @@ same rules work on graphs traced with symbolic batch and sequence sizes.  On a d
 axis (cp: sizes already local) sizes stay, and a reshape keeps the tokens in the dim that
 keeps the sequence length.
 
-Registered into the same registry as ``passes/rules.py``; the propagation loop is
+Registered in the one registry of ``passes/rules.py``; the propagation loop is
 ``passes/shard_propagation.py``.
 """
 from __future__ import annotations
@@ -19,9 +19,8 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
-from .rules import R, RuleContext, ndim_of, register, shape_of
-
-from autopar.compat import sym_expr
+from autopar.frontend.op_sets import SIZED_RESHAPE_OPS, SPLIT_OPS
+from .rules import R, RuleContext, ndim_of, register, shape_of, size_expr
 
 aten = torch.ops.aten
 
@@ -30,13 +29,9 @@ __all__ = ["dim_groups", "view_rule"]
 _INT_MAX = 2**62
 
 
-def _expr(size) -> sympy.Expr:
-    return sym_expr(size) if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
-
-
 def dim_groups(in_shape: tuple, out_shape: tuple) -> list[tuple[list[int], list[int]]]:
     """Pair runs of input dims with runs of output dims whose products are equal."""
-    groups = _dim_groups(tuple(_expr(s) for s in in_shape), tuple(_expr(s) for s in out_shape))
+    groups = _dim_groups(tuple(size_expr(s) for s in in_shape), tuple(size_expr(s) for s in out_shape))
     return [(list(gi), list(gj)) for gi, gj in groups]
 
 
@@ -70,7 +65,7 @@ def _dim_groups(a: tuple, b: tuple) -> tuple:
 
 def _first_nonunit(dims: list[int], shape: tuple) -> int | None:
     for d in dims:
-        if _expr(shape[d]) != 1:
+        if size_expr(shape[d]) != 1:
             return d
     return None
 
@@ -107,7 +102,7 @@ def _token_shard(node: Node, rc: RuleContext) -> Shard:
     return Shard(dim)
 
 
-@register(aten.view.default, aten.reshape.default, aten._unsafe_view.default)
+@register(*SIZED_RESHAPE_OPS)
 def view_rule(node: Node, pls: list, rc: RuleContext):
     pl = pls[0]
     if not isinstance(pl, Shard):
@@ -201,7 +196,7 @@ def slice_rule(node: Node, pls: list, rc: RuleContext):
     end = node.args[3] if len(node.args) > 3 else None
     step = node.args[4] if len(node.args) > 4 else 1
     full_end = end is None or (isinstance(end, int) and end >= _INT_MAX) or (
-        isinstance(end, int) and _expr(shape_of(node.args[0])[dim]) == end)
+        isinstance(end, int) and size_expr(shape_of(node.args[0])[dim]) == end)
     if start in (0, None) and full_end and step == 1:
         return pl
     blocks = node.args[0].meta.get("autopar_blocks")
@@ -269,7 +264,7 @@ def copy_rule(node: Node, pls: list, rc: RuleContext):
                   "(torch.cat) instead, or use a plan without this dimension.")
 
 
-@register(aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+@register(*SPLIT_OPS)
 def split_rule(node: Node, pls: list, rc: RuleContext):
     pl = pls[0]
     num_out = len(node.meta["val"])

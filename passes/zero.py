@@ -15,7 +15,7 @@ names and layouts for state dicts) but the program no longer reads them: at run 
 
 The unit's parameter names are recorded in the gather node's provenance
 (``node.meta["autopar"].params``), which is where the runtime reads the units from.
-Neighbours: ``passes/data_parallel.py`` (gradient buckets, stages 0-2), :mod:`autopar.runtime.zero`
+Neighbours: ``passes/data_parallel.py`` (gradient buckets, ZeRO stages 0-2), :mod:`autopar.runtime.zero`
 (the runtime side), ``cost/comm.py`` (one gather per unit and micro-batch, forward and
 backward, and one gradient reduce-scatter per unit and micro-batch).
 """

@@ -8,9 +8,9 @@ directory (``pytest -m unit`` / ``-m dist`` / ``-m e2e`` / ``-m gpu``, or select
   * ``tests/e2e``: the ``autopar`` CLI, the examples and the scale simulation;
   * ``tests/gpu``: one CUDA GPU, a real NCCL process group at world 1 (skipped without CUDA;
     run on a lent GPU by ``benchmarks/device_check.sh``).
-Helper modules (``tests/harness.py``, ``tests/reference.py``, ``tests/jobs.py``, ...) stay
-here at the root. The pools themselves live in ``tests/harness.py``; this file only exposes
-them as the ``dist_pool`` fixture and shuts them down when the session ends.
+The support code the tiers share (the harness, the jobs, the models, the reference side)
+is the package ``tests/support/``. The pools themselves live in ``tests/support/harness.py``;
+this file only exposes them as the ``dist_pool`` fixture and shuts them down when the session ends.
 """
 from __future__ import annotations
 
@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 
 _TESTS_DIR = Path(__file__).resolve().parent
-# Test modules import `tests.harness` / `tests.models`, examples import from the repo root.
+# Test modules import `tests.support.harness` / `tests.support.models`, examples import from the repo root.
 for _path in (str(_TESTS_DIR.parent), str(_TESTS_DIR)):
     if _path not in sys.path:
         sys.path.insert(0, _path)
 
-from tests.harness import run_distributed, shutdown_pools  # noqa: E402
-from tests import trace_cache  # noqa: E402
+from tests.support.harness import run_distributed, shutdown_pools  # noqa: E402
+from tests.support import trace_cache  # noqa: E402
 
-trace_cache.install()  # each distinct model exported once per process (tests/trace_cache.py)
+trace_cache.install()  # each distinct model exported once per process (tests/support/trace_cache.py)
 
 __all__ = ["dist_pool"]
 

@@ -1,8 +1,10 @@
 """Command-line entry point: ``autopar inspect | plan | explain | verify``.
 
 ``inspect`` (autopar/cli/inspect_cmd.py) prints a rank's generated program; ``plan`` and
-``explain`` (autopar/cli/plan_cmd.py) run the offline cost model and search; ``verify``
-(autopar/cli/verify_cmd.py) proves a plan on CPU gloo processes against one process.
+``explain`` (autopar/cli/plan_cmd.py) run the offline cost model and search, and
+``explain --measure`` (autopar/cli/measure_cmd.py) sets the memory one step measures on local
+gloo processes against the prediction; ``verify`` (autopar/cli/verify_cmd.py) proves a plan
+on CPU gloo processes against one process.
 """
 from __future__ import annotations
 

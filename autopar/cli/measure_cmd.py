@@ -4,10 +4,10 @@
 ``MODULE:FUNCTION`` (:func:`autopar.cli.inspect_cmd.load_target`), compiles the model for the
 plan (:func:`autopar.parallelize`, AdamW, the loss :func:`autopar.cli.inspect_cmd.lm_cross_entropy`
 against the first input shifted left by one token), runs one ``train_step`` and returns
-``pm.memory_report()`` (definitions in autopar/memory.py).  :func:`memory_comparison`
+``pm.memory_report()`` (definitions in autopar/runtime/memory.py).  :func:`memory_comparison`
 sets those reports against the cost model's memory terms (cost/memory.py) for the same
 model (``ModelSpec.from_module``), sequence length and batch, fp32 (``dtype_bytes=4``),
-and :func:`format_memory_comparison` prints the table.  autopar/cli_plan.py wires it into
+and :func:`format_memory_comparison` prints the table.  autopar/cli/plan_cmd.py wires it into
 ``autopar explain``.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ def _worker(rank: int, world: int, port: int, target: str, plan: str, results) -
         from autopar.cli.inspect_cmd import lm_cross_entropy, load_target
 
         model, inputs, kwargs = load_target(target)
-        pm = parallelize(model, inputs, kwargs, plan=plan, loss_fn=lm_cross_entropy)
+        pm = parallelize(model, inputs, example_kwargs=kwargs, plan=plan, loss_fn=lm_cross_entropy)
         pm.train_step(inputs, _shifted_target(inputs))
         results.put(("ok", rank, pm.memory_report()))
     except BaseException as exc:  # reported to the parent, which raises a clear error

@@ -7,12 +7,12 @@ issues per step (like sections 6.7 and 6.8 of the reference, with docs/architect
 convention), memory by category, the time budget and the pipeline bubble, optionally
 with each term's formula.
 
-autopar/cli.py builds the parser and calls :func:`register`; everything that can go
-wrong with the user's input raises :class:`autopar.errors.AutoparError`, which cli.py
+autopar/cli/__init__.py builds the parser and calls :func:`register`; everything that can go
+wrong with the user's input raises :class:`autopar.errors.AutoparError`, which it
 prints. The cost model lives in ``autopar.cost`` (cost/), the search in
-autopar/search.py. ``explain --measure MODULE:FUNCTION --world N`` also runs one training
+autopar/planning/search.py. ``explain --measure MODULE:FUNCTION --world N`` also runs one training
 step of that model on N local gloo processes and prints predicted against measured memory
-(autopar/measure_cmd.py).
+(autopar/cli/measure_cmd.py).
 """
 from __future__ import annotations
 
@@ -82,10 +82,11 @@ def _add_common(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--model", required=required,
                    help="a preset (llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, "
                         "reference-moe) or the path of a transformers config.json")
-    p.add_argument("--gpu", default="h100", help="GPU preset: a100, h100, h200 (default h100)")
+    p.add_argument("--gpu", default="h100",
+                   help="GPU preset: a100, h100, h200, b200, gb200, mi300x (default h100)")
     p.add_argument("--gpus", type=int, required=required, metavar="N", help="number of GPUs")
-    p.add_argument("--gpus-per-node", type=int, default=8, metavar="G",
-                   help="GPUs per node (default 8)")
+    p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
+                   help="GPUs per fast-link domain (default: the preset's, 8; 72 for gb200)")
     p.add_argument("--seq", type=int, required=required, metavar="S", help="sequence length")
     p.add_argument("--global-batch", type=int, required=required, metavar="B",
                    help="sequences per optimizer step")
@@ -118,15 +119,18 @@ def load_model_spec(model: str):
     return ModelSpec.from_hf_config(path)
 
 
-def make_cluster(gpu: str, gpus: int, gpus_per_node: int):
-    """A Cluster of ``gpus`` GPUs; fewer GPUs than one node make a single partial node."""
+def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None):
+    """A Cluster of ``gpus`` GPUs; fewer GPUs than one node make a single partial node;
+    ``gpus_per_node`` None takes the preset's fast-link domain."""
     from autopar.cost import Cluster
-    from autopar.cost.hardware import GPU_PRESETS
+    from autopar.cost.hardware import GPU_PRESETS, node_gpus
 
     if gpu.lower() not in GPU_PRESETS:
         raise AutoparError(
             f"autopar: unknown GPU {gpu!r}; expected one of {', '.join(GPU_PRESETS)}"
         )
+    if gpus_per_node is None:
+        gpus_per_node = node_gpus(gpu)
     if gpus < 1 or gpus_per_node < 1:
         raise AutoparError(
             f"autopar: --gpus and --gpus-per-node must be >= 1, got {gpus} and {gpus_per_node}"

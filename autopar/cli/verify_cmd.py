@@ -18,11 +18,13 @@ __all__ = ["register", "run_verify"]
 
 def run_verify(args: argparse.Namespace) -> int:
     from autopar.verification import RankFailure, verify  # here: `autopar plan` never loads torch
+    from autopar.verification.api import _corrupting  # the testing hook, not in verify's signature
 
     try:
-        result = verify(args.model, args.plan, world=args.world, layers=args.layers, steps=args.steps,
-                        seed=args.seed, optimizer=args.optimizer, batch=args.batch, seq=args.seq,
-                        corrupt=args.corrupt, timeout=args.timeout, log=lambda line: print(line, flush=True))
+        with _corrupting(args.corrupt):
+            result = verify(args.model, args.plan, world_size=args.world, layers=args.layers, steps=args.steps,
+                            seed=args.seed, optimizer=args.optimizer, global_batch=args.batch, seq_len=args.seq,
+                            timeout=args.timeout, log=lambda line: print(line, flush=True))
     except RankFailure as exc:
         print(str(exc), file=sys.stderr)
         print("verdict: FAILED - the parallel run did not complete; see the error above.")

@@ -35,21 +35,17 @@ from torch.fx import GraphModule, Node
 from autopar.errors import AutoparError
 from autopar.frontend.analyze_moe import expert_width, find_moe_blocks
 from autopar.frontend.attention_dims import attention_dims, eager_attention_dims
-from autopar.frontend.fx_utils import RESHAPE_OPS, module_path, reshape_chain, within as _within
+from autopar.frontend.fx_utils import module_path, reshape_chain, within as _within
 from autopar.frontend.loss import LossReduction, loss_reduction
+from autopar.frontend.op_sets import ATTENTION_OPS, RESHAPE_OPS, SPLIT_OPS
 from autopar.frontend.spec_dims import graph_dims
 from autopar.frontend.trace import trace_model
 
 aten = torch.ops.aten
 
 __all__ = ["LinearInfo", "Region", "ModelStructure", "analyze", "model_dims", "structure_dims", "module_path",
-           "reshape_chain",
-           "ATTENTION_OPS", "RESHAPE_OPS"]
+           "reshape_chain"]
 
-ATTENTION_OPS = {
-    aten.scaled_dot_product_attention.default,
-}
-_SPLIT_OPS = {aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default}
 _NORM_OPS = {aten.rsqrt.default, aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default}
 
 
@@ -203,7 +199,7 @@ def _split_sizes(linear: Node) -> list[int] | None:
     users = list(last.users)
     if users and all(u.target is aten.slice.Tensor for u in users):
         return _slice_sizes(last, users)
-    if len(users) != 1 or users[0].target not in _SPLIT_OPS:
+    if len(users) != 1 or users[0].target not in SPLIT_OPS:
         return None
     split = users[0]
     ndim = last.meta["val"].dim()

@@ -28,7 +28,8 @@ import torch
 from torch.fx import Graph, GraphModule, Node
 
 from autopar.compat import sym_expr
-from autopar.frontend.fx_utils import RESHAPE_OPS, module_path, within as _within
+from autopar.frontend.fx_utils import module_path, within as _within
+from autopar.frontend.op_sets import PROJECTION_OPS, RESHAPE_OPS
 from autopar.errors import AutoparError, describe_node
 
 aten = torch.ops.aten
@@ -182,7 +183,7 @@ def _router(topk: Node) -> Node | None:
     seen, todo = set(), [topk]
     while todo:
         n = todo.pop()
-        if n.op == "call_function" and n.target in (aten.linear.default, aten.mm.default, aten.addmm.default):
+        if n.op == "call_function" and n.target in PROJECTION_OPS:
             return n
         for a in n.all_input_nodes:
             if a not in seen and a.op == "call_function":

@@ -17,12 +17,13 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
+from autopar.frontend.op_sets import SIZED_RESHAPE_OPS, SOFTMAX_OPS
+
 aten = torch.ops.aten
 
 __all__ = ["attention_dims", "eager_attention_dims", "strip_gqa"]
 
 _MATMUL = aten.matmul.default
-_SOFTMAX = {aten.softmax.int, aten._softmax.default, aten._safe_softmax.default}
 _LINEARS = {aten.linear.default, aten.addmm.default, _MATMUL}
 _FULL_SLICE_END = 2 ** 62
 
@@ -35,7 +36,7 @@ def attention_dims(op: Node) -> tuple[int, int, int]:
 def eager_attention_dims(gm: GraphModule) -> tuple[int, int, int] | None:
     """``(heads, kv heads, head dim)`` of the first eager attention core of ``gm``, or None."""
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _SOFTMAX:
+        if node.op == "call_function" and node.target in SOFTMAX_OPS:
             scores = _scores_matmul(node)
             if scores is not None and _feeds_matmul(node):
                 return _core_dims(scores.args[0], scores.args[1], False)
@@ -126,7 +127,7 @@ def _skip_slices(node: Node) -> Node:
 def strip_gqa(node: Node) -> tuple[Node, int]:
     """``reshape(expand(unsqueeze(x, 2)))`` that repeats K/V heads -> (x, groups); else (node, 1)."""
     r = node
-    if r.op != "call_function" or r.target not in (aten.reshape.default, aten.view.default):
+    if r.op != "call_function" or r.target not in SIZED_RESHAPE_OPS:
         return node, 1
     e = _skip_slices(r.args[0])
     if e.op != "call_function" or e.target is not aten.expand.default:

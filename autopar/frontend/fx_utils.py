@@ -1,22 +1,15 @@
 """Small FX helpers shared by the structure analysis (``analyze``, ``analyze_moe``) and the passes.
 
-Where a node came from (its module path in ``nn_module_stack``) and the reshape ops that
-sit between a projection and its users.
+Where a node came from (its module path in ``nn_module_stack``) and the reshapes that sit
+between a projection and its users (the op families themselves are ``op_sets``).
 """
 from __future__ import annotations
 
-import torch
 from torch.fx import Node
 
-__all__ = ["module_path", "within", "RESHAPE_OPS", "SHAPED_FILLS", "reshape_chain"]
+from autopar.frontend.op_sets import RESHAPE_OPS
 
-aten = torch.ops.aten
-
-RESHAPE_OPS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default, aten.flatten.using_ints,
-               aten.unflatten.int}
-# Fills shaped like their input: they read its shape (and dtype), never its values.
-SHAPED_FILLS = {aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
-                aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default}
+__all__ = ["module_path", "within", "reshape_chain"]
 
 
 def module_path(node: Node) -> str:

@@ -26,7 +26,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autopar.errors import describe_node
-from autopar.frontend.fx_utils import RESHAPE_OPS
+from autopar.frontend.op_sets import RESHAPE_OPS
 
 __all__ = ["LossReduction", "loss_reduction", "logits_consumer", "logits_loss"]
 

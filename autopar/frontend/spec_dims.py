@@ -33,14 +33,14 @@ from autopar.compat import sym_hint
 from autopar.frontend.attention_dims import strip_gqa
 from autopar.frontend.fx_utils import module_path, within
 from autopar.frontend.loss import logits_consumer
+from autopar.frontend.op_sets import ATTENTION_OPS, SOFTMAX_OPS
 
 aten = torch.ops.aten
 
 __all__ = ["graph_dims"]
 
 # Where a mask's dataflow enters attention: the SDPA op, or the softmax of an eager core.
-_ATTENTION_STOPS = {aten.scaled_dot_product_attention.default, aten.softmax.int, aten._softmax.default,
-                    aten._safe_softmax.default}
+_ATTENTION_STOPS = ATTENTION_OPS | SOFTMAX_OPS
 
 
 def graph_dims(gm: GraphModule, s, dims: dict) -> dict:

@@ -1,8 +1,10 @@
 """autopar.ops: the operators the passes insert and the runtime executes.
 
 ``collectives`` (autograd-correct collectives and the byte convention), ``cp_attention``
-(ring, all-gather and Ulysses attention), ``moe`` (dispatch and combine), ``zero_gather``
-(ZeRO-3's parameter gather), ``random`` (dropout streams), ``recompute`` (checkpointed
-regions), ``schedules`` (pipeline schedules as data) and ``step`` (the step context they all
-read).  The only runtime code ``passes/`` may import.
+(ring, all-gather and Ulysses attention, CP positions and cumulative sums), ``moe``
+(dispatch, the local experts, combine), ``zero_gather`` (ZeRO-3's parameter gather),
+``rng`` (dropout drawn from per-stream generators), ``recompute`` (checkpointed regions),
+``regather`` (SP's saved sequence shard, all-gathered again in backward), ``schedules``
+(pipeline schedules as data) and ``step`` (the step context they all read).  The only
+runtime code ``passes/`` may import.
 """

@@ -79,7 +79,8 @@ def ring_bytes(op: str, nbytes: float, n: int) -> tuple[float, float]:
     """(sent, received) by this rank for one collective, the ring convention of docs/architecture.md.
 
     ``nbytes`` is the shard for all_gather, the full buffer for reduce_scatter and
-    all_reduce, the local buffer for all_to_all (even split) and the buffer for P2P.
+    all_reduce, the local buffer for all_to_all (even split).  Point-to-point transfers are
+    recorded by :func:`record_p2p` (a send sends its buffer, a recv receives it).
     """
     if op == "all_gather":
         return (n - 1) * nbytes, (n - 1) * nbytes
@@ -89,8 +90,6 @@ def ring_bytes(op: str, nbytes: float, n: int) -> tuple[float, float]:
         return 2 * (n - 1) * nbytes / n, 2 * (n - 1) * nbytes / n
     if op == "all_to_all":
         return (n - 1) * nbytes / n, (n - 1) * nbytes / n
-    if op in ("send", "recv"):
-        return float(nbytes), float(nbytes)
     raise ValueError(f"unknown collective {op!r}")
 
 

@@ -32,7 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from autopar.ops import collectives as C
+from autopar.ops import collectives
 from autopar.plan import ulysses_heads_ok
 from autopar.ops.step import find_current
 
@@ -70,14 +70,15 @@ def _positions(local_len: int, rank: int, size: int, device=None) -> torch.Tenso
 
 def cp_positions(local_len: int, axis: str, dtype: torch.dtype | None = None, device=None) -> torch.Tensor:
     """This rank's global position ids (replaces ``arange(local_len)`` in the graph)."""
-    pos = _positions(int(local_len), C.axis_rank(axis), C.axis_size(axis), device)
+    pos = _positions(int(local_len), collectives.axis_rank(axis), collectives.axis_size(axis), device)
     return pos.to(dtype or torch.int64)
 
 
 def cp_table_rows(table: torch.Tensor, dim: int, local_len: int, axis: str) -> torch.Tensor:
     """``table`` at this rank's global positions along ``dim`` (replaces ``table[..., :seq]``, a
     learned or registered position table sliced to the sequence length: BERT's ``position_ids``)."""
-    return table.index_select(dim, _positions(int(local_len), C.axis_rank(axis), C.axis_size(axis), table.device))
+    positions = _positions(int(local_len), collectives.axis_rank(axis), collectives.axis_size(axis), table.device)
+    return table.index_select(dim, positions)
 
 
 def cp_cumsum(x: torch.Tensor, dim: int, axis: str, dtype: torch.dtype | None = None, tag: str = "") -> torch.Tensor:
@@ -86,14 +87,14 @@ def cp_cumsum(x: torch.Tensor, dim: int, axis: str, dtype: torch.dtype | None = 
     Each chunk's cumulative sum is offset by the total of every chunk before it in global
     order; the chunk totals (one slice each, the sequence dim summed away) are all-gathered.
     Autograd-correct: the all-gather's backward reduce-scatters the offsets' gradients."""
-    n, r = C.axis_size(axis), C.axis_rank(axis)
+    n, r = collectives.axis_size(axis), collectives.axis_rank(axis)
     if dtype is not None:
         x = x.to(dtype)
     elif not (x.is_floating_point() or x.is_complex()):
         x = x.to(torch.int64)  # torch.cumsum's promotion of integral and bool inputs
     first, second = x.chunk(2, dim=dim)  # global chunks r and 2n-1-r
     totals = torch.stack([first.sum(dim), second.sum(dim)])
-    gathered = C.all_gather(totals, 0, axis, tag or "cp cumsum chunk totals")  # rank j: chunks j, 2n-1-j
+    gathered = collectives.all_gather(totals, 0, axis, tag or "cp cumsum chunk totals")  # rank j: chunks j, 2n-1-j
     order = [2 * c if c < n else 2 * (2 * n - 1 - c) + 1 for c in range(2 * n)]
     ordered = gathered[torch.tensor(order, device=x.device)]
     before = torch.cat([torch.zeros_like(ordered[:1]), ordered.cumsum(0)[:-1]])  # exclusive prefix
@@ -217,10 +218,10 @@ def _scale(q, scale):
 def allgather_attention(q, k, v, axis: str, scale=None, causal: bool = True, num_kv_groups: int = 1,
                         tag: str = "") -> torch.Tensor:
     """All-gather packed K,V over ``axis``; local queries against the full K,V."""
-    n, r = C.axis_size(axis), C.axis_rank(axis)
+    n, r = collectives.axis_size(axis), collectives.axis_rank(axis)
     local = q.shape[2]
     d_k = k.shape[-1]  # K and V packed along the head dim, which may differ (DeepSeek's MLA)
-    kv = C.all_gather(torch.cat([k, v], dim=-1), 2, axis, tag or "cp all-gather K,V")
+    kv = collectives.all_gather(torch.cat([k, v], dim=-1), 2, axis, tag or "cp all-gather K,V")
     k_full, v_full = kv[..., :d_k], kv[..., d_k:]
     q_pos = _positions(local, r, n, q.device)
     k_pos = torch.cat([_positions(local, j, n, q.device) for j in range(n)])
@@ -233,9 +234,9 @@ def allgather_attention(q, k, v, axis: str, scale=None, causal: bool = True, num
 
 def _a2a(buf: torch.Tensor, axis: str, phase: str, tag: str) -> torch.Tensor:
     """All-to-all over dim 0 (one slice per rank of ``axis``)."""
-    g = C._group(axis)
+    g = collectives._group(axis)
     buf = buf.contiguous()
-    C.record("all_to_all", axis, buf, phase, tag)
+    collectives.record("all_to_all", axis, buf, phase, tag)
     out = torch.empty_like(buf, memory_format=torch.contiguous_format)
     dist.all_to_all_single(out, buf, group=g.group)
     return out
@@ -271,7 +272,7 @@ def _heads_to_seq(parts, n, axis, phase, tag):
 class _ToHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, axis, tag):
-        ctx.axis, ctx.tag, ctx.n = axis, tag, C.axis_size(axis)
+        ctx.axis, ctx.tag, ctx.n = axis, tag, collectives.axis_size(axis)
         return tuple(_seq_to_heads([q, k, v], ctx.n, axis, "fwd", tag))
 
     @staticmethod
@@ -282,7 +283,7 @@ class _ToHeads(torch.autograd.Function):
 class _ToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o, axis, tag):
-        ctx.axis, ctx.tag, ctx.n = axis, tag, C.axis_size(axis)
+        ctx.axis, ctx.tag, ctx.n = axis, tag, collectives.axis_size(axis)
         return _heads_to_seq([o], ctx.n, axis, "fwd", tag)[0]
 
     @staticmethod
@@ -293,7 +294,7 @@ class _ToSeq(torch.autograd.Function):
 def ulysses_attention(q, k, v, axis: str, scale=None, causal: bool = True, num_kv_groups: int = 1,
                       tag: str = "") -> torch.Tensor:
     """All-to-all sequence shards -> head shards, full-sequence attention, and back."""
-    n = C.axis_size(axis)
+    n = collectives.axis_size(axis)
     local = q.shape[2]
     for name, t in (("query", q), ("key/value", k)):
         if not ulysses_heads_ok(t.shape[1], 1, n):  # heads here are already local to a tp rank
@@ -312,11 +313,11 @@ class _Exchange:
     """One ring hop: async send to the next rank and receive from the previous one."""
 
     def __init__(self, t: torch.Tensor, axis: str, phase: str, tag: str, channel: int = 0):
-        g = C._group(axis)
+        g = collectives._group(axis)
         nxt, prv = (g.rank + 1) % g.size, (g.rank - 1) % g.size
         self.buf = torch.empty_like(t, memory_format=torch.contiguous_format)
-        C.record_p2p("send", axis, t, phase, tag)
-        C.record_p2p("recv", axis, self.buf, phase, tag)
+        collectives.record_p2p("send", axis, t, phase, tag)
+        collectives.record_p2p("recv", axis, self.buf, phase, tag)
         send = t.contiguous()
         self._keep = send
         # K,V and dK,dV hops between the same pair of ranks use distinct tags (channel).
@@ -332,7 +333,7 @@ class _Exchange:
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, axis, scale, causal, groups, tag):
-        n, r = C.axis_size(axis), C.axis_rank(axis)
+        n, r = collectives.axis_size(axis), collectives.axis_rank(axis)
         local = q.shape[2]
         chunk = max(1, local // 2)
         d_k = k.shape[-1]  # K and V packed along the head dim (MLA's differ)
@@ -356,7 +357,7 @@ class _RingAttention(torch.autograd.Function):
         # its home and ends there after cp-1 hops; K,V hop cp-1 times alongside (the last block is local).
         q, k, v, out, lse = ctx.saved_tensors
         axis, scale, causal, groups, tag = ctx.args
-        n, r = C.axis_size(axis), C.axis_rank(axis)
+        n, r = collectives.axis_size(axis), collectives.axis_rank(axis)
         local = q.shape[2]
         chunk = max(1, local // 2)
         d_k = k.shape[-1]

@@ -14,7 +14,7 @@ The EP pass (``passes/expert_parallel.py``) replaces each recognised experts reg
 The token all-to-alls are autograd functions whose backward is the reverse all-to-all
 (the duals of docs/architecture.md).  Without an ``ep`` group (ep=1) the same code runs locally.  Every
 all-to-all is recorded with the realised per-expert counts (``CommRecord.counts``), from
-which the cost model predicts its bytes exactly (``autopar.cost.routed_all_to_all_rows``).
+which the cost model predicts its bytes exactly (``autopar.cost.comm.routed_all_to_all_rows``).
 
 Experts are stored with rank ``r`` of the ``ep`` axis owning experts
 ``[r * E/ep, (r + 1) * E/ep)``: stacked ``[E, ...]`` parameters are sharded along dim 0,
@@ -32,7 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from autopar.ops import collectives as C
+from autopar.ops import collectives
 
 __all__ = ["Routing", "capacity_keep", "moe_dispatch", "moe_experts", "moe_combine"]
 
@@ -52,24 +52,24 @@ class Routing:
 
 
 def _ep_group(axis: str):
-    g = C.find_group(axis)
+    g = collectives.find_group(axis)
     return g if g is not None and g.size > 1 else None
 
 
 def _record_a2a(axis: str, t: torch.Tensor, send: list[int], recv: list[int], phase: str, tag: str,
                 counts: tuple | None) -> None:
-    g = C.find_group(axis)
+    g = collectives.find_group(axis)
     row = math.prod(t.shape[1:]) * t.element_size()  # one row; t may have none
     mine = g.rank
     sent = float(row * (sum(send) - send[mine]))
     received = float(row * (sum(recv) - recv[mine]))
-    C.recorder().records.append(C.CommRecord("all_to_all", axis, g.size, sent, received, phase, tuple(t.shape),
-                                             str(t.dtype).replace("torch.", ""), tag, counts))
+    collectives.recorder().records.append(collectives.CommRecord(
+        "all_to_all", axis, g.size, sent, received, phase, tuple(t.shape), str(t.dtype).replace("torch.", ""), tag, counts))
 
 
 def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], axis: str, phase: str, tag: str,
                 counts: tuple | None) -> torch.Tensor:
-    g = C.find_group(axis)
+    g = collectives.find_group(axis)
     _record_a2a(axis, x, send, recv, phase, tag, counts)
     x = x.contiguous()
     out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))

@@ -13,7 +13,7 @@ Three things the checkpoint does not know about autopar's step context
 (:mod:`autopar.ops.step`), handled here:
 
 * **Dropout streams.**  The checkpoint restores the default generators only; autopar's
-  dropout draws from the step's per-stream generators (:mod:`autopar.ops.random`).  Their
+  dropout draws from the step's per-stream generators (:mod:`autopar.ops.rng`).  Their
   states when the region starts are kept, and the recomputation draws from copies restored
   to them (a stream first used inside the region starts from its seed, as in forward), so
   it draws the same masks and leaves the step's generators where they were.

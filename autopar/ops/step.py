@@ -85,7 +85,7 @@ class StepContext:
     # True while backward re-runs a recomputed region (autopar/ops/recompute.py): its forward
     # collectives are recorded as backward traffic.
     recomputing: bool = False
-    # Dropout's random streams (autopar/ops/random.py): the base seed, the same on every rank
+    # Dropout's random streams (autopar/ops/rng.py): the base seed, the same on every rank
     # (torch.initial_seed() when the context is made, or rank 0's: random.common_seed), and
     # one generator per stream and device, kept across steps so successive draws advance it.
     seed: int = dataclasses.field(default_factory=lambda: _initial_seed())

@@ -1,13 +1,28 @@
-"""autopar.runtime: emit and run one rank's program (the last stage of the pipeline).
+"""autopar.runtime: emit and run one rank's program (the compiler's last step).
 
 Public: :func:`init_distributed`, :func:`parallelize`, :class:`ParallelModule`, and
 :data:`MESH_AXES`.  ``compile_program`` (the front half of ``parallelize``, no process
 group) lives in :mod:`autopar.passes.compile` and is re-exported here.  The modules:
-``api`` (entry points), ``module`` (ParallelModule), ``executors`` / ``pipelined`` (flat
-and pipelined execution), ``mesh`` (process groups), ``batching`` (what a rank computes),
-``data`` (``BatchSlice`` and ``DistributedBatchSampler``: loading only this rank's data),
-``layout`` (cutting and gathering parameters), ``grad_sync`` / ``zero`` (gradient-sync
-strategies), ``memory`` (the meter), ``checkpoint`` (DCP save and load).
+
+- entry points and the program: ``api`` (``init_distributed``, ``parallelize``), ``module``
+  (``ParallelModule``), ``executors`` / ``pipelined`` (how a step runs: flat, or the chunks
+  under ``torch.distributed.pipelining``), ``simulated`` (a pipelined step on the meta
+  device: the scale simulation), ``devices`` (the rank's device, the program moved there),
+  ``inductor`` (``compile=True``: ``torch.compile`` of the program);
+- ranks and data: ``mesh`` (the device mesh and one process group per axis), ``batching``
+  (what a rank computes: its rows and positions, in micro-batches), ``data``
+  (``BatchSlice``, ``DistributedBatchSampler``: loading only this rank's data);
+- parameters and gradients: ``layout`` (cutting full tensors into shards and back),
+  ``sync_protocol`` (``GradientSynchronizer``, what a gradient-sync strategy provides),
+  ``grad_sync`` (plain data-parallel sync and the optimizer step) and ``zero`` (ZeRO-1/2/3),
+  built from ``zero_units`` (the units, their shards and collectives), ``zero_grads``
+  (ZeRO-1/2's sharded gradients), ``zero_params`` (ZeRO-3's gathered parameters) and
+  ``flat_layout`` (a unit's flat buffer), ``precision`` (bf16 mixed precision), ``clipping``
+  (the global gradient norm), ``memory`` (the meter);
+- state and weights: ``state`` (state dicts and checkpoint state), ``checkpoint`` (DCP save
+  and load), ``export`` (``pm.export_weights``), ``pretrained`` (``pm.load_pretrained``),
+  ``safetensors_io`` (slice reads and piecewise writes of safetensors files), ``initialize``
+  (``init_weights`` on a model built on the meta device).
 """
 from autopar.passes.compile import compile_program
 from autopar.runtime.api import init_distributed, parallelize

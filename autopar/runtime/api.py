@@ -21,7 +21,7 @@ from autopar.frontend.trace import trace_model
 from autopar.passes.compile import DEFAULT_BUCKET_BYTES, compile_program
 from autopar.plan import Plan
 from autopar.planning.autoplan import choose_plan
-from autopar.runtime.compiled import compile_options
+from autopar.runtime.inductor import torch_compile_options
 from autopar.runtime.mesh import world
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.precision import cast_inputs, low_precision_copy, mixed_precision_dtype
@@ -43,11 +43,11 @@ def init_distributed(backend: str | None = None) -> None:
 def parallelize(
     model: nn.Module,
     example_inputs: Sequence[Any],
+    *,
     example_kwargs: dict | None = None,
     plan: str | Plan = "none",
     loss_fn: Callable | None = None,
     optimizer: Callable[..., torch.optim.Optimizer] | None = None,
-    *,
     example_target: Any = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     pipeline_split: Sequence[int] | None = None,
@@ -59,7 +59,8 @@ def parallelize(
 ) -> ParallelModule:
     """Compile ``model`` for ``plan`` on the current process group; the model is not modified.
 
-    ``loss_fn(output, target)`` is traced with the model; ``optimizer`` is a factory called
+    ``model(*example_inputs, **example_kwargs)`` is the call that is traced; every argument after
+    ``example_inputs`` is keyword-only.  ``loss_fn(output, target)`` is traced with the model; ``optimizer`` is a factory called
     with this rank's parameters (default: ``torch.optim.AdamW``).  ``pipeline_split``: layers
     per pipeline chunk (default: balanced by the cost model).  ``max_grad_norm``: clip the
     global gradient norm (every shard, each parameter once) before each step; ``pm.last_grad_norm``
@@ -70,7 +71,7 @@ def parallelize(
     masters (:mod:`autopar.runtime.precision`).  None: train in the model's own dtype.
     ``compile``: True (or a dict of ``torch.compile``'s keyword arguments, e.g.
     ``{"backend": "aot_eager"}``) compiles this rank's program with ``torch.compile``; the
-    inserted collectives run eagerly between compiled regions (:mod:`autopar.runtime.compiled`).
+    inserted collectives run eagerly between compiled regions (:mod:`autopar.runtime.inductor`).
     Not with pipeline parallelism.
 
     Devices: the model may be on the CPU, on a GPU or on the meta device, and the example inputs
@@ -90,7 +91,7 @@ def parallelize(
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise AutoparError(f"autopar: max_grad_norm={max_grad_norm}; expected a positive number (or None: no clipping).")
     auto = isinstance(plan, str) and plan.strip().lower() == "auto"
-    compile_options(compile, None if auto else Plan.parse(plan))  # refused before tracing
+    torch_compile_options(compile, None if auto else Plan.parse(plan))  # refused before tracing
     traced_model = low_precision_copy(model, dtype) if dtype is not None else model
     example_inputs = cast_inputs(tuple(example_inputs), dtype)
     if auto:
@@ -99,10 +100,10 @@ def parallelize(
                                       world_size=world_size, example_target=example_target,
                                       bucket_bytes=bucket_bytes, pipeline_split=pipeline_split,
                                       upcast_outputs=dtype is not None)
-    options = compile_options(compile, program.plan)
+    options = torch_compile_options(compile, program.plan)
     return ParallelModule(traced_model, traced, program, program.plan, optimizer or torch.optim.AdamW,
                           max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
-                          masters_from=model if dtype is not None else None, compile_options=options,
+                          masters_from=model if dtype is not None else None, torch_compile_options=options,
                           init_weights=init_weights)
 
 

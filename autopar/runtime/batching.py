@@ -75,10 +75,10 @@ def rank_positions(seq: int, plan, cp_rank: int) -> torch.Tensor | None:
     return cp_chunk_indices(seq, cp_rank, plan.cp)
 
 
-def micro_rows(rows: range, mb: int) -> list[range]:
-    """``rows`` in ``mb`` contiguous equal parts (the micro-batches, in order)."""
-    size = len(rows) // mb
-    return [range(rows.start + m * size, rows.start + (m + 1) * size) for m in range(mb)]
+def micro_rows(rows: range, num_microbatches: int) -> list[range]:
+    """``rows`` in ``num_microbatches`` contiguous equal parts (the micro-batches, in order)."""
+    size = len(rows) // num_microbatches
+    return [range(rows.start + m * size, rows.start + (m + 1) * size) for m in range(num_microbatches)]
 
 
 def cut_rows(t: Any, batch: int, rows: range, device: torch.device | None = None) -> Any:

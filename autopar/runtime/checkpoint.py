@@ -3,7 +3,7 @@
 What is stored: the model's parameters and buffers under the original model's names
 (``model.<name>``) and the optimizer state per original parameter (``optim.<name>.<key>``,
 e.g. ``exp_avg``), all as full, unsharded tensors.  Each rank contributes what it holds
-(``ParallelModule.checkpoint_state``: TP, EP and ZeRO shards gathered; under pp only its
+(``ParallelModule.checkpoint_state``, :mod:`autopar.runtime.state`: TP, EP and ZeRO shards gathered; under pp only its
 stage's parameters), and DCP's save planner deduplicates identical entries so each tensor
 is written once, by one rank, with the writes spread over the ranks.  On load each rank
 reads the entries it holds (``checkpoint_wants``) and cuts its own shards.  This module
@@ -22,7 +22,7 @@ directory is deleted last.  A save killed at any point leaves ``<path>`` pointin
 last complete checkpoint.
 
 Neighbours: :mod:`autopar.runtime.module` (``ParallelModule.save`` / ``load`` call
-:func:`save` and :func:`load`; the state it holds), the gradient-sync strategies
+:func:`save` and :func:`load`), :mod:`autopar.runtime.state` (the state it holds), the gradient-sync strategies
 (:mod:`autopar.runtime.grad_sync`, :mod:`autopar.runtime.zero`: optimizer state per parameter).
 """
 from __future__ import annotations
@@ -38,12 +38,13 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from autopar.errors import AutoparError
 from autopar.runtime.export import distributed, export_weights, shared_token
 from autopar.runtime.safetensors_io import WEIGHTS_NAME
+from autopar.runtime.state import MODEL_PREFIX, OPTIM_PREFIX, SCHEDULER_KEY
+
 __all__ = ["save", "load", "load_model_state_dict", "MODEL_PREFIX", "OPTIM_PREFIX", "SCHEDULER_KEY",
            "export_safetensors", "SAFETENSORS_NAME"]
 
-# Entry names: ``model.<original name>``, ``optim.<original name>.<state key>``, and the
-# learning-rate scheduler's pickled state dict as one uint8 tensor.
-MODEL_PREFIX, OPTIM_PREFIX, SCHEDULER_KEY = "model.", "optim.", "sched.state"
+# Entry names (autopar/runtime/state.py): ``model.<original name>``, ``optim.<original name>.<state
+# key>``, and the learning-rate scheduler's pickled state dict as one uint8 tensor.
 
 
 def save(pm, path: str | os.PathLike) -> None:

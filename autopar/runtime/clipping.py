@@ -24,7 +24,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from autopar.ops import collectives as C
+from autopar.ops import collectives
 
 __all__ = ["norm_weights", "clip_gradients"]
 
@@ -44,7 +44,7 @@ def clip_gradients(grad_sync, weights: dict[str, float], max_norm: float | None,
     local = grad_sync.grad_square_sum(weights, device)
     world = groups.get("world")
     if world is not None and world.size > 1:
-        C.record("all_reduce", "world", local, "step", "gradient norm")
+        collectives.record("all_reduce", "world", local, "step", "gradient norm")
         dist.all_reduce(local, group=world.group)
     total = float(local.sqrt())
     if max_norm is not None:

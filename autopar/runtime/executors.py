@@ -1,8 +1,9 @@
 """How one rank runs its program for a step: the executors of :class:`ParallelModule`.
 
-An executor knows which parameters this rank holds (``owner``), builds what runs them once
-the parameters are local (``setup``), runs forward and backward of this rank's
-micro-batches (``run``) and gives the program of a stage that ``pm.code()`` prints.  Two exist:
+An executor (:class:`Executor`) knows which parameters this rank holds (``owner``,
+``holders``), builds what runs them once the parameters are local (``setup``), runs forward
+and backward of this rank's micro-batches (``run``) or forward alone (``evaluate``), and
+gives the program of a pipeline stage that ``pm.code()`` prints (``describe_stage``).  Two exist:
 
 * :class:`FlatExecutor`: one program, every parameter on every rank of the stage, the
   micro-batches in turn (gradient accumulation), the memory meter around each;
@@ -14,21 +15,20 @@ the same code in :class:`autopar.runtime.module.ParallelModule` for both.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from autopar.errors import AutoparError
 from autopar.ops.regather import keeping_shards, regathers
-from autopar.runtime.compiled import compiled_program
+from autopar.runtime.inductor import torch_compiled_program
 
-__all__ = ["FlatExecutor", "StepOutput", "weighted_loss"]
+__all__ = ["Executor", "FlatExecutor", "StepOutput", "weighted_loss"]
 
 
 def weighted_loss(loss: torch.Tensor, weight: float) -> torch.Tensor:
     """A piece's mean loss times its weight (``ParallelModule.loss_weight``); untouched at 1.0."""
     return loss if weight == 1.0 else loss * weight
-
 
 
 class StepOutput:
@@ -38,38 +38,75 @@ class StepOutput:
         self.loss = loss
 
 
-class FlatExecutor:
-    """Run the whole rewritten graph on each of this rank's micro-batches."""
+@runtime_checkable
+class Executor(Protocol):
+    """How one rank runs its program: what :class:`autopar.runtime.module.ParallelModule` calls.
 
-    def __init__(self, gm: torch.fx.GraphModule, program, plan, compile_options: dict | None = None):
+    ``pm`` is the module; ``coords`` maps each mesh axis to this rank's index on it."""
+
+    def owner(self, name: str) -> int | None:
+        """The pp rank that owns graph parameter ``name`` (broadcasts it in ``state_dict``);
+        None: every pp rank holds it."""
+        ...
+
+    def holders(self, name: str) -> tuple[int, ...] | None:
+        """The pp ranks holding graph parameter ``name`` (a tied weight: two); None: every rank."""
+        ...
+
+    def setup(self, pm) -> None:
+        """Build what runs the program, once ``pm``'s parameters and gradient sync exist."""
+        ...
+
+    def run(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
+        """Forward and backward of this rank's micro-batches of the batch given to the step,
+        inside the gradient sync's contexts; the gradients are left for ``grad_sync.sync()``."""
+        ...
+
+    def evaluate(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
+        """Forward only of this rank's micro-batches (the caller holds ``torch.no_grad``)."""
+        ...
+
+    def describe_stage(self, stage: int) -> torch.fx.GraphModule:
+        """The graph of pipeline stage ``stage`` (model chunk ``stage``; 0 without pp)."""
+        ...
+
+
+class FlatExecutor:
+    """Run the whole rewritten graph on each of this rank's micro-batches (an :class:`Executor`).
+
+    ``torch_compile_options``: ``torch.compile``'s keyword arguments (``compile=``), or None
+    to run the graph eagerly (:mod:`autopar.runtime.inductor`)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, program, plan, torch_compile_options: dict | None = None):
         self.gm, self.program, self.plan = gm, program, plan
         self._regathers = regathers(gm)
-        self._compile_options = compile_options
+        self._torch_compile_options = torch_compile_options
         self._forward = gm  # what runs: the graph, or its torch.compile (setup)
 
     def owner(self, name: str) -> int | None:
-        """Pipeline rank holding parameter ``name`` (None: every rank of the stage)."""
+        """The pp rank owning parameter ``name``: None, every rank holds every parameter."""
         return None
 
     def holders(self, name: str) -> tuple[int, ...] | None:
-        """Pipeline ranks holding ``name`` (None: every rank)."""
+        """The pp ranks holding ``name``: None, every rank."""
         return None
 
     def setup(self, pm) -> None:
-        """The graph runs as it is, or compiled over this rank's parameters (``compile=``)."""
-        if self._compile_options is not None:
-            self._forward = compiled_program(self.gm, self._compile_options)
+        """The graph runs as it is, or through ``torch.compile`` over this rank's parameters (``compile=``)."""
+        if self._torch_compile_options is not None:
+            self._forward = torch_compiled_program(self.gm, self._torch_compile_options)
 
     def run(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
+        """Each micro-batch's forward and backward in turn (gradient accumulation)."""
         total = torch.zeros((), device=pm.device)
         pieces = pm.micro_batches(inputs, target, coords)
-        for i, (chunk_inputs, chunk_target) in enumerate(pieces):
-            weight = pm.loss_weight(chunk_target)  # its share of the global valid targets (1.0 unpadded)
+        for i, (mb_inputs, mb_target) in enumerate(pieces):
+            weight = pm.loss_weight(mb_target)  # its share of the global valid targets (1.0 unpadded)
             # ZeRO: per-micro-batch gathers / reduce-scatters; DP: the last backward starts the
             # bucket all-reduces; the meter counts saved activations.
             with (pm.memory.micro_batch(self.gm), pm.grad_sync.micro_batch(last=i == len(pieces) - 1),
                   keeping_shards(self._regathers)):  # innermost: SP's gathered inputs saved as shards (ops/regather.py)
-                loss = weighted_loss(self._forward(*chunk_inputs, chunk_target), weight)
+                loss = weighted_loss(self._forward(*mb_inputs, mb_target), weight)
                 (loss / self.plan.mb).backward()
             total += loss.detach().float() / self.plan.mb
         return StepOutput(total)
@@ -77,12 +114,13 @@ class FlatExecutor:
     def evaluate(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
         """Forward only (the caller holds ``torch.no_grad`` and eval mode): the mean loss."""
         total = torch.zeros((), device=pm.device)
-        for chunk_inputs, chunk_target in pm.micro_batches(inputs, target, coords):
-            loss = weighted_loss(self._forward(*chunk_inputs, chunk_target), pm.loss_weight(chunk_target))
+        for mb_inputs, mb_target in pm.micro_batches(inputs, target, coords):
+            loss = weighted_loss(self._forward(*mb_inputs, mb_target), pm.loss_weight(mb_target))
             total += loss.detach().float() / self.plan.mb
         return StepOutput(total)
 
     def describe_stage(self, stage: int) -> torch.fx.GraphModule:
+        """The whole graph (the only pipeline stage, 0)."""
         if stage != 0:
             raise AutoparError(f"autopar: stage {stage} does not exist; plan '{self.plan}' has 1 pipeline "
                                "stage (0).")

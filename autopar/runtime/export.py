@@ -41,6 +41,7 @@ import torch.distributed as dist
 from autopar.errors import AutoparError
 from autopar.runtime.layout import local_index
 from autopar.runtime.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsLayout, parse_size
+from autopar.runtime.state import tensor_value
 
 __all__ = ["export_weights", "distributed", "shared_token", "shard_names", "INDEX_NAME", "WEIGHTS_NAME"]
 
@@ -170,7 +171,7 @@ def _write_pieces(pm, by_graph, layouts, file_of, where) -> str | None:
         write(name, value.detach())
     for name in by_graph:
         if name not in pm._param_names and pm.holds(name):
-            write(name, pm._value({}, name).detach())
+            write(name, tensor_value(pm, {}, name).detach())
     for fd in fds.values():
         try:
             os.fsync(fd)

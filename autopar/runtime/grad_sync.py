@@ -9,23 +9,10 @@ bucket's all-reduce starts during backward, once its gradients exist (:class:`_O
 ``sync()`` waits for it.
 
 :class:`GradSync` is the gradient-sync strategy :class:`autopar.runtime.module.ParallelModule`
-calls; ZeRO stages replace it with :class:`autopar.runtime.zero.ZeroSync`.  Both expose the
-same interface, which is all that the module, checkpoints (:mod:`autopar.runtime.checkpoint`)
-and the memory meter (:mod:`autopar.runtime.memory`) use:
-
-* ``optimizer``; ``micro_batch()`` around each micro-batch's forward and backward, and
-  ``forward_only()`` around an evaluation forward; ``after_backward()`` after each
-  backward (mixed precision folds bf16 gradients into fp32 main gradients there; the flat
-  executor's ``micro_batch()`` calls it, the pipelined executor's stages call it);
-  ``sync()`` then ``step()`` once per step (clipping sits between them);
-  ``full_parameters(write_back)`` around reading or writing whole parameters: it yields
-  graph name -> the tp-local tensor that holds the parameter's value (the fp32 master
-  under mixed precision);
-* ``grad_square_sum(weights)`` / ``scale_grads(coef)``: the pieces of the global gradient
-  norm this rank holds, and their scaling (:mod:`autopar.runtime.clipping`);
-* ``optimizer_state()`` / ``load_optimizer_state(entries)``: the optimizer state per graph
-  parameter as tp-local tensors (whole over ``dp``), whatever the strategy shards;
-* ``memory_tensors()``: what the strategy holds besides the module's parameters.
+uses without ZeRO; ZeRO stages replace it with :class:`autopar.runtime.zero.ZeroSync`.  Both
+implement :class:`autopar.runtime.sync_protocol.GradientSynchronizer`, which is all that the
+module, the executors, state dicts and checkpoints (:mod:`autopar.runtime.state`), clipping and
+the memory meter (:mod:`autopar.runtime.memory`) use; its docstrings say what each method does.
 """
 from __future__ import annotations
 
@@ -38,7 +25,7 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from autopar.ops import collectives as C
+from autopar.ops import collectives
 from autopar.runtime.precision import MainGrads
 
 __all__ = ["GradSync"]
@@ -49,9 +36,10 @@ class GradSync:
 
     ``originals``: graph name -> this rank's piece of the user's fp32 tensor, for mixed
     precision (:mod:`autopar.runtime.precision`): the optimizer then steps fp32 masters
-    whose main gradients are what is reduced.  None: the parameters themselves."""
+    whose main gradients are what is reduced.  None: the parameters themselves.  A
+    :class:`autopar.runtime.sync_protocol.GradientSynchronizer`."""
 
-    stage = 0
+    zero_stage = 0
 
     def __init__(self, gm: torch.fx.GraphModule, buckets, groups: dict, make_optimizer, originals=None):
         self.gm = gm
@@ -159,11 +147,14 @@ class GradSync:
         return total
 
     def scale_grads(self, coef: float) -> None:
+        """Multiply every gradient held (the parameters', or the fp32 masters') by ``coef``."""
         for p in self.params.values():
             if p.grad is not None:
                 p.grad.mul_(coef)
 
     def sync(self) -> None:
+        """Each bucket all-reduced (waited for where backward started it); the gradients are
+        then views of the reduced buffers."""
         started = self._overlap.take() if self._overlap is not None else {}
         for index, bucket in enumerate(self.buckets):
             params = [self.params[n] for n in bucket.params]
@@ -211,7 +202,7 @@ class GradSync:
             flat = torch.cat([g.reshape(-1) for g in grads])
         if group.size == 1:
             return flat, None
-        C.record("all_reduce", bucket.axis, flat, "grad", f"gradient bucket ({len(grads)} tensors)")
+        collectives.record("all_reduce", bucket.axis, flat, "grad", f"gradient bucket ({len(grads)} tensors)")
         return flat, dist.all_reduce(flat, group=group.group, async_op=async_op)
 
     # --- what checkpoints and the memory meter read -------------------------------------

@@ -7,11 +7,11 @@ returns :meth:`MemoryMeter.report` for the last step.  Definitions (bytes on thi
   * ``params``: the parameters the program holds (under ZeRO-3 only the ``dp`` shards);
   * ``master_params``: the fp32 master weights the optimizer steps on: ZeRO-1/2's flat
     shards (in fp32 training a copy that the cost model does not list separately), and
-    under mixed precision every master (plain tensors, or the ZeRO shards of any stage),
+    under mixed precision every master (plain tensors, or the ZeRO shards at any ZeRO stage),
     which the cost model's 12 B optimizer term includes -- so with mixed precision they are
     also counted in ``optimizer``;
   * ``grads``: gradients held when backward of the last micro-batch has finished, before
-    the gradient sync (full under stages 0-1, the ``dp`` shards under 2-3);
+    the gradient sync (full without ZeRO and under ZeRO-1, the ``dp`` shards under ZeRO-2/3);
   * ``optimizer``: the optimizer's state tensors after the step (scalar ``step`` counters
     excluded), plus the master weights under mixed precision;
   * ``activations`` (absent under pp, whose micro-batches torch's schedule runs): the peak

@@ -1,8 +1,10 @@
 """The device mesh and this rank's process groups, one per mesh axis.
 
 The world is ``pp x dp x cp x tp``, outer to inner, so tp varies fastest and consecutive
-ranks (one node, NVLink) form the tp groups (docs/architecture.md, "Mesh and ranks").
-Groups come from ``init_device_mesh`` with named axes; two more are derived:
+ranks (one node, NVLink) form the tp groups (docs/architecture.md, "Mesh and ranks"); the
+layout and the derived axes' rank groups are :mod:`autopar.plan_space`'s (:data:`MESH_AXES`,
+:func:`autopar.plan_space.axis_groups`).  Groups come from ``init_device_mesh`` with named
+axes; more are derived:
 
 * ``dp_cp``: dense gradients and the loss are averaged over ``dp * cp`` ranks under CP;
 * ``ep`` / ``edp``: expert parallelism folds over the ``dp * cp`` ranks of one stage
@@ -16,17 +18,15 @@ to the step context (:mod:`autopar.ops.step`) that the program's operators read.
 """
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from autopar.compat import flatten_mesh
 from autopar.ops.step import AxisGroup
+from autopar.plan_space import MESH_AXES, axis_groups
 
 __all__ = ["MESH_AXES", "world", "build_groups", "expert_groups", "embedding_group", "local_device"]
-
-MESH_AXES = ("pp", "dp", "cp", "tp")
 
 
 def world() -> tuple[int, int]:
@@ -47,12 +47,9 @@ def expert_groups(plan) -> dict[str, AxisGroup]:
     """The ``ep`` groups (ranks of one stage and tp index holding different tokens, ep consecutive
     dp*cp indices) and the ``edp`` groups (ranks holding the same experts: the other dp*cp/ep
     token slices times tp), built on every rank in the same order."""
-    num_dc = plan.dp * plan.cp
-    ranks = np.arange(plan.world_size).reshape(plan.pp, num_dc // plan.ep, plan.ep, plan.tp)
-    ep_lists = ranks.transpose(0, 1, 3, 2).reshape(-1, plan.ep).tolist()
-    edp_lists = ranks.transpose(0, 2, 1, 3).reshape(-1, num_dc // plan.ep * plan.tp).tolist()
     out = {}
-    for axis, lists in (("ep", ep_lists), ("edp", edp_lists)):
+    for axis in ("ep", "edp"):
+        lists = axis_groups(axis, **plan.degrees, ep=plan.ep)
         group, _ = dist.new_subgroups_by_enumeration(lists)
         size = len(lists[0])
         out[axis] = AxisGroup(group, size, dist.get_rank(group) if size > 1 else 0)
@@ -62,7 +59,7 @@ def expert_groups(plan) -> dict[str, AxisGroup]:
 def build_groups(plan, *, experts: bool, tied_ranks: tuple[int, ...] = ()) -> dict[str, AxisGroup]:
     """This rank's group on every axis the plan's program uses (empty without a process group).
 
-    ``tied_ranks``: the pipeline ranks holding copies of a tied embedding, which form the
+    ``tied_ranks``: the pp ranks holding copies of a tied embedding, which form the
     ``pp_embed`` groups (one per dp, cp, tp coordinate)."""
     if not dist.is_initialized():
         return {}
@@ -84,8 +81,7 @@ def build_groups(plan, *, experts: bool, tied_ranks: tuple[int, ...] = ()) -> di
 def embedding_group(plan, tied_ranks: tuple[int, ...]) -> AxisGroup:
     """The ranks at pipeline indices ``tied_ranks`` with this rank's dp, cp and tp indices
     (Megatron's embedding group), built on every rank in the same order."""
-    ranks = np.arange(plan.world_size).reshape(plan.pp, -1)  # pp is the outermost mesh axis
-    lists = ranks[list(tied_ranks)].T.tolist()
+    lists = [[stages[i] for i in tied_ranks] for stages in axis_groups("pp", **plan.degrees)]
     group, _ = dist.new_subgroups_by_enumeration(lists)
     me = dist.get_rank()
     inside = any(me in ranks_ for ranks_ in lists)

@@ -14,41 +14,42 @@ executor slice and run what this rank computes, synchronises gradients, steps th
 optimizer and returns the global mean loss.  ``state_dict`` / ``load_state_dict`` speak full tensors under the
 original model's names on every rank; ``checkpoint_state`` / ``load_checkpoint_state`` are
 the same for the tensors this rank holds, with optimizer state, for
-:mod:`autopar.runtime.checkpoint`.
+:mod:`autopar.runtime.checkpoint`; both live in :mod:`autopar.runtime.state`.  The gradient-sync
+strategy and the executor are typed by their protocols,
+:class:`autopar.runtime.sync_protocol.GradientSynchronizer` and
+:class:`autopar.runtime.executors.Executor`.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import pickle
 import time
 from typing import Any, Callable, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.compat import set_buffer
 from autopar.errors import AutoparError
-from autopar.ops import collectives as C
-from autopar.ops import random as random_ops
+from autopar.ops import collectives, rng
 from autopar.ops.step import StepContext, activate
 from autopar.passes.context import GradBucket
 from autopar.runtime import checkpoint
+from autopar.runtime import state as module_state
 from autopar.planning.autoplan import predict_step
 from autopar.runtime.batching import global_sizes, local_micro_batches, split_micro_batches
-from autopar.runtime.checkpoint import MODEL_PREFIX, OPTIM_PREFIX, SCHEDULER_KEY
 from autopar.runtime.clipping import clip_gradients, norm_weights
 from autopar.runtime.data import BatchSlice
 from autopar.runtime.devices import is_simulation, move_constants, retarget_devices, run_device
-from autopar.runtime.executors import FlatExecutor
+from autopar.runtime.executors import Executor, FlatExecutor
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.initialize import check_initialized, initialize, initialize_buffers
-from autopar.runtime.layout import gather_full, shard_local
+from autopar.runtime.layout import shard_local
 from autopar.runtime.memory import MemoryMeter
 from autopar.runtime.mesh import build_groups
 from autopar.runtime.pipelined import PipelineExecutor
 from autopar.runtime.precision import cast_inputs
+from autopar.runtime.sync_protocol import GradientSynchronizer
 from autopar.runtime.pretrained import CheckpointNames, load_pretrained
 from autopar.runtime.zero import ZeroSync
 from autopar.views.program import format_program
@@ -64,7 +65,7 @@ class ParallelModule:
 
     def __init__(self, model: nn.Module, traced, program, plan, make_optimizer: Callable, *,
                  max_grad_norm: float | None = None, lr_scheduler: Callable | None = None,
-                 masters_from: nn.Module | None = None, compile_options: dict | None = None,
+                 masters_from: nn.Module | None = None, torch_compile_options: dict | None = None,
                  init_weights: Callable[[nn.Module], None] | None = None):
         """``model``: the module that was traced; ``masters_from``: under mixed precision, the
         user's fp32 model whose tensors become the master weights (``model`` is its bf16 copy)."""
@@ -76,7 +77,7 @@ class ParallelModule:
         tied_ranks = program.pipeline.tied_ranks() if program.pipeline is not None else ()
         self.groups = build_groups(plan, experts=bool(program.expert_params), tied_ranks=tied_ranks)
         self.step_context = StepContext(groups=self.groups)
-        self.step_context.seed = random_ops.common_seed()  # rank 0's torch.initial_seed(), on every rank
+        self.step_context.seed = rng.common_seed()  # rank 0's torch.initial_seed(), on every rank
         self.device = run_device(traced.device)  # where this rank's program runs (autopar/runtime/devices.py)
         self.simulation = is_simulation(model)
         if self.simulation:
@@ -88,10 +89,11 @@ class ParallelModule:
         # Graph names of parameters and buffers without values yet: a model built on the meta
         # device gets them from load_pretrained, init_weights, load or load_state_dict.
         self._unset: set[str] = set()
+        self.executor: Executor
         if plan.pp > 1:
             self.executor = PipelineExecutor(self.gm, program, plan)
-        else:  # compile_options: torch.compile's arguments (autopar.runtime.compiled; refused under pp)
-            self.executor = FlatExecutor(self.gm, program, plan, compile_options)
+        else:  # torch.compile's arguments (autopar.runtime.inductor; refused under pp)
+            self.executor = FlatExecutor(self.gm, program, plan, torch_compile_options)
         self._tensor_names = _original_names(model, self.gm, every_buffer=True)  # non-persistent buffers too
         state_keys = model.state_dict().keys()
         self._aliases = {k: v for k, v in self._tensor_names.items() if k in state_keys}
@@ -107,8 +109,10 @@ class ParallelModule:
             tied = self.gm.get_parameter(program.pipeline.tied)
             buckets.insert(0, GradBucket("pp_embed", (program.pipeline.tied,), False,
                                          tied.numel() * tied.element_size()))
+        self.grad_sync: GradientSynchronizer
         if plan.zero > 0:
-            self.grad_sync = ZeroSync(self.gm, program, buckets, self.groups, make_optimizer, plan.zero, originals)
+            self.grad_sync = ZeroSync(self.gm, program, buckets, self.groups, make_optimizer,
+                                      zero_stage=plan.zero, originals=originals)
         else:
             self.grad_sync = GradSync(self.gm, buckets, self.groups, make_optimizer, originals)
         self.optimizer = self.grad_sync.optimizer
@@ -197,7 +201,7 @@ class ParallelModule:
             self.grad_sync.write_parameter(name, local)
         else:
             with torch.no_grad():
-                _get_attr(self.gm, name).copy_(local)
+                module_state.get_attr(self.gm, name).copy_(local)
         self._unset.discard(name)
 
     def unset_names(self) -> list[str]:
@@ -219,7 +223,7 @@ class ParallelModule:
         originals = dict(masters_from.named_parameters(remove_duplicate=False))
         coords = self.coords()
         out = {}
-        for name, orig in self._graph_to_original().items():
+        for name, orig in module_state.graph_to_original(self).items():
             if orig in originals and self.holds(name):
                 local = shard_local(originals[orig].detach(), self.program.param_shards.get(name, {}), coords)
                 out[name] = (torch.empty(local.shape, dtype=torch.float32, device=self.device)
@@ -227,125 +231,31 @@ class ParallelModule:
                              else local.to(device=self.device, dtype=torch.float32))
         return out
 
-    def _value(self, values: dict[str, torch.Tensor], name: str) -> torch.Tensor:
-        """The tensor holding graph parameter or buffer ``name`` (``values``: from ``full_parameters``)."""
-        return values[name] if name in values else _get_attr(self.gm, name)
-
-    def _full(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """The full tensor of graph parameter ``name`` from this rank's piece of it (collective over tp/ep)."""
-        shards = self.program.param_shards.get(name, {})
-        if not shards or local.dim() == 0:
-            return local.clone()
-        return gather_full(local.contiguous(), shards, self.groups, self.coords(),
-                           self._full_meta[name][0]).clone()
-
-    def _local(self, name: str, full: torch.Tensor) -> torch.Tensor:
-        """This rank's piece of graph parameter ``name`` cut from the full tensor."""
-        if full.dim() == 0:
-            return full.clone()
-        return shard_local(full, self.program.param_shards.get(name, {}), self.coords()).to(self.device)
-
     # --- state dicts --------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Full, unsharded tensors under the original model's names (identical on every rank)."""
-        out = {}
-        with self.grad_sync.full_parameters() as values:
-            for orig, name in self._aliases.items():
-                owner = self.executor.owner(name)
-                if self.holds(name):
-                    full = self._full(name, self._value(values, name).detach()).to(self._orig_dtypes[orig])
-                else:
-                    full = torch.empty(self._full_meta[name][0], dtype=self._orig_dtypes[orig], device=self.device)
-                if owner is not None and "pp" in self.groups and self.groups["pp"].size > 1:  # owner broadcasts
-                    dist.broadcast(full, group=self.groups["pp"].group, group_src=owner)
-                out[orig] = full
-        return out
-
-    def _check_keys(self, keys, needed) -> None:
-        missing = sorted(set(needed) - set(keys))
-        unexpected = sorted(set(keys) - set(self._aliases))
-        if missing or unexpected:
-            raise AutoparError(f"autopar: state dict does not match the model: missing keys {missing[:5]}"
-                               f"{'...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
-                               f"{'...' if len(unexpected) > 5 else ''}; expected the original model's keys.")
+        return module_state.state_dict(self)
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load full tensors (from ``state_dict()`` of any plan, or of the original model)."""
-        self._check_keys(state_dict, self._aliases)
-        self._load_model_entries(state_dict)
-
-    def _load_model_entries(self, state_dict: dict[str, torch.Tensor]) -> None:
-        with torch.no_grad(), self.grad_sync.full_parameters(write_back=True) as values:
-            for orig, name in self._aliases.items():
-                if not self.holds(name):
-                    continue
-                target = self._value(values, name)
-                local = shard_local(state_dict[orig], self.program.param_shards.get(name, {}), self.coords())
-                if local.shape != target.shape:
-                    raise AutoparError(f"autopar: state dict entry '{orig}' has shape {tuple(state_dict[orig].shape)}; "
-                                       f"expected the full shape of the original parameter.")
-                target.copy_(local)
-                self._unset.discard(name)
+        module_state.load_state_dict(self, state_dict)
 
     # --- checkpoints (autopar/runtime/checkpoint.py does the I/O) --------------------------
-
-    def _graph_to_original(self) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for orig, name in self._aliases.items():
-            out.setdefault(name, orig)
-        return out
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """What this rank holds, as full tensors on the CPU under plan-independent keys:
         ``model.<name>`` for parameters and buffers, ``optim.<name>.<key>`` for optimizer state,
         ``sched.state`` for the learning-rate scheduler (collective: call on every rank)."""
-        state = {}
-        with self.grad_sync.full_parameters() as values:
-            for orig, name in self._aliases.items():
-                if self.holds(name):
-                    full = self._full(name, self._value(values, name).detach())
-                    state[MODEL_PREFIX + orig] = full.to(self._orig_dtypes[orig]).cpu()
-        to_orig = self._graph_to_original()
-        for name, entries in sorted(self.grad_sync.optimizer_state().items()):
-            for key, value in sorted(entries.items()):
-                value = value if torch.is_tensor(value) else torch.tensor(value)
-                state[f"{OPTIM_PREFIX}{to_orig[name]}.{key}"] = self._full(name, value.detach()).cpu()
-        if self.lr_scheduler is not None:  # the same on every rank; stored as its pickled state dict
-            blob = pickle.dumps(self.lr_scheduler.state_dict())
-            state[SCHEDULER_KEY] = torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
-        return state
+        return module_state.checkpoint_state(self)
 
     def checkpoint_wants(self, key: str) -> bool:
         """Whether this rank loads checkpoint entry ``key`` (its own parameters' entries)."""
-        if key == SCHEDULER_KEY:
-            return self.lr_scheduler is not None
-        if key.startswith(MODEL_PREFIX):
-            name = self._aliases.get(key[len(MODEL_PREFIX):])
-            return name is not None and self.holds(name)
-        if key.startswith(OPTIM_PREFIX):
-            orig = key[len(OPTIM_PREFIX):].rpartition(".")[0]
-            name = self._aliases.get(orig)
-            return name is not None and self.holds(name)
-        return False
+        return module_state.checkpoint_wants(self, key)
 
     def load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
         """Load what :meth:`checkpoint_state` wrote (under any plan) into this rank (collective)."""
-        model = {k[len(MODEL_PREFIX):]: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
-        self._check_keys(model, [o for o, n in self._aliases.items() if self.holds(n)])
-        self._load_model_entries(model)
-        entries: dict[str, dict[str, torch.Tensor]] = {}
-        for name, orig in self._graph_to_original().items():
-            prefix = f"{OPTIM_PREFIX}{orig}."
-            found = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
-            if found and self.holds(name):
-                entries[name] = {key: self._local(name, v) for key, v in found.items()}
-        self.grad_sync.load_optimizer_state(entries)
-        if self.lr_scheduler is not None and SCHEDULER_KEY in state:
-            self.lr_scheduler.load_state_dict(pickle.loads(state[SCHEDULER_KEY].numpy().tobytes()))
-            # The next step runs at the restored rate (a scheduler sets it only when it steps).
-            for group, lr in zip(self.optimizer.param_groups, self.lr_scheduler.get_last_lr()):
-                group["lr"] = lr
+        module_state.load_checkpoint_state(self, state)
 
     def save(self, path) -> None:
         """Write model and optimizer state to ``path`` with torch.distributed.checkpoint (every rank)."""
@@ -422,7 +332,7 @@ class ParallelModule:
         counts = torch.stack([(target != ignore).sum(), (target == ignore).any().long()]).to(torch.int64)
         data = self.plan.dp * self.plan.cp
         if self._local_batch and data > 1:  # each rank holds only its part: sum the counts (16 bytes)
-            counts = C.loss_all_reduce(counts.to(self.device), "dp_cp" if self.plan.cp > 1 else "dp",
+            counts = collectives.loss_all_reduce(counts.to(self.device), "dp_cp" if self.plan.cp > 1 else "dp",
                                        "valid-target count of the global batch")
         num_valid, any_ignored = (int(v) for v in counts.cpu())
         if reduction.kind == "token_sum":
@@ -495,9 +405,9 @@ class ParallelModule:
         num_data = plan.dp * plan.cp
         if local is not None and num_data > 1:
             axis = "dp_cp" if plan.cp > 1 else "dp"
-            total = C.loss_all_reduce(total, axis, f"loss over {axis}") / num_data
+            total = collectives.loss_all_reduce(total, axis, f"loss over {axis}") / num_data
         if plan.pp > 1:  # stages without the loss contribute 0
-            total = C.loss_all_reduce(total, "pp", "loss over pp")
+            total = collectives.loss_all_reduce(total, "pp", "loss over pp")
         return total
 
     # --- inspection ---------------------------------------------------------------------
@@ -541,6 +451,3 @@ def _set_attr(root: nn.Module, name: str, value: torch.Tensor, buffer: bool = Fa
     else:
         setattr(mod, leaf, value)
 
-
-def _get_attr(root: nn.Module, name: str) -> torch.Tensor:
-    return functools.reduce(getattr, name.split("."), root)

@@ -2,7 +2,7 @@
 
 :class:`PipelineExecutor` is the executor of :class:`autopar.runtime.module.ParallelModule`
 for a plan with ``pp > 1``.  Each rank keeps the parameters of its own chunks only (chunk
-``c`` lives on pipeline rank ``program.pipeline.chunk_rank(c)``: looped for gpipe / 1f1b /
+``c`` lives on pp rank ``program.pipeline.chunk_rank(c)``: looped for gpipe / 1f1b /
 interleaved, V-shaped for zbv / dualpipev), wraps each chunk in a recording stage (a
 ``PipelineStage`` that records the bytes of every P2P send and receive it posts,
 :func:`autopar.compat.recording_stage_class`) and drives them with the plan's schedule
@@ -32,10 +32,10 @@ import torch.distributed as dist
 
 from autopar.compat import pipeline_order, recording_stage_class
 from autopar.errors import AutoparError
-from autopar.ops import collectives as C
+from autopar.ops import collectives
 from autopar.ops.regather import keeping_shards, regathers
-from autopar.ops.schedules import SCHEDULE_CLASSES, Act, rank_orders, single_stage
-from autopar.plan_rules import V_SCHEDULES
+from autopar.ops.schedules import SCHEDULE_CLASSES, actions, rank_orders, single_stage
+from autopar.plan_space import V_SCHEDULES
 from autopar.runtime.executors import StepOutput, weighted_loss
 from autopar.runtime.simulated import simulate_step
 
@@ -52,7 +52,7 @@ def _record_p2p(ops, phase: str, stage_index: int) -> None:
     what = "activation" if phase == "fwd" else "input grad"
     for op in ops:
         kind = "send" if op.op in (dist.isend, dist.send) else "recv"
-        C.record_p2p(kind, "pp", op.tensor, phase, f"stage {stage_index} {what} {kind}")
+        collectives.record_p2p(kind, "pp", op.tensor, phase, f"stage {stage_index} {what} {kind}")
 
 
 _RecordingStage = recording_stage_class(_record_p2p)
@@ -72,10 +72,11 @@ class PipelineExecutor:
         self._tied_copy: tuple[torch.nn.Parameter, torch.nn.Parameter] | None = None  # (embedding, head's)
 
     def owner(self, name: str) -> int | None:
+        """The pp rank owning parameter ``name`` (its chunk's); None for a buffer every rank keeps."""
         return self._owner.get(name)
 
     def holders(self, name: str) -> tuple[int, ...] | None:
-        """Pipeline ranks holding ``name`` (the tied weight: two); None for a buffer every rank keeps."""
+        """The pp ranks holding ``name`` (the tied weight: two); None for a buffer every rank keeps."""
         return self.pipeline.param_ranks(name) if name in self._owner else None
 
     def setup(self, pm) -> None:
@@ -118,7 +119,7 @@ class PipelineExecutor:
         self._schedule = cls(stages, **options)
         # What torch will execute is the schedule as data that the view and the cost model read.
         expected = rank_orders(self.plan.schedule, self.plan.pp, self.plan.mb, self.plan.vpp)[pp_rank]
-        got = [tuple(Act(kind=k, stage=s, mb=m) for k, s, m in slot) for slot in pipeline_order(self._schedule)[pp_rank]]
+        got = actions(pipeline_order(self._schedule)[pp_rank])
         assert got == expected, f"torch's {self.plan.schedule} order differs from autopar.ops.schedules on rank {pp_rank}"
 
     def _after_backward(self, pm, chunk: int, kind: str) -> None:

@@ -10,7 +10,7 @@ The layout is Megatron's, priced by the cost model as ``dtype_bytes=2`` (cost/me
 * fp32 master weights are cut from the user's own fp32 tensors, never from the rounded
   bf16 copy (a model built on the meta device: from the checkpoint or ``init_weights``, which
   write the masters and the bf16 parameters alike): plain per-parameter tensors without ZeRO (:class:`MainGrads`), the flat
-  ``dp`` shards with ZeRO (:class:`autopar.runtime.zero.ZeroSync`), which under stage 3 are
+  ``dp`` shards with ZeRO (:class:`autopar.runtime.zero.ZeroSync`), which under ZeRO-3 are
   also the parameter shards, cast to bf16 as they are gathered (FSDP2's layout);
 * the bf16 gradients autograd leaves on the parameters are folded into fp32 main
   gradients after every micro-batch's backward (:meth:`MainGrads.accumulate`; the

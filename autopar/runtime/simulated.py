@@ -21,7 +21,7 @@ import sympy
 import torch
 
 from autopar.compat import sym_expr
-from autopar.ops import collectives as C
+from autopar.ops import collectives
 from autopar.ops.schedules import rank_orders
 
 __all__ = ["simulate_step"]
@@ -58,36 +58,38 @@ def simulate_step(executor, pm, inputs: tuple, target: Any, coords: dict[str, in
     losses = []
     for slot in rank_orders(plan.schedule, plan.pp, plan.mb, plan.vpp)[me]:
         for act in slot:
-            spec, chunk = pipeline.chunks[act.stage], executor._chunks[act.stage]
-            remote_prev = act.stage > 0 and pipeline.chunk_rank(act.stage - 1) != me
-            remote_next = act.stage < last and pipeline.chunk_rank(act.stage + 1) != me
+            stage_index = act.stage_index
+            spec, chunk = pipeline.chunks[stage_index], executor._chunks[stage_index]
+            remote_prev = stage_index > 0 and pipeline.chunk_rank(stage_index - 1) != me
+            remote_next = stage_index < last and pipeline.chunk_rank(stage_index + 1) != me
             if act.kind == "F":
-                mb_inputs, mb_target = pieces[act.mb]
+                mb_inputs, mb_target = pieces[act.microbatch_index]
                 ids = mb_inputs[0]
                 batch_symbol, seq_symbol = pm.size_symbols
                 sizes = {batch_symbol: ids.shape[0]} if batch_symbol is not None else {}
                 if ids.dim() > 1 and seq_symbol is not None:
                     sizes[seq_symbol] = ids.shape[1]
-                acts = _boundary_inputs(chunk, spec, sizes, {a: g.size for a, g in pm.groups.items()}, pm.device)
-                for t in acts if remote_prev else ():
-                    C.record_p2p("recv", "pp", t, "fwd", f"stage {act.stage} activation recv")
+                boundary = _boundary_inputs(chunk, spec, sizes, {a: g.size for a, g in pm.groups.items()}, pm.device)
+                for t in boundary if remote_prev else ():
+                    collectives.record_p2p("recv", "pp", t, "fwd", f"stage {stage_index} activation recv")
                 kwargs = dict(zip(pipeline.kwarg_names, list(mb_inputs) + [mb_target]))
-                out = chunk(*acts, **kwargs)
-                outs = [out] if act.stage == last else list(out if isinstance(out, (tuple, list)) else (out,))
+                out = chunk(*boundary, **kwargs)
+                outs = [out] if stage_index == last else list(out if isinstance(out, (tuple, list)) else (out,))
                 for t in outs if remote_next else ():
-                    C.record_p2p("send", "pp", t, "fwd", f"stage {act.stage} activation send")
-                if act.stage == last:
+                    collectives.record_p2p("send", "pp", t, "fwd", f"stage {stage_index} activation send")
+                if stage_index == last:
                     losses.append(out)
-                saved[(act.stage, act.mb)] = (acts, outs)
+                saved[(stage_index, act.microbatch_index)] = (boundary, outs)
             elif act.kind == "B":
-                acts, outs = saved.pop((act.stage, act.mb))
-                grads = [torch.ones_like(t) if act.stage == last else torch.empty_like(t) for t in outs]
+                boundary, outs = saved.pop((stage_index, act.microbatch_index))
+                grads = [torch.ones_like(t) if stage_index == last else torch.empty_like(t) for t in outs]
                 for g in grads if remote_next else ():
-                    C.record_p2p("recv", "pp", g, "bwd", f"stage {act.stage} input grad recv")
+                    collectives.record_p2p("recv", "pp", g, "bwd", f"stage {stage_index} input grad recv")
                 torch.autograd.backward([t for t in outs if t.requires_grad],
                                         [g for t, g in zip(outs, grads) if t.requires_grad])
-                pm.grad_sync.after_backward(act.stage, "full")  # weights included (see "W" below)
-                for t in acts if remote_prev else ():
-                    C.record_p2p("send", "pp", torch.empty_like(t), "bwd", f"stage {act.stage} input grad send")
+                pm.grad_sync.after_backward(stage_index, "full")  # weights included (see "W" below)
+                for t in boundary if remote_prev else ():
+                    collectives.record_p2p("send", "pp", torch.empty_like(t), "bwd",
+                                           f"stage {stage_index} input grad send")
             # "W" (the weight half of a split backward): computed with its "B" here; no transfer.
     return losses

@@ -11,9 +11,11 @@ SGD), and every tensor of the state dict after ``parallelize`` and after every s
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import tempfile
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -26,15 +28,30 @@ from autopar.verification.sources import (OPTIMIZERS, SGD_LR, batch_shape, make_
 
 __all__ = ["verify"]
 
+# The testing hook, out of the public signature: the name of a parameter whose gradient one rank
+# doubles, to see verify report the difference (``autopar verify --corrupt NAME``, which
+# tests/e2e/test_verify.py runs).  Set only through :func:`_corrupting`.
+_CORRUPT: contextvars.ContextVar[str | None] = contextvars.ContextVar("autopar_verify_corrupt", default=None)
 
-def _plan(plan: str | Plan, world: int | None) -> tuple[Plan, int]:
+
+@contextlib.contextmanager
+def _corrupting(name: str | None) -> Iterator[None]:
+    """Within the block, :func:`verify` doubles parameter ``name``'s gradient on one rank (None: not)."""
+    token = _CORRUPT.set(name)
+    try:
+        yield
+    finally:
+        _CORRUPT.reset(token)
+
+
+def _plan(plan: str | Plan, world_size: int | None) -> tuple[Plan, int]:
     if isinstance(plan, str) and plan.strip().lower() == "auto":
         raise AutoparError("autopar: verify checks a given plan, not plan='auto'; write the plan out, e.g. the "
                            "one `autopar plan` or pm.plan printed (--plan tp=2,sp,dp=2).")
     p = Plan.parse(plan)
-    world = p.world_size if world is None else world
-    p.validate(world_size=world)
-    return p, world
+    world_size = p.world_size if world_size is None else world_size
+    p.validate(world_size=world_size)
+    return p, world_size
 
 
 def _reference(model: torch.nn.Module, kwargs: dict, batches, optimizer: str) -> dict:
@@ -59,32 +76,32 @@ def _cpu(state: dict) -> dict:
     return {k: v.detach().cpu().clone() for k, v in state.items()}
 
 
-def verify(model: str | os.PathLike, plan: str | Plan, *, world: int | None = None, layers: int | None = None,
-           steps: int = 3, seed: int = 0, optimizer: str = "sgd", batch: int | None = None,
-           seq: int | None = None, corrupt: str | None = None, timeout: float = DEFAULT_TIMEOUT_S,
+def verify(model: str | os.PathLike, plan: str | Plan, *, world_size: int | None = None, layers: int | None = None,
+           steps: int = 3, seed: int = 0, optimizer: str = "sgd", global_batch: int | None = None,
+           seq_len: int | None = None, timeout: float = DEFAULT_TIMEOUT_S,
            log: Callable[[str], None] | None = None) -> VerifyResult:
-    """Train ``model`` under ``plan`` on ``world`` CPU gloo processes and on one process; compare.
+    """Train ``model`` under ``plan`` on ``world_size`` CPU gloo processes and on one process; compare.
 
     ``model``: a preset (``llama3-70b``), a transformers model type (``qwen2``), a ``config.json``
     path or ``MODULE:FUNCTION`` (returning a model, or ``(model, example_inputs[, example_kwargs])``).
     Configs are shrunk to ``layers`` decoder layers (default: 2, or the plan's pipeline chunks)
     and small widths that the plan still splits.  ``steps`` optimizer steps of ``optimizer``
-    (``sgd``: lr 0.1, gradients compared too; ``adamw``) on batches of ``batch`` x ``seq``
+    (``sgd``: lr 0.1, gradients compared too; ``adamw``) on batches of ``global_batch`` x ``seq_len``
     random tokens (defaults fit the plan) from ``seed``.  ``log`` receives progress lines
-    (what was shrunk, the run's shape).  ``corrupt`` (testing): double the gradient of this
-    parameter on one rank, to see verify report it.
+    (what was shrunk, the run's shape).
 
     Returns a :class:`~autopar.verification.compare.VerifyResult` (``.ok``, ``.report()``);
     raises :class:`~autopar.errors.AutoparError` when the plan is refused for this model, and
     :class:`~autopar.verification.launch.RankFailure` when a rank crashes.
     """
     say = log or (lambda line: None)
-    p, world = _plan(plan, world)
+    corrupt = _CORRUPT.get()  # the testing hook (:func:`_corrupting`); None outside it
+    p, world = _plan(plan, world_size)
     if optimizer not in OPTIMIZERS:
         raise AutoparError(f"autopar: unknown optimizer {optimizer!r}; expected one of {', '.join(OPTIMIZERS)}.")
     if steps < 1:
         raise AutoparError(f"autopar: --steps {steps}; expected at least 1 optimizer step.")
-    batch, seq = batch_shape(p, batch, seq)
+    batch, seq = batch_shape(p, global_batch, seq_len)
     source = resolve_source(model, p, layers, seq)
     for note in source.notes:
         say(f"shrunk: {note}" if " -> " in note else f"note: {note}")
@@ -93,7 +110,7 @@ def verify(model: str | os.PathLike, plan: str | Plan, *, world: int | None = No
     init = _cpu(reference_model.state_dict())
     if corrupt is not None and corrupt not in dict(reference_model.named_parameters()):
         names = [n for n, _ in reference_model.named_parameters()]
-        raise AutoparError(f"autopar: corrupt={corrupt!r} is not a parameter of the model; expected one of "
+        raise AutoparError(f"autopar: --corrupt {corrupt} is not a parameter of the model; expected one of "
                            f"{', '.join(names[:6])}{', ...' if len(names) > 6 else ''}.")
     vocab = vocab_size(reference_model)
     batches = make_batches(vocab, batch, seq, steps, seed)
@@ -111,7 +128,7 @@ def verify(model: str | os.PathLike, plan: str | Plan, *, world: int | None = No
             stop_ranks(procs)
             raise
         got = wait_ranks(procs, workdir, timeout)
-    corrupted = (f"gradient of {corrupt} doubled on rank {got['corrupted_rank']} (corrupt=)"
+    corrupted = (f"gradient of {corrupt} doubled on rank {got['corrupted_rank']} (--corrupt)"
                  if corrupt is not None else None)
     return compare(ref, got, lr=SGD_LR if optimizer == "sgd" else None, model=str(model), plan=str(p),
                    world=world, steps=steps, batch=batch, seq=seq, optimizer=optimizer, notes=source.notes,

@@ -1,7 +1,7 @@
 """The verdict of ``autopar verify``: the bounds, the comparison and the report.
 
 :data:`LOSS_ATOL` and :data:`PARAM_ATOL` are the equivalence bounds of the whole project
-(the multi-rank tests use them too, through tests/reference.py).  :func:`compare` sets what
+(the multi-rank tests use them too, through tests/support/reference.py).  :func:`compare` sets what
 the ranks produced against the single-process reference (both from
 :mod:`autopar.verification.api`) and returns a :class:`VerifyResult`, whose
 :meth:`VerifyResult.report` is what the CLI prints (autopar/cli/verify_cmd.py).

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import json
-import math
 import os
 
 import torch
@@ -26,6 +26,7 @@ import torch.nn as nn
 from autopar.errors import AutoparError
 from autopar.frontend.target import load_function, split_target
 from autopar.plan import Plan
+from autopar.plan_space import batch_ok, cp_seq_ok, sp_seq_ok
 from autopar.verification.shrink import KEYS, preset_config, shrink_config
 
 __all__ = ["ModelSource", "resolve_source", "batch_shape", "make_batches", "next_token_loss",
@@ -181,16 +182,17 @@ def _check_original(cfg: dict, plan: Plan, layers: int | None) -> None:
                                "pipeline chunk)") from None
 
 
-def batch_shape(plan: Plan, batch: int | None = None, seq: int | None = None) -> tuple[int, int]:
-    """Global batch and sequence length: at least 4 x 16, split the way the plan splits them."""
-    parts = plan.dp * plan.mb
-    if batch is None:
-        batch = parts * max(1, math.ceil(4 / parts))
-    if seq is None:
-        step = math.lcm(2 * plan.cp if plan.cp > 1 else 1, plan.cp * plan.tp if plan.sp else 1)
-        seq = step * max(1, math.ceil(16 / step))
-    plan.validate(global_batch=batch, seq_len=seq)
-    return batch, seq
+def batch_shape(plan: Plan, global_batch: int | None = None, seq_len: int | None = None) -> tuple[int, int]:
+    """Global batch and sequence length: the smallest from 4 x 16 on that the plan splits
+    (:func:`autopar.plan_space.batch_ok`, :func:`~autopar.plan_space.cp_seq_ok`,
+    :func:`~autopar.plan_space.sp_seq_ok`)."""
+    if global_batch is None:
+        global_batch = next(n for n in itertools.count(4) if batch_ok(n, plan.dp, plan.mb))
+    if seq_len is None:
+        seq_len = next(n for n in itertools.count(16)
+                       if cp_seq_ok(n, plan.cp) & sp_seq_ok(n, plan.cp, plan.tp, plan.sp))
+    plan.validate(global_batch=global_batch, seq_len=seq_len)
+    return global_batch, seq_len
 
 
 def make_batches(vocab: int, batch: int, seq: int, steps: int, seed: int):

@@ -8,7 +8,7 @@ step it takes ``pm.state_dict()`` (full tensors, collective); rank 0 writes the 
 those state dicts to ``WORKDIR/result.pt``.  A rank that fails writes ``WORKDIR/error-RANK.json``
 (``refused`` when the error is an ``autopar:`` refusal) and exits 1.
 
-The ``corrupt`` testing hook (``autopar.verify(..., corrupt=NAME)``) doubles the gradient of
+The ``corrupt`` testing hook (``autopar verify --corrupt NAME``) doubles the gradient of
 parameter ``NAME`` on the lowest rank that holds it, before gradient synchronisation, so that
 a test can watch verify catch a wrong program.
 """
@@ -70,7 +70,7 @@ def run(job: dict, init: dict, rank: int, start: float) -> dict | None:
     _log("parallelized", start)
     corrupted = _corrupt(pm, job["corrupt"]) if job.get("corrupt") else None
     if job.get("corrupt") and corrupted is None:
-        raise AutoparError(f"autopar: corrupt={job['corrupt']!r} is no parameter of the compiled program "
+        raise AutoparError(f"autopar: --corrupt {job['corrupt']} is no parameter of the compiled program "
                            "(a weight tied to another is stored once, under the first name); give another name "
                            "from the model's named_parameters().")
     states = [_cpu(pm.state_dict())]

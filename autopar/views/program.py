@@ -15,7 +15,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autopar.compat import sym_expr
-from autopar.ops import collectives as C
+from autopar.ops import collectives
 from autopar.ops.recompute import Recompute
 from autopar.frontend.analyze import module_path
 from autopar.passes.context import META_KEY, PLACEMENT_KEY
@@ -23,12 +23,12 @@ from autopar.passes.context import META_KEY, PLACEMENT_KEY
 __all__ = ["format_program", "collective_summary"]
 
 _NAMES = {
-    C.all_gather: "all_gather",
-    C.reduce_scatter: "reduce_scatter",
-    C.all_reduce: "all_reduce",
-    C.region_entry: "region_entry",
-    C.vocab_parallel_embedding: "vocab_parallel_embedding",
-    C.vocab_parallel_cross_entropy: "vocab_parallel_cross_entropy",
+    collectives.all_gather: "all_gather",
+    collectives.reduce_scatter: "reduce_scatter",
+    collectives.all_reduce: "all_reduce",
+    collectives.region_entry: "region_entry",
+    collectives.vocab_parallel_embedding: "vocab_parallel_embedding",
+    collectives.vocab_parallel_cross_entropy: "vocab_parallel_cross_entropy",
 }
 
 
@@ -99,7 +99,7 @@ def collective_summary(gm: GraphModule, ctx) -> list[str]:
         meta = node.meta.get(META_KEY)
         for phase, (op, _) in ((meta.bytes if meta else None) or {}).items():
             calls = (meta.calls or {}).get(phase, 1)  # nodes that issue several (CP ring, Ulysses)
-            calls = calls if op != "all_reduce" or node.target is not C.vocab_parallel_cross_entropy else 3
+            calls = calls if op != "all_reduce" or node.target is not collectives.vocab_parallel_cross_entropy else 3
             where = "layer" if _layer_of(node, layers) else "other"
             counts[(op, meta.axis, phase)][where] += calls
             if recomputed and phase == "fwd":

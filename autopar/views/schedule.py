@@ -23,18 +23,21 @@ __all__ = ["Act", "rank_orders", "schedule_grid", "inflight_peaks", "format_sche
 
 
 def _deps(a: Act, num_stages: int) -> list[Act]:
+    def act(kind: str, stage_index: int) -> Act:
+        return Act(kind=kind, stage_index=stage_index, microbatch_index=a.microbatch_index)
+
     if a.kind == "F":
-        return [Act(kind="F", stage=a.stage - 1, mb=a.mb)] if a.stage > 0 else []
+        return [act("F", a.stage_index - 1)] if a.stage_index > 0 else []
     if a.kind == "W":
-        return [Act(kind="B", stage=a.stage, mb=a.mb)]
-    if a.stage == num_stages - 1:
-        return [Act(kind="F", stage=a.stage, mb=a.mb)]
-    return [Act(kind="B", stage=a.stage + 1, mb=a.mb), Act(kind="F", stage=a.stage, mb=a.mb)]
+        return [act("B", a.stage_index)]
+    if a.stage_index == num_stages - 1:
+        return [act("F", a.stage_index)]
+    return [act("B", a.stage_index + 1), act("F", a.stage_index)]
 
 
 def schedule_grid(orders: list[list[tuple[Act, ...]]]) -> list[list[tuple[Act, ...] | None]]:
     """Lay the per-rank orders out in unit time steps: ``grid[step][rank]`` (None: idle)."""
-    num_stages = 1 + max(a.stage for order in orders for entry in order for a in entry)
+    num_stages = 1 + max(a.stage_index for order in orders for entry in order for a in entry)
     done: dict[Act, int] = {}
     pos = [0] * len(orders)
     grid = []
@@ -84,7 +87,7 @@ def format_schedule(plan) -> str:
     multi = plan.schedule in MULTI_CHUNK_SCHEDULES
     cells = [["+".join(a.label(multi) for a in e) if e else "." for e in row] for row in grid]
     width = max(6, max(len(c) for row in cells for c in row))
-    num_stages = 1 + max(a.stage for order in orders for entry in order for a in entry)
+    num_stages = 1 + max(a.stage_index for order in orders for entry in order for a in entry)
     lines = [f"schedule {plan.schedule}: pp={plan.pp}, mb={plan.mb}, {num_stages} model chunks",
              "step  " + " ".join(f"rank{r}".ljust(width) for r in range(plan.pp))]
     for step, row in enumerate(cells):

@@ -54,8 +54,8 @@ import math
 
 import pytest
 
-from tests.harness import assert_equivalent
-from tests.jobs import BATCH, reference, train_cases_job
+from tests.support.harness import assert_equivalent
+from tests.support.jobs import BATCH, reference, train_cases_job
 
 CASES = [("hf_gemma2", "tp=2"), ("hf_gemma2", "tp=2,sp"), ("hf_gemma2", "pp=2,mb=2"), ("hf_gemma2", "dp=2,zero=3"),
          ("hf_opt", "cp=2:allgather"), ("hf_opt", "cp=2:ring"), ("hf_opt", "tp=2"), ("hf_opt", "pp=2,mb=2"),
@@ -112,7 +112,7 @@ def test_architecture_matches_single_process(trained, model_name, plan):
 def test_load_balancing_loss_bytes_equal_cost_model(trained, plan):
     """The all-reduces of the load-balancing statistics are what the cost model prices
     (``ModelSpec.router_aux_loss``), with every other collective of the step."""
-    from tests.comm_check import assert_comm_equal, predicted_cost
+    from tests.support.comm_check import assert_comm_equal, predicted_cost
     from tests.dist.test_ep_bytes import _dispatch_counts, _ep_rank
 
     cost = predicted_cost("hf_mixtral_aux", {}, plan, 2, BATCH)
@@ -130,7 +130,7 @@ def test_latent_attention_bytes_equal_cost_model(trained, plan):
     """DeepSeek-V3's collectives are what the cost model prices from the traced module: the
     latent attention's parameters (``kv_lora_rank``, ``q_lora_rank``, the rope split) in the
     gradient and ZeRO collectives, K wider than V in the CP ones (``v_head_dim``)."""
-    from tests.comm_check import assert_comm_equal, predicted_cost
+    from tests.support.comm_check import assert_comm_equal, predicted_cost
     from tests.dist.test_ep_bytes import _dispatch_counts, _ep_rank
 
     cost = predicted_cost("hf_deepseek_v3", _overrides(plan), plan, 2, BATCH)
@@ -158,7 +158,7 @@ _PRICED = [(m, p) for m, p in CASES + CASES_4
 def test_architecture_bytes_equal_cost_model(trained, model_name, plan):
     """Every collective of each architecture's step (calls and bytes per phase, collective and
     mesh axis) is what the cost model prices from the traced module (``ModelSpec.from_module``)."""
-    from tests.comm_check import assert_comm_equal, predicted_cost
+    from tests.support.comm_check import assert_comm_equal, predicted_cost
 
     cost = predicted_cost(model_name, _overrides(plan), plan, WORLD[model_name, plan], BATCH)
     for rank, r in enumerate(trained[(model_name, plan)]):

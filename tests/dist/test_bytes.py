@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.comm_check import assert_comm_equal, predicted_cost
-from tests.jobs import BATCH, train_job
+from tests.support.comm_check import assert_comm_equal, predicted_cost
+from tests.support.jobs import BATCH, train_job
 
 PLANS = [("tp=2", 2), ("tp=2,sp", 2), ("dp=2", 2), ("tp=2,sp,dp=2", 4), ("tp=4,sp", 4), ("dp=2,mb=2", 2)]
 _KV4 = {"example": {"num_kv_heads": 4}, "hf_llama": {"num_key_value_heads": 4}}
@@ -31,7 +31,7 @@ def test_measured_bytes_equal_cost_model(dist_pool, model_name, plan, world):
 
 
 # OLMo 2 normalises q and k over the whole projection width, which tp shards: each norm
-# all-reduces its per-token statistics forward and their gradient backward (passes/rules.py).
+# all-reduces its per-token statistics forward and their gradient backward (passes/reduction_rules.py).
 @pytest.mark.parametrize("plan,world", [("tp=2", 2), ("tp=2,sp,dp=2", 4)])
 def test_olmo2_norm_statistics_bytes_equal_cost_model(dist_pool, plan, world):
     results = dist_pool(train_job, "hf_olmo2", plan, "sgd", {}, 1, world=world)

@@ -2,7 +2,7 @@
 
 Save under ``tp=2,dp=2,zero=1`` and load under ``dp=4,zero=3`` (and the reverse), then keep
 training: the losses of the 3 steps and the final state dict match uninterrupted
-single-process training (tests/reference.py bounds), and the model + optimizer state read
+single-process training (tests/support/reference.py bounds), and the model + optimizer state read
 back is bit-identical to what was written.  A save killed (in a child process) after
 writing its data, before its commit, leaves the previous checkpoint loadable.  The
 single-process checkpoint tests are tests/unit/test_checkpoint.py.
@@ -19,9 +19,9 @@ import torch
 
 import autopar
 from autopar.runtime.checkpoint import load_model_state_dict
-from tests.checkpoint_jobs import BATCH, SEQ, VOCAB, full_state, reshard_job
-from tests.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
-from tests.jobs import build
+from tests.support.checkpoint_jobs import BATCH, SEQ, VOCAB, full_state, reshard_job
+from tests.support.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
+from tests.support.jobs import build
 
 CASES = [("tp=2,dp=2,zero=1", "dp=4,zero=3"), ("dp=4,zero=3", "tp=2,dp=2,zero=1"), ("tp=2,sp", "dp=2,zero=2")]
 
@@ -41,7 +41,7 @@ def test_save_under_one_plan_load_under_another(dist_pool, tmp_path, model_name,
     model, _, _ = build(model_name, {})
     num_trained = len(list(model.parameters()))
     for r in results:
-        assert r["exact"]
+        assert not r["differences"], "\n".join(r["differences"])
         assert r["num_optim"] == 3 * num_trained  # AdamW: step, exp_avg, exp_avg_sq per parameter
         assert r["losses"] == results[0]["losses"]
     assert_equivalent(_reference(model_name), (results[0]["losses"], results[0]["state"]))
@@ -54,7 +54,7 @@ def test_save_under_one_plan_load_under_another(dist_pool, tmp_path, model_name,
 
 def test_killed_save_leaves_previous_checkpoint(tmp_path):
     path, side = tmp_path / "ckpt", tmp_path / "first.pt"
-    child = Path(__file__).resolve().parents[1] / "checkpoint_jobs.py"
+    child = Path(__file__).resolve().parents[1] / "support" / "checkpoint_jobs.py"
     proc = subprocess.Popen([sys.executable, str(child), str(path), str(side)], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
     try:

@@ -2,7 +2,7 @@
 
 Each plan trains 3 SGD steps with ``compile={"backend": "aot_eager"}`` (TorchDynamo and
 AOTAutograd, forward and backward, then the aten ops as they are: the numerics of the eager
-program) and is compared with single-process training (tests/reference.py bounds).  The same
+program) and is compared with single-process training (tests/support/reference.py bounds).  The same
 job trains the eager program too: both must run the same collectives with the same bytes (the
 eager program's equal the cost model's: tests/dist/test_bytes.py) and print the same program.
 The saved-tensor hooks still see the compiled forward's saves: SP's backward re-gathers and
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import assert_equivalent
-from tests.jobs import compile_cases_job, reference
+from tests.support.harness import assert_equivalent
+from tests.support.jobs import compile_cases_job, reference
 
 CASES = [("hf_llama", "tp=2,sp"), ("hf_llama", "tp=2"), ("hf_llama", "dp=2,zero=3"), ("hf_llama", "dp=2,zero=1"),
          ("hf_llama", "dp=2,zero=2,mb=2"), ("hf_llama", "cp=2:ring"), ("hf_llama", "cp=2:ulysses"),

@@ -1,18 +1,18 @@
 """Dimensions combined: each plan equal to one device, every collective's bytes equal to the cost model.
 
-The plans of one world size run in one pool job (tests/composition_jobs.py).  Each plan
+The plans of one world size run in one pool job (tests/support/composition_jobs.py).  Each plan
 trains 3 steps; the losses and the final state dict must equal single-process training
-(tests/reference.py bounds) and each rank's last-step collectives must equal
+(tests/support/reference.py bounds) and each rank's last-step collectives must equal
 ``autopar.estimate(...).comm_table(stage)`` call for call and byte for byte.
 """
 from __future__ import annotations
 
 import pytest
 
-from tests.comm_check import assert_comm_equal, predicted_cost
-from tests.composition_jobs import plans_job
-from tests.harness import assert_equivalent
-from tests.jobs import BATCH, reference
+from tests.support.comm_check import assert_comm_equal, predicted_cost
+from tests.support.composition_jobs import plans_job
+from tests.support.harness import assert_equivalent
+from tests.support.jobs import BATCH, reference
 
 CASES = [
     # (model, plans run in one pool job, world, optimizer, overrides)

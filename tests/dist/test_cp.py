@@ -15,10 +15,10 @@ import functools
 import pytest
 
 import autopar
-from tests.comm_check import model_spec
-from tests.cp_jobs import bad_sequence_job, blocks_job
-from tests.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train, run_distributed
-from tests.jobs import BATCH, SEQ, VOCAB, build, train_job
+from tests.support.comm_check import model_spec
+from tests.support.cp_jobs import bad_sequence_job, blocks_job
+from tests.support.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train, run_distributed
+from tests.support.jobs import BATCH, SEQ, VOCAB, build, train_job
 
 # Ulysses with tp=2 splits heads over tp*cp = 4: it needs 4 K/V heads (the others keep GQA, 2 K/V heads).
 _KV4 = {"example": {"num_kv_heads": 4}, "hf_llama": {"num_key_value_heads": 4}}

@@ -2,7 +2,7 @@
 
 The example decoder with dropout on the embedding output and residual branches, on the
 attention probabilities and on the MLP's hidden activations trains two steps under a
-plan; every dropout of the program records which elements it zeroed (tests/dropout_jobs.py).
+plan; every dropout of the program records which elements it zeroed (tests/support/dropout_jobs.py).
 
 * Replicated values (the residual stream under tp without SP) get the same mask on every
   tp rank, so the replicas stay identical (the state dicts of all ranks agree).
@@ -21,7 +21,7 @@ import functools
 import pytest
 import torch
 
-from tests.dropout_jobs import DROPOUT, mask_job, seed_job
+from tests.support.dropout_jobs import DROPOUT, mask_job, seed_job
 
 _NO_ATTN = {**DROPOUT, "attention_dropout": 0.0}  # context parallelism refuses attention dropout
 

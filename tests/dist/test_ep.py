@@ -55,8 +55,8 @@ def test_checkpoint_reshards_experts(dist_pool, tmp_path, model_name, plan_a, pl
 
 def test_auto_plan_on_a_moe_model(dist_pool):
     """plan='auto' scores EP plans for MoE models (experts from the traced graph) and trains equivalently."""
-    from tests.harness import assert_equivalent
-    from tests.jobs import auto_job, reference
+    from tests.support.harness import assert_equivalent
+    from tests.support.jobs import auto_job, reference
 
     results = dist_pool(auto_job, "example_moe", world=2)
     assert all(r["plan"] == results[0]["plan"] for r in results) and results[0]["plan"] != "none"

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.comm_check import assert_comm_equal, predicted_cost
-from tests.jobs import BATCH, SEQ, train_job
+from tests.support.comm_check import assert_comm_equal, predicted_cost
+from tests.support.jobs import BATCH, SEQ, train_job
 
 PLANS = [("ep=2,dp=2", 2), ("ep=2,dp=4", 4), ("ep=2,dp=2,tp=2,sp", 4), ("ep=4,dp=2,cp=2", 4)]
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.dist.test_equivalence import _check
-from tests.jobs import train_job
+from tests.support.jobs import train_job
 
 FACTOR = 0.5
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.harness import assert_equivalent, make_batches
-from tests.jobs import BATCH, SEQ, VOCAB, build, load_original_job, reference, roundtrip_job, train_job, untouched_job
+from tests.support.harness import assert_equivalent, make_batches
+from tests.support.jobs import (BATCH, SEQ, VOCAB, build, load_original_job, reference, roundtrip_job, train_job,
+                                untouched_job)
+from tests.support.reference import assert_no_differences
 
 # tp=4 needs 4 KV heads (the default tiny models have 2).
 _KV4 = {"example": {"num_kv_heads": 4}, "hf_llama": {"num_key_value_heads": 4}}
@@ -57,7 +59,7 @@ def test_gpt2_conv1d_style_model(dist_pool, plan, world, opt_name):
 
 @pytest.mark.parametrize("model_name,overrides", [("example_tied", {}), ("hf_llama", {})])
 def test_user_model_is_not_modified(dist_pool, model_name, overrides):
-    assert all(dist_pool(untouched_job, model_name, "tp=2,sp", overrides, world=2))
+    assert_no_differences(dist_pool(untouched_job, model_name, "tp=2,sp", overrides, world=2))
 
 
 def test_gradient_accumulation(dist_pool):
@@ -66,7 +68,8 @@ def test_gradient_accumulation(dist_pool):
 
 @pytest.mark.parametrize("model_name", ["example", "hf_llama"])
 def test_state_dict_roundtrip_is_exact(dist_pool, model_name):
-    assert all(dist_pool(roundtrip_job, model_name, "tp=2,sp,dp=2", {}, world=4))
+    """Trained weights load, bit for bit, into a program that held others, and it computes with them."""
+    assert_no_differences(dist_pool(roundtrip_job, model_name, "tp=2,sp,dp=2", {}, world=4))
 
 
 @pytest.mark.parametrize("model_name", ["example", "hf_llama"])
@@ -79,7 +82,7 @@ def test_original_state_dict_loads(dist_pool, model_name):
 
 
 def test_auto_plan_trains_equivalently(dist_pool):
-    from tests.jobs import auto_job
+    from tests.support.jobs import auto_job
 
     results = dist_pool(auto_job, "example", world=2)
     plan = results[0]["plan"]

@@ -24,8 +24,8 @@ import torch
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from tests.export_jobs import export_job, meta_export_cases_job  # noqa: E402
-from tests.jobs import build  # noqa: E402
+from tests.support.export_jobs import export_job, meta_export_cases_job  # noqa: E402
+from tests.support.jobs import build  # noqa: E402
 
 CASES = [("example", "tp=2", {}), ("example_tied", "tp=2", {}), ("hf_llama", "tp=2", {}),
          ("hf_llama", "tp=2", {"tie": True}), ("example", "pp=2,mb=2", {})]

@@ -1,4 +1,4 @@
-"""Tests of the multi-rank harness itself (tests/harness.py): that it runs, and can fail.
+"""Tests of the multi-rank harness itself (tests/support/harness.py): that it runs, and can fail.
 
 The job functions below are module level so the spawned ranks can import them.
 """
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import (
+from tests.support.harness import (
     OPTIMIZERS,
     JobTimeout,
     RankError,

@@ -4,13 +4,13 @@ For each plan, one job trains the same model three AdamW steps on the global bat
 three on each rank's part of them (``pm.batch_slice(...).take``), then evaluates one more
 batch both ways: the losses are equal (==) and so is the final full state dict.  The same
 job checks that ``DataLoader(..., batch_sampler=DistributedBatchSampler(...))`` loads the
-rows ``take`` cuts.  Jobs: tests/data_jobs.py; single-process rules: tests/unit/test_data.py.
+rows ``take`` cuts.  Jobs: tests/support/data_jobs.py; single-process rules: tests/unit/test_data.py.
 """
 from __future__ import annotations
 
 import pytest
 
-from tests.data_jobs import local_vs_global_job
+from tests.support.data_jobs import local_vs_global_job
 
 PLANS = [("dp=2", 2), ("cp=2,dp=2", 4), ("tp=2,sp,dp=2", 4), ("pp=2,dp=2,mb=2", 4), ("dp=2,mb=2,zero=1", 2)]
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 
 import autopar
-from tests.comm_check import model_spec
-from tests.jobs import build
-from tests.zero_jobs import SEQ, memory_job, memory_plans_job
+from tests.support.comm_check import model_spec
+from tests.support.jobs import build
+from tests.support.zero_jobs import SEQ, memory_job, memory_plans_job
 
 PLANS = [("dp=2", 2, 4), ("dp=2,zero=1", 2, 4), ("dp=2,zero=2", 2, 4), ("dp=2,zero=3", 2, 4),
          ("dp=4,zero=3", 4, 4), ("tp=2,sp,dp=2,zero=3", 4, 4), ("dp=2,mb=4", 2, 8)]

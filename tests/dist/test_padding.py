@@ -1,18 +1,18 @@
 """Padded batches (targets ``-100``) under every dimension that splits tokens: exact, not averaged means.
 
-Every row of the batch carries a different amount of padding (tests/padding_jobs.py), so the
+Every row of the batch carries a different amount of padding (tests/support/padding_jobs.py), so the
 pieces of the batch that dp ranks, cp chunks and micro-batches compute hold different counts
 of valid targets.  The plain ``F.cross_entropy(...)`` loss is a mean over the valid targets of
 the whole batch on one device; each plan must give the same losses, eval loss and final
-state dict (fp32, the bounds of tests/reference.py).  Averaging the pieces' means, as a
+state dict (fp32, the bounds of tests/support/reference.py).  Averaging the pieces' means, as a
 runtime that does not normalise by the global count would, misses by ~1e-2 here.
 """
 from __future__ import annotations
 
 import pytest
 
-from tests.harness import assert_equivalent
-from tests.padding_jobs import padded_plans_job, reference_padded
+from tests.support.harness import assert_equivalent
+from tests.support.padding_jobs import padded_plans_job, reference_padded
 
 CASES = [
     # (model, plans run in one pool job, world, batch, overrides)

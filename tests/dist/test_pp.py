@@ -1,7 +1,7 @@
 """Pipeline parallelism on gloo ranks: numerical equivalence, P2P bytes, uneven and user splits.
 
 Every plan trains 3 optimizer steps on gloo ranks and is compared with single-process
-training (loss per step <= 1e-5, full state dict <= 1e-4, fp32; ``tests/reference.py``).
+training (loss per step <= 1e-5, full state dict <= 1e-4, fp32; ``tests/support/reference.py``).
 Every rank must return the same loss and the same full state dict.  The measured
 communication of the last step equals ``autopar.estimate(...).comm_table(stage)`` for the
 rank's pipeline stage, collective kind by collective kind (P2P sends / receives included).
@@ -14,10 +14,10 @@ import functools
 import pytest
 
 import autopar
-from tests.comm_check import assert_comm_equal, model_spec
-from tests.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
-from tests.jobs import BATCH, SEQ, VOCAB, build
-from tests.pp_jobs import pp_load_job, pp_train_job
+from tests.support.comm_check import assert_comm_equal, model_spec
+from tests.support.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
+from tests.support.jobs import BATCH, SEQ, VOCAB, build
+from tests.support.pp_jobs import pp_load_job, pp_train_job
 
 _LAYERS4 = {"example": {"num_layers": 4}, "hf_llama": {"num_hidden_layers": 4}}
 

@@ -1,6 +1,6 @@
 """bf16 mixed precision under parallel plans against the single-device bf16 recipe.
 
-Each case trains 3 AdamW steps with ``mixed_precision="bf16"`` (tests/precision_jobs.py) and
+Each case trains 3 AdamW steps with ``mixed_precision="bf16"`` (tests/support/precision_jobs.py) and
 the recipe written out by hand on one device: bf16 forward and backward, fp32 logits for the
 loss, fp32 masters stepped by the optimizer.  Checked: every step's loss within bf16
 tolerance of the recipe's (the plans sum bf16 partial products in other orders, so the
@@ -17,9 +17,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoint_jobs import reshard_job
-from tests.comm_check import assert_comm_equal, predicted_cost
-from tests.precision_jobs import bf16_job, reference_bf16
+from tests.support.checkpoint_jobs import reshard_job
+from tests.support.comm_check import assert_comm_equal, predicted_cost
+from tests.support.precision_jobs import bf16_job, reference_bf16
 
 LOSS_RTOL = 2e-3   # half a bf16 ulp relative (2^-9): the recipe's loss to within its own rounding
 STATE_ATOL = 1e-2  # AdamW moves each weight by ~lr=1e-3 per step; bf16 gradient noise flips near-zero ones
@@ -45,7 +45,7 @@ def test_bf16_matches_the_single_device_recipe(dist_pool, model_name, plan, worl
         assert r["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL)
         assert r["eval"] == pytest.approx(ref["eval"], rel=LOSS_RTOL) and r["eval_kept_state"]
         assert r["param_dtypes"] == ["torch.bfloat16"] and r["optimizer_dtypes"] == ["torch.float32"]
-        assert r["state_dtypes"] == ["torch.float32"] and r["untouched"] and r["roundtrip_exact"]
+        assert r["state_dtypes"] == ["torch.float32"] and r["untouched"] and not r["load"], r["load"]
         stage = rank // (world // pp)  # pp is the outermost mesh axis
         predicted = cost.memory(stage)
         for key in ("params", "grads", "optimizer"):
@@ -78,7 +78,7 @@ def test_bf16_checkpoint_continues_across_plans(dist_pool, tmp_path):
                         mixed_precision="bf16", world=2)
     ref = reference_bf16("example", "adamw", {})
     for r in results:
-        assert r["exact"]
+        assert not r["differences"], "\n".join(r["differences"])
         assert r["losses"] == pytest.approx(ref["losses"], rel=LOSS_RTOL)
     for key, value in ref["state"].items():
         assert torch.allclose(results[0]["state"][key], value, atol=STATE_ATOL, rtol=0), key

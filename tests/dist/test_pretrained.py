@@ -19,11 +19,11 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from autopar.verification.compare import LOSS_ATOL, PARAM_ATOL  # noqa: E402
-from tests.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train  # noqa: E402
-from tests.jobs import BATCH, SEQ, VOCAB, build  # noqa: E402
+from tests.support.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train  # noqa: E402
+from tests.support.jobs import BATCH, SEQ, VOCAB, build  # noqa: E402
 from tests.dist.test_precision import LOSS_RTOL, STATE_ATOL  # noqa: E402  (bf16 against its recipe)
-from tests.precision_jobs import reference_bf16  # noqa: E402
-from tests.pretrained_jobs import INIT_SEED, meta_cases_job  # noqa: E402
+from tests.support.precision_jobs import reference_bf16  # noqa: E402
+from tests.support.pretrained_jobs import INIT_SEED, meta_cases_job  # noqa: E402
 
 LLAMA4 = {"num_hidden_layers": 4}
 
@@ -121,7 +121,7 @@ def test_init_weights_equals_one_device_initialisation(dist_pool, plan, world):
 
 
 def test_a_meta_built_program_loads_a_checkpoint_of_another_plan(dist_pool, tmp_path):
-    from tests.pretrained_jobs import meta_checkpoint_job
+    from tests.support.pretrained_jobs import meta_checkpoint_job
 
     results = dist_pool(meta_checkpoint_job, "hf_llama", {}, "dp=2,zero=3", str(tmp_path / "ckpt"), world=2)
     got = results[0]

@@ -18,10 +18,10 @@ import functools
 import pytest
 
 import autopar
-from tests.comm_check import assert_comm_equal, predicted_cost
-from tests.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
-from tests.jobs import SEQ, VOCAB, build
-from tests.recompute_jobs import BATCH, recompute_plans_job
+from tests.support.comm_check import assert_comm_equal, predicted_cost
+from tests.support.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
+from tests.support.jobs import SEQ, VOCAB, build
+from tests.support.recompute_jobs import BATCH, recompute_plans_job
 
 PLANS = {
     ("example", 2): ("tp=2,sp,recompute=selective", "tp=2,sp,recompute=full", "tp=2,recompute=full",

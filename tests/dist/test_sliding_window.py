@@ -12,8 +12,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests.harness import assert_equivalent  # noqa: E402
-from tests.jobs import reference, train_cases_job  # noqa: E402
+from tests.support.harness import assert_equivalent  # noqa: E402
+from tests.support.jobs import reference, train_cases_job  # noqa: E402
 
 PLANS = [("dp=2", 2), ("tp=2,sp", 2), ("pp=2,mb=2", 2), ("dp=2,zero=3", 2)]
 

@@ -1,19 +1,19 @@
 """Training essentials under parallel plans: gradient clipping, LR schedules, evaluation.
 
 Each case trains 3 steps under a plan and the same recipe on one device
-(tests/training_jobs.py): with ``max_grad_norm``, ``last_grad_norm`` must equal
+(tests/support/training_jobs.py): with ``max_grad_norm``, ``last_grad_norm`` must equal
 ``clip_grad_norm_``'s total norm within 1e-5 relative (clipping active at every step: the
 bound is below every norm; without it, None), the
 learning rate before every step must be the scheduler's, ``eval_step`` after the first
 update must give the unparallelized eval loss and leave parameters and gradients untouched,
-and losses and the final state dict must match (tests/reference.py bounds).
+and losses and the final state dict must match (tests/support/reference.py bounds).
 """
 from __future__ import annotations
 
 import pytest
 
-from tests.harness import assert_equivalent
-from tests.training_jobs import freed_job, recipe_job, reference_recipe
+from tests.support.harness import assert_equivalent
+from tests.support.training_jobs import freed_job, recipe_job, reference_recipe
 
 CLIP = 0.05  # below every gradient norm of these runs: each step clips
 

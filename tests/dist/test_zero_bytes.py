@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.comm_check import assert_comm_equal, predicted_cost
-from tests.zero_jobs import zero_train_job
+from tests.support.comm_check import assert_comm_equal, predicted_cost
+from tests.support.zero_jobs import zero_train_job
 
 PLANS = [("dp=2,zero=1", 2, 4), ("dp=2,zero=2", 2, 4), ("dp=2,zero=2,mb=2", 2, 4), ("dp=4,zero=3", 4, 4),
          ("tp=2,sp,dp=2,zero=3", 4, 4), ("tp=2,sp,dp=2,zero=1", 4, 4), ("tp=2,sp,dp=2,zero=2,mb=2", 4, 4),

@@ -4,7 +4,7 @@ program within floating-point reassociation.  Bitwise and multi-rank checks with
 ``aot_eager``: tests/unit/test_compile.py, tests/dist/test_compile.py."""
 from __future__ import annotations
 
-from tests.harness import assert_equivalent
+from tests.support.harness import assert_equivalent
 from tests.unit.test_compile import train
 
 

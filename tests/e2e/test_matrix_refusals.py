@@ -8,7 +8,7 @@ import pytest
 
 from autopar.errors import AutoparError
 from autopar.runtime import compile_program
-from tests.models import MODELS, make_batch
+from tests.support.models import MODELS, make_batch
 
 REFUSALS = [
     # Gemma 2's soft-capped scores need eager attention: no SDPA op for CP to split.

@@ -12,7 +12,7 @@ Each sampled plan is compiled by ``autopar.parallelize`` as one rank of a *fake*
 (as benchmarks/scale_simulation.py does): ranks 0 and 7 under pp, so the first and the last
 pipeline stage compile, otherwise rank 7; then stepped once on the meta device.  Every
 collective the rank records is compared with the cost model's calls and bytes
-(``benchmarks.scale_simulation.compare``).  All plans run in one subprocess (the fake process
+(``tests.support.scale.compare``).  All plans run in one subprocess (the fake process
 group stays there), which is this file run as a script: plans on stdin, results as JSON on stdout.
 """
 from __future__ import annotations
@@ -102,8 +102,8 @@ def compile_rank(plan_text: str, rank: int) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import autopar
-    from benchmarks.scale_simulation import compare, measured_and_predicted
-    from tests.models import hf_llama
+    from tests.support.scale import compare, measured_and_predicted
+    from tests.support.models import hf_llama
 
     plan = autopar.Plan.parse(plan_text)
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=plan.world_size)
@@ -111,7 +111,7 @@ def compile_rank(plan_text: str, rank: int) -> dict:
         with torch.device("meta"):
             net = hf_llama(**LLAMA)
         ids = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long, device="meta")
-        pm = autopar.parallelize(net, (ids,), {"use_cache": False}, plan=plan_text, loss_fn=_loss)
+        pm = autopar.parallelize(net, (ids,), example_kwargs={"use_cache": False}, plan=plan_text, loss_fn=_loss)
         pm.train_step((ids,), ids)
         stage = pm.coords().get("pp", (0, 1))[0]
         cost = autopar.estimate(_spec(), _cluster(), plan_text, seq_len=SEQ, global_batch=GLOBAL_BATCH,
@@ -125,7 +125,7 @@ def compile_rank(plan_text: str, rank: int) -> dict:
 
 def _failure(exc: Exception) -> dict:
     """The error and the last frames of its traceback in the project's code (not in torch or transformers)."""
-    ours = ("autopar", "passes", "cost", "benchmarks", "tests")
+    ours = ("autopar", "passes", "cost", "tests")
     frames = [(Path(f.filename).resolve(), f) for f in traceback.extract_tb(exc.__traceback__)]
     frames = [(path.relative_to(REPO), f) for path, f in frames if path.is_relative_to(REPO)]
     where = [f"{path}:{f.lineno} in {f.name}: {f.line}" for path, f in frames if path.parts[0] in ours][-3:]
@@ -156,9 +156,9 @@ def _worker() -> None:
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     import autopar.runtime  # noqa: F401
-    from tests import trace_cache
+    from tests.support import trace_cache
 
-    trace_cache.install()  # the plans share one export per rank's model (tests/trace_cache.py)
+    trace_cache.install()  # the plans share one export per rank's model (tests/support/trace_cache.py)
     print(json.dumps(compile_all(sys.stdin.read().split())))
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests import models as M
+from tests.support import models as M
 from tests.unit.test_stamp import assert_same_program
 
 CASES = [

@@ -70,7 +70,7 @@ def test_a_refused_plan_exits_2_with_an_autopar_error(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("autopar: tp=4 does not divide the 2 KV heads") and "valid tp values are 1, 2" in err
     with pytest.raises(autopar.AutoparError, match="needs pp\\*dp\\*cp\\*tp = 1\\*2\\*1\\*1 = 2 ranks"):
-        autopar.verify(config, "dp=2", world=3)
+        autopar.verify(config, "dp=2", world_size=3)
     assert json.loads(open(config).read())["num_key_value_heads"] == 2  # the user's file is not touched
 
 

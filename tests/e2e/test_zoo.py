@@ -2,12 +2,12 @@
 
 benchmarks/zoo.py trains every causal LM type of transformers, shrunk from its default config,
 under four plans on 2 gloo ranks against one process, and docs/zoo.md is its table.  This file
-runs the same code (``benchmarks.zoo.run_types``: the same shrinking, batches, reference and
+runs the same code (``tests.support.zoo.run_types``: the same shrinking, batches, reference and
 comparison) on pairs chosen to cover the classes of architecture -- dense GQA, multi-query
 attention, mixtures of experts, sliding windows, ALiBi, Conv1D weights, parallel attention and
 MLP, tied heads, an encoder used as a causal LM, state-space and hybrid models that are refused
 -- a handful of model types per pool call on the session's pooled gloo workers
-(tests/harness.py), and checks that each pair's outcome is the one the sweep recorded:
+(tests/support/harness.py), and checks that each pair's outcome is the one the sweep recorded:
 ``equal`` stays equal, ``refused`` stays refused (with an ``autopar:`` message) and nothing
 fails.  Only pairs that pass are listed; :data:`EXPECTED` is the data.
 """
@@ -17,7 +17,7 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from benchmarks.zoo import run_types  # noqa: E402
+from tests.support.zoo import run_types  # noqa: E402
 
 E, R, T = "equal", "refused", "refused (trace)"
 # model type -> {plan: outcome, or (outcome, a phrase of the refusal)}, as the sweep recorded them.

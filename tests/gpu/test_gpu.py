@@ -2,9 +2,9 @@
 
 Skipped as a whole where ``torch.cuda.is_available()`` is False (CI, the CPU development
 machines); ``benchmarks/device_check.sh`` runs it on a lent GPU.  Every case trains a tiny
-``LlamaForCausalLM`` (tests/models.py ``hf_llama``, hidden 128) for 3 AdamW steps with
+``LlamaForCausalLM`` (tests/support/models.py ``hf_llama``, hidden 128) for 3 AdamW steps with
 ``mixed_precision="bf16"`` and compares it with the bf16 recipe written out by hand on the same
-GPU (:func:`bf16_recipe`: the one of tests/precision_jobs.py ``reference_bf16``, given a device
+GPU (:func:`bf16_recipe`: the one of tests/support/precision_jobs.py ``reference_bf16``, given a device
 and a model): every loss within ``LOSS_RTOL`` relative and the fp32 masters within
 ``STATE_ATOL``, the bounds of tests/dist/test_precision.py.  The cases:
 
@@ -34,9 +34,9 @@ import torch.distributed as dist
 
 import autopar
 from tests.dist.test_precision import LOSS_RTOL, STATE_ATOL
-from tests.models import hf_llama, hf_loss
-from tests.precision_jobs import bf16_recipe as precision_bf16_recipe
-from tests.reference import OPTIMIZERS, make_batches
+from tests.support.models import hf_llama, hf_loss
+from tests.support.precision_jobs import bf16_recipe as precision_bf16_recipe
+from tests.support.reference import OPTIMIZERS, make_batches
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="tests/gpu needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -78,7 +78,7 @@ def _model(seed: int = 0):
 
 
 def bf16_recipe(model, batches, device) -> dict:
-    """tests/precision_jobs.py's recipe on ``device`` for a copy of ``model``."""
+    """tests/support/precision_jobs.py's recipe on ``device`` for a copy of ``model``."""
     return precision_bf16_recipe(copy.deepcopy(model), batches, hf_loss, KWARGS, OPTIMIZERS["adamw"], device=device)
 
 

@@ -8,7 +8,7 @@ import torch.nn as nn
 from autopar.frontend.analyze import analyze, model_dims
 from autopar.errors import AutoparError
 from autopar.frontend.trace import trace_model
-from tests.models import MODELS, example_model, hf_llama, make_batch
+from tests.support.models import MODELS, example_model, hf_llama, make_batch
 
 
 def _structure(name, **overrides):

@@ -23,7 +23,7 @@ from autopar.frontend.trace import trace_model
 from autopar.ops import collectives as C
 from autopar.passes.rules import RuleContext, lookup, tensor_inputs
 from autopar.runtime import compile_program
-from tests.models import MODELS, make_batch
+from tests.support.models import MODELS, make_batch
 from tests.unit.test_soundness import _Builder
 
 aten = torch.ops.aten

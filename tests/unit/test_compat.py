@@ -60,12 +60,12 @@ def test_set_buffer_keeps_persistence():
 
 
 def test_pipeline_order_of_a_multi_stage_schedule():
-    orders = rank_orders("interleaved", pp=2, mb=4, vpp=2)
+    orders = rank_orders("interleaved", pp=2, num_microbatches=4, vpp=2)
     assert len(orders) == 2
     for rank, order in enumerate(orders):
         acts = [a for slot in order for a in slot]
         assert {a.kind for a in acts} == {"F", "B"}
-        assert sorted({a.stage for a in acts}) == [rank, rank + 2]  # looped placement
+        assert sorted({a.stage_index for a in acts}) == [rank, rank + 2]  # looped placement
         assert len(acts) == 2 * 2 * 4  # a forward and a backward per chunk and micro-batch
     assert {a.kind for order in rank_orders("zbv", 2, 4) for slot in order for a in slot} == {"F", "B", "W"}
     assert set(compat.compute_kinds().values()) == {"F", "B", "W"}

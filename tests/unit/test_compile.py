@@ -1,4 +1,4 @@
-"""``parallelize(..., compile=...)`` in one process (autopar/runtime/compiled.py): the argument's
+"""``parallelize(..., compile=...)`` in one process (autopar/runtime/inductor.py): the argument's
 checks, and a compiled program that computes what the eager one does.  Multi-rank plans:
 tests/dist/test_compile.py."""
 from __future__ import annotations
@@ -9,9 +9,9 @@ import torch
 import autopar
 from autopar.compat import storage_key
 from autopar.errors import AutoparError
-from tests.harness import OPTIMIZERS
-from tests.jobs import build
-from tests.reference import make_batches
+from tests.support.harness import OPTIMIZERS
+from tests.support.jobs import build
+from tests.support.reference import make_batches
 
 
 def train(compile, model_name: str = "hf_llama", mixed_precision: str | None = None):

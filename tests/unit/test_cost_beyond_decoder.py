@@ -65,10 +65,10 @@ def test_ring_moves_the_heads_the_attention_receives(heads):
 
 
 def test_traced_fields():
-    """ModelSpec.from_module reads the fields from the traced models (tests/models.py; BERT's and
+    """ModelSpec.from_module reads the fields from the traced models (tests/support/models.py; BERT's and
     Falcon's, and every field's bytes, in tests/dist/test_architectures.py)."""
-    from tests.harness import make_batches
-    from tests.jobs import BATCH, SEQ, VOCAB, build
+    from tests.support.harness import make_batches
+    from tests.support.jobs import BATCH, SEQ, VOCAB, build
 
     (inputs, _), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
     expect = {

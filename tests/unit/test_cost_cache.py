@@ -1,6 +1,6 @@
-"""The disk cache of the compiled cost formulas (cost/cache.py).
+"""The disk cache of the lambdified cost formulas (cost/cache.py).
 
-A model loaded from the cache must score exactly as the freshly compiled one (same
+A model loaded from the cache must score exactly as the freshly lambdified one (same
 arrays, bit for bit: the cache stores the code the fresh compile generated), build no
 sympy formula until one is asked for, and never be read under another key; a damaged
 entry or an unwritable directory falls back to compiling.
@@ -25,17 +25,17 @@ PLANS = [(SPEC, "tp=2,sp,pp=2:zbv,dp=2,mb=4"), (SPEC, "cp=2:ring,dp=4,zero=3,rec
 RESTRICT = dict(zero_stages=(0, 1), recompute_modes=("none", "full"), schedules=("1f1b", "zbv"))
 
 
-def _forget_compiled():
-    for fn in (cost_model.compiled, cost_model.compiled_memory, cost_model.compiled_compute):
+def _forget_lambdified():
+    for fn in (cost_model.model_formulas, cost_model.memory_formulas, cost_model.compute_formulas):
         fn.cache_clear()
 
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(tmp_path / "cache"))
-    _forget_compiled()
+    _forget_lambdified()
     yield tmp_path / "cache"
-    _forget_compiled()
+    _forget_lambdified()
 
 
 def _scores():
@@ -44,11 +44,11 @@ def _scores():
     return costs, [(str(p), c.step_time) for p, c in found]
 
 
-def test_cached_formulas_score_exactly_as_compiled_ones(cache_dir, monkeypatch):
+def test_cached_formulas_score_exactly_as_lambdified_ones(cache_dir, monkeypatch):
     fresh_costs, fresh_found = _scores()
-    assert cost_model.compiled("derived", True)._exprs is not None          # compiled in this process
+    assert cost_model.model_formulas("derived", True)._exprs is not None          # lambdified in this process
     assert len(list(cache_dir.glob("*.json"))) == 4                         # model x2, memory, compute
-    _forget_compiled()
+    _forget_lambdified()
 
     def boom(*args, **kwargs):
         raise AssertionError("sympy formulas built on the warm path")
@@ -61,7 +61,7 @@ def test_cached_formulas_score_exactly_as_compiled_ones(cache_dir, monkeypatch):
         for cost in warm_costs:
             cost.breakdown(formulas=False)
             cost.comm_table()
-    assert cost_model.compiled("derived", True)._exprs is None              # loaded from the cache
+    assert cost_model.model_formulas("derived", True)._exprs is None              # loaded from the cache
     assert warm_found == fresh_found
     for fresh, warm in zip(fresh_costs, warm_costs):
         assert (warm.step_time, warm.memory_per_gpu, warm.bubble) == (fresh.step_time, fresh.memory_per_gpu,
@@ -69,20 +69,20 @@ def test_cached_formulas_score_exactly_as_compiled_ones(cache_dir, monkeypatch):
         assert warm._out.keys() == fresh._out.keys()
         assert all(np.array_equal(warm._out[k], fresh._out[k]) for k in fresh._out)
         assert warm.comm_table() == fresh.comm_table()
-    # Formulas, when asked for, are rebuilt and equal the compiled ones.
+    # Formulas, when asked for, are rebuilt and equal the lambdified ones.
     fresh_terms, warm_terms = fresh_costs[0].breakdown(), warm_costs[0].breakdown()
     assert [(t.name, t.value, str(t.formula)) for t in warm_terms] == \
         [(t.name, t.value, str(t.formula)) for t in fresh_terms]
 
 
 def test_another_key_is_never_read(cache_dir, monkeypatch):
-    cost_model.compiled_compute()                                           # writes the entry
+    cost_model.compute_formulas()                                           # writes the entry
     key = cache.source_key()
     assert cache.load("compute", key) is not None
     assert cache.load("compute", "0" * 64) is None
-    _forget_compiled()
+    _forget_lambdified()
     monkeypatch.setattr(cache, "source_key", lambda: "f" * 64)             # e.g. a cost/ file changed
-    assert cost_model.compiled_compute()._exprs is not None                 # compiled again ...
+    assert cost_model.compute_formulas()._exprs is not None                 # lambdified again ...
     assert {p.name.rsplit("-", 1)[1] for p in cache_dir.glob("compute-*.json")} == {
         key[:24] + ".json", "f" * 24 + ".json"}                             # ... and stored under the new key
 
@@ -105,22 +105,22 @@ def test_key_follows_the_sources(tmp_path, monkeypatch):
 
 
 def test_damaged_entry_and_unwritable_directory_fall_back(cache_dir, tmp_path, monkeypatch):
-    reference = cost_model.evaluate(cost_model.compiled_compute(), _compute_values())
-    _forget_compiled()
+    reference = cost_model.evaluate(cost_model.compute_formulas(), _compute_values())
+    _forget_lambdified()
     for path in cache_dir.glob("compute-*.json"):
         path.write_text(path.read_text()[:-40])                             # truncated
-    model = cost_model.compiled_compute()
+    model = cost_model.compute_formulas()
     assert model._exprs is not None
     assert all(np.array_equal(v, reference[k]) for k, v in cost_model.evaluate(model, _compute_values()).items())
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", str(blocker / "cache"))         # cannot be created
-    _forget_compiled()
-    assert cost_model.compiled_compute().names == ["T_f", "T_b", "T_w"]
+    _forget_lambdified()
+    assert cost_model.compute_formulas().names == ["T_f", "T_b", "T_w"]
     monkeypatch.setenv("AUTOPAR_CACHE_DIR", "off")
     assert cache.cache_dir() is None
 
 
 def _compute_values():
-    model = cost_model.compiled_compute()
+    model = cost_model.compute_formulas()
     return {name: np.linspace(1.0, 3.0, 5) + i for i, name in enumerate(model.input_names)}

@@ -165,8 +165,8 @@ def test_context_parallel_variants_by_hand():
 
 def test_pipeline_p2p_by_hand():
     A = GB // 2 * S * H * W                # mb=2 micro-batches of 2
-    rows0 = estimate(SPEC, CLUSTER, "pp=2,mb=2", S, GB, dtype_bytes=W).comm_table(stage=0)
-    rows1 = estimate(SPEC, CLUSTER, "pp=2,mb=2", S, GB, dtype_bytes=W).comm_table(stage=1)
+    rows0 = estimate(SPEC, CLUSTER, "pp=2,mb=2", S, GB, dtype_bytes=W).comm_table(pp_rank=0)
+    rows1 = estimate(SPEC, CLUSTER, "pp=2,mb=2", S, GB, dtype_bytes=W).comm_table(pp_rank=1)
     # Plus the fp32 loss all-reduced over pp (2 ranks: 2*(2-1)/2 * 4 bytes) so every stage returns it.
     assert totals(rows0) == pytest.approx({("fwd", "send", "pp"): 2 * A, ("bwd", "recv", "pp"): 0.0,
                                            ("loss", "all_reduce", "pp"): 4.0})

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from autopar.errors import AutoparError
-from tests.harness import make_batches
-from tests.jobs import BATCH, SEQ, VOCAB, build
+from tests.support.harness import make_batches
+from tests.support.jobs import BATCH, SEQ, VOCAB, build
 
 MODEL_NAMES = ["example", "hf_llama"]
 

@@ -16,9 +16,9 @@ import torch.nn as nn
 import autopar
 from autopar.errors import AutoparError
 from autopar.runtime import devices, module as module_mod
-from tests.harness import OPTIMIZERS, assert_equivalent, reference_train
-from tests.jobs import BATCH, SEQ, VOCAB, build
-from tests.reference import make_batches
+from tests.support.harness import OPTIMIZERS, assert_equivalent, reference_train
+from tests.support.jobs import BATCH, SEQ, VOCAB, build
+from tests.support.reference import make_batches
 
 
 def _batches(n: int = 3):

@@ -14,8 +14,8 @@ import types
 import torch
 
 from autopar.runtime import compile_program
-from tests.harness import make_batches
-from tests.jobs import BATCH, SEQ, VOCAB, build
+from tests.support.harness import make_batches
+from tests.support.jobs import BATCH, SEQ, VOCAB, build
 
 FACTOR = 0.5
 

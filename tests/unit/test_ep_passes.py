@@ -13,8 +13,8 @@ from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.runtime import compile_program
 from autopar.frontend.trace import trace_model
-from tests.harness import make_batches
-from tests.jobs import BATCH, SEQ, VOCAB, build
+from tests.support.harness import make_batches
+from tests.support.jobs import BATCH, SEQ, VOCAB, build
 
 
 def _compile(model_name: str, plan: str, world: int, loss_fn=None, **overrides):
@@ -108,7 +108,7 @@ def test_load_balancing_loss_statistics_are_all_reduced_over_the_token_axes():
     rank holding a share of the tokens each is all-reduced over the axes that split them before
     the product (tests/dist/test_architectures.py proves the training equal), and refused where
     micro-batches split them, which no all-reduce joins."""
-    from tests.models import aux_loss
+    from tests.support.models import aux_loss
 
     def reduced(plan, world):
         traced, _ = _compile("hf_mixtral", plan, world, loss_fn=aux_loss, output_router_logits=True)

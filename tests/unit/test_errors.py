@@ -8,7 +8,7 @@ import autopar
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.runtime import compile_program
-from tests.models import MODELS, make_batch
+from tests.support.models import MODELS, make_batch
 
 
 def _compile(name, plan, world, **overrides):
@@ -62,20 +62,20 @@ def test_parallelize_needs_a_loss():
     factory, _, kwargs = MODELS["example"]
     ids, _ = make_batch(128, 4, 16, 0)
     with pytest.raises(AutoparError, match="needs loss_fn"):
-        autopar.parallelize(factory(), (ids,), kwargs, plan="none")
+        autopar.parallelize(factory(), (ids,), example_kwargs=kwargs, plan="none")
 
 
 def test_auto_plan_on_one_process_is_the_trivial_plan():
     factory, loss_fn, kwargs = MODELS["example"]
     ids, _ = make_batch(128, 4, 16, 0)
-    pm = autopar.parallelize(factory(), (ids,), kwargs, plan="auto", loss_fn=loss_fn)
+    pm = autopar.parallelize(factory(), (ids,), example_kwargs=kwargs, plan="auto", loss_fn=loss_fn)
     assert str(pm.plan) == "none"
 
 
 def test_batch_not_splitting_into_dp_mb():
     factory, loss_fn, kwargs = MODELS["example"]
     ids, target = make_batch(128, 3, 16, 0)
-    pm = autopar.parallelize(factory(), (ids,), kwargs, plan="mb=2", loss_fn=loss_fn)
+    pm = autopar.parallelize(factory(), (ids,), example_kwargs=kwargs, plan="mb=2", loss_fn=loss_fn)
     with pytest.raises(AutoparError, match=r"global batch of 3 does not split into dp\*mb = 1\*2"):
         pm.train_step((ids,), target)
 
@@ -86,7 +86,7 @@ def test_single_process_plan_trains():
 
     factory, loss_fn, kwargs = MODELS["example"]
     ids, target = make_batch(128, 4, 16, 0)
-    pm = autopar.parallelize(factory(), (ids,), kwargs, plan="none", loss_fn=loss_fn,
+    pm = autopar.parallelize(factory(), (ids,), example_kwargs=kwargs, plan="none", loss_fn=loss_fn,
                              optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     model = factory()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -4,7 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.ops.collectives import ring_bytes
+from autopar.ops.collectives import record, record_p2p
+from autopar.ops.step import AxisGroup, StepContext, activate
 from autopar.runtime.layout import shard_local
 from autopar.passes.context import ParamShard
 
@@ -33,12 +34,28 @@ def test_two_axes_compose():
     assert torch.equal(part, full[2:4, 0:2])
 
 
-@pytest.mark.parametrize("op,nbytes,n,expected", [
-    ("all_gather", 100, 4, (300, 300)),          # (n-1) * shard
-    ("reduce_scatter", 400, 4, (300, 300)),      # (n-1)/n * buffer
-    ("all_reduce", 400, 4, (600, 600)),          # 2(n-1)/n * buffer
-    ("all_to_all", 400, 4, (300, 300)),          # the part addressed to the other ranks
-    ("send", 64, 2, (64, 64)),
+def _recorded(issue) -> list[tuple[str, float, float]]:
+    """(op, bytes sent, bytes received) of what ``issue()`` records, as this rank of tp=4 and pp=2
+    (no process group: the recorder is what is checked)."""
+    step = StepContext(groups={"tp": AxisGroup(None, 4, 1), "pp": AxisGroup(None, 2, 0)})
+    with activate(step):
+        issue()
+    return [(r.op, r.bytes_sent, r.bytes_recv) for r in step.recorder.records]
+
+
+# 100 fp32 elements (400 B) on a group of 4, by the ring convention of docs/architecture.md
+@pytest.mark.parametrize("op,expected", [
+    ("all_gather", 3 * 400),           # (n-1) x the shard this rank contributes
+    ("reduce_scatter", 3 * 400 / 4),   # (n-1)/n x the full buffer
+    ("all_reduce", 2 * 3 * 400 / 4),   # 2(n-1)/n x the buffer (reduce-scatter + all-gather)
+    ("all_to_all", 3 * 400 / 4),       # the parts addressed to the other n-1 ranks (even split)
 ])
-def test_ring_byte_convention(op, nbytes, n, expected):
-    assert ring_bytes(op, nbytes, n) == pytest.approx(expected)
+def test_collectives_record_the_ring_convention(op, expected):
+    t = torch.zeros(100)
+    assert _recorded(lambda: record(op, "tp", t, "fwd", "test")) == [(op, expected, expected)]
+
+
+def test_point_to_point_records_what_each_side_moves():
+    t = torch.zeros(16)  # 64 B: a send sends them, a recv receives them
+    issued = _recorded(lambda: (record_p2p("send", "pp", t, "fwd", "test"), record_p2p("recv", "pp", t, "bwd", "test")))
+    assert issued == [("send", 64.0, 0.0), ("recv", 0.0, 64.0)]

@@ -10,7 +10,7 @@ import autopar
 from autopar.errors import AutoparError
 from autopar.frontend.analyze import analyze
 from autopar.frontend.trace import trace_model
-from tests.models import MODELS, make_batch
+from tests.support.models import MODELS, make_batch
 
 
 def _reduction(loss_fn):

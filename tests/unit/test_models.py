@@ -1,4 +1,4 @@
-"""Tests for the test-suite models (tests/models.py, examples/model.py).
+"""Tests for the test-suite models (tests/support/models.py, examples/model.py).
 
 Each model runs forward and backward; each exports with symbolic batch and sequence
 dimensions and its exported module matches eager at a different size; the example
@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.export import Dim, export
 
-from tests.models import MODELS, example_model, example_module, hf_llama, make_batch
+from tests.support.models import MODELS, example_model, example_module, hf_llama, make_batch
 
 transformers = pytest.importorskip("transformers")
 

@@ -15,7 +15,7 @@ from autopar.errors import AutoparError
 from autopar.passes.context import META_KEY, PLACEMENT_KEY, ParamShard
 from autopar.passes.runner import run_passes
 from autopar.runtime import compile_program
-from tests.models import MODELS, make_batch
+from tests.support.models import MODELS, make_batch
 
 
 def _compile(name, plan, world, **overrides):
@@ -271,7 +271,7 @@ def test_a_mask_decision_taken_at_small_sizes_is_checked_past_every_window():
 
     from autopar.frontend.trace import trace_model
     from passes.causal_mask import check_sizes, evaluate_sizes_only, mask_kind
-    from tests.models import MODELS
+    from tests.support.models import MODELS
 
     def first_mask(name):
         factory, loss_fn, kwargs = MODELS[name]

@@ -10,8 +10,8 @@ import pytest
 
 import autopar
 from autopar.errors import AutoparError
-from tests.harness import make_batches
-from tests.jobs import BATCH, SEQ, VOCAB, build
+from tests.support.harness import make_batches
+from tests.support.jobs import BATCH, SEQ, VOCAB, build
 
 
 def _compile(plan, overrides=None, split=None, world=2):

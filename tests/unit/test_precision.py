@@ -1,7 +1,7 @@
 """bf16 mixed precision on one process: the runtime's layout against the recipe written by hand.
 
 The multi-rank plans are tests/dist/test_precision.py; here the plan is ``none`` (one rank),
-so the program must reproduce tests/precision_jobs.py's single-device recipe step for step:
+so the program must reproduce tests/support/precision_jobs.py's single-device recipe step for step:
 the same bf16 forward and backward, fp32 loss, fp32 masters.
 """
 from __future__ import annotations
@@ -11,10 +11,10 @@ import torch
 
 import autopar
 from autopar.runtime.precision import MainGrads, mixed_precision_dtype
-from tests.harness import OPTIMIZERS
-from tests.jobs import BATCH, SEQ, VOCAB, build
-from tests.precision_jobs import STEPS, reference_bf16
-from tests.reference import make_batches
+from tests.support.harness import OPTIMIZERS
+from tests.support.jobs import BATCH, SEQ, VOCAB, build
+from tests.support.precision_jobs import STEPS, reference_bf16
+from tests.support.reference import make_batches
 
 
 @pytest.mark.parametrize("model_name", ["example", "hf_llama"])

@@ -18,9 +18,9 @@ from autopar.errors import AutoparError  # noqa: E402
 from autopar.runtime import safetensors_io  # noqa: E402
 from autopar.runtime.layout import local_index, shard_local  # noqa: E402
 from autopar.passes.context import ParamShard  # noqa: E402
-from tests.harness import OPTIMIZERS  # noqa: E402
-from tests.jobs import BATCH, SEQ, VOCAB, build  # noqa: E402
-from tests.reference import make_batches  # noqa: E402
+from tests.support.harness import OPTIMIZERS  # noqa: E402
+from tests.support.jobs import BATCH, SEQ, VOCAB, build  # noqa: E402
+from tests.support.reference import make_batches  # noqa: E402
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,8 +1,10 @@
 """autopar.search: the space it covers, pruning, ranking, and agreement with estimate().
 
-The reference answer is computed independently: every plan of a small space is built
-with Plan(...) in plain loops and scored with estimate(); search must find the same best
-step time, return only plans that fit, best first, and never touch sympy per candidate.
+The reference answer: every plan of a small space, one at a time
+(:func:`autopar.plan_space.candidates`, pure Python; that it is the space plain loops over
+``Plan(...)`` give is tests/unit/test_plan_space.py's), scored with estimate(); search (numpy
+over the same space) must find the same best step time, return only plans that fit, best
+first, and never touch sympy per candidate.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import sympy
 from autopar.cost import Cluster, ModelSpec, estimate
 from autopar.errors import AutoparError
 from autopar.plan import Plan
+from autopar.plan_space import candidates, decode, divisors, model_facts
 from autopar.planning.search import enumerate_plans, search
 
 SPEC = ModelSpec(name="small", num_layers=4, hidden=256, num_heads=8, num_kv_heads=4, ffn=512, vocab=512)
@@ -27,27 +30,13 @@ def cluster(mem_gib=None):
     return Cluster(gpu="cpu", num_nodes=1, gpus_per_node=4, **kw)
 
 
-def divisors(n):
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
 def brute_force(cl, **opts):
-    """Every valid plan of RESTRICT's space over 4 ranks, scored by estimate()."""
-    out = []
-    for tp, cp, pp in itertools.product(divisors(4), repeat=3):
-        if 4 % (tp * cp * pp):
-            continue
-        dp = 4 // (tp * cp * pp)
-        for sp_on, variant, sched, mb, zero, rec in itertools.product(
-                (False, True), ("ring", "ulysses"), ("1f1b", "zbv"), divisors(GB // dp), (0, 1), ("none", "full")):
-            try:
-                plan = Plan(tp=tp, sp=sp_on, cp=cp, cp_variant=variant if cp > 1 else "ring", pp=pp,
-                            schedule=sched if pp > 1 else "1f1b", dp=dp, mb=mb, zero=zero, recompute=rec)
-                cost = estimate(SPEC, cl, plan, SEQ, GB, **opts)
-            except AutoparError:
-                continue
-            out.append((str(plan), cost))
-    return {p: c for p, c in out}  # duplicates (e.g. zero on dp*cp == 1) collapse
+    """Every plan the runtime runs of RESTRICT's space over 4 ranks, scored by estimate()."""
+    out = {}
+    for c in candidates(4, model_facts(SPEC), seq_len=SEQ, global_batch=GB, runnable_only=True, **RESTRICT):
+        plan = Plan(**decode(c))
+        out[str(plan)] = estimate(SPEC, cl, plan, SEQ, GB, **opts)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +71,7 @@ def test_nothing_fits_returns_empty():
 def test_space_covers_each_dimension():
     moe = ModelSpec(name="small-moe", num_layers=4, hidden=256, num_heads=8, num_kv_heads=8, ffn=512,
                     vocab=512, num_experts=4, top_k=2)
-    cands = enumerate_plans(moe, 16, SEQ, 16)
+    cands = enumerate_plans(moe, 16, SEQ, 16, runnable=False)
     for key in ("tp", "dp", "cp", "pp", "ep", "vpp", "m", "zero", "recompute", "schedule", "cp_variant", "sp"):
         assert len(set(cands[key].tolist())) > 1, key
     # Every factorisation of 16 into pp*dp*cp*tp with tp | 8 heads appears.

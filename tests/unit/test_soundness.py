@@ -27,7 +27,7 @@ from autopar.passes.gradient_placement import GRAD_PLACEMENT_KEY, gradient_place
 from autopar.passes.rules import R, RuleContext, is_loss_share
 from autopar.passes.shard_propagation import propagate
 from autopar.runtime import compile_program
-from tests.models import MODELS, make_batch
+from tests.support.models import MODELS, make_batch
 
 aten = torch.ops.aten
 

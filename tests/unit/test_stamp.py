@@ -16,7 +16,7 @@ import torch.utils._pytree as pytree
 
 from autopar.frontend.stamp import layer_kinds, plan_stamping
 from autopar.frontend.trace import trace_model
-from tests.models import hf_llama, hf_loss, lm_loss
+from tests.support.models import hf_llama, hf_loss, lm_loss
 
 _LIFTED = re.compile(r"lifted_tensor_\d+")
 

@@ -1,4 +1,4 @@
-"""The suite's trace cache (tests/trace_cache.py): a hit is the program a fresh export gives.
+"""The suite's trace cache (tests/support/trace_cache.py): a hit is the program a fresh export gives.
 
 A hit must be the same graph bound to the new model's own tensors (so values, aliasing and
 "the user's model is never mutated" are tested as without the cache), and anything the
@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from tests import trace_cache
-from tests.jobs import BATCH, SEQ, VOCAB, build
-from tests.reference import make_batches
+from tests.support import trace_cache
+from tests.support.jobs import BATCH, SEQ, VOCAB, build
+from tests.support.reference import make_batches
 
 
 def _trace(model, kwargs, loss_fn, ids, fresh=False):
@@ -60,7 +60,7 @@ def test_what_the_export_sees_changes_the_key():
 def test_a_module_held_as_a_plain_attribute_is_keyed_by_its_contents():
     """transformers >= 5.25 gives each attention its own wrapper module in a plain dict
     attribute: two builds of one model share a key, a wrapper's attribute changes it."""
-    from tests.models import hf_llama
+    from tests.support.models import hf_llama
 
     first, second = hf_llama(num_hidden_layers=2), hf_llama(num_hidden_layers=2, seed=3)
     wrapper = torch.nn.Module()
@@ -74,7 +74,7 @@ def test_a_module_held_as_a_plain_attribute_is_keyed_by_its_contents():
 def test_the_attention_implementation_changes_the_key():
     """transformers' ``config.to_dict()`` leaves ``_attn_implementation`` out; eager and SDPA
     attention trace to different graphs, so the key holds it."""
-    from tests.models import hf_llama
+    from tests.support.models import hf_llama
 
     sdpa, eager = hf_llama(), hf_llama(attn_implementation="eager")
     assert eager.config._attn_implementation == "eager" and sdpa.config._attn_implementation == "sdpa"

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from autopar.runtime.flat_layout import FlatLayout
-from tests.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
-from tests.jobs import build
-from tests.zero_jobs import SEQ, VOCAB
+from tests.support.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
+from tests.support.jobs import build
+from tests.support.zero_jobs import SEQ, VOCAB
 
 
 @functools.lru_cache(maxsize=None)

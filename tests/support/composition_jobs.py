@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from tests.jobs import _parallelize
+from tests.support.jobs import _parallelize
 
 __all__ = ["plans_job"]
 

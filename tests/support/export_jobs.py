@@ -1,4 +1,4 @@
-"""Per-rank jobs for tests/dist/test_export.py (run on every rank by tests/harness.py).
+"""Per-rank jobs for tests/dist/test_export.py (run on every rank by tests/support/harness.py).
 
 Not a test module.  :func:`export_job` trains one step under a plan (so the weights are no
 longer the initial ones), exports them with ``pm.export_weights`` and returns the full
@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from tests.harness import OPTIMIZERS, make_batches
-from tests.jobs import BATCH, SEQ, VOCAB, _parallelize, build
+from tests.support.harness import OPTIMIZERS, make_batches
+from tests.support.jobs import BATCH, SEQ, VOCAB, _parallelize, build
 
 __all__ = ["export_job", "meta_export_cases_job", "SHARD_SIZE"]
 

@@ -1,4 +1,4 @@
-"""Per-rank jobs for the dropout tests (run on every rank by tests/harness.py).
+"""Per-rank jobs for the dropout tests (run on every rank by tests/support/harness.py).
 
 Not a test module.  :func:`mask_job` trains the example decoder with dropout for a few
 steps under a plan and returns, per rank, which elements every dropout of the program
@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.ops import random as RNG
-from tests.harness import OPTIMIZERS, make_batches
-from tests.jobs import BATCH, SEQ, VOCAB, build
+from autopar.ops import rng
+from tests.support.harness import OPTIMIZERS, make_batches
+from tests.support.jobs import BATCH, SEQ, VOCAB, build
 
 __all__ = ["mask_job", "seed_job", "DROPOUT"]
 
@@ -27,7 +27,7 @@ DROPOUT = {"hidden_dropout": 0.3, "attention_dropout": 0.3, "mlp_dropout": 0.3}
 
 def _recording(name: str, log: dict):
     def dropout(x, *args, **kwargs):
-        y = RNG.dropout(x, *args, **kwargs)
+        y = rng.dropout(x, *args, **kwargs)
         log.setdefault(name, []).append((y == 0).detach().cpu())
         return y
 
@@ -42,7 +42,7 @@ def mask_job(plan: str, overrides: dict, steps: int = 2):
     masks: dict[str, list[torch.Tensor]] = {}
     streams: dict[str, str] = {}
     for node in pm.gm.graph.nodes:
-        if node.op == "call_function" and node.target is RNG.dropout:
+        if node.op == "call_function" and node.target is rng.dropout:
             streams[node.name] = node.args[3]
             node.target = _recording(node.name, masks)
     pm.gm.recompile()
@@ -66,4 +66,4 @@ def mask_job(plan: str, overrides: dict, steps: int = 2):
 def seed_job() -> int:
     """The base seed the ranks agree on when each process was seeded differently."""
     torch.manual_seed(100 + dist.get_rank())
-    return RNG.common_seed()
+    return rng.common_seed()

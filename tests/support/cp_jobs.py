@@ -1,6 +1,6 @@
-"""Per-rank jobs for the context-parallel tests (run on every rank by tests/harness.py).
+"""Per-rank jobs for the context-parallel tests (run on every rank by tests/support/harness.py).
 
-Not a test module.  Training and byte jobs reuse :func:`tests.jobs.train_job`; this module
+Not a test module.  Training and byte jobs reuse :func:`tests.support.jobs.train_job`; this module
 adds the jobs that look inside the CP attention: how many score blocks a rank computes,
 and the error a plan that cannot work raises at run time.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import autopar
 from autopar.ops import cp_attention
-from tests.harness import OPTIMIZERS, make_batches
-from tests.jobs import BATCH, VOCAB, build
+from tests.support.harness import OPTIMIZERS, make_batches
+from tests.support.jobs import BATCH, VOCAB, build
 
 __all__ = ["blocks_job", "bad_sequence_job"]
 

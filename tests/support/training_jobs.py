@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from tests.harness import OPTIMIZERS, make_batches
-from tests.jobs import BATCH, SEQ, VOCAB, build
+from tests.support.harness import OPTIMIZERS, make_batches
+from tests.support.jobs import BATCH, SEQ, VOCAB, build
 
 __all__ = ["recipe_job", "reference_recipe", "schedule_factor", "freed_job", "STEPS"]
 

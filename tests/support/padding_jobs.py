@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from tests.harness import OPTIMIZERS, make_batches
-from tests.jobs import SEQ, VOCAB, build
+from tests.support.harness import OPTIMIZERS, make_batches
+from tests.support.jobs import SEQ, VOCAB, build
 
 __all__ = ["padded_batches", "padded_plans_job", "STEPS", "IGNORE"]
 

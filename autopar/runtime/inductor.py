@@ -1,6 +1,6 @@
 """``parallelize(..., compile=...)``: ``torch.compile`` of each rank's program.
 
-:func:`compile_options` checks the user's argument; :func:`compiled_program` returns what the
+:func:`torch_compile_options` checks the user's argument; :func:`torch_compiled_program` returns what the
 flat executor (:mod:`autopar.runtime.executors`) calls instead of the rewritten graph.
 
 What is compiled, and what is not:
@@ -28,7 +28,7 @@ the state dict read the original; in-place updates (the optimizer, checkpoint lo
 eager program; Inductor fuses them and agrees within floating-point reassociation
 (tests/unit/test_compile.py, tests/dist/test_compile.py).
 
-Refused with ``compile`` (:func:`compile_options`, before tracing): activation recompute (its
+Refused with ``compile`` (:func:`torch_compile_options`, before tracing): activation recompute (its
 regions are checkpoints with autopar's own context, which TorchDynamo cannot trace) and
 pipeline parallelism (torch's stages run the split input/weight backward of zero-bubble
 schedules through ``torch.autograd.grad`` on parts of a chunk's graph, which one compiled
@@ -46,14 +46,14 @@ from autopar.compat import never_traced
 from autopar.errors import AutoparError
 from autopar.ops.regather import SavedGathers
 from autopar.runtime.memory import MemoryMeter
-from autopar.runtime.zero import ZeroSync
+from autopar.runtime.zero_params import ShardedParameters
 
-__all__ = ["compile_options", "compiled_program"]
+__all__ = ["torch_compile_options", "torch_compiled_program"]
 
 _ALLOWED = frozenset(inspect.signature(torch.compile).parameters) - {"model"}
 
 
-def compile_options(value: Any, plan=None) -> dict | None:
+def torch_compile_options(value: Any, plan=None) -> dict | None:
     """None for ``compile=False``; else the keyword arguments for ``torch.compile`` (``plan``:
     refused under pp; None: not known yet)."""
     if value is None or value is False:
@@ -88,9 +88,9 @@ def _inserted(node: torch.fx.Node) -> bool:
     return node.op == "call_function" and (getattr(node.target, "__module__", None) or "").startswith("autopar.")
 
 
-def compiled_program(gm: torch.fx.GraphModule, options: dict) -> Callable:
+def torch_compiled_program(gm: torch.fx.GraphModule, options: dict) -> Callable:
     """``torch.compile`` of a copy of ``gm`` whose autopar calls run eagerly (module docstring)."""
-    for hook in (MemoryMeter._pack, ZeroSync._pack, SavedGathers.pack):  # run inside compiled forwards
+    for hook in (MemoryMeter._pack, ShardedParameters._pack, SavedGathers.pack):  # run inside compiled forwards
         never_traced(hook)
     graph = copy.deepcopy(gm.graph)  # FX copies node by node, metadata shallowly (fake values shared)
     disabled: dict[Callable, Callable] = {}

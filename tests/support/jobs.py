@@ -1,4 +1,4 @@
-"""Per-rank jobs for the multi-rank tests (run on every rank by tests/harness.py).
+"""Per-rank jobs for the multi-rank tests (run on every rank by tests/support/harness.py).
 
 Not a test module: each function here builds a model on every rank from the same seed,
 compiles it with ``autopar.parallelize`` for a plan, trains on the harness's batches and
@@ -12,11 +12,12 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from tests.harness import OPTIMIZERS, make_batches, reference_train
-from tests.models import MODELS
+from tests.support.harness import OPTIMIZERS, make_batches, reference_train
+from tests.support.models import MODELS
+from tests.support.reference import state_differences
 
-__all__ = ["build", "reference", "train_job", "train_cases_job", "compile_cases_job", "roundtrip_job", "load_original_job", "untouched_job", "auto_job",
-           "BATCH", "SEQ", "VOCAB"]
+__all__ = ["build", "reference", "fresh_program", "load_problems", "train_job", "train_cases_job", "compile_cases_job",
+           "roundtrip_job", "load_original_job", "untouched_job", "auto_job", "BATCH", "SEQ", "VOCAB"]
 
 BATCH, SEQ, VOCAB = 4, 16, 128
 
@@ -42,6 +43,29 @@ def _parallelize(model_name: str, plan: str, opt_name: str, overrides: dict, see
     pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
                              loss_fn=loss_fn, optimizer=OPTIMIZERS[opt_name], **options)
     return pm, batches
+
+
+def fresh_program(model_name: str, plan: str, opt_name: str, overrides: dict, batch: int = BATCH, **options):
+    """``model_name`` compiled for ``plan`` from weights that no trained state holds: seed 5, then 1 added
+    to every parameter (the norms' weights too, which every seed starts at 1)."""
+    model, loss_fn, kwargs = build(model_name, overrides, seed=5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    (inputs, _), = make_batches(VOCAB, batch, SEQ, 1, seed=1)
+    return autopar.parallelize(model, inputs, example_kwargs=kwargs, plan=plan, loss_fn=loss_fn,
+                               optimizer=OPTIMIZERS[opt_name], **options)
+
+
+def load_problems(saved: dict, program) -> list[str]:
+    """``program.load_state_dict(saved)`` into a program that holds other weights (:func:`fresh_program`):
+    what of its ``state_dict()`` then differs from ``saved`` bit for bit (names, max |diff|:
+    :func:`~tests.support.reference.state_differences`); empty when the load is exact.  A program that
+    already held ``saved`` is reported too: a load that does nothing would pass there."""
+    if not state_differences(saved, program.state_dict()):
+        return ["the program already held the saved state before loading: a load that does nothing would pass"]
+    program.load_state_dict(saved)
+    return [f"after load_state_dict: {line}" for line in state_differences(saved, program.state_dict())]
 
 
 def train_job(model_name: str, plan: str, opt_name: str, overrides: dict, steps: int = 3):
@@ -81,14 +105,19 @@ def compile_cases_job(cases: list, opt_name: str, backend: str, steps: int = 3):
     return out
 
 
-def roundtrip_job(model_name: str, plan: str, overrides: dict):
-    """load_state_dict(state_dict()) is exact, after a training step has changed the weights."""
+def roundtrip_job(model_name: str, plan: str, overrides: dict) -> list[str]:
+    """``state_dict()`` after a training step, loaded into a program of other weights (:func:`load_problems`):
+    what differs afterwards, and whether the loaded program's loss on the next batch is the trained
+    program's (the program computes with what was loaded).  Lines naming each difference; empty when none."""
     pm, batches = _parallelize(model_name, plan, "adamw", overrides)
     pm.train_step(*batches[0])
-    before = pm.state_dict()
-    pm.load_state_dict(before)
-    after = pm.state_dict()
-    return all(torch.equal(before[k], after[k]) for k in before) and before.keys() == after.keys()
+    saved = {k: v.detach().clone() for k, v in pm.state_dict().items()}
+    loaded = fresh_program(model_name, plan, "adamw", overrides)
+    problems = load_problems(saved, loaded)
+    want, got = pm.eval_step(*batches[1]), loaded.eval_step(*batches[1])
+    if got != want:
+        problems.append(f"loss on the next batch: the loaded program {got!r}, the trained one {want!r}")
+    return problems
 
 
 def load_original_job(model_name: str, plan: str, overrides: dict):
@@ -99,8 +128,9 @@ def load_original_job(model_name: str, plan: str, overrides: dict):
     return pm.train_step(*batches[0])
 
 
-def untouched_job(model_name: str, plan: str, overrides: dict):
-    """parallelize + training leave the user's model exactly as it was (values and .grad)."""
+def untouched_job(model_name: str, plan: str, overrides: dict) -> list[str]:
+    """parallelize + training leave the user's model exactly as it was (values and .grad): what changed,
+    as lines (empty when nothing did)."""
     model, loss_fn, kwargs = build(model_name, overrides)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     batches = make_batches(VOCAB, BATCH, SEQ, 2, seed=1)
@@ -108,9 +138,11 @@ def untouched_job(model_name: str, plan: str, overrides: dict):
                              loss_fn=loss_fn, optimizer=OPTIMIZERS["sgd"])
     for inputs, target in batches:
         pm.train_step(inputs, target)
-    same = all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    no_grads = all(p.grad is None for p in model.parameters())
-    return same and no_grads and before.keys() == model.state_dict().keys()
+    problems = state_differences(before, model.state_dict())
+    with_grads = [n for n, p in model.named_parameters() if p.grad is not None]
+    if with_grads:
+        problems.append(f"parameters of the user's model with a .grad ({len(with_grads)}): {', '.join(with_grads)}")
+    return problems
 
 
 def auto_job(model_name: str):

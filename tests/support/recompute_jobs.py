@@ -1,4 +1,4 @@
-"""Per-rank jobs for the activation-recompute tests (run on every rank by tests/harness.py).
+"""Per-rank jobs for the activation-recompute tests (run on every rank by tests/support/harness.py).
 
 Not a test module.  :func:`recompute_plans_job` trains several plans of one model in one job
 (one gloo start-up for all of them) and returns, per plan, the losses, the full state dict
@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from tests.harness import OPTIMIZERS, make_batches
-from tests.jobs import SEQ, VOCAB, build
+from tests.support.harness import OPTIMIZERS, make_batches
+from tests.support.jobs import SEQ, VOCAB, build
 
 __all__ = ["recompute_plans_job", "BATCH"]
 

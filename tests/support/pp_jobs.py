@@ -1,6 +1,6 @@
-"""Per-rank jobs for the pipeline-parallel tests (run on every rank by tests/harness.py).
+"""Per-rank jobs for the pipeline-parallel tests (run on every rank by tests/support/harness.py).
 
-Not a test module.  :func:`pp_train_job` is ``tests/jobs.py``'s ``train_job`` with a
+Not a test module.  :func:`pp_train_job` is ``tests/support/jobs.py``'s ``train_job`` with a
 user-given pipeline split; it also returns every rank's own state dict, so a test can check
 that each rank (not only rank 0) returns the full state dict.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 import autopar
-from tests.harness import OPTIMIZERS, make_batches
-from tests.jobs import BATCH, SEQ, VOCAB, build
+from tests.support.harness import OPTIMIZERS, make_batches
+from tests.support.jobs import BATCH, SEQ, VOCAB, build
 
 __all__ = ["pp_train_job", "pp_load_job"]
 

@@ -11,8 +11,8 @@ import collections
 import pytest
 
 import autopar
-from tests.harness import make_batches
-from tests.jobs import SEQ, VOCAB, build
+from tests.support.harness import make_batches
+from tests.support.jobs import SEQ, VOCAB, build
 
 __all__ = ["measured_by_kind", "predicted_by_kind", "assert_comm_equal", "predicted_cost"]
 

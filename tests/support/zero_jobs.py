@@ -1,16 +1,15 @@
-"""Per-rank jobs for the ZeRO and checkpoint tests (run on every rank by tests/harness.py).
+"""Per-rank jobs for the ZeRO and checkpoint tests (run on every rank by tests/support/harness.py).
 
-Not a test module.  Like ``tests/jobs.py`` but with the global batch size as a parameter
+Not a test module.  Like ``tests/support/jobs.py`` but with the global batch size as a parameter
 (``dp=2,mb=4`` needs a batch of 8) and with probes of the sharded state that ZeRO keeps.
 """
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 import autopar
-from tests.harness import OPTIMIZERS, make_batches
-from tests.jobs import SEQ, VOCAB, build
+from tests.support.harness import OPTIMIZERS, make_batches
+from tests.support.jobs import SEQ, VOCAB, build, fresh_program, load_problems
 
 __all__ = ["zero_train_job", "zero_state_job", "outside_step_job", "memory_job", "SEQ", "VOCAB"]
 
@@ -35,19 +34,18 @@ def zero_train_job(model_name: str, plan: str, opt_name: str, overrides: dict, b
 
 def zero_state_job(model_name: str, plan: str):
     """What one rank holds after a step: optimizer-state and shard sizes, module parameter sizes,
-    and whether ``load_state_dict(state_dict())`` is exact."""
+    and what differs after its ``state_dict()`` is loaded into a program of other weights
+    (:func:`~tests.support.jobs.load_problems`; empty when the load is exact)."""
     pm, batches = _parallelize(model_name, plan, "adamw", {}, 4)
     pm.train_step(*batches[0])
     opt_params = [p for group in pm.optimizer.param_groups for p in group["params"]]
     state_numel = sum(t.numel() for p in opt_params for k, t in pm.optimizer.state[p].items() if k != "step")
     module_numel = sum(p.numel() for p in pm.gm.parameters())
-    before = pm.state_dict()
-    pm.load_state_dict(before)
-    after = pm.state_dict()
-    exact = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    saved = {k: v.detach().clone() for k, v in pm.state_dict().items()}
+    load = load_problems(saved, fresh_program(model_name, plan, "adamw", {}, batch=4))
     loss = pm.train_step(*batches[1])
     return {"opt_numel": sum(p.numel() for p in opt_params), "state_numel": state_numel,
-            "module_numel": module_numel, "exact": exact, "loss": loss}
+            "module_numel": module_numel, "load": load, "loss": loss}
 
 def outside_step_job(model_name: str):
     """Calling a ZeRO-3 program directly (outside train_step) fails with an autopar error."""

@@ -1,4 +1,4 @@
-"""Per-rank jobs for tests/dist/test_pretrained.py (run on every rank by tests/harness.py).
+"""Per-rank jobs for tests/dist/test_pretrained.py (run on every rank by tests/support/harness.py).
 
 Not a test module.  :func:`meta_cases_job` builds each case's model on the meta device, gives it
 values (``pm.load_pretrained`` of a ``save_pretrained`` directory, or ``init_weights`` after a
@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from tests.harness import OPTIMIZERS, make_batches
-from tests.jobs import BATCH, SEQ, VOCAB, build
+from tests.support.harness import OPTIMIZERS, make_batches
+from tests.support.jobs import BATCH, SEQ, VOCAB, build
 
 __all__ = ["meta_cases_job", "meta_checkpoint_job", "INIT_SEED"]
 

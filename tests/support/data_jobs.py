@@ -1,4 +1,4 @@
-"""Per-rank jobs for the local-batch tests (run on every rank by tests/harness.py).
+"""Per-rank jobs for the local-batch tests (run on every rank by tests/support/harness.py).
 
 Not a test module.  :func:`local_vs_global_job` trains the same model twice in one job,
 once on the global batches and once on this rank's part of them (``pm.batch_slice(...).take``
@@ -14,8 +14,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import autopar
 from autopar.runtime.data import DistributedBatchSampler
-from tests.harness import OPTIMIZERS, make_batches
-from tests.jobs import BATCH, SEQ, VOCAB, build
+from tests.support.harness import OPTIMIZERS, make_batches
+from tests.support.jobs import BATCH, SEQ, VOCAB, build
 
 __all__ = ["local_vs_global_job"]
 

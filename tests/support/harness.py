@@ -12,8 +12,8 @@ program) fails: each live group keeps gloo loop threads that would slow every la
 
 The single-process side of the equivalence tests (:func:`reference_train`,
 :func:`assert_equivalent`, :func:`make_batches`, :data:`OPTIMIZERS`,
-:func:`next_token_loss`) lives in ``tests/reference.py`` and is re-exported here, so
-``from tests.harness import make_batches`` keeps working.  The harness's own tests live
+:func:`next_token_loss`) lives in ``tests/support/reference.py`` and is re-exported here, so
+``from tests.support.harness import make_batches`` keeps working.  The harness's own tests live
 in ``tests/dist/test_harness.py``.
 """
 from __future__ import annotations
@@ -55,13 +55,8 @@ __all__ = [
     "JOB_SEED",
 ]
 
-# pytest imports this file as `harness` (tests/ on sys.path) while jobs import it as
-# `tests.harness`; one module object under both names keeps a single pool registry.
-for _alias in ("harness", "tests.harness"):
-    sys.modules.setdefault(_alias, sys.modules[__name__])
-
-# The reference side, re-exported (after the alias, so the names resolve under both).
-from tests.reference import (  # noqa: E402
+# The reference side, re-exported.
+from tests.support.reference import (  # noqa: E402
     OPTIMIZERS,
     _max_abs_diff,
     assert_equivalent,
@@ -70,7 +65,7 @@ from tests.reference import (  # noqa: E402
     reference_train,
 )
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = TESTS_DIR.parent
 DEFAULT_JOB_TIMEOUT = 300.0
 GLOO_TIMEOUT = 60.0
@@ -210,8 +205,8 @@ def _worker_main(rank: int, world_size: int, init_method: str, task_q, result_q)
 
         dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=GLOO_TIMEOUT))
-        from tests import trace_cache
-        trace_cache.install()  # each distinct model exported once per worker (tests/trace_cache.py)
+        from tests.support import trace_cache
+        trace_cache.install()  # each distinct model exported once per worker (tests/support/trace_cache.py)
         saved = _snapshot_globals()
     except BaseException:
         result_q.put(("fatal", -1, rank, traceback.format_exc()))

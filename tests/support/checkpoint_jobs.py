@@ -1,7 +1,7 @@
 """Per-rank jobs for tests/dist/test_checkpoint.py, and the child process its crash test kills.
 
 Not a test module.  ``reshard_job`` trains under one plan, saves, loads under another plan
-and keeps training; ``python tests/checkpoint_jobs.py PATH SIDE`` (single process, no
+and keeps training; ``python tests/support/checkpoint_jobs.py PATH SIDE`` (single process, no
 process group) saves a checkpoint, records its state in SIDE, then starts a second save
 that stops after the data are written (before the commit) so the test can kill it there.
 """
@@ -12,14 +12,15 @@ import time
 from pathlib import Path
 
 if __name__ == "__main__":  # run as a script by the crash test
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch
 import torch.distributed as dist
 
 import autopar
-from tests.harness import OPTIMIZERS, make_batches
-from tests.jobs import BATCH, SEQ, VOCAB, build
+from tests.support.harness import OPTIMIZERS, make_batches
+from tests.support.jobs import BATCH, SEQ, VOCAB, build
+from tests.support.reference import state_differences
 
 __all__ = ["reshard_job", "full_state", "BATCH", "SEQ", "VOCAB"]
 
@@ -51,12 +52,13 @@ def reshard_job(model_name: str, plan_a: str, plan_b: str, path: str, steps_befo
                 scheduled: bool = False, mixed_precision: str | None = None):
     """Train under ``plan_a``, save, load into a fresh module (other seed) under ``plan_b``, train on.
 
-    ``scheduled``: with tests/training_jobs.py's learning-rate schedule (saved and restored too);
+    ``scheduled``: with tests/support/training_jobs.py's learning-rate schedule (saved and restored too);
     ``mixed_precision``: passed to ``parallelize`` on both sides.
-    Returns the losses of all 3 steps, whether the full model+optimizer state after loading is
-    bit-identical to what was saved, and rank 0's final state dict.
+    Returns the losses of all 3 steps, what of the full model+optimizer state after loading differs
+    from what was saved, bit for bit (``differences``: lines naming the tensors, empty when the load
+    is exact), and rank 0's final state dict.
     """
-    from tests.training_jobs import SCHEDULER
+    from tests.support.training_jobs import SCHEDULER
 
     scheduler = SCHEDULER if scheduled else None
     pm, batches = _pm(model_name, plan_a, lr_scheduler=scheduler, mixed_precision=mixed_precision)
@@ -67,10 +69,10 @@ def reshard_job(model_name: str, plan_a: str, plan_b: str, path: str, steps_befo
     pm, _ = _pm(model_name, plan_b, seed=7, lr_scheduler=scheduler, mixed_precision=mixed_precision)
     pm.load(path)
     loaded = full_state(pm)
-    exact = saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    differences = state_differences(saved, loaded)
     losses += [pm.train_step(*b) for b in batches[steps_before:]]
     state = pm.state_dict()
-    return {"losses": losses, "exact": exact, "num_optim": sum(k.startswith("optim.") for k in saved),
+    return {"losses": losses, "differences": differences, "num_optim": sum(k.startswith("optim.") for k in saved),
             "state": {k: v.clone() for k, v in state.items()} if dist.get_rank() == 0 else None}
 
 

@@ -37,7 +37,7 @@ __all__ = [
     "MODELS",
 ]
 
-_EXAMPLE_PATH = Path(__file__).resolve().parent.parent / "examples" / "model.py"
+_EXAMPLE_PATH = Path(__file__).resolve().parents[2] / "examples" / "model.py"
 _EXAMPLE_NAME = "autopar_examples_model"
 
 

@@ -6,7 +6,7 @@ uses), :func:`make_batches` and :data:`OPTIMIZERS` give both sides identical inp
 :func:`next_token_loss` is the loss they share.  The bounds (``LOSS_ATOL``, ``PARAM_ATOL``)
 are defined once, in autopar/verification/compare.py, by which ``autopar verify`` judges
 too.  Nothing here starts a process or a process group; the multi-rank worker pool is
-``tests/harness.py``, which re-exports these names so ``from tests.harness import
+``tests/support/harness.py``, which re-exports these names so ``from tests.support.harness import
 make_batches`` keeps working.
 """
 from __future__ import annotations
@@ -27,6 +27,8 @@ __all__ = [
     "make_batches",
     "reference_train",
     "assert_equivalent",
+    "state_differences",
+    "assert_no_differences",
 ]
 
 OPTIMIZERS: dict[str, Callable] = {
@@ -99,15 +101,29 @@ def assert_equivalent(ref: tuple[list[float], dict], got: tuple[list[float], dic
         problems.append(f"losses differ beyond {loss_atol:g} at {len(bad_steps)} step(s):\n    "
                         + "\n    ".join(bad_steps))
 
+    problems += state_differences(ref_state, got_state, atol=param_atol, num_worst=num_worst)
+    if problems:
+        raise AssertionError("results are not equivalent:\n  " + "\n  ".join(problems))
+
+
+def state_differences(ref_state: dict, got_state: dict, *, atol: float = 0.0, num_worst: int = 5) -> list[str]:
+    """What differs between two state dicts, one line per kind of difference; empty when none does.
+
+    Keys missing or unexpected (named), shapes and dtypes, and the tensors whose max absolute
+    difference exceeds ``atol`` (``0.0``: bit for bit; integer tensors must be equal), the
+    ``num_worst`` largest named with their difference.  Lines are plain strings, so a job can
+    return them from its ranks.
+    """
+    problems: list[str] = []
     missing = sorted(set(ref_state) - set(got_state))
     extra = sorted(set(got_state) - set(ref_state))
     if missing:
         problems.append(f"missing keys ({len(missing)}): {', '.join(missing)}")
     if extra:
         problems.append(f"unexpected keys ({len(extra)}): {', '.join(extra)}")
-
     diffs: list[tuple[float, str]] = []
-    for key in sorted(set(ref_state) & set(got_state)):
+    common = sorted(set(ref_state) & set(got_state))
+    for key in common:
         a = ref_state[key].detach().cpu()
         b = got_state[key].detach().cpu()
         if a.shape != b.shape:
@@ -116,13 +132,18 @@ def assert_equivalent(ref: tuple[list[float], dict], got: tuple[list[float], dic
             problems.append(f"dtype of {key}: reference {a.dtype}, got {b.dtype}")
         else:
             diff = _max_abs_diff(a, b)
-            if not (diff <= param_atol):
+            if not (diff <= atol):  # written so NaN differs
                 diffs.append((diff, key))
     if diffs:
         diffs.sort(key=lambda d: (-d[0], d[1]))
         worst = "\n    ".join(f"{key}: max |diff| {d:.3g}" for d, key in diffs[:num_worst])
         more = f"\n    ... and {len(diffs) - num_worst} more" if len(diffs) > num_worst else ""
-        problems.append(f"{len(diffs)} of {len(set(ref_state) & set(got_state))} tensors differ "
-                        f"beyond {param_atol:g}; worst:\n    {worst}{more}")
-    if problems:
-        raise AssertionError("results are not equivalent:\n  " + "\n  ".join(problems))
+        problems.append(f"{len(diffs)} of {len(common)} tensors differ beyond {atol:g}; worst:\n    {worst}{more}")
+    return problems
+
+
+def assert_no_differences(per_rank: list[list[str]]) -> None:
+    """Every rank's report of what differed (a job's list of lines, e.g. from
+    :func:`state_differences`) is empty; else fail with the lines, rank by rank."""
+    bad = [f"rank {rank}:\n  " + "\n  ".join(lines) for rank, lines in enumerate(per_rank) if lines]
+    assert not bad, "\n".join(bad)

@@ -1,0 +1,174 @@
+"""State dicts and checkpoint state of a :class:`autopar.runtime.module.ParallelModule`.
+
+Two forms, both under the original model's names and plan-independent:
+
+* :func:`state_dict` / :func:`load_state_dict`: full, unsharded tensors on every rank (the
+  pp rank owning a tensor broadcasts it), as ``model.state_dict()`` would give them;
+* :func:`checkpoint_state` / :func:`checkpoint_wants` / :func:`load_checkpoint_state`: what
+  this rank holds, as full tensors on the CPU, with the optimizer state per parameter and the
+  learning-rate scheduler, under the entry names ``model.<name>``, ``optim.<name>.<key>`` and
+  ``sched.state`` (:data:`MODEL_PREFIX`, :data:`OPTIM_PREFIX`, :data:`SCHEDULER_KEY`);
+  :mod:`autopar.runtime.checkpoint` does the I/O.
+
+A tensor's whole value is gathered over the axes that cut it (tp, ep:
+:func:`autopar.runtime.layout.gather_full`) from what the gradient-sync strategy holds
+(``grad_sync.full_parameters()``: whole over ``dp``, the fp32 master under mixed precision);
+loading cuts this rank's piece again (:func:`autopar.runtime.layout.shard_local`) and writes it
+back through the same strategy.  ``ParallelModule.state_dict``, ``load_state_dict``,
+``checkpoint_state``, ``checkpoint_wants`` and ``load_checkpoint_state`` call these functions.
+"""
+from __future__ import annotations
+
+import functools
+import pickle
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.errors import AutoparError
+from autopar.runtime.layout import gather_full, shard_local
+
+__all__ = ["state_dict", "load_state_dict", "checkpoint_state", "checkpoint_wants", "load_checkpoint_state",
+           "graph_to_original", "tensor_value", "get_attr", "MODEL_PREFIX", "OPTIM_PREFIX", "SCHEDULER_KEY"]
+
+# Entry names: ``model.<original name>``, ``optim.<original name>.<state key>``, and the
+# learning-rate scheduler's pickled state dict as one uint8 tensor.
+MODEL_PREFIX, OPTIM_PREFIX, SCHEDULER_KEY = "model.", "optim.", "sched.state"
+
+
+def get_attr(root: nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer at dotted path ``name`` of ``root``."""
+    return functools.reduce(getattr, name.split("."), root)
+
+
+def graph_to_original(pm) -> dict[str, str]:
+    """Graph parameter or buffer name -> its first original state-dict key."""
+    out: dict[str, str] = {}
+    for orig, name in pm._aliases.items():
+        out.setdefault(name, orig)
+    return out
+
+
+def tensor_value(pm, values: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """The tensor holding graph parameter or buffer ``name`` (``values``: from ``full_parameters``)."""
+    return values[name] if name in values else get_attr(pm.gm, name)
+
+
+def _full(pm, name: str, local: torch.Tensor) -> torch.Tensor:
+    """The full tensor of graph parameter ``name`` from this rank's piece of it (collective over tp/ep)."""
+    shards = pm.program.param_shards.get(name, {})
+    if not shards or local.dim() == 0:
+        return local.clone()
+    return gather_full(local.contiguous(), shards, pm.groups, pm.coords(), pm._full_meta[name][0]).clone()
+
+
+def _local(pm, name: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of graph parameter ``name`` cut from the full tensor."""
+    if full.dim() == 0:
+        return full.clone()
+    return shard_local(full, pm.program.param_shards.get(name, {}), pm.coords()).to(pm.device)
+
+
+# --- full state dicts ---------------------------------------------------------------------
+
+def state_dict(pm) -> dict[str, torch.Tensor]:
+    """Full, unsharded tensors under the original model's names (identical on every rank)."""
+    out = {}
+    with pm.grad_sync.full_parameters() as values:
+        for orig, name in pm._aliases.items():
+            owner = pm.executor.owner(name)
+            if pm.holds(name):
+                full = _full(pm, name, tensor_value(pm, values, name).detach()).to(pm._orig_dtypes[orig])
+            else:
+                full = torch.empty(pm._full_meta[name][0], dtype=pm._orig_dtypes[orig], device=pm.device)
+            if owner is not None and "pp" in pm.groups and pm.groups["pp"].size > 1:  # owner broadcasts
+                dist.broadcast(full, group=pm.groups["pp"].group, group_src=owner)
+            out[orig] = full
+    return out
+
+
+def _check_keys(pm, keys, needed) -> None:
+    missing = sorted(set(needed) - set(keys))
+    unexpected = sorted(set(keys) - set(pm._aliases))
+    if missing or unexpected:
+        raise AutoparError(f"autopar: state dict does not match the model: missing keys {missing[:5]}"
+                           f"{'...' if len(missing) > 5 else ''}, unexpected keys {unexpected[:5]}"
+                           f"{'...' if len(unexpected) > 5 else ''}; expected the original model's keys.")
+
+
+def load_state_dict(pm, state_dict: dict[str, torch.Tensor]) -> None:
+    """Load full tensors (from ``state_dict()`` of any plan, or of the original model)."""
+    _check_keys(pm, state_dict, pm._aliases)
+    _load_model_entries(pm, state_dict)
+
+
+def _load_model_entries(pm, state_dict: dict[str, torch.Tensor]) -> None:
+    """This rank's pieces of the full tensors ``state_dict`` (original names) written into ``pm``."""
+    with torch.no_grad(), pm.grad_sync.full_parameters(write_back=True) as values:
+        for orig, name in pm._aliases.items():
+            if not pm.holds(name):
+                continue
+            target = tensor_value(pm, values, name)
+            local = shard_local(state_dict[orig], pm.program.param_shards.get(name, {}), pm.coords())
+            if local.shape != target.shape:
+                raise AutoparError(f"autopar: state dict entry '{orig}' has shape {tuple(state_dict[orig].shape)}; "
+                                   f"expected the full shape of the original parameter.")
+            target.copy_(local)
+            pm._unset.discard(name)
+
+
+# --- checkpoint state (autopar/runtime/checkpoint.py does the I/O) -----------------------
+
+def checkpoint_state(pm) -> dict[str, torch.Tensor]:
+    """What this rank holds, as full tensors on the CPU under plan-independent keys:
+    ``model.<name>`` for parameters and buffers, ``optim.<name>.<key>`` for optimizer state,
+    ``sched.state`` for the learning-rate scheduler (collective: call on every rank)."""
+    state = {}
+    with pm.grad_sync.full_parameters() as values:
+        for orig, name in pm._aliases.items():
+            if pm.holds(name):
+                full = _full(pm, name, tensor_value(pm, values, name).detach())
+                state[MODEL_PREFIX + orig] = full.to(pm._orig_dtypes[orig]).cpu()
+    to_orig = graph_to_original(pm)
+    for name, entries in sorted(pm.grad_sync.optimizer_state().items()):
+        for key, value in sorted(entries.items()):
+            value = value if torch.is_tensor(value) else torch.tensor(value)
+            state[f"{OPTIM_PREFIX}{to_orig[name]}.{key}"] = _full(pm, name, value.detach()).cpu()
+    if pm.lr_scheduler is not None:  # the same on every rank; stored as its pickled state dict
+        blob = pickle.dumps(pm.lr_scheduler.state_dict())
+        state[SCHEDULER_KEY] = torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
+    return state
+
+
+def checkpoint_wants(pm, key: str) -> bool:
+    """Whether this rank loads checkpoint entry ``key`` (its own parameters' entries)."""
+    if key == SCHEDULER_KEY:
+        return pm.lr_scheduler is not None
+    if key.startswith(MODEL_PREFIX):
+        name = pm._aliases.get(key[len(MODEL_PREFIX):])
+        return name is not None and pm.holds(name)
+    if key.startswith(OPTIM_PREFIX):
+        orig = key[len(OPTIM_PREFIX):].rpartition(".")[0]
+        name = pm._aliases.get(orig)
+        return name is not None and pm.holds(name)
+    return False
+
+
+def load_checkpoint_state(pm, state: dict[str, torch.Tensor]) -> None:
+    """Load what :func:`checkpoint_state` wrote (under any plan) into this rank (collective)."""
+    model = {k[len(MODEL_PREFIX):]: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
+    _check_keys(pm, model, [o for o, n in pm._aliases.items() if pm.holds(n)])
+    _load_model_entries(pm, model)
+    entries: dict[str, dict[str, torch.Tensor]] = {}
+    for name, orig in graph_to_original(pm).items():
+        prefix = f"{OPTIM_PREFIX}{orig}."
+        found = {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+        if found and pm.holds(name):
+            entries[name] = {key: _local(pm, name, v) for key, v in found.items()}
+    pm.grad_sync.load_optimizer_state(entries)
+    if pm.lr_scheduler is not None and SCHEDULER_KEY in state:
+        pm.lr_scheduler.load_state_dict(pickle.loads(state[SCHEDULER_KEY].numpy().tobytes()))
+        # The next step runs at the restored rate (a scheduler sets it only when it steps).
+        for group, lr in zip(pm.optimizer.param_groups, pm.lr_scheduler.get_last_lr()):
+            group["lr"] = lr

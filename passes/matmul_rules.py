@@ -1,0 +1,128 @@
+"""Sharding rules where activations meet weights: linear, addmm, mm, batched matmul, outer
+products, attention, and the embedding lookup.
+
+A column-parallel weight (sharded on its output features) shards the output's last dim; a
+row-parallel one (sharded on its input features, meeting an input sharded alike) leaves a
+partial sum, which the TP pass reduces right after.  Attention keeps its heads' shard.
+Registered in the one registry of ``passes/rules.py``.
+"""
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.fx import Node
+
+from .op_sets import SDPA_OPS
+from .rules import P, R, RuleContext, ndim_of, register, shape_of
+
+__all__ = ["linear_rule", "addmm_rule", "mm_rule", "batched_matmul_rule", "outer_rule", "sdpa_rule",
+           "embedding_rule"]
+
+aten = torch.ops.aten
+
+
+# --- matmuls --------------------------------------------------------------------------
+
+@register(aten.linear.default)
+def linear_rule(node: Node, pls: list, rc: RuleContext):
+    x, w = pls[0], pls[1]
+    b = pls[2] if len(pls) > 2 else R
+    nd = ndim_of(node)
+    if isinstance(w, Shard) and w.dim == 0 and isinstance(x, Replicate) and not isinstance(b, Partial):
+        if isinstance(b, Replicate) and len(pls) > 2:
+            raise rc.fail(node, "column-parallel weight with a replicated bias")
+        return Shard(nd - 1)
+    if isinstance(w, Shard) and w.dim == 1 and isinstance(x, Shard) and x.dim == nd - 1:
+        if len(pls) > 2:
+            raise rc.fail(node, "row-parallel linear still has its bias (the TP pass moves it after the reduction)")
+        return P
+    if isinstance(w, Replicate) and isinstance(b, Replicate):
+        if isinstance(x, Shard) and x.dim < nd - 1:
+            return x
+        if isinstance(x, (Replicate, Partial)):
+            return x
+    raise rc.fail(node, f"input {x}, weight {w}, bias {b} do not form a column- or row-parallel linear")
+
+
+@register(aten.addmm.default)
+def addmm_rule(node: Node, pls: list, rc: RuleContext):
+    b, x, w = pls
+    if isinstance(w, Shard) and w.dim == 1 and isinstance(x, Replicate) and isinstance(b, Shard):
+        return Shard(1)
+    if isinstance(w, Shard) and w.dim == 0 and isinstance(x, Shard) and x.dim == 1 and isinstance(b, Replicate):
+        raise rc.fail(node, "row-parallel addmm with a bias (the TP pass should have split the bias)")
+    if all(isinstance(p, Replicate) for p in (b, w)) and isinstance(x, Shard) and x.dim == 0:
+        return x
+    raise rc.fail(node, f"bias {b}, input {x}, weight {w} do not form a column- or row-parallel addmm")
+
+
+@register(aten.mm.default)
+def mm_rule(node: Node, pls: list, rc: RuleContext):
+    x, w = pls
+    if isinstance(x, Replicate) and isinstance(w, Shard) and w.dim == 1:
+        return Shard(1)
+    if isinstance(x, Shard) and x.dim == 1 and isinstance(w, Shard) and w.dim == 0:
+        return P
+    if isinstance(x, Shard) and x.dim == 0 and isinstance(w, Replicate):
+        return x
+    raise rc.fail(node, f"operands {x}, {w} do not form a parallel matmul")
+
+
+@register(aten.matmul.default, aten.bmm.default)
+def batched_matmul_rule(node: Node, pls: list, rc: RuleContext):
+    a, b = pls
+    nd = ndim_of(node)
+    if isinstance(a, Shard) and isinstance(b, Shard):
+        da, db = a.dim + nd - ndim_of(node.args[0]), b.dim + nd - ndim_of(node.args[1])
+        if da == db and da < nd - 2:
+            return Shard(da)
+    if isinstance(a, Shard) and isinstance(b, Replicate) and a.dim + nd - ndim_of(node.args[0]) < nd - 1:
+        return Shard(a.dim + nd - ndim_of(node.args[0]))
+    if isinstance(a, Replicate) and isinstance(b, Shard) and ndim_of(node.args[1]) >= 2 \
+            and b.dim == ndim_of(node.args[1]) - 1:  # columns of b: e.g. inv_freq @ positions (RoPE)
+        return Shard(nd - 1)
+    if isinstance(a, Shard) and isinstance(b, Shard) and not rc.local_sizes and ndim_of(node.args[1]) == 2 \
+            and a.dim == ndim_of(node.args[0]) - 1 and b.dim == 0:  # row-parallel ``x @ w.T``: partial sums
+        return P
+    raise rc.fail(node, f"operands {a}, {b} are not sharded on a common batch dim")
+
+
+@register(aten.outer.default)
+def outer_rule(node: Node, pls: list, rc: RuleContext):
+    """``outer(a, b)[i, j] = a[i] * b[j]``: a's shard is the rows, b's the columns (not both)."""
+    a, b = pls
+    if isinstance(a, Partial) or isinstance(b, Partial):
+        if isinstance(a, Replicate) or isinstance(b, Replicate):
+            return a if isinstance(a, Partial) else b
+        raise rc.fail(node, f"outer product of {a} and {b}")
+    if isinstance(a, Shard) and isinstance(b, Shard):
+        raise rc.fail(node, "outer product of two sharded vectors")
+    return Shard(0) if isinstance(a, Shard) else Shard(1) if isinstance(b, Shard) else R
+
+
+# --- attention and the embedding ------------------------------------------------------
+
+@register(*SDPA_OPS)
+def sdpa_rule(node: Node, pls: list, rc: RuleContext):
+    q, k, v = pls[:3]
+    nd = ndim_of(node)
+    heads = nd - 3
+    if all(isinstance(p, Shard) and p.dim == heads for p in (q, k, v)):
+        for mask, pl in zip(node.args[3:4], pls[3:4]):
+            if isinstance(pl, Replicate) and shape_of(mask)[heads - (nd - ndim_of(mask))] not in (1,):
+                raise rc.fail(node, "the attention mask has one entry per head; heads are sharded")
+        return Shard(heads)
+    if all(isinstance(p, Replicate) for p in pls):
+        return R
+    if all(isinstance(p, Shard) and p.dim == 0 for p in (q, k, v)):
+        return Shard(0)
+    raise rc.fail(node, f"q/k/v placements {q}, {k}, {v}; expected all sharded on the heads dim {heads}")
+
+
+@register(aten.embedding.default)
+def embedding_rule(node: Node, pls: list, rc: RuleContext):
+    w, ids = pls[:2]
+    if isinstance(w, Replicate) and not isinstance(ids, Partial):
+        return ids
+    raise rc.fail(node, f"embedding with weight {w} and indices {ids}",
+                  "The TP pass replaces vocabulary-sharded embeddings with vocab_parallel_embedding.")

@@ -1,0 +1,139 @@
+"""One rank of a full-size model compiled and stepped in one CPU process; its bytes against the cost model.
+
+:func:`simulate` builds a Llama-shaped ``transformers.LlamaForCausalLM`` at full width (a dense
+preset of ``autopar.ModelSpec``, or Mixtral for a preset with an MoE block in every layer) on the
+meta device, compiles it with ``autopar.parallelize`` as one rank of a *fake* process group of
+the plan's world size (every collective a no-op), steps it once and returns what
+:func:`measured_and_predicted` reads: the step's collectives per (phase, collective, axis) as the
+runtime recorded them and as the cost model's ``comm_table(stage)`` predicts them, and the
+rank's parameter bytes both ways.  :func:`compare` prints them side by side and says whether
+everything is equal.  MoE routing on meta is balanced (:func:`autopar.ops.moe.balanced_counts`).
+
+Its users: ``benchmarks/scale_simulation.py`` (the command line), tests/e2e/test_scale.py and
+tests/e2e/test_search_compiles.py.
+"""
+from __future__ import annotations
+
+import collections
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import autopar
+
+__all__ = ["simulate", "measured_and_predicted", "compare"]
+
+
+def _loss(out, target):
+    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
+
+
+def _spec(model: str, layers: int | None) -> "autopar.ModelSpec":
+    import dataclasses
+
+    spec = autopar.ModelSpec.preset(model)
+    if spec.is_moe and (spec.moe_layer_freq != 1 or spec.num_shared_experts or spec.first_dense_layers):
+        raise SystemExit(f"scale_simulation: {model} mixes dense and MoE layers (or has shared experts); only "
+                         "presets with an MoE block in every layer (mixtral-8x7b) are built here. Price it with "
+                         "autopar.estimate instead.")
+    return dataclasses.replace(spec, num_layers=layers) if layers else spec
+
+
+def _model(spec, seq: int):
+    """The preset as a transformers model on the current (meta) device: Llama, or Mixtral for MoE."""
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+    common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.num_layers,
+                  num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads or spec.num_heads,
+                  head_dim=spec.head_dim, max_position_embeddings=seq, tie_word_embeddings=spec.tied_embeddings,
+                  attn_implementation="sdpa")
+    if spec.is_moe:
+        return MixtralForCausalLM(MixtralConfig(intermediate_size=spec.moe_ffn or spec.ffn,
+                                                num_local_experts=spec.num_experts,
+                                                num_experts_per_tok=spec.top_k, **common))
+    return LlamaForCausalLM(LlamaConfig(intermediate_size=spec.ffn, **common))
+
+
+def simulate(layers: int | None, plan: str, seq: int, micro_batch: int, *, rank: int = 0,
+             model: str = "llama3-70b", log=print) -> dict:
+    """Compile and step rank ``rank`` under a fake world; what it measured and what the cost model says."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    p = autopar.Plan.parse(plan)
+    if not 0 <= rank < p.world_size:
+        raise SystemExit(f"scale_simulation: --rank {rank} is outside the plan's world of {p.world_size} ranks")
+    spec = _spec(model, layers)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p.world_size)
+    try:
+        with torch.device("meta"):
+            net = _model(spec, seq)
+        batch = micro_batch * p.dp * p.mb
+        ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+        log(f"[1/3] compiling {spec.num_layers}-layer {model} (hidden {spec.hidden}) for '{plan}' as rank {rank} "
+            f"of a fake world of {p.world_size}")
+        start = time.perf_counter()
+        pm = autopar.parallelize(net, (ids,), example_kwargs={"use_cache": False}, plan=plan, loss_fn=_loss)
+        seconds = time.perf_counter() - start
+        for line in pm.program.log:
+            log(f"      {line}")
+        log(f"      compiled in {seconds:.1f} s")
+        log("[2/3] one training step on the meta device")
+        pm.train_step((ids,), ids)
+        log("[3/3] comparing with the cost model")
+        stage = pm.coords().get("pp", (0, 1))[0]
+        cost = autopar.estimate(spec, autopar.Cluster.for_world("h100", p.world_size), plan, seq_len=seq,
+                                global_batch=batch, dtype_bytes=4)
+        return measured_and_predicted(pm, cost, stage, seconds)
+    finally:
+        dist.destroy_process_group()
+
+
+def measured_and_predicted(pm, cost, stage: int, seconds: float = 0.0) -> dict:
+    """What :func:`compare` reads: the step's bytes and calls per (phase, collective, axis),
+    measured on ``pm`` and predicted by ``cost`` for ``stage``, and the parameter bytes."""
+    measured = collections.defaultdict(lambda: [0.0, 0])
+    for r in pm.comm_stats():
+        entry = measured[(r["phase"], r["op"], r["axis"])]
+        entry[0] += r["bytes_sent"] + r["bytes_recv"]
+        entry[1] += 1
+    predicted = collections.defaultdict(lambda: [0.0, 0])
+    # MoE: the token all-to-alls at the routing this rank realised (balanced on meta).
+    counts = [r["counts"] for r in pm.comm_stats() if r["phase"] == "fwd" and r["counts"] is not None
+              and r["tag"].startswith("MoE dispatch")]
+    ep_rank = pm.coords().get("ep", (0, 1))[0]
+    for row in cost.comm_table(stage, expert_counts=counts or None, ep_rank=ep_rank):
+        entry = predicted[(row.phase, row.collective, row.axis)]
+        entry[0] += (row.bytes_sent + row.bytes_recv) * row.count
+        entry[1] += row.count
+    local_params = sum(t.numel() * t.element_size() for t in set(pm.gm.parameters()))
+    return {"measured": {k: tuple(v) for k, v in measured.items()},
+            "predicted": {k: tuple(v) for k, v in predicted.items()},
+            "param_bytes": pm.memory_report().get("params", local_params),
+            "predicted_param_bytes": cost.memory(stage)["params"],
+            "stage": stage, "compile_seconds": seconds, "zero": pm.plan.zero}
+
+
+def compare(result: dict, out=print) -> bool:
+    """Print measured against predicted per collective; True when everything is equal."""
+    ok = True
+    out(f"\n{'phase':6s} {'collective':15s} {'axis':9s} {'calls':>6s} {'measured (bytes moved)':>24s} "
+        f"{'calls':>6s} {'cost model':>24s}  equal")
+    for key in sorted(set(result["measured"]) | set(result["predicted"])):
+        (m, mc), (p, pc) = result["measured"].get(key, (0.0, 0)), result["predicted"].get(key, (0.0, 0))
+        # Gradient all-reduces, and ZeRO-1/2's reduce-scatters and gathers of the updated
+        # parameters, run per bucket (bucket_bytes): the cost model's one row per step carries
+        # their bytes, not the bucket count (ZeRO-3's per-unit calls are counted).
+        per_bucket = {("grad", "all_reduce")} | ({("grad", "reduce_scatter"), ("step", "all_gather")}
+                                                 if result["zero"] in (1, 2) else set())
+        bucketed = key[:2] in per_bucket and key[2] in ("dp", "dp_cp", "edp")
+        equal = (bucketed or mc == round(pc)) and abs(m - p) <= 1e-9 * max(m, p, 1.0)
+        ok &= equal
+        out(f"{key[0]:6s} {key[1]:15s} {key[2]:9s} {mc:6d} {m:24,.0f} {pc:6.0f} {p:24,.0f}  {equal}")
+    params_equal = result["param_bytes"] == result["predicted_param_bytes"]
+    ok &= params_equal
+    out(f"parameter bytes on this rank (stage {result['stage']}): measured {result['param_bytes']:,}, "
+        f"cost model {result['predicted_param_bytes']:,.0f}  {params_equal}")
+    out(f"compiled in {result['compile_seconds']:.1f} s; {'all equal' if ok else 'DIFFERENCES FOUND'}")
+    return ok
