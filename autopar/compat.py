@@ -113,6 +113,13 @@ def recording_stage_class(on_ops):
     def recording(name: str, phase: str):
         def method(self, chunk_id):
             ops = getattr(PipelineStage, name)(self, chunk_id)
+            if "send" in name:
+                # A chunk's output (or an input gradient) may be a strided view (a transpose the
+                # model returns as is), and gloo sends contiguous buffers only: send a contiguous
+                # copy of those (the receiver's buffer is contiguous already).
+                for op in ops:
+                    if not op.tensor.is_contiguous():
+                        op.tensor = op.tensor.contiguous()
             on_ops(ops, phase, self.stage_index)
             return ops
 

@@ -30,16 +30,16 @@ from dataclasses import dataclass
 
 from autopar.errors import AutoparError
 from autopar.plan_space import (CP_VARIANTS, MESH_AXES, MULTI_CHUNK_SCHEDULES, RECOMPUTE_MODES, SCHEDULES,
-                                V_SCHEDULES, ZERO_STAGES, batch_ok, check_micro_batches, chunk_rank,
+                                V_SCHEDULES, ZERO_STAGES, batch_ok, check_microbatches, chunk_rank,
                                 chunks_per_rank, cp_seq_ok, divisors, ep_ok, experts_ok, heads_ok,
-                                latent_attention_ok, layers_ok, micro_batches_ok, sp_ok, sp_seq_ok, ulysses_fits,
-                                ulysses_heads_ok, ulysses_ok, valid_micro_batches, vocab_ok)
+                                latent_attention_ok, layers_ok, microbatches_ok, sp_ok, sp_seq_ok, ulysses_fits,
+                                ulysses_heads_ok, ulysses_ok, valid_microbatches, vocab_ok)
 from autopar.plan_space import code as _code
 
 # Names of the plan space used with plans (autopar.plan_space) are re-exported here.
 __all__ = ["Plan", "CP_VARIANTS", "SCHEDULES", "RECOMPUTE_MODES", "V_SCHEDULES", "MULTI_CHUNK_SCHEDULES",
-           "chunks_per_rank", "chunk_rank", "micro_batches_ok", "valid_micro_batches",
-           "check_micro_batches", "ulysses_heads_ok", "ulysses_fits"]
+           "chunks_per_rank", "chunk_rank", "microbatches_ok", "valid_microbatches",
+           "check_microbatches", "ulysses_heads_ok", "ulysses_fits"]
 
 _INT_OPTIONS = ("dp", "tp", "cp", "ep", "pp", "vpp", "mb", "zero")
 _OPTIONS = ("dp", "tp", "sp", "cp", "ep", "pp", "vpp", "mb", "zero", "recompute", "capacity")

@@ -41,9 +41,9 @@ __all__ = [
     "CP_VARIANTS", "SCHEDULES", "RECOMPUTE_MODES", "ZERO_STAGES", "V_SCHEDULES", "MULTI_CHUNK_SCHEDULES",
     "SPLIT_BACKWARD_SCHEDULES", "INTERLEAVED_VPP", "code", "among", "encode", "decode", "PLAN_COLUMNS",
     # layout
-    "MESH_AXES", "GROUP_AXES", "axis_digits", "axis_geometry", "axis_groups",
+    "MESH_AXES", "GROUP_AXES", "data_axis", "axis_digits", "axis_geometry", "axis_groups",
     # chunks and micro-batches
-    "chunks_per_rank", "chunk_rank", "micro_batches_ok", "valid_micro_batches", "check_micro_batches",
+    "chunks_per_rank", "chunk_rank", "microbatches_ok", "valid_microbatches", "check_microbatches",
     # rules of a plan alone, and of a plan against a model and a run
     "sp_ok", "ep_ok", "heads_ok", "vocab_ok", "ulysses_heads_ok", "ulysses_fits", "ulysses_ok", "layers_ok",
     "experts_ok", "batch_ok", "cp_seq_ok", "sp_seq_ok", "latent_attention_ok", "model_facts",
@@ -129,6 +129,13 @@ consecutive ``dp * cp`` indices of one stage and tp index) and ``edp`` (the rank
 same experts: the other ``dp * cp / ep`` token slices times tp)."""
 
 
+def data_axis(cp) -> str:
+    """The axis over which the ranks holding different tokens of one model replica meet (the
+    dense weights' gradient reduction, the loss mean, ZeRO's shards): ``dp_cp`` under context
+    parallelism, else ``dp`` (the same ranks when ``cp == 1``; torch builds one group fewer)."""
+    return "dp_cp" if cp > 1 else "dp"
+
+
 def axis_digits(axis: str, *, pp, dp, cp, tp, ep=1) -> tuple[tuple, ...]:
     """The rank digits ``axis`` spans, outer to inner, as ``(stride, size)`` pairs.
 
@@ -188,7 +195,7 @@ def chunk_rank(c: int, pp: int, schedule: str) -> int:
     return c % pp
 
 
-def micro_batches_ok(schedule, pp, mb):
+def microbatches_ok(schedule, pp, mb):
     """Whether ``schedule`` (a name or a code) on ``pp`` stages runs ``mb`` micro-batches per
     step (torch.distributed.pipelining 2.13).
 
@@ -205,25 +212,25 @@ def micro_batches_ok(schedule, pp, mb):
     return (mb >= 1) & ((pp == 1) | (short == 0))
 
 
-def valid_micro_batches(schedule: str, pp: int, mb: int) -> list[int]:
+def valid_microbatches(schedule: str, pp: int, mb: int) -> list[int]:
     """The nearest micro-batch counts below and above ``mb`` that ``schedule`` runs."""
     out = []
-    below = next((m for m in range(mb - 1, 0, -1) if micro_batches_ok(schedule, pp, m)), None)
-    above = next(m for m in range(mb + 1, mb + 4 * pp + 2) if micro_batches_ok(schedule, pp, m))
+    below = next((m for m in range(mb - 1, 0, -1) if microbatches_ok(schedule, pp, m)), None)
+    above = next(m for m in range(mb + 1, mb + 4 * pp + 2) if microbatches_ok(schedule, pp, m))
     if below is not None:
         out.append(below)
     out.append(above)
     return out
 
 
-def check_micro_batches(plan) -> None:
+def check_microbatches(plan) -> None:
     """Raise an ``autopar:`` error naming the nearest valid counts when ``plan``'s pipeline
-    schedule does not run ``plan.mb`` micro-batches (:func:`micro_batches_ok`)."""
-    if not micro_batches_ok(plan.schedule, plan.pp, plan.mb):
+    schedule does not run ``plan.mb`` micro-batches (:func:`microbatches_ok`)."""
+    if not microbatches_ok(plan.schedule, plan.pp, plan.mb):
         rule = {"1f1b": f"at least pp={plan.pp} micro-batches",
                 "interleaved": f"a micro-batch count that is a multiple of its rounds (mb // pp = {max(1, plan.mb // plan.pp)})",
                 "dualpipev": f"at least 2*pp={2 * plan.pp} micro-batches (one per chunk)"}[plan.schedule]
-        near = " or ".join(f"mb={m}" for m in valid_micro_batches(plan.schedule, plan.pp, plan.mb))
+        near = " or ".join(f"mb={m}" for m in valid_microbatches(plan.schedule, plan.pp, plan.mb))
         raise AutoparError(f"autopar: schedule '{plan.schedule}' with pp={plan.pp} needs {rule}, "
                            f"got mb={plan.mb}; use {near}.")
 
@@ -487,8 +494,8 @@ def structures(world_size: int, facts: Mapping, *, seq_len: int, global_batch: i
 
 
 def candidates(world_size: int, facts: Mapping, *, seq_len: int, global_batch: int,
-               zero_stages=ZERO_STAGES, recompute_modes=RECOMPUTE_MODES, max_micro_batch: int = 64,
-               micro_batches=None, runnable_only: bool = False, **restrictions) -> Iterator[dict[str, int]]:
+               zero_stages=ZERO_STAGES, recompute_modes=RECOMPUTE_MODES, max_microbatch: int = 64,
+               microbatches=None, runnable_only: bool = False, **restrictions) -> Iterator[dict[str, int]]:
     """Every plan of ``world_size`` ranks that the search prices, one encoded plan
     (:func:`encode`, with ``b`` the micro-batch size) at a time; ``runnable_only``: only those
     the runtime runs.  Pure Python: the search expands :func:`structures` the same way over arrays."""
@@ -497,9 +504,9 @@ def candidates(world_size: int, facts: Mapping, *, seq_len: int, global_batch: i
         s = {name: col[i] for name, col in base.items()}
         for b in divisors(global_batch):
             m = global_batch // (s["dp"] * b) if global_batch % (s["dp"] * b) == 0 else 0
-            if not m or b > max_micro_batch or (micro_batches and m not in micro_batches):
+            if not m or b > max_microbatch or (microbatches and m not in microbatches):
                 continue
-            if not (micro_batches_ok(s["schedule"], s["pp"], m) & interleaved_priced(s["schedule"], s["pp"], m)):
+            if not (microbatches_ok(s["schedule"], s["pp"], m) & interleaved_priced(s["schedule"], s["pp"], m)):
                 continue
             for zero in zero_stages:
                 for mode in recompute_modes:

@@ -45,9 +45,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="llama3-70b",
                     help="an autopar.ModelSpec preset (dense, or MoE in every layer: balanced routing)")
     ap.add_argument("--seq", type=int, default=8192)
-    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--micro-batch", dest="microbatch", type=int, default=1)
     args = ap.parse_args(argv)
-    r = simulate(args.layers, args.plan, args.seq, args.micro_batch, rank=args.rank, model=args.model)
+    r = simulate(args.layers, args.plan, args.seq, args.microbatch, rank=args.rank, model=args.model)
     return 0 if compare(r) else 1
 
 

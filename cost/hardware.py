@@ -9,16 +9,22 @@ node; ``r = 1`` once ``st >= G``) and spans ``N = ceil(n / r)`` nodes. Collectiv
 taken to be hierarchical (NCCL-like): the intra-node part runs on NVLink and each GPU
 drives its own network link for the inter-node part. :func:`axis_link_arrays` turns
 that into seconds per byte and per call, vectorised over candidate plans.
+
+The figures come from a preset's published table (:data:`GPU_PRESETS`) or from a hardware
+profile measured on the machine by ``autopar calibrate`` (profile.py, :meth:`Cluster.from_profile`).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from autopar.errors import AutoparError
 from autopar.plan_space import axis_geometry
+
+from .profile import FIGURES, load_profile, profile_name
 
 __all__ = ["Cluster", "GPU_PRESETS", "NODE_GPUS", "node_gpus", "axis_link_arrays"]
 
@@ -77,7 +83,9 @@ class Cluster:
     ``usable_memory_fraction`` is the share of HBM a plan may fill (the rest covers the
     CUDA context, the framework and allocator fragmentation).  ``gpus_per_node`` is the size of
     the fast-link domain (NVLink / Infinity Fabric); ``None`` takes the preset's (:data:`NODE_GPUS`,
-    else 8: 72 for ``gb200``).
+    else 8: 72 for ``gb200``).  ``profile`` is the path of the hardware profile the figures were
+    measured into (:meth:`from_profile`; ``None`` for a preset's published figures); it does not
+    take part in comparisons.
     """
 
     gpu: str = "h100"
@@ -92,6 +100,7 @@ class Cluster:
     inter_node_latency: float | None = None
     gemm_efficiency: float | None = None
     usable_memory_fraction: float = 0.9
+    profile: str | None = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self):
         gpu = self.gpu.lower()
@@ -139,6 +148,17 @@ class Cluster:
                 f"num_nodes and gpus_per_node explicitly"
             )
         return cls(gpu=gpu, num_nodes=world_size // per_node, gpus_per_node=per_node, **overrides)
+
+    @classmethod
+    def from_profile(cls, path, *, num_nodes: int = 1, gpus_per_node: int | None = None, **overrides) -> "Cluster":
+        """The cluster of a machine measured by ``autopar calibrate`` (cost/profile.py): every figure
+        from the profile at ``path``, ``gpu`` its device (e.g. ``"cpu (measured)"``), ``profile`` the
+        path; ``gpus_per_node`` defaults to the profile's, ``overrides`` replace figures."""
+        data = load_profile(path)
+        figures = {name: float(data[name]) for name in FIGURES}
+        return cls(gpu=profile_name(data), num_nodes=num_nodes,
+                   gpus_per_node=data["gpus_per_node"] if gpus_per_node is None else gpus_per_node,
+                   profile=os.fspath(path), **{**figures, **overrides})
 
     def replace(self, **changes) -> "Cluster":
         return dataclasses.replace(self, **changes)

@@ -16,6 +16,8 @@ import math
 
 from torch.fx import GraphModule
 
+from autopar.plan_space import data_axis
+
 from .context import GradBucket, PassContext, PassResult
 
 __all__ = ["data_parallel_pass", "local_param_bytes"]
@@ -58,14 +60,14 @@ def data_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     cp = ctx.axis_sizes.get("cp", 1)
     dp_cp = ctx.axis_sizes.get("dp", 1) * cp  # the degree of dp*cp
     if dp_cp > 1:  # dense weights are replicated over dp*cp ranks
-        buckets += _buckets(gm, ctx, names, "dp_cp" if cp > 1 else "dp", True, cap)
+        buckets += _buckets(gm, ctx, names, data_axis(cp), True, cap)
     moe = [n for n in all_names if n in experts]
     if moe and (dp_cp > 1 or ctx.axis_sizes.get("tp", 1) > 1):
         # An expert's gradient on its owner sums every token routed to it from the ep group;
         # summed over the ranks holding the same experts (edp: the other dp*cp/ep token slices,
         # times tp under sp) it covers all dp*cp slices, so it is averaged by dp*cp.
         plain = ctx.axis_sizes.get("ep", 1) == 1 and ctx.axis_sizes.get("tp", 1) == 1
-        axis = ("dp_cp" if cp > 1 else "dp") if plain else "edp"  # edp is dp*cp itself then
+        axis = data_axis(cp) if plain else "edp"  # edp is dp*cp itself then
         buckets += _buckets(gm, ctx, moe, axis, True, cap, divisor=dp_cp)
     result.notes.append(f"{len(buckets)} gradient buckets")
     return result

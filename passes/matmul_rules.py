@@ -77,7 +77,9 @@ def batched_matmul_rule(node: Node, pls: list, rc: RuleContext):
         if da == db and da < nd - 2:
             return Shard(da)
     if isinstance(a, Shard) and isinstance(b, Replicate) and a.dim + nd - ndim_of(node.args[0]) < nd - 1:
-        return Shard(a.dim + nd - ndim_of(node.args[0]))
+        return _batch_shard(node, node.args[1], a.dim + nd - ndim_of(node.args[0]), rc)
+    if isinstance(a, Replicate) and isinstance(b, Shard) and b.dim + nd - ndim_of(node.args[1]) < nd - 2:
+        return _batch_shard(node, node.args[0], b.dim + nd - ndim_of(node.args[1]), rc)
     if isinstance(a, Replicate) and isinstance(b, Shard) and ndim_of(node.args[1]) >= 2 \
             and b.dim == ndim_of(node.args[1]) - 1:  # columns of b: e.g. inv_freq @ positions (RoPE)
         return Shard(nd - 1)
@@ -85,6 +87,18 @@ def batched_matmul_rule(node: Node, pls: list, rc: RuleContext):
             and a.dim == ndim_of(node.args[0]) - 1 and b.dim == 0:  # row-parallel ``x @ w.T``: partial sums
         return P
     raise rc.fail(node, f"operands {a}, {b} are not sharded on a common batch dim")
+
+
+def _batch_shard(node: Node, replicated: Node, dim: int, rc: RuleContext) -> Shard:
+    """The output is sharded on ``dim`` (a batch dim, or the rows of the first operand); where
+    ``dim`` is a batch dim of the ``replicated`` operand at full size (not broadcast), that operand
+    is sliced to this rank's part first (a state built with ``zeros`` over every head, met by
+    the rank's heads): no communication."""
+    nd = ndim_of(node)
+    d = dim - (nd - ndim_of(replicated))
+    if dim < nd - 2 and 0 <= d < ndim_of(replicated) - 2 and shape_of(replicated)[d] != 1:
+        rc.shard_operand(node, replicated, d)
+    return Shard(dim)
 
 
 @register(aten.outer.default)

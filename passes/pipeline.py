@@ -38,11 +38,11 @@ from torch.fx import Graph, GraphModule, Node
 from autopar.compat import sym_hint
 from autopar.errors import AutoparError, describe_node
 from autopar.ops.zero_gather import zero_gather
-from autopar.plan import check_micro_batches, chunk_rank, chunks_per_rank, valid_micro_batches
-from .context import META_KEY, PassContext, PassResult
+from autopar.plan import check_microbatches, chunk_rank, chunks_per_rank, valid_microbatches
+from .context import META_KEY, PassContext, PassResult, provenance
 
 __all__ = ["PipelineChunk", "PipelineProgram", "pipeline_pass", "chunk_layer_counts", "chunk_rank",
-           "num_chunks", "check_micro_batches", "valid_micro_batches", "TARGET_KWARG", "input_kwarg"]
+           "num_chunks", "check_microbatches", "valid_microbatches", "TARGET_KWARG", "input_kwarg"]
 
 TARGET_KWARG = "loss_target"  # not "target": schedule.step() takes that name itself
 
@@ -86,16 +86,16 @@ class PipelineProgram:
                 out.setdefault(p, ch.index)
         return out
 
-    def param_ranks(self, name: str) -> tuple[int, ...]:
+    def param_pp_ranks(self, name: str) -> tuple[int, ...]:
         """The pipeline ranks holding parameter ``name``: its owner's, and for the tied weight
         the last chunk's too (one rank under the V-shaped schedules, which place both there)."""
         pp_ranks = [self.chunk_rank(ch.index) for ch in self.chunks if name in ch.params]
         return tuple(dict.fromkeys(pp_ranks))
 
-    def tied_ranks(self) -> tuple[int, ...]:
+    def tied_pp_ranks(self) -> tuple[int, ...]:
         """The pipeline ranks whose copies of the tied weight sum their gradients (Megatron's
         embedding group); empty without a tied weight or when one rank holds both uses."""
-        pp_ranks = self.param_ranks(self.tied) if self.tied else ()
+        pp_ranks = self.param_pp_ranks(self.tied) if self.tied else ()
         return pp_ranks if len(pp_ranks) > 1 else ()
 
 
@@ -104,7 +104,7 @@ def num_chunks(plan) -> int:
     return plan.pp * chunks_per_rank(plan.schedule, plan.vpp)
 
 
-# chunk_rank, check_micro_batches and valid_micro_batches (re-exported here) are the shared
+# chunk_rank, check_microbatches and valid_microbatches (re-exported here) are the shared
 # rules of autopar.plan_space.
 
 
@@ -257,9 +257,27 @@ def _build_chunk(gm, c, last, chunk, free, params, boundary_in, boundary_out, kw
     if last:
         g.output(need(out_node))
     else:
-        g.output(tuple(need(v) for v in boundary_out))
+        g.output(tuple(_contiguous(g, need(v), v) for v in boundary_out))
     g.eliminate_dead_code()
     return GraphModule(gm, g), tuple(dict.fromkeys(used_params))
+
+
+def _contiguous(g: Graph, value: Node, traced: Node) -> Node:
+    """``value`` as a contiguous tensor where the traced one is a strided view (a transpose a
+    layer returns as is): torch's pipelining sends it, and receives into a buffer of the same
+    strides, and gloo sends and receives contiguous buffers only.  ``aten.contiguous`` copies
+    nothing when the tensor is contiguous already."""
+    val = traced.meta.get("val")
+    try:
+        contiguous = not isinstance(val, torch.Tensor) or bool(val.is_contiguous())
+    except Exception:  # noqa: BLE001 - strides that depend on symbols: make sure
+        contiguous = False
+    if contiguous:
+        return value
+    node = g.call_function(torch.ops.aten.contiguous.default, (value,))
+    node.meta = {k: v for k, v in traced.meta.items() if k != META_KEY}
+    node.meta["val"] = val.contiguous()
+    return provenance(node, "pipeline", "pp", "a strided activation made contiguous before it is sent")
 
 
 def _check_tensors_cross(boundaries: list[list[Node]]) -> None:
@@ -280,7 +298,7 @@ def pipeline_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     """Cut ``gm`` into ``result.pipeline`` (a :class:`PipelineProgram`); ``gm`` itself is unchanged."""
     plan = ctx.plan
     result = PassResult("pipeline_pass")
-    check_micro_batches(plan)
+    check_microbatches(plan)
     counts = chunk_layer_counts(ctx.structure, plan, _seq_len(gm), ctx.pipeline_split)
     # A tied LM head: the last chunk holds a copy of the embedding weight, and the copies' gradients
     # are summed every step (the runtime's embedding group, as Megatron-Core does).
@@ -325,5 +343,5 @@ def pipeline_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     result.pipeline = PipelineProgram(schedule=plan.schedule, pp=plan.pp, chunks=tuple(chunks),
                                       kwarg_names=tuple(names), tied=tied)
     if tied:
-        result.notes.append(f"tied weight {tied}: held by pipeline ranks {list(result.pipeline.param_ranks(tied))}")
+        result.notes.append(f"tied weight {tied}: held by pipeline ranks {list(result.pipeline.param_pp_ranks(tied))}")
     return result

@@ -13,6 +13,10 @@ prints. The cost model lives in ``autopar.cost`` (cost/), the search in
 autopar/planning/search.py. ``explain --measure MODULE:FUNCTION --world N`` also runs one training
 step of that model on N local gloo processes and prints predicted against measured memory
 (autopar/cli/measure_cmd.py).
+
+The hardware is a GPU preset's published figures (``--gpu``, cost/hardware.py) or a profile measured
+on the machine by ``autopar calibrate`` (``--hardware PROFILE``, cost/profile.py); both commands say
+which (:func:`hardware_record`).
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ __all__ = [
     "run_explain",
     "load_model_spec",
     "make_cluster",
+    "hardware_record",
     "dominant_terms",
     "plan_record",
     "format_plan_table",
@@ -64,8 +69,8 @@ def register(subparsers) -> None:
     _add_common(explain, required=False)
     explain.add_argument("--plan", required=True,
                          help="plan text, e.g. 'tp=8,sp,pp=4:1f1b,dp=32,zero=1,mb=8'")
-    explain.add_argument("--stage", type=int, default=None, metavar="I",
-                         help="pipeline stage whose collectives are listed (default: the slowest)")
+    explain.add_argument("--pp-rank", "--stage", dest="pp_rank", type=int, default=None, metavar="I",
+                         help="pp rank whose collectives and memory are listed (default: the slowest)")
     explain.add_argument("--formulas", action="store_true",
                          help="print the symbolic formula of every time and memory term")
     explain.add_argument("--measure", metavar="MODULE:FUNCTION", default=None,
@@ -82,11 +87,15 @@ def _add_common(p: argparse.ArgumentParser, required: bool = True) -> None:
     p.add_argument("--model", required=required,
                    help="a preset (llama3-8b, llama3-70b, llama3-405b, mixtral-8x7b, "
                         "reference-moe) or the path of a transformers config.json")
-    p.add_argument("--gpu", default="h100",
-                   help="GPU preset: a100, h100, h200, b200, gb200, mi300x (default h100)")
+    p.add_argument("--gpu", default=None,
+                   help="GPU preset, its vendor's published figures: a100, h100, h200, b200, gb200, "
+                        "mi300x (default h100)")
+    p.add_argument("--hardware", default=None, metavar="PROFILE",
+                   help="a hardware profile measured by `autopar calibrate` instead of a --gpu preset")
     p.add_argument("--gpus", type=int, required=required, metavar="N", help="number of GPUs")
     p.add_argument("--gpus-per-node", type=int, default=None, metavar="G",
-                   help="GPUs per fast-link domain (default: the preset's, 8; 72 for gb200)")
+                   help="GPUs per fast-link domain (default: the preset's, 8; 72 for gb200; a "
+                        "profile's own)")
     p.add_argument("--seq", type=int, required=required, metavar="S", help="sequence length")
     p.add_argument("--global-batch", type=int, required=required, metavar="B",
                    help="sequences per optimizer step")
@@ -119,31 +128,53 @@ def load_model_spec(model: str):
     return ModelSpec.from_hf_config(path)
 
 
-def make_cluster(gpu: str, gpus: int, gpus_per_node: int | None):
-    """A Cluster of ``gpus`` GPUs; fewer GPUs than one node make a single partial node;
-    ``gpus_per_node`` None takes the preset's fast-link domain."""
+def make_cluster(gpu: str | None, gpus: int, gpus_per_node: int | None, hardware: str | None = None):
+    """A Cluster of ``gpus`` GPUs of the preset ``gpu`` (None: h100) or of the hardware profile at
+    ``hardware`` (never both); fewer GPUs than one node make a single partial node;
+    ``gpus_per_node`` None takes the preset's (or the profile's) fast-link domain."""
     from autopar.cost import Cluster
-    from autopar.cost.hardware import GPU_PRESETS, node_gpus
+    from autopar.cost.hardware import GPU_PRESETS
 
-    if gpu.lower() not in GPU_PRESETS:
+    if hardware is not None and gpu is not None:
         raise AutoparError(
-            f"autopar: unknown GPU {gpu!r}; expected one of {', '.join(GPU_PRESETS)}"
+            f"autopar: --gpu {gpu} and --hardware {hardware} both name the hardware; give --gpu for a "
+            f"preset's published figures or --hardware for a profile measured by `autopar calibrate`, "
+            f"not both"
         )
+    if hardware is None and (gpu or "h100").lower() not in GPU_PRESETS:
+        raise AutoparError(
+            f"autopar: unknown GPU {gpu!r}; expected one of {', '.join(GPU_PRESETS)}, or --hardware "
+            f"PROFILE for a machine measured by `autopar calibrate`"
+        )
+    base = Cluster.from_profile(hardware) if hardware is not None else Cluster(gpu=gpu or "h100")
     if gpus_per_node is None:
-        gpus_per_node = node_gpus(gpu)
+        gpus_per_node = base.gpus_per_node
     if gpus < 1 or gpus_per_node < 1:
         raise AutoparError(
             f"autopar: --gpus and --gpus-per-node must be >= 1, got {gpus} and {gpus_per_node}"
         )
     if gpus < gpus_per_node:
-        return Cluster(gpu=gpu, num_nodes=1, gpus_per_node=gpus)
+        return base.replace(num_nodes=1, gpus_per_node=gpus)
     if gpus % gpus_per_node:
         lo = gpus // gpus_per_node * gpus_per_node
         raise AutoparError(
             f"autopar: {gpus} GPUs do not fill whole nodes of {gpus_per_node}; use a multiple "
             f"of {gpus_per_node} (e.g. {lo} or {lo + gpus_per_node}), or set --gpus-per-node"
         )
-    return Cluster(gpu=gpu, num_nodes=gpus // gpus_per_node, gpus_per_node=gpus_per_node)
+    return base.replace(num_nodes=gpus // gpus_per_node, gpus_per_node=gpus_per_node)
+
+
+def hardware_record(cluster) -> dict:
+    """Where the cluster's figures come from, as a JSON-ready dict; ``line`` says it in one line."""
+    from autopar.cost.profile import FIGURES
+
+    figures = {name: getattr(cluster, name) for name in FIGURES}
+    if cluster.profile is not None:
+        return {"source": "measured profile", "name": cluster.gpu, "profile": cluster.profile, "figures": figures,
+                "line": f"hardware: measured profile {cluster.profile} ({cluster.gpu})"}
+    return {"source": "published figures", "name": cluster.gpu, "profile": None, "figures": figures,
+            "line": f"hardware: {cluster.gpu} preset (published figures; run `autopar calibrate` on your "
+                    f"machine for measured ones)"}
 
 
 def _check_positive(args) -> None:
@@ -226,7 +257,7 @@ def run_plan(args) -> int:
 
     _check_positive(args)
     spec = load_model_spec(args.model)
-    cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node)
+    cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node, args.hardware)
     state = {"total": 0, "last": 0.0}
     show = not args.no_progress
     tty = sys.stderr.isatty()
@@ -259,12 +290,13 @@ def run_plan(args) -> int:
             "model": spec.name, "gpu": cluster.gpu, "gpus": cluster.world_size,
             "gpus_per_node": cluster.gpus_per_node, "seq_len": args.seq,
             "global_batch": args.global_batch, "candidates": state["total"],
-            "search_seconds": elapsed, "plans": records,
+            "search_seconds": elapsed, "hardware": hardware_record(cluster), "plans": records,
         }, indent=2))
     else:
         print(f"{spec.name} on {cluster.world_size} x {cluster.gpu}, seq {args.seq}, global batch "
               f"{args.global_batch}: best {len(records)} of {state['total']:,} candidate plans "
               f"({elapsed:.1f} s)")
+        print(hardware_record(cluster)["line"])
         print(format_plan_table(records))
     return 0
 
@@ -304,20 +336,20 @@ def _time_entries(terms, formulas: bool) -> list[dict]:
     return out
 
 
-def explain_record(cost, *, stage: int | None = None, formulas: bool = False) -> dict:
+def explain_record(cost, *, pp_rank: int | None = None, formulas: bool = False) -> dict:
     """The full breakdown of one scored plan as a JSON-ready dict."""
     plan = cost.plan
-    stage = cost.bottleneck_rank if stage is None else stage
-    if not 0 <= stage < plan.pp:
+    pp_rank = cost.bottleneck_rank if pp_rank is None else pp_rank
+    if not 0 <= pp_rank < plan.pp:
         raise AutoparError(
-            f"autopar: --stage {stage} is outside the pipeline; plan '{plan}' has stages "
+            f"autopar: --pp-rank {pp_rank} is outside the pipeline; plan '{plan}' has pp ranks "
             f"0..{plan.pp - 1}"
         )
     terms = _time_terms(cost, formulas)
-    memory = cost.memory(stage)
+    memory = cost.memory(pp_rank)
     mem_formulas = {t.name.split(".", 1)[1]: str(t.formula) for t in terms
                     if t.category == "memory"} if formulas else {}
-    rows = cost.comm_table(stage)
+    rows = cost.comm_table(pp_rank)
     by_dim: dict[str, float] = {}
     for r in rows:
         by_dim[r.dimension] = by_dim.get(r.dimension, 0.0) + r.bytes_sent * r.count
@@ -325,12 +357,12 @@ def explain_record(cost, *, stage: int | None = None, formulas: bool = False) ->
         "plan": str(plan), "model": cost.spec.name, "gpu": cost.cluster.gpu,
         "gpus": cost.cluster.world_size, "seq_len": cost.seq_len,
         "global_batch": cost.global_batch,
-        "micro_batch_size": cost.global_batch // (plan.dp * plan.mb),
-        "micro_batches": plan.mb, "step_time_s": cost.step_time, "mfu": cost.mfu,
+        "microbatch_size": cost.global_batch // (plan.dp * plan.mb),
+        "microbatches": plan.mb, "step_time_s": cost.step_time, "mfu": cost.mfu,
         "tokens_per_s": cost.tokens_per_s, "memory_per_gpu_bytes": cost.memory_per_gpu,
         "usable_memory_bytes": cost.cluster.usable_memory, "fits": cost.memory_per_gpu <= cost.cluster.usable_memory,
-        "bottleneck_stage": cost.bottleneck_rank, "memory_stage": cost.memory_rank,
-        "stage": stage,
+        "bottleneck_pp_rank": cost.bottleneck_rank, "memory_pp_rank": cost.memory_rank,
+        "pp_rank": pp_rank,
         "comm": [_row_dict(r) for r in rows],
         "comm_bytes_sent_per_step_by_dimension": by_dim,
         "memory": {name: {"bytes": value, **({"formula": mem_formulas[name]} if name in mem_formulas else {})}
@@ -348,14 +380,14 @@ def format_explain(rec: dict) -> str:
     out = [
         f"plan {rec['plan']}   model {rec['model']}   {rec['gpus']} x {rec['gpu']}   seq "
         f"{rec['seq_len']}   global batch {rec['global_batch']} "
-        f"({rec['micro_batches']} micro-batches of {rec['micro_batch_size']} per replica)",
+        f"({rec['microbatches']} micro-batches of {rec['microbatch_size']} per replica)",
         f"  step time {_fmt_time(rec['step_time_s'])}   MFU {rec['mfu'] * 100:.1f}%   "
         f"{rec['tokens_per_s']:,.0f} tokens/s",
         f"  memory/GPU {_fmt_bytes(rec['memory_per_gpu_bytes'])} of "
         f"{_fmt_bytes(rec['usable_memory_bytes'])} usable "
-        f"({'fits' if rec['fits'] else 'DOES NOT FIT'}, fullest stage {rec['memory_stage']})",
+        f"({'fits' if rec['fits'] else 'DOES NOT FIT'}, fullest pp rank {rec['memory_pp_rank']})",
         "",
-        f"Collectives of one rank of pipeline stage {rec['stage']} per optimizer step "
+        f"Collectives of one rank of pp rank {rec['pp_rank']} per optimizer step "
         f"(bytes sent/received per call, ring convention)",
     ]
     head = (f"  {'phase':<5} {'dim':<13} {'collective':<14} {'axis':<5} {'n':>4} "
@@ -375,12 +407,12 @@ def format_explain(rec: dict) -> str:
         out.append("  sent per step by dimension: " + ", ".join(
             f"{d} {_fmt_bytes(v)}" for d, v in sorted(
                 rec["comm_bytes_sent_per_step_by_dimension"].items(), key=lambda kv: -kv[1])))
-    out += ["", f"Memory per GPU, stage {rec['stage']}"]
+    out += ["", f"Memory per GPU, pp rank {rec['pp_rank']}"]
     for name, m in rec["memory"].items():
         line = f"  {name:<18} {_fmt_bytes(m['bytes']):>11}"
         out.append(line + (f"   = {m['formula']}" if "formula" in m else ""))
     out.append(f"  {'total':<18} {_fmt_bytes(sum(m['bytes'] for m in rec['memory'].values())):>11}")
-    out += ["", "Time per step on the slowest pipeline stage (exposed = on the critical path; "
+    out += ["", "Time per step on the slowest pp rank (exposed = on the critical path; "
             "the rest of a transfer hides behind compute)"]
     for t in sorted(rec["time"], key=lambda t: (-t["seconds"], -t.get("transfer_seconds", 0))):
         if t["seconds"] <= 0 and t.get("transfer_seconds", 0) <= 0:
@@ -416,7 +448,7 @@ def run_explain(args) -> int:
                            f"MODULE:FUNCTION --world N to take the model from a run on this machine")
     _check_positive(args)
     spec = load_model_spec(args.model)
-    cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node)
+    cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node, args.hardware)
     plan = Plan.parse(args.plan)
     if plan.world_size != cluster.world_size:
         raise AutoparError(
@@ -424,8 +456,9 @@ def run_explain(args) -> int:
             f"{cluster.world_size}; change a degree (usually dp) or --gpus so that they match"
         )
     cost = estimate(spec, cluster, plan, args.seq, args.global_batch)
-    rec = explain_record(cost, stage=args.stage, formulas=args.formulas)
-    print(json.dumps(rec, indent=2) if args.json else format_explain(rec))
+    rec = explain_record(cost, pp_rank=args.pp_rank, formulas=args.formulas)
+    rec["hardware"] = hardware_record(cluster)
+    print(json.dumps(rec, indent=2) if args.json else format_explain(rec) + "\n\n" + rec["hardware"]["line"])
     return 0
 
 
@@ -452,11 +485,12 @@ def _run_explain_measured(args) -> int:
                            f"example input")
     batch, seq = int(inputs[0].shape[0]), int(inputs[0].shape[1])
     spec = ModelSpec.from_module(model, inputs, kwargs)
-    cost = estimate(spec, Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world), plan, seq, batch,
-                    dtype_bytes=4)
+    cluster = (Cluster.from_profile(args.hardware, gpus_per_node=world) if args.hardware is not None
+               else Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world))
+    cost = estimate(spec, cluster, plan, seq, batch, dtype_bytes=4)
     reports = measure_memory(args.measure, str(plan), world)
     rows = memory_comparison(cost, reports)
-    rec = explain_record(cost, stage=args.stage, formulas=args.formulas)
+    rec = explain_record(cost, pp_rank=args.pp_rank, formulas=args.formulas)
     if args.json:
         rec["measured_memory"] = {"ranks": reports, "comparison": rows}
         print(json.dumps(rec, indent=2))

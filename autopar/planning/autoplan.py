@@ -1,7 +1,8 @@
 """``parallelize(..., plan="auto")``: choose the plan with the cost model, for this world.
 
 The model's dimensions come from the traced graph (``autopar.frontend.analyze``), the hardware
-from the current device (an H100/H200/A100 by its CUDA name, else the ``cpu`` preset),
+from the hardware profile named by ``$AUTOPAR_HARDWARE_PROFILE`` (written by ``autopar calibrate``)
+or else the current device (an H100/H200/A100 by its CUDA name, else the ``cpu`` preset),
 the world size from the process group, and the sequence and global batch from the
 example inputs (pass a representative batch).  :func:`choose_plan` is the search
 (:mod:`autopar.planning.search`) restricted to what this world allows: its world size and
@@ -13,13 +14,17 @@ Neighbours: :mod:`autopar.runtime` calls :func:`choose_plan`.
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 
-__all__ = ["choose_plan", "local_gpu", "predict_step"]
+__all__ = ["choose_plan", "local_gpu", "predict_step", "PROFILE_ENV"]
+
+PROFILE_ENV = "AUTOPAR_HARDWARE_PROFILE"
+"""The environment variable naming a hardware profile (``autopar calibrate``) for ``plan="auto"``."""
 
 log = logging.getLogger("autopar.planning.autoplan")
 
@@ -37,6 +42,11 @@ def _spec_and_cluster(structure, world_size: int):
     from autopar.frontend.analyze import structure_dims
 
     spec = ModelSpec(name="traced", **{**structure_dims(structure), "num_layers": max(1, structure.num_layers)})
+    if os.environ.get(PROFILE_ENV):
+        base = Cluster.from_profile(os.environ[PROFILE_ENV])
+        per_node = min(base.gpus_per_node, world_size)
+        per_node = per_node if world_size % per_node == 0 else world_size
+        return spec, base.replace(num_nodes=world_size // per_node, gpus_per_node=per_node)
     cluster = Cluster.for_world(local_gpu(), world_size) if world_size <= 8 or world_size % 8 == 0 else Cluster(
         gpu=local_gpu(), num_nodes=1, gpus_per_node=world_size)
     return spec, cluster
@@ -44,8 +54,9 @@ def _spec_and_cluster(structure, world_size: int):
 
 def predict_step(structure, plan: Plan, seq_len: int, global_batch: int, *, dtype_bytes: int = 2) -> dict[str, float]:
     """The cost model's step time, MFU and tokens/s of ``plan`` on this machine's GPUs
-    (``pm.last_step_stats``); empty on a CPU, whose figures the model is not calibrated for."""
-    if local_gpu() == "cpu":
+    (``pm.last_step_stats``); empty on a CPU without a hardware profile (``$AUTOPAR_HARDWARE_PROFILE``):
+    the ``cpu`` preset's figures are no measurement of this machine."""
+    if local_gpu() == "cpu" and not os.environ.get(PROFILE_ENV):
         return {}
     from autopar.cost import estimate
 

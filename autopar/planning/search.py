@@ -32,7 +32,7 @@ from autopar.cost.pipeline import inflight, stage_views
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.plan_space import (RECOMPUTE_MODES, SCHEDULES, STRUCTURE_FIELDS, ZERO_STAGES, code, decode, divisors,
-                                interleaved_priced, micro_batches_ok, model_facts, runnable, structures,
+                                interleaved_priced, microbatches_ok, model_facts, runnable, structures,
                                 zero_meaningful)
 
 __all__ = ["search", "enumerate_plans", "STRUCTURE_FIELDS", "SPACE_OPTIONS", "ESTIMATE_OPTIONS"]
@@ -54,8 +54,8 @@ SPACE_OPTIONS = {
     "recompute_modes": "recompute modes to try (default: all)",
     "sp": "True or False: only plans with or without SP (default: both)",
     "max_tp": "the largest tp",
-    "max_micro_batch": "the largest micro-batch size (default 64)",
-    "micro_batches": "the micro-batch counts to try (default: all)",
+    "max_microbatch": "the largest micro-batch size (default 64)",
+    "microbatches": "the micro-batch counts to try (default: all)",
     "runnable": "True (default): only plans the runtime runs (autopar.plan_space.runnable, the rules "
                 "parallelize checks); False: every plan the cost model prices",
     "chunk_size": "candidates per memory / lower-bound pass (default 400000)",
@@ -82,15 +82,15 @@ def enumerate_plans(spec, world_size: int, seq_len: int, global_batch: int, **op
     base = _structures(spec, world_size, seq_len, global_batch, opts)
     if not len(base["pp"]):
         return {}
-    max_b = opts.get("max_micro_batch", 64)
+    max_b = opts.get("max_microbatch", 64)
     bvals = np.array([b for b in divisors(global_batch) if b <= max_b], dtype=np.int64)
     per_replica = global_batch // base["dp"]
     ok = (per_replica[:, None] % bvals[None, :]) == 0
     m = per_replica[:, None] // bvals[None, :]
     sched, pp = base["schedule"][:, None], base["pp"][:, None]
-    ok &= micro_batches_ok(sched, pp, m) & interleaved_priced(sched, pp, m)
-    if opts.get("micro_batches"):
-        ok &= np.isin(m, np.asarray(opts["micro_batches"]))
+    ok &= microbatches_ok(sched, pp, m) & interleaved_priced(sched, pp, m)
+    if opts.get("microbatches"):
+        ok &= np.isin(m, np.asarray(opts["microbatches"]))
     rows, cols = np.nonzero(ok)
     zeros = np.asarray(opts.get("zero_stages", ZERO_STAGES))
     recomputes = np.asarray([code("recompute", r) for r in opts.get("recompute_modes", RECOMPUTE_MODES)])

@@ -3,12 +3,12 @@ positions, in micro-batches.
 
 One set of rules, two entry points:
 
-* :func:`local_micro_batches` takes the *global* batch (``train_step(inputs, target)``,
+* :func:`local_microbatches` takes the *global* batch (``train_step(inputs, target)``,
   identical on every rank) and keeps this rank's part: the contiguous ``batch / dp`` rows
   of its ``dp`` coordinate (:func:`rank_rows`) and, under context parallelism, its two
   load-balanced sequence chunks (:func:`rank_positions`, from
   :func:`autopar.ops.cp_attention.cp_chunk_indices`);
-* :func:`split_micro_batches` takes a batch that is already this rank's part
+* :func:`split_microbatches` takes a batch that is already this rank's part
   (``train_step(..., local=True)``, cut by :meth:`autopar.runtime.data.BatchSlice.take`)
   and only splits it.
 
@@ -16,7 +16,7 @@ Both then split the rows into ``mb`` micro-batches (:func:`micro_rows`) for grad
 accumulation, with the same cutting helpers, so the two give identical micro-batches.
 Which batch and sequence sizes a plan accepts is :meth:`autopar.plan.Plan.validate`'s rule.
 
-Neighbours: :meth:`autopar.runtime.module.ParallelModule.micro_batches` calls the entry
+Neighbours: :meth:`autopar.runtime.module.ParallelModule.microbatches` calls the entry
 points; :mod:`autopar.runtime.data` builds the user-facing ``BatchSlice`` and sampler on
 :func:`rank_rows` / :func:`rank_positions`; :mod:`autopar.runtime.grad_sync` reduces what
 the micro-batches produced.
@@ -29,7 +29,7 @@ import torch
 
 from autopar.errors import AutoparError
 
-__all__ = ["local_micro_batches", "split_micro_batches", "check_batch", "rank_rows", "rank_positions",
+__all__ = ["local_microbatches", "split_microbatches", "check_batch", "rank_rows", "rank_positions",
            "micro_rows", "cut_rows", "cut_positions", "global_sizes"]
 
 
@@ -108,7 +108,7 @@ def _split(inputs: tuple, target: Any, rows: range, positions: torch.Tensor | No
     return [(tuple(cut(t, part) for t in inputs), cut(target, part)) for part in micro_rows(rows, plan.mb)]
 
 
-def local_micro_batches(inputs: tuple, target: Any, plan, coords: dict[str, int],
+def local_microbatches(inputs: tuple, target: Any, plan, coords: dict[str, int],
                         device: torch.device) -> list[tuple[tuple, Any]]:
     """This rank's micro-batches ``[(inputs, target), ...]`` of the global batch; ``coords``
     maps axis -> rank on it."""
@@ -119,7 +119,7 @@ def local_micro_batches(inputs: tuple, target: Any, plan, coords: dict[str, int]
     return _split(inputs, target, rows, positions, plan, device)
 
 
-def split_micro_batches(inputs: tuple, target: Any, plan, device: torch.device) -> list[tuple[tuple, Any]]:
+def split_microbatches(inputs: tuple, target: Any, plan, device: torch.device) -> list[tuple[tuple, Any]]:
     """The micro-batches ``[(inputs, target), ...]`` of a batch that is already this rank's part
     (its rows and, under cp, its positions): only the split into ``mb``, nothing cut."""
     check_batch(inputs, plan, local=True)

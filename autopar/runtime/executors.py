@@ -99,12 +99,12 @@ class FlatExecutor:
     def run(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
         """Each micro-batch's forward and backward in turn (gradient accumulation)."""
         total = torch.zeros((), device=pm.device)
-        pieces = pm.micro_batches(inputs, target, coords)
+        pieces = pm.microbatches(inputs, target, coords)
         for i, (mb_inputs, mb_target) in enumerate(pieces):
             weight = pm.loss_weight(mb_target)  # its share of the global valid targets (1.0 unpadded)
             # ZeRO: per-micro-batch gathers / reduce-scatters; DP: the last backward starts the
             # bucket all-reduces; the meter counts saved activations.
-            with (pm.memory.micro_batch(self.gm), pm.grad_sync.micro_batch(last=i == len(pieces) - 1),
+            with (pm.memory.microbatch(self.gm), pm.grad_sync.microbatch(last=i == len(pieces) - 1),
                   keeping_shards(self._regathers)):  # innermost: SP's gathered inputs saved as shards (ops/regather.py)
                 loss = weighted_loss(self._forward(*mb_inputs, mb_target), weight)
                 (loss / self.plan.mb).backward()
@@ -114,7 +114,7 @@ class FlatExecutor:
     def evaluate(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
         """Forward only (the caller holds ``torch.no_grad`` and eval mode): the mean loss."""
         total = torch.zeros((), device=pm.device)
-        for mb_inputs, mb_target in pm.micro_batches(inputs, target, coords):
+        for mb_inputs, mb_target in pm.microbatches(inputs, target, coords):
             loss = weighted_loss(self._forward(*mb_inputs, mb_target), pm.loss_weight(mb_target))
             total += loss.detach().float() / self.plan.mb
         return StepOutput(total)

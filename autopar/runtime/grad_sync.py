@@ -76,7 +76,7 @@ class GradSync:
             out[index] = (flat, views)
         return out
 
-    def micro_batch(self, last: bool = False):
+    def microbatch(self, last: bool = False):
         """Context around one micro-batch's forward and backward; in the ``last`` one of a step
         (flat executor, no mixed precision) each bucket's all-reduce starts as soon as backward
         has produced its gradients, and :meth:`sync` waits for it."""

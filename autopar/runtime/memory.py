@@ -59,7 +59,7 @@ class MemoryMeter:
         self._working_peak = 0
 
     @contextlib.contextmanager
-    def micro_batch(self, gm: torch.nn.Module) -> Iterator[None]:
+    def microbatch(self, gm: torch.nn.Module) -> Iterator[None]:
         """Wrap one micro-batch's forward and backward (activations are counted at pack time)."""
         self._excluded = {t.untyped_storage().data_ptr() for t in self._tensors(gm) if t.numel()}
         self._seen, self._seen_total = {}, 0

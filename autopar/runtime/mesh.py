@@ -56,10 +56,10 @@ def expert_groups(plan) -> dict[str, AxisGroup]:
     return out
 
 
-def build_groups(plan, *, experts: bool, tied_ranks: tuple[int, ...] = ()) -> dict[str, AxisGroup]:
+def build_groups(plan, *, experts: bool, tied_pp_ranks: tuple[int, ...] = ()) -> dict[str, AxisGroup]:
     """This rank's group on every axis the plan's program uses (empty without a process group).
 
-    ``tied_ranks``: the pp ranks holding copies of a tied embedding, which form the
+    ``tied_pp_ranks``: the pp ranks holding copies of a tied embedding, which form the
     ``pp_embed`` groups (one per dp, cp, tp coordinate)."""
     if not dist.is_initialized():
         return {}
@@ -73,16 +73,16 @@ def build_groups(plan, *, experts: bool, tied_ranks: tuple[int, ...] = ()) -> di
         groups["dp_cp"] = AxisGroup(flat.get_group(), flat.size(), flat.get_local_rank())
     if experts:
         groups.update(expert_groups(plan))
-    if tied_ranks:
-        groups["pp_embed"] = embedding_group(plan, tied_ranks)
+    if tied_pp_ranks:
+        groups["pp_embed"] = embedding_group(plan, tied_pp_ranks)
     return groups
 
 
-def embedding_group(plan, tied_ranks: tuple[int, ...]) -> AxisGroup:
-    """The ranks at pipeline indices ``tied_ranks`` with this rank's dp, cp and tp indices
+def embedding_group(plan, tied_pp_ranks: tuple[int, ...]) -> AxisGroup:
+    """The ranks at pipeline indices ``tied_pp_ranks`` with this rank's dp, cp and tp indices
     (Megatron's embedding group), built on every rank in the same order."""
-    lists = [[stages[i] for i in tied_ranks] for stages in axis_groups("pp", **plan.degrees)]
+    lists = [[pp_group[i] for i in tied_pp_ranks] for pp_group in axis_groups("pp", **plan.degrees)]
     group, _ = dist.new_subgroups_by_enumeration(lists)
     me = dist.get_rank()
     inside = any(me in ranks_ for ranks_ in lists)
-    return AxisGroup(group, len(tied_ranks), dist.get_rank(group) if inside else -1)
+    return AxisGroup(group, len(tied_pp_ranks), dist.get_rank(group) if inside else -1)

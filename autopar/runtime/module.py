@@ -33,11 +33,12 @@ from autopar.compat import set_buffer
 from autopar.errors import AutoparError
 from autopar.ops import collectives, rng
 from autopar.ops.step import StepContext, activate
+from autopar.plan_space import data_axis
 from autopar.passes.context import GradBucket
 from autopar.runtime import checkpoint
 from autopar.runtime import state as module_state
 from autopar.planning.autoplan import predict_step
-from autopar.runtime.batching import global_sizes, local_micro_batches, split_micro_batches
+from autopar.runtime.batching import global_sizes, local_microbatches, split_microbatches
 from autopar.runtime.clipping import clip_gradients, norm_weights
 from autopar.runtime.data import BatchSlice
 from autopar.runtime.devices import is_simulation, move_constants, retarget_devices, run_device
@@ -74,8 +75,8 @@ class ParallelModule:
         self.program = program
         self.num_inputs = traced.num_inputs
         self.size_symbols = (traced.batch_symbol, traced.seq_symbol)  # the graph's symbolic batch and sequence
-        tied_ranks = program.pipeline.tied_ranks() if program.pipeline is not None else ()
-        self.groups = build_groups(plan, experts=bool(program.expert_params), tied_ranks=tied_ranks)
+        tied_pp_ranks = program.pipeline.tied_pp_ranks() if program.pipeline is not None else ()
+        self.groups = build_groups(plan, experts=bool(program.expert_params), tied_pp_ranks=tied_pp_ranks)
         self.step_context = StepContext(groups=self.groups)
         self.step_context.seed = rng.common_seed()  # rank 0's torch.initial_seed(), on every rank
         self.device = run_device(traced.device)  # where this rank's program runs (autopar/runtime/devices.py)
@@ -105,7 +106,7 @@ class ParallelModule:
         self._orig_dtypes = {k: v.dtype for k, v in (masters_from or model).state_dict().items()}
         originals = self._master_values(masters_from) if masters_from is not None else None
         buckets = self._held_buckets(program.grad_buckets)
-        if tied_ranks and self._pp_rank() in tied_ranks:  # the embedding group sums the tied copies first
+        if tied_pp_ranks and self._pp_rank() in tied_pp_ranks:  # the embedding group sums the tied copies first
             tied = self.gm.get_parameter(program.pipeline.tied)
             buckets.insert(0, GradBucket("pp_embed", (program.pipeline.tied,), False,
                                          tied.numel() * tied.element_size()))
@@ -332,7 +333,7 @@ class ParallelModule:
         counts = torch.stack([(target != ignore).sum(), (target == ignore).any().long()]).to(torch.int64)
         data = self.plan.dp * self.plan.cp
         if self._local_batch and data > 1:  # each rank holds only its part: sum the counts (16 bytes)
-            counts = collectives.loss_all_reduce(counts.to(self.device), "dp_cp" if self.plan.cp > 1 else "dp",
+            counts = collectives.loss_all_reduce(counts.to(self.device), data_axis(self.plan.cp),
                                        "valid-target count of the global batch")
         num_valid, any_ignored = (int(v) for v in counts.cpu())
         if reduction.kind == "token_sum":
@@ -369,12 +370,12 @@ class ParallelModule:
                                 "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
                                 **self._predicted(inputs)}
 
-    def micro_batches(self, inputs: tuple, target: Any, coords: dict[str, int]) -> list[tuple[tuple, Any]]:
+    def microbatches(self, inputs: tuple, target: Any, coords: dict[str, int]) -> list[tuple[tuple, Any]]:
         """This rank's micro-batches ``[(inputs, target), ...]`` of the batch given to the step
         (the global batch, or with ``local=True`` this rank's part of it)."""
         if self._local_batch:
-            return split_micro_batches(inputs, target, self.plan, self.device)
-        return local_micro_batches(inputs, target, self.plan, coords, self.device)
+            return split_microbatches(inputs, target, self.plan, self.device)
+        return local_microbatches(inputs, target, self.plan, coords, self.device)
 
     def batch_slice(self, global_batch_size: int, seq_len: int | None = None) -> BatchSlice:
         """Which part of a global batch this rank computes (rows; under cp, sequence positions),
@@ -404,7 +405,7 @@ class ParallelModule:
         total = local if local is not None else torch.zeros((), device=self.device)
         num_data = plan.dp * plan.cp
         if local is not None and num_data > 1:
-            axis = "dp_cp" if plan.cp > 1 else "dp"
+            axis = data_axis(plan.cp)
             total = collectives.loss_all_reduce(total, axis, f"loss over {axis}") / num_data
         if plan.pp > 1:  # stages without the loss contribute 0
             total = collectives.loss_all_reduce(total, "pp", "loss over pp")

@@ -77,7 +77,7 @@ class PipelineExecutor:
 
     def holders(self, name: str) -> tuple[int, ...] | None:
         """The pp ranks holding ``name`` (the tied weight: two); None for a buffer every rank keeps."""
-        return self.pipeline.param_ranks(name) if name in self._owner else None
+        return self.pipeline.param_pp_ranks(name) if name in self._owner else None
 
     def setup(self, pm) -> None:
         """Rebuild this rank's chunks on the local parameters and the schedule over them."""
@@ -159,7 +159,7 @@ class PipelineExecutor:
         return out
 
     def _drive(self, call, pm, inputs: tuple, target: Any, coords: dict[str, int], **options) -> StepOutput:
-        pieces = pm.micro_batches(inputs, target, coords)
+        pieces = pm.microbatches(inputs, target, coords)
         local_inputs = [torch.cat([p[0][i] for p in pieces]) for i in range(len(inputs))]
         local_target = torch.cat([p[1] for p in pieces])
         kwargs = dict(zip(self.pipeline.kwarg_names, local_inputs + [local_target]))

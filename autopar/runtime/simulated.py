@@ -53,7 +53,7 @@ def simulate_step(executor, pm, inputs: tuple, target: Any, coords: dict[str, in
     pipeline, plan = executor.pipeline, executor.plan
     me = coords.get("pp", 0)
     last = len(pipeline.chunks) - 1
-    pieces = pm.micro_batches(inputs, target, coords)
+    pieces = pm.microbatches(inputs, target, coords)
     saved: dict[tuple[int, int], tuple[list, Any]] = {}
     losses = []
     for slot in rank_orders(plan.schedule, plan.pp, plan.mb, plan.vpp)[me]:

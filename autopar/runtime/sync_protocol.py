@@ -8,7 +8,7 @@ picks one from the plan and then calls only what this protocol lists, as do the 
 checkpoints (:mod:`autopar.runtime.state`), gradient clipping (:mod:`autopar.runtime.clipping`)
 and the memory meter (:mod:`autopar.runtime.memory`).
 
-The order of calls in one training step: ``micro_batch()`` around each micro-batch's forward
+The order of calls in one training step: ``microbatch()`` around each micro-batch's forward
 and backward (flat executor) or ``pipeline_step()`` around the whole schedule (pipelined
 executor, whose stages call ``after_backward()`` after each backward action); then ``sync()``;
 clipping reads ``grad_square_sum()`` and calls ``scale_grads()``; then ``step()``.  An
@@ -36,7 +36,7 @@ class GradientSynchronizer(Protocol):
     zero_stage: int
     """The ZeRO stage the strategy implements (0: none)."""
 
-    def micro_batch(self, last: bool = False) -> ContextManager[None]:
+    def microbatch(self, last: bool = False) -> ContextManager[None]:
         """Context around one micro-batch's forward and backward in the flat executor; ``last``:
         the step's last micro-batch (whose backward may start the gradient reductions)."""
         ...

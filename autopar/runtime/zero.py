@@ -2,7 +2,7 @@
 
 :class:`ZeroSync` replaces :class:`autopar.runtime.grad_sync.GradSync` when ``plan.zero > 0``;
 both implement :class:`autopar.runtime.sync_protocol.GradientSynchronizer`, the only interface
-the runtime calls: ``micro_batch()`` around each micro-batch's forward and backward, ``sync()``
+the runtime calls: ``microbatch()`` around each micro-batch's forward and backward, ``sync()``
 and ``step()`` once per step, ``full_parameters()`` around reading or writing whole
 parameters, and so on.
 
@@ -70,12 +70,12 @@ class ZeroSync(ShardedParameters, ShardedGradients):
     # --- runtime entry points ---------------------------------------------------------
 
     @contextlib.contextmanager
-    def micro_batch(self, last: bool = False, defer_scatter: bool = True) -> Iterator[None]:
+    def microbatch(self, last: bool = False, defer_scatter: bool = True) -> Iterator[None]:
         """Wrap one micro-batch's forward and backward (``last``: the step's last; unused).
         ``defer_scatter``: ZeRO-3 overlaps each unit's reduce-scatter with backward
         (:meth:`scatter_in_backward`)."""
         if self.zero_stage < 3:
-            with self._scattering_micro_batch():
+            with self._scattering_microbatch():
                 yield
             return
         self._defer_scatter = defer_scatter
@@ -90,7 +90,7 @@ class ZeroSync(ShardedParameters, ShardedGradients):
             self._drain_prefetched()
 
     @contextlib.contextmanager
-    def _scattering_micro_batch(self) -> Iterator[None]:
+    def _scattering_microbatch(self) -> Iterator[None]:
         """ZeRO-1/2's micro-batch: ZeRO-2's gradients reduce-scattered into the shards after it."""
         if self.zero_stage == 2:
             self._count_waiting()
@@ -112,7 +112,7 @@ class ZeroSync(ShardedParameters, ShardedGradients):
         if self.zero_stage < 3:
             yield
             return
-        with self.micro_batch(defer_scatter=False):
+        with self.microbatch(defer_scatter=False):
             yield
 
     def after_backward(self, chunk: int | None = None, kind: str = "full") -> None:

@@ -54,15 +54,22 @@ def _plan(plan: str | Plan, world_size: int | None) -> tuple[Plan, int]:
     return p, world_size
 
 
-def _reference(model: torch.nn.Module, kwargs: dict, batches, optimizer: str) -> dict:
-    """Single-process training of ``model`` (modified): losses, state dicts (step 0..K), step 1's gradients."""
+def _reference(model: torch.nn.Module, kwargs: dict, batches, optimizer: str, parts: int = 1) -> dict:
+    """Single-process training of ``model`` (modified): losses, state dicts (step 0..K), step 1's gradients.
+
+    ``parts > 1``: each batch's rows in ``parts`` equal slices, each slice's mean loss over
+    ``parts`` back-propagated on its own and the gradients summed -- the same mean, reduced in the
+    order a data-parallel or micro-batched program reduces it (targets without padding)."""
     opt = OPTIMIZERS[optimizer](model.parameters())
     states = [_cpu(model.state_dict())]
     losses, grads = [], {}
     for step, (inputs, target) in enumerate(batches):
         opt.zero_grad()
-        loss = next_token_loss(model(*inputs, **kwargs), target)
-        loss.backward()
+        if parts == 1:
+            loss = next_token_loss(model(*inputs, **kwargs), target)
+            loss.backward()
+        else:
+            loss = _split_backward(model, inputs, kwargs, target, parts)
         if step == 0:
             grads = {n: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
                      for n, p in model.named_parameters()}
@@ -70,6 +77,24 @@ def _reference(model: torch.nn.Module, kwargs: dict, batches, optimizer: str) ->
         losses.append(float(loss.detach()))
         states.append(_cpu(model.state_dict()))
     return {"losses": losses, "states": states, "grads": grads}
+
+
+def _split_backward(model: torch.nn.Module, inputs: tuple, kwargs: dict, target: torch.Tensor,
+                    parts: int) -> torch.Tensor:
+    rows = target.shape[0] // parts
+
+    def part(x, i):  # a batch-first tensor of the batch's rows; anything else as is
+        if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == target.shape[0]:
+            return x[i * rows:(i + 1) * rows]
+        return x
+
+    total = torch.zeros(())
+    for i in range(parts):
+        loss = next_token_loss(model(*(part(x, i) for x in inputs), **{k: part(v, i) for k, v in kwargs.items()}),
+                               part(target, i)) / parts
+        loss.backward()
+        total = total + loss.detach()
+    return total
 
 
 def _cpu(state: dict) -> dict:

@@ -77,7 +77,7 @@ def test_recompute_bytes_equal_the_cost_model(dist_pool, model_name, world, plan
 
 
 @pytest.mark.parametrize("model_name,world,plan", CASES, ids=IDS)
-def test_each_region_is_recomputed_once_per_micro_batch(dist_pool, model_name, world, plan):
+def test_each_region_is_recomputed_once_per_microbatch(dist_pool, model_name, world, plan):
     results = _per_rank(dist_pool, model_name, world, plan)
     parsed = autopar.Plan.parse(plan)
     per_layer = 1 if parsed.recompute == "full" else 2  # the layer, or its attention and MLP regions

@@ -50,7 +50,7 @@ def test_zero_plan_matches_single_process(dist_pool, model_name, plan, world, ba
 
 @pytest.mark.parametrize("plan,world,batch", EXTRA, ids=[p for p, _, _ in EXTRA])
 @pytest.mark.parametrize("model_name", ["example", "hf_llama"])
-def test_zero_micro_batches_and_partial_grads(dist_pool, model_name, plan, world, batch):
+def test_zero_microbatches_and_partial_grads(dist_pool, model_name, plan, world, batch):
     _check(dist_pool, model_name, plan, world, batch, "sgd")
 
 

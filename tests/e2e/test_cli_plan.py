@@ -70,12 +70,12 @@ def test_explain_prints_every_section(capsys):
 
 def test_explain_json_with_formulas(capsys):
     plan = "tp=2,sp,pp=2,dp=2,mb=4"
-    rc, out, _ = run(capsys, "explain", *COMMON, "--plan", plan, "--stage", "1", "--json",
+    rc, out, _ = run(capsys, "explain", *COMMON, "--plan", plan, "--pp-rank", "1", "--json",
                      "--formulas")
     assert rc == 0
     data = json.loads(out)
     b, seq, h, w, tp = 16 // (2 * 4), 4096, 4096, 2, 2
-    assert data["micro_batch_size"] == b and data["stage"] == 1
+    assert data["microbatch_size"] == b and data["pp_rank"] == 1
     ag = [r for r in data["comm"] if r["collective"] == "all_gather" and r["axis"] == "tp"]
     assert ag
     for r in ag:                                   # (tp - 1) shards of [b, seq/tp, h]

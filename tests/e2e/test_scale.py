@@ -26,7 +26,7 @@ from tests.support.scale import compare, simulate
 r = simulate({layers}, {plan!r}, 4096, 1, rank={rank}, model={model!r}, log=lambda *a: None)
 lines = []
 ok = compare(r, out=lines.append)
-print(json.dumps({{"ok": ok, "lines": lines, "keys": [list(k) for k in r["measured"]], "stage": r["stage"]}}))
+print(json.dumps({{"ok": ok, "lines": lines, "keys": [list(k) for k in r["measured"]], "pp_rank": r["pp_rank"]}}))
 """
 
 CASES = [("tp=8,sp,dp=4", 2, 0, "llama3-70b"),
@@ -49,4 +49,4 @@ def test_full_width_rank_bytes_equal_cost_model(plan, layers, rank, model):
     if "ep=" in plan:
         assert ("fwd", "all_to_all", "ep") in keys and ("bwd", "all_to_all", "ep") in keys
     if "pp=2" in plan and model == "llama3-70b":
-        assert r["stage"] == rank // 16 and any(k[2] == "pp" for k in keys) and any(k[2] == "dp_cp" for k in keys)
+        assert r["pp_rank"] == rank // 16 and any(k[2] == "pp" for k in keys) and any(k[2] == "dp_cp" for k in keys)

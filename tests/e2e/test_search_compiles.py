@@ -113,12 +113,12 @@ def compile_rank(plan_text: str, rank: int) -> dict:
         ids = torch.zeros(GLOBAL_BATCH, SEQ, dtype=torch.long, device="meta")
         pm = autopar.parallelize(net, (ids,), example_kwargs={"use_cache": False}, plan=plan_text, loss_fn=_loss)
         pm.train_step((ids,), ids)
-        stage = pm.coords().get("pp", (0, 1))[0]
+        pp_rank = pm.coords().get("pp", (0, 1))[0]
         cost = autopar.estimate(_spec(), _cluster(), plan_text, seq_len=SEQ, global_batch=GLOBAL_BATCH,
                                 dtype_bytes=4)
         lines: list[str] = []
-        equal = compare(measured_and_predicted(pm, cost, stage), out=lines.append)
-        return {"stage": stage, "comm_equal": equal, "comm_lines": lines}
+        equal = compare(measured_and_predicted(pm, cost, pp_rank), out=lines.append)
+        return {"pp_rank": pp_rank, "comm_equal": equal, "comm_lines": lines}
     finally:
         dist.destroy_process_group()
 
@@ -206,8 +206,8 @@ def test_sampled_plans_compile_and_step(compiled):
     assert not failed, "\n\n".join(f"{r['plan']} (rank {r['rank']}): {r['error']}\n  " + "\n  ".join(r["where"])
                                    for r in failed)
     pp = {str(p): p.pp for p in sample}
-    wrong = [r for r in results if r["stage"] != (0 if r["rank"] == 0 else pp[r["plan"]] - 1)]
-    assert not wrong, [(r["plan"], r["rank"], r["stage"]) for r in wrong]  # rank 0: first stage, the last: last
+    wrong = [r for r in results if r["pp_rank"] != (0 if r["rank"] == 0 else pp[r["plan"]] - 1)]
+    assert not wrong, [(r["plan"], r["rank"], r["pp_rank"]) for r in wrong]  # rank 0: first stage, the last: last
 
 
 def test_sampled_plans_bytes_equal_cost_model(compiled):

@@ -54,6 +54,10 @@ EXPECTED: dict[str, dict[str, object]] = {
     "jamba": {"tp=2,sp": (R, "sequence parallelism needs the sequence dimension")},
     # multi-head latent attention
     "deepseek_v3": {"tp=2,sp": (R, "tensor parallelism cannot split the attention")},
+    # lightning attention: a state built with zeros over every head, met by the rank's heads
+    "minimax": {"tp=2,sp": E},
+    # a layer whose output crossing the pipeline cut is a strided view (made contiguous to be sent)
+    "inkling2_text": {"pp=2,mb=2": E},
 }
 
 GROUP = 4  # model types per pool call

@@ -2,7 +2,9 @@
 
 Not a test module: the byte-equality tests (TP/SP/DP, ZeRO, PP, CP) share these helpers.
 Both sides are summed per (phase, collective, mesh axis): bytes sent, bytes received and
-the number of calls per step.
+the number of calls per step.  Records that carry the same step's wire calls
+(:class:`tests.support.wire.WireRecords`, from a job that ran :func:`~tests.support.wire.guard_program`)
+are first checked against them: every collective that entered torch.distributed is recorded.
 """
 from __future__ import annotations
 
@@ -13,8 +15,10 @@ import pytest
 import autopar
 from tests.support.harness import make_batches
 from tests.support.jobs import SEQ, VOCAB, build
+from tests.support.wire import wire_problems
 
-__all__ = ["measured_by_kind", "predicted_by_kind", "assert_comm_equal", "predicted_cost"]
+__all__ = ["measured_by_kind", "predicted_by_kind", "assert_comm_equal", "assert_wire_matches_records",
+           "predicted_cost"]
 
 
 def measured_by_kind(records) -> dict:
@@ -37,8 +41,22 @@ def predicted_by_kind(rows) -> dict:
     return dict(out)
 
 
+def assert_wire_matches_records(records, rank=None) -> None:
+    """The wire-level guard (tests/support/wire.py): every collective and point-to-point call of the
+    measured step, counted where it entered torch.distributed, has its record, call for call and
+    byte for byte; a call without one fails, naming its operator.  ``records`` must carry the wire."""
+    wire = getattr(records, "wire", None)
+    assert wire is not None, (rank, "these records carry no wire calls: the job did not guard_program()")
+    assert wire, (rank, "the guard counted no call at all in the measured step")  # a counter that saw nothing
+    problems = wire_problems(records, wire)
+    assert not problems, (rank, "collectives on the wire without their record:\n" + "\n".join(problems))
+
+
 def assert_comm_equal(records, rows, rank=None) -> None:
-    """Every kind of collective: the same calls, and exactly the same bytes both ways."""
+    """Every kind of collective: the same calls, and exactly the same bytes both ways (and, when the
+    records carry the step's wire calls, :func:`assert_wire_matches_records` first)."""
+    if getattr(records, "wire", None) is not None:
+        assert_wire_matches_records(records, rank)
     measured, predicted = measured_by_kind(records), predicted_by_kind(rows)
     assert set(measured) == set(predicted), (rank, sorted(measured), sorted(predicted))
     for key, (sent, recv, count) in measured.items():

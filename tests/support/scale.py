@@ -5,7 +5,7 @@ preset of ``autopar.ModelSpec``, or Mixtral for a preset with an MoE block in ev
 meta device, compiles it with ``autopar.parallelize`` as one rank of a *fake* process group of
 the plan's world size (every collective a no-op), steps it once and returns what
 :func:`measured_and_predicted` reads: the step's collectives per (phase, collective, axis) as the
-runtime recorded them and as the cost model's ``comm_table(stage)`` predicts them, and the
+runtime recorded them and as the cost model's ``comm_table(pp_rank)`` predicts them, and the
 rank's parameter bytes both ways.  :func:`compare` prints them side by side and says whether
 everything is equal.  MoE routing on meta is balanced (:func:`autopar.ops.moe.balanced_counts`).
 
@@ -56,7 +56,7 @@ def _model(spec, seq: int):
     return LlamaForCausalLM(LlamaConfig(intermediate_size=spec.ffn, **common))
 
 
-def simulate(layers: int | None, plan: str, seq: int, micro_batch: int, *, rank: int = 0,
+def simulate(layers: int | None, plan: str, seq: int, microbatch: int, *, rank: int = 0,
              model: str = "llama3-70b", log=print) -> dict:
     """Compile and step rank ``rank`` under a fake world; what it measured and what the cost model says."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -69,7 +69,7 @@ def simulate(layers: int | None, plan: str, seq: int, micro_batch: int, *, rank:
     try:
         with torch.device("meta"):
             net = _model(spec, seq)
-        batch = micro_batch * p.dp * p.mb
+        batch = microbatch * p.dp * p.mb
         ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
         log(f"[1/3] compiling {spec.num_layers}-layer {model} (hidden {spec.hidden}) for '{plan}' as rank {rank} "
             f"of a fake world of {p.world_size}")
@@ -82,17 +82,17 @@ def simulate(layers: int | None, plan: str, seq: int, micro_batch: int, *, rank:
         log("[2/3] one training step on the meta device")
         pm.train_step((ids,), ids)
         log("[3/3] comparing with the cost model")
-        stage = pm.coords().get("pp", (0, 1))[0]
+        pp_rank = pm.coords().get("pp", (0, 1))[0]
         cost = autopar.estimate(spec, autopar.Cluster.for_world("h100", p.world_size), plan, seq_len=seq,
                                 global_batch=batch, dtype_bytes=4)
-        return measured_and_predicted(pm, cost, stage, seconds)
+        return measured_and_predicted(pm, cost, pp_rank, seconds)
     finally:
         dist.destroy_process_group()
 
 
-def measured_and_predicted(pm, cost, stage: int, seconds: float = 0.0) -> dict:
+def measured_and_predicted(pm, cost, pp_rank: int, seconds: float = 0.0) -> dict:
     """What :func:`compare` reads: the step's bytes and calls per (phase, collective, axis),
-    measured on ``pm`` and predicted by ``cost`` for ``stage``, and the parameter bytes."""
+    measured on ``pm`` and predicted by ``cost`` for ``pp_rank``, and the parameter bytes."""
     measured = collections.defaultdict(lambda: [0.0, 0])
     for r in pm.comm_stats():
         entry = measured[(r["phase"], r["op"], r["axis"])]
@@ -103,7 +103,7 @@ def measured_and_predicted(pm, cost, stage: int, seconds: float = 0.0) -> dict:
     counts = [r["counts"] for r in pm.comm_stats() if r["phase"] == "fwd" and r["counts"] is not None
               and r["tag"].startswith("MoE dispatch")]
     ep_rank = pm.coords().get("ep", (0, 1))[0]
-    for row in cost.comm_table(stage, expert_counts=counts or None, ep_rank=ep_rank):
+    for row in cost.comm_table(pp_rank, expert_counts=counts or None, ep_rank=ep_rank):
         entry = predicted[(row.phase, row.collective, row.axis)]
         entry[0] += (row.bytes_sent + row.bytes_recv) * row.count
         entry[1] += row.count
@@ -111,8 +111,8 @@ def measured_and_predicted(pm, cost, stage: int, seconds: float = 0.0) -> dict:
     return {"measured": {k: tuple(v) for k, v in measured.items()},
             "predicted": {k: tuple(v) for k, v in predicted.items()},
             "param_bytes": pm.memory_report().get("params", local_params),
-            "predicted_param_bytes": cost.memory(stage)["params"],
-            "stage": stage, "compile_seconds": seconds, "zero": pm.plan.zero}
+            "predicted_param_bytes": cost.memory(pp_rank)["params"],
+            "pp_rank": pp_rank, "compile_seconds": seconds, "zero": pm.plan.zero}
 
 
 def compare(result: dict, out=print) -> bool:
@@ -133,7 +133,7 @@ def compare(result: dict, out=print) -> bool:
         out(f"{key[0]:6s} {key[1]:15s} {key[2]:9s} {mc:6d} {m:24,.0f} {pc:6.0f} {p:24,.0f}  {equal}")
     params_equal = result["param_bytes"] == result["predicted_param_bytes"]
     ok &= params_equal
-    out(f"parameter bytes on this rank (stage {result['stage']}): measured {result['param_bytes']:,}, "
+    out(f"parameter bytes on this rank (pp rank {result['pp_rank']}): measured {result['param_bytes']:,}, "
         f"cost model {result['predicted_param_bytes']:,.0f}  {params_equal}")
     out(f"compiled in {result['compile_seconds']:.1f} s; {'all equal' if ok else 'DIFFERENCES FOUND'}")
     return ok

@@ -307,15 +307,49 @@ def _classify(entry: dict, statuses: list[dict | None], got: dict | None, ref: d
         return _outcome("failed", f"{e['error']}: {message}", **info)
     if got is None or None in statuses:
         return _outcome("failed", "a rank did not report", **info)
-    result = compare(ref, got, lr=sources.SGD_LR if entry["optimizer"] == "sgd" else None, model=entry["source"].name,
-                     plan=entry["plan"], world=WORLD, steps=STEPS, batch=entry["batch"], seq=entry["seq"],
-                     optimizer=entry["optimizer"], notes=[])
+    lr = sources.SGD_LR if entry["optimizer"] == "sgd" else None
+    context = dict(model=entry["source"].name, plan=entry["plan"], world=WORLD, steps=STEPS, batch=entry["batch"],
+                   seq=entry["seq"], optimizer=entry["optimizer"], notes=[])
+    result = compare(ref, got, lr=lr, **context)
     info.update(loss_diff=max(result.loss_diffs), param_diff=result.worst_param_diff,
                 param_tensor=result.worst_param_tensor, grad_diff=result.worst_grad_diff,
                 grad_tensor=result.worst_grad_tensor)
     if result.ok:
         return _outcome("equal", "", **info)
+    # An ill-conditioned model (CPM-Ant: a loss of 21 at SGD's lr 0.1) turns the rounding of any
+    # reordered reduction into differences beyond the bounds within three steps: plain PyTorch on
+    # the same batch in row slices differs from the whole batch as much.  There only the first
+    # step (its loss, its gradients, the parameters after it) can be compared, and it must be equal.
+    parts = _row_parts(entry["plan"])
+    yardstick = compare(ref, _split_reference(entry, parts), lr=lr, **context)
+    first = compare(_first_step(ref), _first_step(got), lr=lr, **context)
+    if not yardstick.ok and first.ok:
+        return _outcome("equal", "", note=(
+            f"step 1 equal; later steps ill-conditioned: one process on the batch in {parts} row slices "
+            f"differs from the whole batch by {max(yardstick.loss_diffs):.1e} in loss, "
+            f"{yardstick.worst_param_diff:.1e} in parameters"), **info)
     return _outcome("silently wrong", _first_line(result.verdict()).removeprefix("verdict: "), **info)
+
+
+def _row_parts(plan_text: str) -> int:
+    """How many slices of the batch's rows the plan reduces over (dp replicas times micro-batches),
+    at least 2: the reordering the yardstick applies."""
+    plan = Plan.parse(plan_text)
+    return max(2, plan.dp * plan.mb)
+
+
+def _first_step(run: dict) -> dict:
+    """``run`` (a reference's or a rank's record) cut to its first optimizer step."""
+    return {**run, "losses": run["losses"][:1], "states": run["states"][:2]}
+
+
+def _split_reference(entry: dict, parts: int) -> dict:
+    """The single-process run again, with each batch's rows in ``parts`` slices (api._reference)."""
+    with torch.random.fork_rng(devices=[]):
+        model, kwargs = entry["source"].build(SEED)
+    model.load_state_dict(entry["init"])
+    batches = sources.make_batches(entry["vocab"], entry["batch"], entry["seq"], STEPS, SEED)
+    return _reference(model, kwargs, batches, entry["optimizer"], parts=parts)
 
 
 def _read(workdir: str, i: int) -> tuple[list, dict | None]:
@@ -411,7 +445,7 @@ def _pool_error(error: BaseException) -> str:
 def cell(outcome: dict, limit: int = 110) -> str:
     kind, reason = outcome["outcome"], outcome.get("reason", "")
     if kind == "equal":
-        return "equal"
+        return "equal (step 1; ill-conditioned after)" if outcome.get("note") else "equal"
     reason = reason.removeprefix("autopar: ")
     if len(reason) > limit:
         reason = reason[:limit - 3] + "..."

@@ -122,7 +122,7 @@ def test_tp4_sp():
     assert totals(rows) == pytest.approx(expected)
 
 
-def test_micro_batches_multiply_counts_not_bytes():
+def test_microbatches_multiply_counts_not_bytes():
     one, four = table("tp=2,sp,dp=2"), table("tp=2,sp,dp=2,mb=2")
     # Per call: micro-batch half the size; per step: same activation bytes, same gradient bytes.
     assert totals(one) == pytest.approx(totals(four))

@@ -208,7 +208,7 @@ SCHEDULE_PLANS = {"gpipe": ":gpipe", "1f1b": "", "interleaved": ":interleaved,vp
 
 @pytest.mark.parametrize("p, m", PIPE_CASES)
 @pytest.mark.parametrize("schedule", list(SCHEDULE_PLANS))
-def test_inflight_micro_batches(p, m, schedule):
+def test_inflight_microbatches(p, m, schedule):
     flat = pipe_cost("", m, 1).memory()["activations"]       # all L layers, 1 micro-batch held
     per_layer = flat / PIPE_DIMS["num_layers"]
     cost = pipe_cost(f"pp={p}{SCHEDULE_PLANS[schedule]}", m, p)

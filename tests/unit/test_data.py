@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from autopar.errors import AutoparError
 from autopar.ops.cp_attention import cp_chunk_indices
 from autopar.plan import Plan
-from autopar.runtime.batching import local_micro_batches, split_micro_batches
+from autopar.runtime.batching import local_microbatches, split_microbatches
 from autopar.runtime.data import BatchSlice, DistributedBatchSampler
 
 
@@ -57,7 +57,7 @@ def test_take_cuts_rows_then_positions():
 
 @pytest.mark.parametrize("text", ["dp=2", "cp=2,dp=2", "tp=2,sp,dp=2", "pp=2,dp=2,mb=2", "dp=2,mb=2,zero=1",
                                   "cp=2:ring,dp=2,mb=2"])
-def test_local_micro_batches_equal_the_global_ones(text):
+def test_local_microbatches_equal_the_global_ones(text):
     """Splitting ``take`` of the global batch gives exactly the global path's micro-batches."""
     plan = Plan.parse(text)
     gen = torch.Generator().manual_seed(0)
@@ -66,8 +66,8 @@ def test_local_micro_batches_equal_the_global_ones(text):
     cpu = torch.device("cpu")
     for coords in _ranks(plan):
         slc = BatchSlice.for_rank(plan, coords, 8, seq_len=16)
-        got = split_micro_batches((slc.take(ids),), slc.take(target), plan, cpu)
-        want = local_micro_batches((ids,), target, plan, coords, cpu)
+        got = split_microbatches((slc.take(ids),), slc.take(target), plan, cpu)
+        want = local_microbatches((ids,), target, plan, coords, cpu)
         assert len(got) == len(want) == plan.mb
         for (gi, gt), (wi, wt) in zip(got, want):
             assert torch.equal(gi[0], wi[0]) and torch.equal(gt, wt)
@@ -155,5 +155,5 @@ def test_errors():
     with pytest.raises(AutoparError, match=r"^autopar: a dataset of 3 samples holds no full global batch of 4"):
         DistributedBatchSampler(3, 4, slc)
     with pytest.raises(AutoparError, match=r"^autopar: .*mb must divide 3.*local=True this rank was given 3 rows"):
-        split_micro_batches((torch.zeros(3, 4, dtype=torch.long),), torch.zeros(3, 4), Plan.parse("dp=2,mb=2"),
+        split_microbatches((torch.zeros(3, 4, dtype=torch.long),), torch.zeros(3, 4), Plan.parse("dp=2,mb=2"),
                             torch.device("cpu"))

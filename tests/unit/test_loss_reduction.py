@@ -55,7 +55,7 @@ def test_a_padded_batch_an_opaque_loss_cannot_split_is_refused():
         pm.train_step((ids,), padded)
 
 
-def test_one_process_padded_micro_batches_equal_the_whole_batch():
+def test_one_process_padded_microbatches_equal_the_whole_batch():
     factory, loss_fn, kwargs = MODELS["example"]
     ids, target = make_batch(128, 4, 8, seed=0)
     target[0, 2:] = -100
@@ -68,7 +68,7 @@ def test_one_process_padded_micro_batches_equal_the_whole_batch():
     assert pm.train_step((ids,), target) == pytest.approx(expected, abs=1e-6)
 
 
-def test_one_process_summed_loss_over_micro_batches_is_the_sum():
+def test_one_process_summed_loss_over_microbatches_is_the_sum():
     factory, _, kwargs = MODELS["example"]
     ids, target = make_batch(128, 4, 8, seed=0)
     target[1, 5:] = -100

@@ -6,7 +6,7 @@
 * What the search ranks as runnable, ``parallelize`` runs: every plan ``search(runnable=True)``
   (and the space it scores, ``enumerate_plans``) offers on dense, MoE, latent-attention and tied
   models passes the checks ``parallelize`` makes before compiling (``compile_program``'s
-  ``check_supported`` and ``check_micro_batches``, then ``support.check_runnable``, the very
+  ``check_supported`` and ``check_microbatches``, then ``support.check_runnable``, the very
   function its ``_validate`` calls with the traced model's numbers).
 * The predicates agree on ints and on numpy arrays; the pure-Python enumeration is the space
   plain loops over ``Plan(...)`` give; the encoding round-trips; the layout's rank groups are
@@ -26,7 +26,7 @@ import pytest
 from autopar.cost import Cluster, ModelSpec, estimate
 from autopar.errors import AutoparError
 from autopar.plan import Plan
-from autopar.plan_space import (RUNTIME_RULES, axis_groups, candidates, check_micro_batches, decode, divisors,
+from autopar.plan_space import (RUNTIME_RULES, axis_groups, candidates, check_microbatches, decode, divisors,
                                 encode, model_facts, runnable, supported_summary)
 from autopar.planning.search import enumerate_plans, search
 from autopar.support import SUPPORTED_SUMMARY, check_runnable, check_supported, unsupported
@@ -88,7 +88,7 @@ def _parallelize_checks(plan: Plan, spec: ModelSpec) -> None:
     passes/compile.py's ``_validate`` (``check_runnable`` with the model's numbers); the runtime's
     tensor-parallel pass refuses tp on latent attention."""
     check_supported(plan)
-    check_micro_batches(plan)
+    check_microbatches(plan)
     check_runnable(plan, world_size=WORLD, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                    vocab=spec.vocab, num_experts=spec.num_experts, tied=spec.tied_embeddings)
     if spec.kv_lora_rank and plan.tp > 1:
@@ -199,7 +199,7 @@ def test_candidates_are_the_plans_plain_loops_give():
                 plan = Plan(tp=tp, sp=sp, cp=cp, cp_variant=variant if cp > 1 else "ring", pp=pp,
                             schedule=sched if pp > 1 else "1f1b", vpp=vpp if sched == "interleaved" and pp > 1 else 1,
                             dp=dp, mb=mb, zero=zero, recompute=rec)
-                check_micro_batches(plan)
+                check_microbatches(plan)
                 check_supported(plan)
                 plan.validate(world_size=world, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                               vocab=spec.vocab, num_layers=spec.num_layers, num_experts=0, global_batch=GB,

@@ -36,7 +36,7 @@ def test_more_chunks_than_layers_names_valid_plans():
     ("pp=2:dualpipev,mb=3", "mb=4"),                # DualPipeV: mb >= 2*pp (its number of chunks)
     ("pp=2:interleaved,vpp=2,mb=5", "mb=4 or mb=6"),  # mb // pp rounds must divide mb
 ])
-def test_unsupported_micro_batch_count_names_nearest(plan, nearest):
+def test_unsupported_microbatch_count_names_nearest(plan, nearest):
     overrides = {"num_layers": 4}
     world = autopar.Plan.parse(plan).world_size
     with pytest.raises(AutoparError, match=f"autopar: .*; use {nearest}"):

@@ -120,7 +120,7 @@ def test_peak_reaches_the_cost_model_figure_for_1f1b():
     assert "per rank: [4, 3, 2, 1]" in text
 
 
-def test_unsupported_micro_batch_count_is_an_autopar_error():
+def test_unsupported_microbatch_count_is_an_autopar_error():
     with pytest.raises(AutoparError, match=r"autopar: schedule 'dualpipev' .* use mb=4"):
         format_schedule(Plan.parse("pp=2:dualpipev,mb=3"))
 

@@ -116,4 +116,4 @@ def test_unknown_option_and_impossible_world():
         search(SPEC, cluster(), SEQ, GB, bogus=1)
     with pytest.raises(AutoparError, match="no plan"):
         search(SPEC, cluster(), SEQ, 3, world_size=4, sp=True, max_tp=1, cp_variants=("ring",),
-               max_micro_batch=1, schedules=("1f1b",), micro_batches=(5,))
+               max_microbatch=1, schedules=("1f1b",), microbatches=(5,))
