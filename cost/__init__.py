@@ -11,7 +11,8 @@ collective), ``flops`` (FLOPs by GEMM class), ``memory`` (memory per GPU), ``tim
 and collective time, overlap, the step), ``pipeline`` (layer placement, micro-batches in
 flight, the bubble), ``estimate`` (``estimate`` and ``Cost``: one plan), ``model`` (every
 formula lambdified once and evaluated on arrays of plans), ``cache`` (the lambdified
-formulas on disk), ``calibration`` (the fitted constants against published runs).
+formulas on disk), ``calibration`` (the fitted constants against published runs), ``profile``
+(a machine's figures measured by ``autopar calibrate``, read by ``Cluster.from_profile``).
 
 The model, as formulas (symbols in symbols.py; T = b*S/cp tokens of a micro-batch on a
 rank, T_sp = T/tp under SP; l_d, l_e dense / MoE layers on the rank):

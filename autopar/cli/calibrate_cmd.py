@@ -314,12 +314,48 @@ def _summary(profile: dict, out: str) -> str:
     return "\n".join(lines)
 
 
+def _links(kind: str, world: int, settings: dict, notes: list[str], log) -> tuple[float, float, dict]:
+    """(bandwidth, latency, details) of the collectives over ``world`` ranks (a preset's with one rank);
+    appends how they were obtained to ``notes``."""
+    from autopar.cost.hardware import GPU_PRESETS
+    from autopar.cost.profile import fit_alpha_beta
+    from autopar.cost.time import CALIBRATED
+
+    if world >= 2:
+        log(f"starting {world} {'NCCL' if kind == 'cuda' else 'gloo'} ranks for the collectives")
+        samples = measure_collectives(kind, world, settings["sizes"], settings["budget"], log)
+        links = fit_alpha_beta(samples, CALIBRATED["epsilon"])
+        bandwidth, latency = links["bandwidth"], links["latency"]
+        by_collective = {c: {k: v for k, v in fit_alpha_beta([x for x in samples if x["collective"] == c],
+                                                             CALIBRATED["epsilon"]).items()
+                             if k in ("bandwidth", "latency")} for c in ("all_reduce", "all_gather")}
+        collectives = {"backend": "nccl" if kind == "cuda" else "gloo", "world": world,
+                       "group_sizes": list(range(2, world + 1)), "sizes_bytes": settings["sizes"], **links,
+                       "by_collective": by_collective}
+        notes.append(f"intra_node figures: least squares of t = sent / (bandwidth * epsilon) + passes * (n - 1) "
+                     f"* latency over {len(samples)} timed all-reduces and all-gathers (groups of "
+                     f"2..{world} ranks), epsilon {CALIBRATED['epsilon']} as in the time model")
+        fast, slow = sorted(by_collective, key=lambda c: -by_collective[c]["bandwidth"])
+        ratio = by_collective[fast]["bandwidth"] / by_collective[slow]["bandwidth"]
+        if ratio > 1.5:
+            notes.append(f"{slow.replace('_', '-')} moves its bytes {ratio:.1f}x slower than {fast.replace('_', '-')} "
+                         f"here; the time model takes one bandwidth for every ring collective, so the fit lies "
+                         f"between (measured.collectives.by_collective fits each alone)")
+    else:
+        from autopar.planning.autoplan import local_gpu
+
+        preset = local_gpu() if kind == "cuda" else "cpu"
+        bandwidth, latency = GPU_PRESETS[preset]["intra_node_bandwidth"], GPU_PRESETS[preset]["intra_node_latency"]
+        collectives = {"world": 1, "note": f"not measured: one rank; the links of the {preset} preset"}
+        notes.append(f"intra_node figures not measured (--world 1): the {preset} preset's")
+    return bandwidth, latency, collectives
+
+
 def run_calibrate(args) -> int:
     """``autopar calibrate``: measure, fit (cost/profile.py), write the profile, print its figures."""
     import torch
 
-    from autopar.cost.hardware import GPU_PRESETS
-    from autopar.cost.profile import FORMAT, SOURCE, fit_alpha_beta, fit_gemm, fit_memory, save_profile
+    from autopar.cost.profile import FORMAT, SOURCE, fit_gemm, fit_memory, save_profile
     from autopar.cost.time import CALIBRATED
 
     kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -365,33 +401,7 @@ def run_calibrate(args) -> int:
     if threads:
         notes.append(f"compute and memory were timed with {threads} thread(s), a rank's share of "
                      f"{os.cpu_count()} cores over {_ranks(world)}")
-    if world >= 2:
-        log(f"starting {world} {'NCCL' if kind == 'cuda' else 'gloo'} ranks for the collectives")
-        samples = measure_collectives(kind, world, settings["sizes"], settings["budget"], log)
-        links = fit_alpha_beta(samples, CALIBRATED["epsilon"])
-        bandwidth, latency = links["bandwidth"], links["latency"]
-        by_collective = {c: {k: v for k, v in fit_alpha_beta([x for x in samples if x["collective"] == c],
-                                                             CALIBRATED["epsilon"]).items()
-                             if k in ("bandwidth", "latency")} for c in ("all_reduce", "all_gather")}
-        collectives = {"backend": "nccl" if kind == "cuda" else "gloo", "world": world,
-                       "group_sizes": list(range(2, world + 1)), "sizes_bytes": settings["sizes"], **links,
-                       "by_collective": by_collective}
-        notes.append(f"intra_node figures: least squares of t = sent / (bandwidth * epsilon) + passes * (n - 1) "
-                     f"* latency over {len(samples)} timed all-reduces and all-gathers (groups of "
-                     f"2..{world} ranks), epsilon {CALIBRATED['epsilon']} as in the time model")
-        fast, slow = sorted(by_collective, key=lambda c: -by_collective[c]["bandwidth"])
-        ratio = by_collective[fast]["bandwidth"] / by_collective[slow]["bandwidth"]
-        if ratio > 1.5:
-            notes.append(f"{slow.replace('_', '-')} moves its bytes {ratio:.1f}x slower than {fast.replace('_', '-')} "
-                         f"here; the time model takes one bandwidth for every ring collective, so the fit lies "
-                         f"between (measured.collectives.by_collective fits each alone)")
-    else:
-        from autopar.planning.autoplan import local_gpu
-
-        preset = local_gpu() if kind == "cuda" else "cpu"
-        bandwidth, latency = GPU_PRESETS[preset]["intra_node_bandwidth"], GPU_PRESETS[preset]["intra_node_latency"]
-        collectives = {"world": 1, "note": f"not measured: one rank; the links of the {preset} preset"}
-        notes.append(f"intra_node figures not measured (--world 1): the {preset} preset's")
+    bandwidth, latency, collectives = _links(kind, world, settings, notes, log)
     notes.append("one host: no network was measured, so inter_node_bandwidth and inter_node_latency repeat "
                  "the intra_node figures")
     profile = {

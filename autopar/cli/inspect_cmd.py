@@ -27,7 +27,7 @@ def lm_cross_entropy(output, target):
     return F.cross_entropy(logits.flatten(0, -2), target.flatten())
 
 
-def run_inspect(spec: str, plan: str, world: int, rank: int, loss: str = "ce", schedule: bool = False) -> str:
+def run_inspect(spec: str, plan: str, world_size: int, rank: int, loss: str = "ce", schedule: bool = False) -> str:
     import torch
 
     from autopar.passes.compile import compile_program
@@ -36,12 +36,12 @@ def run_inspect(spec: str, plan: str, world: int, rank: int, loss: str = "ce", s
     from autopar.views.program import format_program
 
     p = Plan.parse(plan)
-    if not 0 <= rank < world:
-        raise AutoparError(f"autopar: --rank {rank} is outside the world of {world} ranks (0..{world - 1}).")
+    if not 0 <= rank < world_size:
+        raise AutoparError(f"autopar: --rank {rank} is outside the world of {world_size} ranks (0..{world_size - 1}).")
     model, inputs, kwargs = load_target(spec)
     loss_fn = lm_cross_entropy if loss == "ce" else None
     with torch.no_grad():
-        traced, ctx = compile_program(model, inputs, kwargs, p, loss_fn, world_size=world)
+        traced, ctx = compile_program(model, inputs, kwargs, p, loss_fn, world_size=world_size)
     coords, rest = {}, rank
     for axis in reversed(MESH_AXES):
         coords[axis] = rest % p.degrees[axis]

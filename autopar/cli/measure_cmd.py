@@ -1,6 +1,6 @@
 """Measured against predicted memory of one plan on this machine (``autopar explain --measure``).
 
-:func:`measure_memory` spawns ``world`` local gloo processes; each loads
+:func:`measure_memory` spawns ``world_size`` local gloo processes; each loads
 ``MODULE:FUNCTION`` (:func:`autopar.cli.inspect_cmd.load_target`), compiles the model for the
 plan (:func:`autopar.parallelize`, AdamW, the loss :func:`autopar.cli.inspect_cmd.lm_cross_entropy`
 against the first input shifted left by one token), runs one ``train_step`` and returns
@@ -45,14 +45,14 @@ def _shifted_target(inputs: tuple) -> torch.Tensor:
     return torch.roll(ids, -1, dims=1)
 
 
-def _worker(rank: int, world: int, port: int, target: str, plan: str, results) -> None:
+def _worker(rank: int, world_size: int, port: int, target: str, plan: str, results) -> None:
     """One spawned rank: join the gloo world, train one step, put ``(rank, report)``."""
     import torch.distributed as dist
 
     try:
         torch.set_num_threads(1)
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world, timeout=timedelta(seconds=MEASURE_TIMEOUT_S))
+                                world_size=world_size, timeout=timedelta(seconds=MEASURE_TIMEOUT_S))
         from autopar.runtime import parallelize
         from autopar.cli.inspect_cmd import lm_cross_entropy, load_target
 
@@ -73,28 +73,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure_memory(target: str, plan: str, world: int, timeout: float = MEASURE_TIMEOUT_S) -> list[dict]:
+def measure_memory(target: str, plan: str, world_size: int, timeout: float = MEASURE_TIMEOUT_S) -> list[dict]:
     """``memory_report()`` of every rank after one ``train_step`` of ``target`` under ``plan``."""
     import queue
 
     import torch.multiprocessing as mp
 
-    if world < 1:
-        raise AutoparError(f"autopar: --world must be >= 1, got {world}")
+    if world_size < 1:
+        raise AutoparError(f"autopar: --world must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, target, plan, results), daemon=True)
-             for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, target, plan, results), daemon=True)
+             for r in range(world_size)]
     for p in procs:
         p.start()
     reports: dict[int, dict] = {}
     try:
-        while len(reports) < world:
+        while len(reports) < world_size:
             try:
                 status, rank, payload = results.get(timeout=timeout)
             except queue.Empty:
-                raise AutoparError(f"autopar: the {world} measuring processes did not finish within "
+                raise AutoparError(f"autopar: the {world_size} measuring processes did not finish within "
                                    f"{timeout:.0f} s; try a smaller model or batch") from None
             if status == "err":
                 raise AutoparError(f"autopar: rank {rank} failed while measuring plan '{plan}' on "
@@ -106,7 +106,7 @@ def measure_memory(target: str, plan: str, world: int, timeout: float = MEASURE_
             if p.is_alive():
                 p.terminate()
                 p.join()
-    return [reports[r] for r in range(world)]
+    return [reports[r] for r in range(world_size)]
 
 
 def predicted_memory(cost, stage: int | None = None) -> dict[str, float]:
@@ -116,9 +116,9 @@ def predicted_memory(cost, stage: int | None = None) -> dict[str, float]:
 
 
 def memory_comparison(cost, reports: list[dict]) -> list[dict]:
-    """Rows (category, predicted, measured, diff) for the ranks of the cost's fullest stage.
+    """Rows (category, predicted, measured, diff) for the ranks of the cost's fullest pp rank.
 
-    Measured is the largest value over those ranks (ranks ``stage * world/pp ...`` of the
+    Measured is the largest value over those ranks (ranks ``pp_rank * world_size/pp ...`` of the
     (pp, dp, cp, tp) mesh); ``diff`` is (measured - predicted) / predicted, ``None`` when
     nothing is predicted.  ``master_params`` (ZeRO-1/2's fp32 shards) has no cost-model term.
     """
@@ -136,10 +136,10 @@ def memory_comparison(cost, reports: list[dict]) -> list[dict]:
     return rows
 
 
-def format_memory_comparison(rows: list[dict], plan: str, target: str, world: int) -> str:
+def format_memory_comparison(rows: list[dict], plan: str, target: str, world_size: int) -> str:
     """The predicted-vs-measured table, bytes per rank."""
     out = [f"Memory per rank, predicted (cost model, fp32) vs measured (one train_step of {target} "
-           f"under '{plan}' on {world} local gloo processes; largest rank of the fullest stage):",
+           f"under '{plan}' on {world_size} local gloo processes; largest rank of the fullest pp rank):",
            f"  {'category':<14} {'predicted':>12} {'measured':>12} {'difference':>11}"]
     for r in rows:
         pred = "-" if r["predicted"] is None else f"{r['predicted']:,.0f}"

@@ -156,5 +156,5 @@ def verify(model: str | os.PathLike, plan: str | Plan, *, world_size: int | None
     corrupted = (f"gradient of {corrupt} doubled on rank {got['corrupted_rank']} (--corrupt)"
                  if corrupt is not None else None)
     return compare(ref, got, lr=SGD_LR if optimizer == "sgd" else None, model=str(model), plan=str(p),
-                   world=world, steps=steps, batch=batch, seq=seq, optimizer=optimizer, notes=source.notes,
+                   world_size=world, steps=steps, global_batch=batch, seq_len=seq, optimizer=optimizer, notes=source.notes,
                    corrupted=corrupted)

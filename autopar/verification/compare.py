@@ -37,10 +37,10 @@ class VerifyResult:
 
     model: str
     plan: str
-    world: int
+    world_size: int
     steps: int
-    batch: int
-    seq: int
+    global_batch: int
+    seq_len: int
     optimizer: str
     notes: list[str]                    # what was shrunk or changed to build the model
     ref_losses: list[float]             # the single process, per step
@@ -87,7 +87,7 @@ class VerifyResult:
 
     def verdict(self) -> str:
         if self.ok:
-            return (f"verdict: EQUAL - plan '{self.plan}' on {self.world} ranks trains this model like one "
+            return (f"verdict: EQUAL - plan '{self.plan}' on {self.world_size} ranks trains this model like one "
                     f"process (losses within {self.loss_atol:g}, parameters within {self.param_atol:g}, "
                     f"{self.steps} steps)")
         bad = [f"the loss of step {i}" for i, d in enumerate(self.loss_diffs, start=1) if not d <= self.loss_atol]

@@ -147,7 +147,7 @@ def test_without_sgd_the_report_says_gradients_are_not_compared():
     state = {"w": torch.ones(3)}
     ref = {"losses": [1.0], "states": [state, state], "grads": {"w": torch.zeros(3)}}
     got = {"losses": [1.0 + 2e-5], "states": [state, {"w": torch.ones(3) + 1e-5}]}
-    result = compare(ref, got, lr=None, model="m", plan="dp=2", world=2, steps=1, batch=4, seq=16,
+    result = compare(ref, got, lr=None, model="m", plan="dp=2", world_size=2, steps=1, global_batch=4, seq_len=16,
                      optimizer="adamw", notes=[])
     assert result.worst_grad_diff is None and "gradients: not compared" in result.report()
     assert not result.ok and result.loss_diffs[0] > 1e-5 and result.worst_param_tensor == "w"

@@ -15,6 +15,7 @@ import autopar
 from tests.support.harness import OPTIMIZERS, make_batches, reference_train
 from tests.support.models import MODELS
 from tests.support.reference import state_differences
+from tests.support.wire import guard_program
 
 __all__ = ["build", "reference", "fresh_program", "load_problems", "train_job", "train_cases_job", "compile_cases_job",
            "roundtrip_job", "load_original_job", "untouched_job", "auto_job", "BATCH", "SEQ", "VOCAB"]
@@ -37,12 +38,16 @@ def reference(model_name: str, opt_name: str, overrides: tuple):
                            OPTIMIZERS[opt_name], kwargs)
 
 
-def _parallelize(model_name: str, plan: str, opt_name: str, overrides: dict, seed: int = 0, **options):
+def _parallelize(model_name: str, plan: str, opt_name: str, overrides: dict, seed: int = 0, wire: bool = True,
+                 **options):
+    """The program and the batches; ``wire``: its steps counted by the wire-level guard, so that
+    ``comm_stats()`` carries the last step's wire calls (tests/support/wire.py; never under
+    ``compile``, whose tracing the counting mode would enter)."""
     model, loss_fn, kwargs = build(model_name, overrides, seed)
     batches = make_batches(VOCAB, BATCH, SEQ, 3, seed=1)
     pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
                              loss_fn=loss_fn, optimizer=OPTIMIZERS[opt_name], **options)
-    return pm, batches
+    return (guard_program(pm) if wire and "compile" not in options else pm), batches
 
 
 def fresh_program(model_name: str, plan: str, opt_name: str, overrides: dict, batch: int = BATCH, **options):
@@ -69,9 +74,11 @@ def load_problems(saved: dict, program) -> list[str]:
 
 
 def train_job(model_name: str, plan: str, opt_name: str, overrides: dict, steps: int = 3):
-    """Train ``steps`` steps; the returned comm records are those of the last step."""
-    pm, batches = _parallelize(model_name, plan, opt_name, overrides)
-    losses = [pm.train_step(inputs, target) for inputs, target in batches[:steps]]
+    """Train ``steps`` steps; the returned comm records are those of the last step, and carry its
+    wire calls (the guard of tests/support/wire.py counts that step only)."""
+    pm, batches = _parallelize(model_name, plan, opt_name, overrides, wire=False)
+    losses = [pm.train_step(inputs, target) for inputs, target in batches[:steps - 1]]
+    losses += [guard_program(pm).train_step(inputs, target) for inputs, target in batches[steps - 1:steps]]
     state = pm.state_dict()
     rank = dist.get_rank()
     return {

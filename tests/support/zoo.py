@@ -308,8 +308,8 @@ def _classify(entry: dict, statuses: list[dict | None], got: dict | None, ref: d
     if got is None or None in statuses:
         return _outcome("failed", "a rank did not report", **info)
     lr = sources.SGD_LR if entry["optimizer"] == "sgd" else None
-    context = dict(model=entry["source"].name, plan=entry["plan"], world=WORLD, steps=STEPS, batch=entry["batch"],
-                   seq=entry["seq"], optimizer=entry["optimizer"], notes=[])
+    context = dict(model=entry["source"].name, plan=entry["plan"], world_size=WORLD, steps=STEPS,
+                   global_batch=entry["batch"], seq_len=entry["seq"], optimizer=entry["optimizer"], notes=[])
     result = compare(ref, got, lr=lr, **context)
     info.update(loss_diff=max(result.loss_diffs), param_diff=result.worst_param_diff,
                 param_tensor=result.worst_param_tensor, grad_diff=result.worst_grad_diff,
