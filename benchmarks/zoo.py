@@ -30,10 +30,10 @@ import torch  # noqa: E402
 
 from autopar.verification import sources  # noqa: E402
 from autopar.verification.compare import LOSS_ATOL, PARAM_ATOL  # noqa: E402
-from tests.support.zoo import (BATCH, CLASSES, COLUMNS, JOB_TIMEOUT_S, PLANS, SEQ, STEPS, WORLD,  # noqa: E402
-                               cell, model_types, run_types)
+from tests.support.zoo import (BATCH, CLASSES, COLUMNS, JOB_TIMEOUT_S, PLANS, README_BEGIN,  # noqa: E402
+                               README_END, SEQ, STEPS, WORLD, cell, model_types, readme_table, run_types)
 
-__all__ = ["markdown_table", "summary", "main"]
+__all__ = ["markdown_table", "summary", "write_readme", "main"]
 
 
 def _traces(row: dict) -> bool:
@@ -74,6 +74,14 @@ def _text_table(results: dict, plans: list[str]) -> str:
     return "\n".join(lines)
 
 
+def write_readme(json_path: Path, readme: Path) -> None:
+    """Replace the README's zoo table (between its markers) with the one ``json_path`` gives."""
+    doc = json.loads(json_path.read_text())
+    text = readme.read_text()
+    start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
+    readme.write_text(text[:start] + readme_table(doc["results"], doc["plans"], COLUMNS) + text[end:])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--types", help="comma-separated model types (default: every causal LM type)")
@@ -83,7 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", help="write the table here")
     ap.add_argument("--jobs-timeout", type=float, default=JOB_TIMEOUT_S, help="seconds per plan before a hang is "
                     "declared (default %(default)s)")
+    ap.add_argument("--readme", action="store_true", help="only rewrite README.md's zoo table from docs/zoo.json")
     args = ap.parse_args(argv)
+    if args.readme:
+        write_readme(REPO / "docs" / "zoo.json", REPO / "README.md")
+        return 0
     torch.set_num_threads(1)
     types = [t.strip() for t in args.types.split(",") if t.strip()] if args.types else model_types()
     plans = [p.strip() for p in args.plans.split(";") if p.strip()] if args.plans else list(PLANS)

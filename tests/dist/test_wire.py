@@ -39,14 +39,11 @@ def _mapping_job():
         "all_reduce": lambda: dist.all_reduce(x.clone()),
         "all_reduce async": lambda: dist.all_reduce(x.clone(), async_op=True).wait(),
         "all_gather_single": lambda: dist.all_gather_single(torch.empty(8), x),
-        "all_gather_into_tensor": lambda: dist.all_gather_into_tensor(torch.empty(8), x),
         "reduce_scatter_single": lambda: dist.reduce_scatter_single(torch.empty(2), x),
-        "reduce_scatter_tensor": lambda: dist.reduce_scatter_tensor(torch.empty(2), x),
         "all_to_all_single": lambda: dist.all_to_all_single(torch.empty(4), x),
-        # 3 rows of 4 bytes to the peer, 1 kept; from the peer: 1 row (its split [3, 1] / [1, 3] mirrored)
+        # uneven rows (MoE dispatch): rank 0 keeps 1 row of 4 bytes and sends 3, rank 1 keeps 1 and sends 3
         "all_to_all_single split": lambda: dist.all_to_all_single(
-            torch.empty(4), x, output_split_sizes=[1, 3] if rank == 0 else [1, 3],
-            input_split_sizes=[1, 3] if rank == 0 else [3, 1]),
+            torch.empty(4), x, output_split_sizes=[1, 3][::1 - 2 * rank], input_split_sizes=[1, 3][::1 - 2 * rank]),
         "isend/irecv": pair,
         "batch_isend_irecv": batched,
         "functional all_reduce": lambda: funcol.all_reduce(x, "sum", dist.group.WORLD).wait(),
@@ -65,9 +62,7 @@ _EXPECTED = {  # rank 0's view: (operator, records' kind, group size, sent, rece
     "all_reduce": [("c10d.allreduce_.default", "all_reduce", 2, 16.0, 16.0)],  # 2(n-1)/n·F
     "all_reduce async": [("c10d.allreduce_.default", "all_reduce", 2, 16.0, 16.0)],
     "all_gather_single": [("c10d._allgather_base_.default", "all_gather", 2, 16.0, 16.0)],  # (n-1)·shard
-    "all_gather_into_tensor": [("c10d._allgather_base_.default", "all_gather", 2, 16.0, 16.0)],
     "reduce_scatter_single": [("c10d._reduce_scatter_base_.default", "reduce_scatter", 2, 8.0, 8.0)],  # (n-1)/n·F
-    "reduce_scatter_tensor": [("c10d._reduce_scatter_base_.default", "reduce_scatter", 2, 8.0, 8.0)],
     "all_to_all_single": [("c10d.alltoall_base_.default", "all_to_all", 2, 8.0, 8.0)],  # (n-1)/n of the buffer
     "all_to_all_single split": [("c10d.alltoall_base_.default", "all_to_all", 2, 12.0, 12.0)],  # the peer's rows
     "isend/irecv": [("c10d.send.default", "send", 2, 16.0, 0.0), ("c10d.recv_.default", "recv", 2, 0.0, 16.0)],

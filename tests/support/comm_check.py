@@ -51,10 +51,11 @@ def assert_wire_matches_records(records, rank=None) -> None:
     assert not problems, (rank, "collectives on the wire without their record:\n" + "\n".join(problems))
 
 
-def assert_comm_equal(records, rows, rank=None) -> None:
-    """Every kind of collective: the same calls, and exactly the same bytes both ways (and, when the
-    records carry the step's wire calls, :func:`assert_wire_matches_records` first)."""
-    if getattr(records, "wire", None) is not None:
+def assert_comm_equal(records, rows, rank=None, *, wire: bool | None = None) -> None:
+    """Every kind of collective: the same calls, and exactly the same bytes both ways; first, when the
+    records carry the step's wire calls (or ``wire=True``, which requires them),
+    :func:`assert_wire_matches_records`."""
+    if wire or (wire is None and getattr(records, "wire", None) is not None):
         assert_wire_matches_records(records, rank)
     measured, predicted = measured_by_kind(records), predicted_by_kind(rows)
     assert set(measured) == set(predicted), (rank, sorted(measured), sorted(predicted))
