@@ -51,6 +51,14 @@ _PARTIAL_SAFE = {
     aten.__and__.Tensor, aten.__or__.Tensor, aten.logical_not.default, aten.bitwise_not.default,
     aten.abs.default, aten.square.default, aten.reciprocal.default, aten.erf.default,
     aten.clamp.default, aten.softplus.default, rng.dropout,
+    # two-tensor and scalar element-wise forms (a learned-scalar activation's min / max, a where
+    # over constants, rounding of positions)
+    aten.minimum.default, aten.maximum.default, aten.min.other, aten.max.other, aten.where.Scalar,
+    aten.where.ScalarSelf, aten.where.ScalarOther, aten.clamp.Tensor, aten.clamp_min.default,
+    aten.clamp_max.default, aten.floor.default, aten.ceil.default, aten.round.default, aten.trunc.default,
+    aten.sign.default, aten.expm1.default, aten.log1p.default, aten.logical_and.default,
+    aten.logical_or.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.isnan.default,
+    aten.rsub.Scalar, aten.leaky_relu.default, aten.elu.default, aten.hardtanh.default, aten.mish.default,
 )
 def pointwise_rule(node: Node, pls: list, rc: RuleContext):
     out_ndim = ndim_of(node)

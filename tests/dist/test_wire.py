@@ -32,7 +32,8 @@ def _mapping_job():
             w.wait()
 
     def batched():
-        for w in dist.batch_isend_irecv([dist.P2POp(dist.isend, x, 1 - rank), dist.P2POp(dist.irecv, torch.empty(4), 1 - rank)]):
+        ops = [dist.P2POp(dist.isend, x, 1 - rank), dist.P2POp(dist.irecv, torch.empty(4), 1 - rank)]
+        for w in dist.batch_isend_irecv(ops):
             w.wait()
 
     calls = {
@@ -144,6 +145,25 @@ def test_collective_without_record_fails_naming_its_op(dist_pool):
     # The unrecorded p2p pair: both of its operators are named.
     with pytest.raises(AssertionError, match=re.escape("c10d.recv_.default")):
         assert_wire_matches_records(results[0]["isend/irecv"], 0)
+
+
+def _options_job(plan: str):
+    """A guarded step with gradient clipping and local batches: its records (with wire)."""
+    pm, batches = _parallelize("example", plan, "sgd", {}, wire=False, max_grad_norm=1.0)
+    inputs, target = batches[0]
+    part = pm.batch_slice(target.shape[0], target.shape[1])
+    local = (tuple(part.take(t) for t in inputs), part.take(target))
+    pm.train_step(*local, local=True)
+    guard_program(pm).train_step(*local, local=True)
+    return pm.comm_stats()
+
+
+def test_clipping_norm_and_valid_count_are_recorded(dist_pool):
+    """The two collectives the cost model's table leaves out (docs/cost-model.md) are on the wire and recorded."""
+    for rank, records in enumerate(dist_pool(_options_job, "dp=2", world=2)):
+        assert_wire_matches_records(records, rank)
+        tags = [r["tag"] for r in records]
+        assert "gradient norm" in tags and "valid-target count of the global batch" in tags, tags
 
 
 def test_records_without_wire_are_refused():

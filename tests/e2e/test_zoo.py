@@ -56,6 +56,8 @@ EXPECTED: dict[str, dict[str, object]] = {
     "deepseek_v3": {"tp=2,sp": (R, "tensor parallelism cannot split the attention")},
     # lightning attention: a state built with zeros over every head, met by the rank's heads
     "minimax": {"tp=2,sp": E},
+    # a learned-scalar activation (XIELU: min / max of the input with learned scalars)
+    "apertus": {"tp=2,sp": E},
     # a layer whose output crossing the pipeline cut is a strided view (made contiguous to be sent)
     "inkling2_text": {"pp=2,mb=2": E},
 }
