@@ -20,7 +20,7 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
 from autopar.frontend.op_sets import SIZED_RESHAPE_OPS, SPLIT_OPS
-from .rules import R, RuleContext, ndim_of, register, shape_of, size_expr
+from .rules import R, RuleContext, canonical_dim, ndim_of, register, shape_of, size_expr
 
 aten = torch.ops.aten
 
@@ -123,6 +123,23 @@ def reshape_like_rule(node: Node, pls: list, rc: RuleContext):
     if rc.local_sizes:
         return _token_shard(node, rc)
     return Shard(_mapped_dim(node, node.args[0], pl, rc))
+
+
+@register(aten.repeat_interleave.self_int)
+def repeat_interleave_rule(node: Node, pls: list, rc: RuleContext):
+    """``x.repeat_interleave(r, dim)``: each element repeated ``r`` times in place along ``dim``
+    (interleaved rotary tables: ``cos.repeat_interleave(2, dim=-1)``).  A shard on another dim
+    stays, and the op is linear, so a partial sum passes too; along the sharded dim itself the
+    repeated tokens would no longer be one per position, so that is refused."""
+    pl = pls[0]
+    if not isinstance(pl, Shard):
+        return pl
+    dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if dim is None:
+        raise rc.fail(node, "repeat_interleave without a dim flattens a sharded tensor")
+    if canonical_dim(dim, ndim_of(node.args[0])) == pl.dim:
+        raise rc.fail(node, f"repeats the elements of the sharded dim {pl.dim}")
+    return pl
 
 
 @register(aten.unflatten.int)

@@ -56,6 +56,8 @@ EXPECTED: dict[str, dict[str, object]] = {
     "deepseek_v3": {"tp=2,sp": (R, "tensor parallelism cannot split the attention")},
     # lightning attention: a state built with zeros over every head, met by the rank's heads
     "minimax": {"tp=2,sp": E},
+    # interleaved rotary tables (cos.repeat_interleave(2, dim=-1)) on sequence shards
+    "glm": {"cp=2:ring": E},
     # a learned-scalar activation (XIELU: min / max of the input with learned scalars)
     "apertus": {"tp=2,sp": E},
     # a layer whose output crossing the pipeline cut is a strided view (made contiguous to be sent)

@@ -11,6 +11,7 @@ import torch
 import autopar
 from tests.support.harness import OPTIMIZERS, make_batches
 from tests.support.jobs import BATCH, SEQ, VOCAB, build
+from tests.support.wire import train_guarded
 
 __all__ = ["pp_train_job", "pp_load_job"]
 
@@ -21,7 +22,7 @@ def pp_train_job(model_name: str, plan: str, opt_name: str, overrides: dict, ste
     batches = make_batches(VOCAB, batch, SEQ, steps, seed=1)
     pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
                              loss_fn=loss_fn, optimizer=OPTIMIZERS[opt_name], pipeline_split=split)
-    losses = [pm.train_step(inputs, target) for inputs, target in batches[:steps]]
+    losses = train_guarded(pm, batches[:steps])
     comm = pm.comm_stats()
     state = pm.state_dict()
     return {

@@ -16,6 +16,7 @@ import torch.distributed as dist
 import autopar
 from tests.support.harness import OPTIMIZERS, make_batches
 from tests.support.jobs import BATCH, SEQ, VOCAB, build, fresh_program, load_problems
+from tests.support.wire import train_guarded
 
 __all__ = ["bf16_job", "reference_bf16", "bf16_recipe", "STEPS"]
 
@@ -34,7 +35,7 @@ def bf16_job(model_name: str, plan: str, opt_name: str, overrides: dict, batch: 
     pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
                              loss_fn=loss_fn, optimizer=OPTIMIZERS[opt_name], mixed_precision="bf16",
                              max_grad_norm=max_grad_norm)
-    out = {"losses": [pm.train_step(*b) for b in batches], "norm": pm.last_grad_norm}
+    out = {"losses": train_guarded(pm, batches), "norm": pm.last_grad_norm}
     out["comm"] = pm.comm_stats()  # the last train step's
     before = pm.state_dict()
     out["eval"] = pm.eval_step(*batches[0])

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import autopar
 from tests.support.harness import OPTIMIZERS, make_batches
 from tests.support.jobs import SEQ, VOCAB, build
+from tests.support.wire import train_guarded
 
 __all__ = ["recompute_plans_job", "BATCH"]
 
@@ -27,7 +28,7 @@ def recompute_plans_job(model_name: str, plans: list[str], opt_name: str, overri
         torch.manual_seed(7)  # the dropout streams' base seed, the same for every plan
         pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
                                  loss_fn=loss_fn, optimizer=OPTIMIZERS[opt_name])
-        losses = [pm.train_step(inputs, target) for inputs, target in batches[:steps]]
+        losses = train_guarded(pm, batches[:steps])
         comm = pm.comm_stats()
         state = pm.state_dict()
         out[plan] = {

@@ -60,7 +60,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["WireCall", "WireCounter", "WireRecords", "UNRECORDED", "OUTSIDE_STEP", "describe", "wire_problems",
+__all__ = ["train_guarded", "WireCall", "WireCounter", "WireRecords", "UNRECORDED", "OUTSIDE_STEP", "describe", "wire_problems",
            "guard_program"]
 
 _COMM_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional", "_c10d_functional_autograd")
@@ -280,3 +280,11 @@ def guard_program(pm):
     pm.train_step, pm.eval_step = counted("train_step"), counted("eval_step")
     pm.comm_stats = lambda: WireRecords(cls.comm_stats(ref()), last)
     return pm
+
+
+def train_guarded(pm, batches) -> list[float]:
+    """``pm.train_step`` on each ``(inputs, target)`` of ``batches``, the last one counted on the
+    wire (:func:`guard_program`): ``pm.comm_stats()`` is then that step's records with its calls."""
+    losses = [pm.train_step(*batch) for batch in batches[:-1]]
+    guard_program(pm)
+    return losses + [pm.train_step(*batches[-1])]

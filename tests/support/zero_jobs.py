@@ -10,6 +10,7 @@ import torch.distributed as dist
 import autopar
 from tests.support.harness import OPTIMIZERS, make_batches
 from tests.support.jobs import SEQ, VOCAB, build, fresh_program, load_problems
+from tests.support.wire import train_guarded
 
 __all__ = ["zero_train_job", "zero_state_job", "outside_step_job", "memory_job", "SEQ", "VOCAB"]
 
@@ -24,7 +25,7 @@ def _parallelize(model_name: str, plan: str, opt_name: str, overrides: dict, bat
 def zero_train_job(model_name: str, plan: str, opt_name: str, overrides: dict, batch: int, steps: int = 3):
     """Train ``steps`` steps on batches of ``batch``; comm records are the last step's."""
     pm, batches = _parallelize(model_name, plan, opt_name, overrides, batch)
-    losses = [pm.train_step(inputs, target) for inputs, target in batches[:steps]]
+    losses = train_guarded(pm, batches[:steps])
     state = pm.state_dict()
     return {
         "losses": losses,
