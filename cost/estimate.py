@@ -72,8 +72,8 @@ class Cost:
     memory_per_gpu: float
     tokens_per_s: float
     bubble: float
-    bottleneck_rank: int
-    memory_rank: int
+    bottleneck_pp_rank: int
+    memory_pp_rank: int
     _out: dict = field(repr=False)
     _subs: dict = field(repr=False)
     _model: object = field(repr=False)
@@ -91,7 +91,7 @@ class Cost:
 
     def memory(self, pp_rank: int | None = None) -> dict[str, float]:
         """Bytes per GPU by category on pipeline rank ``pp_rank`` (default: the fullest)."""
-        r = self.memory_rank if pp_rank is None else pp_rank
+        r = self.memory_pp_rank if pp_rank is None else pp_rank
         return {n.split(".", 1)[1]: self._value(n, r) for n in self._out if n.startswith("memory.")}
 
     def breakdown(self, *, formulas: bool = True) -> list[Term]:
@@ -99,7 +99,7 @@ class Cost:
 
         ``formulas=False`` leaves ``Term.formula`` None: the values alone are cheap, while
         substituting the plan into every sympy formula takes seconds (``autopar plan``'s table)."""
-        model, r, mb = self._model, self.bottleneck_rank, self.plan.mb
+        model, r, mb = self._model, self.bottleneck_pp_rank, self.plan.mb
         # The sympy formulas are touched only when asked for (from the disk cache they are rebuilt).
         exprs = dict(zip(model.names, model.exprs)) if formulas else {}
 
@@ -163,10 +163,10 @@ class Cost:
             f"plan {self.plan}  ({self.plan.world_size} GPUs, {self.cluster.gpu}, seq {self.seq_len}, "
             f"global batch {self.global_batch})",
             f"  step time     {_fmt_time(self.step_time)}   (bubble {_fmt_time(self.bubble)}, "
-            f"slowest pipeline rank {self.bottleneck_rank})",
+            f"slowest pp rank {self.bottleneck_pp_rank})",
             f"  throughput    {self.tokens_per_s:,.0f} tokens/s   MFU {self.mfu * 100:.1f}%",
             f"  memory/GPU    {_fmt_bytes(self.memory_per_gpu)} of {_fmt_bytes(cap)} usable "
-            f"({'fits' if self.fits else 'DOES NOT FIT'}; rank {self.memory_rank})",
+            f"({'fits' if self.fits else 'DOES NOT FIT'}; pp rank {self.memory_pp_rank})",
         ]
         terms = self.breakdown()
         lines.append("  time per step (slowest rank):")
@@ -251,5 +251,5 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
                 step_time=step,
                 mfu=model_flops(spec, seq_len, global_batch) / (step * plan.world_size * cluster.peak_flops),
                 memory_per_gpu=float(out["memory"][mem_rank]), tokens_per_s=tokens / step,
-                bubble=float(bubble[0]), bottleneck_rank=slow, memory_rank=mem_rank, _out=out,
+                bubble=float(bubble[0]), bottleneck_pp_rank=slow, memory_pp_rank=mem_rank, _out=out,
                 _subs=subs, _model=model, dtype_bytes=dtype_bytes)

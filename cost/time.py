@@ -27,7 +27,7 @@ exposed = max((1 - phi) t, t - window), the window being the compute it can run 
     (1 - phi) t); EP all-to-alls likewise, except under dualpipev (overlapped);
   * CP all-gather / Ulysses, the tp gradient all-reduce, the loss all-reduce: exposed.
 
-Step. Per micro-batch, the slowest pipeline rank takes T_f = compute_f + exposed_f and
+Step. Per micro-batch, the slowest pp rank takes T_f = compute_f + exposed_f and
 T_b = compute_b + exposed_b; step = m (T_f + T_b) + bubble (pipeline.py) + exposed
 per-step collectives + the optimizer update (memory bound).
 

@@ -109,9 +109,9 @@ def measure_memory(target: str, plan: str, world_size: int, timeout: float = MEA
     return [reports[r] for r in range(world_size)]
 
 
-def predicted_memory(cost, stage: int | None = None) -> dict[str, float]:
+def predicted_memory(cost, pp_rank: int | None = None) -> dict[str, float]:
     """The cost model's bytes per measured category (activations: every activation term)."""
-    terms = cost.memory(stage)
+    terms = cost.memory(pp_rank)
     return {cat: sum(terms.get(part, 0.0) for part in parts) for cat, parts in _PREDICTED_PARTS.items()}
 
 
@@ -123,10 +123,10 @@ def memory_comparison(cost, reports: list[dict]) -> list[dict]:
     nothing is predicted.  ``master_params`` (ZeRO-1/2's fp32 shards) has no cost-model term.
     """
     plan = cost.plan
-    stage = cost.memory_rank
-    per_stage = len(reports) // plan.pp
-    ranks = reports[stage * per_stage:(stage + 1) * per_stage]
-    predicted = predicted_memory(cost, stage)
+    pp_rank = cost.memory_pp_rank
+    per_pp_rank = len(reports) // plan.pp
+    ranks = reports[pp_rank * per_pp_rank:(pp_rank + 1) * per_pp_rank]
+    predicted = predicted_memory(cost, pp_rank)
     rows = []
     for cat in ("params", "grads", "optimizer", "activations", "master_params"):
         measured = max(r.get(cat, 0) for r in ranks)

@@ -339,7 +339,7 @@ def _time_entries(terms, formulas: bool) -> list[dict]:
 def explain_record(cost, *, pp_rank: int | None = None, formulas: bool = False) -> dict:
     """The full breakdown of one scored plan as a JSON-ready dict."""
     plan = cost.plan
-    pp_rank = cost.bottleneck_rank if pp_rank is None else pp_rank
+    pp_rank = cost.bottleneck_pp_rank if pp_rank is None else pp_rank
     if not 0 <= pp_rank < plan.pp:
         raise AutoparError(
             f"autopar: --pp-rank {pp_rank} is outside the pipeline; plan '{plan}' has pp ranks "
@@ -361,7 +361,7 @@ def explain_record(cost, *, pp_rank: int | None = None, formulas: bool = False) 
         "microbatches": plan.mb, "step_time_s": cost.step_time, "mfu": cost.mfu,
         "tokens_per_s": cost.tokens_per_s, "memory_per_gpu_bytes": cost.memory_per_gpu,
         "usable_memory_bytes": cost.cluster.usable_memory, "fits": cost.memory_per_gpu <= cost.cluster.usable_memory,
-        "bottleneck_pp_rank": cost.bottleneck_rank, "memory_pp_rank": cost.memory_rank,
+        "bottleneck_pp_rank": cost.bottleneck_pp_rank, "memory_pp_rank": cost.memory_pp_rank,
         "pp_rank": pp_rank,
         "comm": [_row_dict(r) for r in rows],
         "comm_bytes_sent_per_step_by_dimension": by_dim,

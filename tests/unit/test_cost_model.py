@@ -224,7 +224,7 @@ def test_vectorised_model_agrees_with_itself_per_rank():
     c = estimate("llama3-8b", Cluster(num_nodes=2), "tp=4,pp=4:1f1b,mb=8", 2048, 32)
     out = c._out
     assert np.all(np.isfinite(out["T_f"])) and out["T_f"].shape == (4,)
-    assert c.bottleneck_rank == int(np.argmax(out["T_f"] + out["T_b"]))
+    assert c.bottleneck_pp_rank == int(np.argmax(out["T_f"] + out["T_b"]))
 
 
 @pytest.mark.parametrize("zero, hidden_by_runtime", [(0, True), (1, False), (2, "grad"), (3, True)])
