@@ -30,6 +30,8 @@ Torch-free and numpy-free: the offline tools import it.
 """
 from __future__ import annotations
 
+import itertools
+
 import math
 from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping
@@ -482,14 +484,11 @@ def structures(world_size: int, facts: Mapping, *, seq_len: int, global_batch: i
                     (s, v) for s in schedules or SCHEDULES
                     for v in (INTERLEAVED_VPP if s == "interleaved" else (chunks_per_rank(s, 1),))
                     if layers_ok(pp, chunks_per_rank(s, v), f["num_layers"])]
-                for ep in eps:
-                    for sp_on in sps:
-                        for variant in variants:
-                            for sched, vpp in scheds:
-                                row = dict(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, sp=sp_on, cp_variant=variant,
-                                           schedule=code("schedule", sched), vpp=vpp)
-                                for name in STRUCTURE_FIELDS:
-                                    cols[name].append(row[name])
+                for ep, sp_on, variant, (sched, vpp) in itertools.product(eps, sps, variants, scheds):
+                    row = dict(pp=pp, dp=dp, cp=cp, tp=tp, ep=ep, sp=sp_on, cp_variant=variant,
+                               schedule=code("schedule", sched), vpp=vpp)
+                    for name in STRUCTURE_FIELDS:
+                        cols[name].append(row[name])
     return cols
 
 

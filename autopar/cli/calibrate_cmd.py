@@ -34,7 +34,7 @@ import traceback
 from autopar.errors import AutoparError
 
 __all__ = ["register", "run_calibrate", "measure_gemm", "measure_memory_bandwidth", "device_memory",
-           "measure_collectives", "stop_processes", "SETTINGS"]
+           "measure_collectives", "SETTINGS"]
 
 _KIB, _MIB, _GIB = 2**10, 2**20, 2**30
 COLLECTIVE_TIMEOUT_S = 600.0
@@ -224,7 +224,7 @@ def measure_collectives(kind: str, world: int, sizes, budget: float, log,
 
     import torch.multiprocessing as mp
 
-    from autopar.verification.launch import free_port
+    from autopar.verification.launch import free_port, stop_processes
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -259,18 +259,6 @@ def measure_collectives(kind: str, world: int, sizes, budget: float, log,
     finally:
         stop_processes(procs)
     return samples
-
-
-def stop_processes(procs, grace: float = 10.0) -> None:
-    """Join spawned processes; end (SIGTERM, each by its own handle) those still running after ``grace``
-    seconds in all."""
-    deadline = time.monotonic() + grace
-    for p in procs:
-        p.join(timeout=max(0.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-            p.join()
 
 
 # ---------------------------------------------------------------------- the command

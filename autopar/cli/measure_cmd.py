@@ -12,13 +12,13 @@ and :func:`format_memory_comparison` prints the table.  autopar/cli/plan_cmd.py 
 """
 from __future__ import annotations
 
-import socket
 import traceback
 from datetime import timedelta
 
 import torch
 
 from autopar.errors import AutoparError
+from autopar.verification.launch import free_port, stop_processes
 
 __all__ = ["measure_memory", "predicted_memory", "memory_comparison", "format_memory_comparison",
            "MEASURE_TIMEOUT_S"]
@@ -67,12 +67,6 @@ def _worker(rank: int, world_size: int, port: int, target: str, plan: str, resul
             dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def measure_memory(target: str, plan: str, world_size: int, timeout: float = MEASURE_TIMEOUT_S) -> list[dict]:
     """``memory_report()`` of every rank after one ``train_step`` of ``target`` under ``plan``."""
     import queue
@@ -83,7 +77,7 @@ def measure_memory(target: str, plan: str, world_size: int, timeout: float = MEA
         raise AutoparError(f"autopar: --world must be >= 1, got {world_size}")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, target, plan, results), daemon=True)
              for r in range(world_size)]
     for p in procs:
@@ -101,11 +95,7 @@ def measure_memory(target: str, plan: str, world_size: int, timeout: float = MEA
                                    f"{target}: {payload.splitlines()[0]}\n{payload}")
             reports[rank] = payload
     finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.terminate()
-                p.join()
+        stop_processes(procs)
     return [reports[r] for r in range(world_size)]
 
 

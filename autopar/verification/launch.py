@@ -20,7 +20,7 @@ import torch
 
 from autopar.errors import AutoparError
 
-__all__ = ["RankFailure", "free_port", "start_ranks", "stop_ranks", "wait_ranks", "DEFAULT_TIMEOUT_S"]
+__all__ = ["RankFailure", "free_port", "stop_processes", "start_ranks", "stop_ranks", "wait_ranks", "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 600.0
 _GRACE_S = 3.0  # after the first failure, how long the other ranks get to report theirs
@@ -35,6 +35,18 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def stop_processes(procs, grace: float = 10.0) -> None:
+    """Join spawned processes; end (SIGTERM, each by its own handle) those still running after ``grace``
+    seconds in all."""
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(timeout=max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+            p.join()
 
 
 def start_ranks(workdir: str, world: int) -> list[subprocess.Popen]:

@@ -447,23 +447,13 @@ README_END = "<!-- end of the zoo table -->"
 
 
 def readme_table(results: dict, plans: list[str], columns: dict[str, str]) -> str:
-    """The README's compact table: one row per model type that traces, a short cell per plan
-    (equal, the refusal's first words, or the failure), between :data:`README_BEGIN` and
-    :data:`README_END`."""
-    def short(outcome: dict) -> str:
-        kind = outcome["outcome"]
-        if kind == "equal":
-            return "equal (step 1)" if outcome.get("note") else "equal"
-        if kind in ("no-build", "refused (trace)"):
-            return kind
-        reason = outcome.get("reason", "").removeprefix("autopar: ").replace("|", "/")
-        return f"{kind}: {reason[:45].rstrip()}..." if len(reason) > 45 else f"{kind}: {reason}"
-
+    """The README's compact table: one row per model type that traces, a short :func:`cell` per
+    plan, between :data:`README_BEGIN` and :data:`README_END`."""
     rows = [README_BEGIN, "", "| model type | " + " | ".join(columns.get(p, p) for p in plans) + " |",
             "|" + "---|" * (len(plans) + 1)]
     for model_type, row in sorted(results.items()):
         if any(o["outcome"] not in ("no-build", "refused (trace)") for o in row.values()):
-            rows.append(f"| {model_type} | " + " | ".join(short(row[p]) for p in plans) + " |")
+            rows.append(f"| {model_type} | " + " | ".join(cell(row[p], 48).replace("|", "/") for p in plans) + " |")
     return "\n".join(rows + ["", README_END])
 
 
