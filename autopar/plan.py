@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from autopar.errors import AutoparError
 from autopar.plan_space import (CP_VARIANTS, MESH_AXES, MULTI_CHUNK_SCHEDULES, RECOMPUTE_MODES, SCHEDULES,
                                 V_SCHEDULES, ZERO_STAGES, batch_ok, check_microbatches, chunk_rank,
-                                chunks_per_rank, cp_seq_ok, divisors, ep_ok, experts_ok, heads_ok,
+                                chunks_per_rank, cp_seq_ok, divisors, ep_ok, experts_ok, heads_ok, kv_cp_ok,
                                 latent_attention_ok, layers_ok, microbatches_ok, sp_ok, sp_seq_ok, ulysses_fits,
                                 ulysses_heads_ok, ulysses_ok, valid_microbatches, vocab_ok)
 from autopar.plan_space import code as _code
@@ -379,11 +379,8 @@ class Plan:
         kv = num_kv_heads if num_kv_heads is not None else num_heads
         if num_heads is not None:
             self._check_heads(num_heads, kv)
-        elif num_kv_heads is not None and not heads_ok(self.tp, num_kv_heads, num_kv_heads):
-            raise AutoparError(
-                f"autopar: tp={self.tp} does not divide the {num_kv_heads} KV heads; "
-                f"valid tp values: {_fmt_list(divisors(num_kv_heads))}"
-            )
+        elif num_kv_heads is not None:
+            self._check_kv_cp(num_kv_heads)
         if latent_attention is not None and not latent_attention_ok(self.tp, int(latent_attention)):
             raise AutoparError(
                 f"autopar: plan '{self}' splits multi-head latent attention (a low-rank latent K/V) over tp; the "
@@ -427,19 +424,12 @@ class Plan:
         return self
 
     def _check_heads(self, heads: int, kv: int) -> None:
-        valid_tp = divisors(math.gcd(heads, kv))
-        if not heads_ok(self.tp, heads, heads):
-            raise AutoparError(
-                f"autopar: tp={self.tp} does not divide the {heads} attention heads; tensor "
-                f"parallelism splits whole heads, so tp must be one of {_fmt_list(valid_tp)}"
-            )
         if not heads_ok(self.tp, heads, kv):
             raise AutoparError(
-                f"autopar: tp={self.tp} does not divide the {kv} KV heads (grouped-query "
-                f"attention, {heads} query heads); replicating KV heads across tensor-"
-                f"parallel ranks is not supported, so tp must divide both: valid tp values "
-                f"are {_fmt_list(valid_tp)}"
+                f"autopar: tp={self.tp} does not divide the {heads} attention heads; tensor "
+                f"parallelism splits whole heads, so tp must be one of {_fmt_list(divisors(heads))}"
             )
+        self._check_kv_cp(kv)
         if not ulysses_ok(self.cp, _code("cp_variant", self.cp_variant), heads, kv, self.tp):
             split = self.tp * self.cp
             # tp divides gcd(heads, kv) here, so cp must divide what is left per tp rank.
@@ -454,6 +444,16 @@ class Plan:
                 f"{self.tp}*{self.cp} = {split} ranks, but the model has {heads} heads "
                 f"and {kv} KV heads, which must both be divisible by {split}; {hint} "
                 f"the ring or allgather variant"
+            )
+
+    def _check_kv_cp(self, kv: int) -> None:
+        if not kv_cp_ok(self.tp, self.cp, kv):
+            good_tp = [t for t in divisors(kv) if t > 1]
+            raise AutoparError(
+                f"autopar: tp={self.tp} does not divide the {kv} KV heads, so every tp rank holds all of "
+                f"them (KV-head replication), which context parallelism does not run: use cp=1 with "
+                f"tp={self.tp}" + (f", or a tp that divides the KV heads ({_fmt_list(good_tp)}) with cp={self.cp}"
+                                   if good_tp else "")
             )
 
     def _check_batch(self, global_batch: int) -> None:

@@ -13,7 +13,9 @@ Everything that more than one part of autopar knows about plans is written here 
   the rules of a plan alone (``Plan``'s construction), of a plan against a model and a run
   (:meth:`autopar.plan.Plan.validate`, the cost model, the search), of what the runtime runs
   (:data:`RUNTIME_RULES`, asked by :mod:`autopar.support`), and of what the search prices;
-* :func:`divisors` and the enumeration of candidates (:func:`structures`, :func:`candidates`).
+* :func:`divisors` and the enumeration of candidates (:func:`structures`, :func:`candidates`);
+* how gradients are packed into the buckets of their collectives (:func:`pack_buckets`,
+  :data:`DEFAULT_BUCKET_BYTES`): the data-parallel pass packs them, the cost model counts them.
 
 Asking it: ``Plan`` (construction and ``validate``), :mod:`autopar.support` (hence
 ``parallelize``), the search (:mod:`autopar.planning.search`) and ``plan="auto"``
@@ -34,7 +36,7 @@ import itertools
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Iterator, Mapping, Sequence
 
 from autopar.errors import AutoparError
 
@@ -47,13 +49,16 @@ __all__ = [
     # chunks and micro-batches
     "chunks_per_rank", "chunk_rank", "microbatches_ok", "valid_microbatches", "check_microbatches",
     # rules of a plan alone, and of a plan against a model and a run
-    "sp_ok", "ep_ok", "heads_ok", "vocab_ok", "ulysses_heads_ok", "ulysses_fits", "ulysses_ok", "layers_ok",
+    "sp_ok", "ep_ok", "heads_ok", "kv_replicated", "kv_cp_ok", "vocab_ok", "ulysses_heads_ok", "ulysses_fits",
+    "ulysses_ok", "layers_ok",
     "experts_ok", "batch_ok", "cp_seq_ok", "sp_seq_ok", "latent_attention_ok", "model_facts",
     # what the runtime runs
     "Rule", "RUNTIME_RULES", "moe_rewritten", "split_backward", "runtime_refusals", "runnable",
     "supported_summary",
     # what the search prices, and enumeration
     "zero_meaningful", "interleaved_priced", "divisors", "STRUCTURE_FIELDS", "structures", "candidates",
+    # gradient buckets
+    "DEFAULT_BUCKET_BYTES", "pack_buckets",
 ]
 
 # ---- names and their integer codes ----------------------------------------------------------
@@ -252,8 +257,24 @@ def ep_ok(ep, dp, cp):
 # ---- rules of a plan against a model and a run (Plan.validate, cost model, search) ------------
 
 def heads_ok(tp, num_heads, num_kv_heads):
-    """Tensor parallelism splits whole heads and whole KV heads (never replicated): tp divides both."""
-    return (num_heads % tp == 0) & (num_kv_heads % tp == 0)
+    """Tensor parallelism splits whole query heads: tp divides them.  The KV heads are split too
+    where tp divides them, and otherwise replicated (:func:`kv_replicated`), so any count fits."""
+    return (num_heads % tp == 0) & (num_kv_heads > 0)
+
+
+def kv_replicated(tp, num_kv_heads):
+    """KV-head replication: where tp does not divide the KV heads (fewer KV heads than tp, down
+    to multi-query attention's one, or a count tp does not divide), every tp rank holds all of
+    them -- the K and V projections are not split -- and takes the copies its query heads read
+    after the GQA broadcast; the K/V weights' gradients are summed over tp
+    (``passes/tensor_parallel.py``, docs/plan-syntax.md)."""
+    return num_kv_heads % tp != 0
+
+
+def kv_cp_ok(tp, cp, num_kv_heads):
+    """Context parallelism moves each tp rank's own KV heads: replicated KV heads
+    (:func:`kv_replicated`) need ``cp == 1``."""
+    return (cp == 1) | (num_kv_heads % tp == 0)
 
 
 def vocab_ok(tp, vocab):
@@ -440,6 +461,33 @@ def interleaved_priced(schedule, pp, mb):
     return (among(schedule, "schedule", ("interleaved",)) == 0) | (mb >= pp)
 
 
+# ---- gradient buckets -------------------------------------------------------------------------
+
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+"""The default cap on a gradient bucket's local bytes (``parallelize(bucket_bytes=)``,
+``estimate(bucket_bytes=)``)."""
+
+
+def pack_buckets(sizes: Sequence[int], cap: int) -> list[range]:
+    """The gradient buckets of tensors of ``sizes`` local bytes, in the order they are packed
+    (backward's: reverse parameter order), as ranges of their indices.
+
+    Greedy and in order: a bucket takes the next tensor unless that would take it past ``cap``
+    bytes, then the next bucket starts with that tensor (a tensor bigger than ``cap`` is a bucket
+    of its own).  ``passes/data_parallel.py`` packs the program's buckets with it and
+    ``cost/buckets.py`` counts them from a ``ModelSpec``."""
+    out: list[range] = []
+    start, size = 0, 0
+    for i, nbytes in enumerate(sizes):
+        if i > start and size + nbytes > cap:
+            out.append(range(start, i))
+            start, size = i, 0
+        size += nbytes
+    if len(sizes) > start:
+        out.append(range(start, len(sizes)))
+    return out
+
+
 # ---- enumeration ------------------------------------------------------------------------------
 
 def divisors(n: int) -> list[int]:
@@ -467,7 +515,7 @@ def structures(world_size: int, facts: Mapping, *, seq_len: int, global_batch: i
                                                         & latent_attention_ok(tp, f["latent"])):
             continue
         for cp in divisors(world_size // tp):
-            if not cp_seq_ok(seq_len, cp):
+            if not (cp_seq_ok(seq_len, cp) & kv_cp_ok(tp, cp, f["num_kv_heads"])):
                 continue
             for pp in divisors(world_size // (tp * cp)):
                 dp = world_size // (tp * cp * pp)

@@ -45,7 +45,6 @@ import functools
 import gc
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -62,6 +61,7 @@ _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
+from autopar.verification.launch import free_port  # noqa: E402
 from benchmarks.torch_baselines import MODEL_SIZE, TORCH_BUILDERS, _first_error, _loss, _model  # noqa: E402
 
 __all__ = ["BenchConfig", "PAIRS", "MODEL_SIZE", "run_benchmark", "main"]
@@ -293,10 +293,6 @@ def _worker(rank: int, world: int, port: int, cfg: BenchConfig, names: list[str]
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_benchmark(cfg: BenchConfig) -> dict:
@@ -310,7 +306,7 @@ def run_benchmark(cfg: BenchConfig) -> dict:
     for world, names in sorted(by_world.items(), reverse=True):
         with tempfile.TemporaryDirectory() as tmp:
             out_path = os.path.join(tmp, "result.json")
-            mp.spawn(_worker, args=(world, _free_port(), cfg, names, out_path), nprocs=world)
+            mp.spawn(_worker, args=(world, free_port(), cfg, names, out_path), nprocs=world)
             results += json.loads(Path(out_path).read_text())
     order = list(PAIRS)
     results.sort(key=lambda r: order.index(r["pair"]))

@@ -20,7 +20,7 @@ what the model predicts for balanced routing (``routing_imbalance=1``).  Other M
 are refused with a message.
 
 Run: ``python benchmarks/scale_simulation.py --plan PLAN [--layers L] [--rank R] [--model PRESET]
-[--seq S] [--micro-batch B]`` (progress is printed as it goes).  The engine (:func:`simulate`,
+[--seq S] [--micro-batch B] [--bucket-bytes N]`` (progress is printed as it goes).  The engine (:func:`simulate`,
 :func:`compare`) is tests/support/scale.py, which tests/e2e/test_scale.py and
 tests/e2e/test_search_compiles.py run too.
 """
@@ -32,6 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from autopar.plan_space import DEFAULT_BUCKET_BYTES  # noqa: E402
 from tests.support.scale import compare, simulate  # noqa: E402 - the engine, shared with tests/e2e
 
 __all__ = ["simulate", "compare", "main"]
@@ -46,8 +47,11 @@ def main(argv=None) -> int:
                     help="an autopar.ModelSpec preset (dense, or MoE in every layer: balanced routing)")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--micro-batch", dest="microbatch", type=int, default=1)
+    ap.add_argument("--bucket-bytes", dest="bucket_bytes", type=int, default=DEFAULT_BUCKET_BYTES,
+                    help="the gradient buckets' cap (parallelize's bucket_bytes; the cost model counts the buckets)")
     args = ap.parse_args(argv)
-    r = simulate(args.layers, args.plan, args.seq, args.microbatch, rank=args.rank, model=args.model)
+    r = simulate(args.layers, args.plan, args.seq, args.microbatch, rank=args.rank, model=args.model,
+                 bucket_bytes=args.bucket_bytes)
     return 0 if compare(r) else 1
 
 

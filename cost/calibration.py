@@ -154,12 +154,13 @@ def calibration_table(constants: dict | None = None, gemm: dict | None = None) -
     table = []
     for row in calibration_rows():
         cost, mfu = predict(row, constants, gemm)
-        mem = cost.memory()
+        mem = cost.memory(0)  # Korthikanti et al.'s memory figures are the first stage's
         entry = dict(set=row.set, name=row.name, plan=row.plan, gpus=row.cluster.world_size,
                      mfu=row.mfu, mfu_pred=mfu, mfu_err=(mfu - row.mfu) / row.mfu if row.mfu == row.mfu else None,
                      time=row.time, time_pred=cost.step_time,
                      time_err=(cost.step_time - row.time) / row.time if row.time else None,
-                     fits=cost.fits, memory_gib=cost.memory_per_gpu / GIB)
+                     fits=cost.fits, memory_gib=cost.memory_per_gpu / GIB,
+                     pipeline_buffers_gib=cost.memory()["pipeline_buffers"] / GIB)
         if row.weights_optimizer_gib is not None:
             wo = (mem["params"] + mem["grads"] + mem["optimizer"]) / GIB
             entry.update(wo=row.weights_optimizer_gib, wo_pred=wo,

@@ -28,12 +28,23 @@ Layer structure seen by the rows, per stage (``l_d`` dense and ``l_e`` MoE layer
   * PP: the boundary activation (sequence-sharded by SP and CP) per send, and the loss
     all-reduced over pp once per step so that every stage returns it;
   * DP / ZeRO: gradient all-reduce (stage 0) or reduce-scatter (1: per step, 2-3: per
-    micro-batch, and under pp per chunk and micro-batch; 3: per gather unit and micro-batch)
-    over the ranks holding copies (dp*cp
+    micro-batch; 3: per gather unit and micro-batch) over the ranks holding copies (dp*cp
     for dense weights, dp*cp/ep for experts), the parameter all-gather after the step (1-2)
     or per unit and micro-batch forward and backward (3; units = the stage's layers + 1 for
     embedding and head, as ``passes/zero.py`` groups them; a MoE layer's experts are a unit of
-    their own, so expert rows count ``l_e`` units).
+    their own, so expert rows count ``l_e`` units).  Stages 0-2 run one call per gradient
+    bucket (``bucket_bytes``; buckets.py, ``autopar.plan_space.pack_buckets``): with the
+    tensors' local bytes ``x_j`` in backward's order packed greedily into runs ``B_k``
+    (``B_k`` closes before ``x_j`` when ``|B_k| + x_j > bucket_bytes``), the scored rank's
+    buckets are ``n_bd = #{k : B_k holds a dense tensor of the rank}`` (``n_be`` for the
+    routed experts, packed apart), and ZeRO-2 under pp cuts them at chunk borders,
+    ``n_ud = sum_k #{chunks of the rank's tensors in B_k}`` (``n_ue``); so per step
+        all-reduces        (1 - z_1) n_b
+        reduce-scatters    z_1 (1 + (m - 1) z_2) [z_3 u + (1 - z_3) U],   U = n_b + z_2 (1 - z_3)(n_u - n_b)
+        after-step gathers z_1 (1 - z_3) U
+    (``n_b = n_u = n`` without pp), each row's bytes spread evenly over its calls.  The step
+    time (time.py, model.py) prices their bytes in full but one latency per collective of the
+    step (per chunk under ZeRO-2 with pp), not one per bucket: the model was calibrated so;
     Gradients partial over tp are summed once per step, on the dp*cp shard under ZeRO-2/3;
   * full recompute (passes/recompute.py): backward runs each layer's forward collectives
     again but the trailing one (after down_proj or the MoE block), with phase ``bwd``: with
@@ -50,10 +61,10 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from .symbols import (CPAG, CPRING, CPUL, E, FIRST, TIED, V, LAST, NRECV, NSEND, RFULL, RSEL, SP, Z1, Z2, Z3, Pe, Ph, a, en,
+from .symbols import (CPAG, CPRING, CPUL, E, FIRST, TIED, V, LAST, NBD, NBE, NRECV, NSEND, NUD, NUE, RFULL, RSEL, SP, Z1, Z2, Z3, Pe, Ph, a, en,
                       b, ccs, cp, d, dp, dv, ep, f, fe, g, gated, gc, h, hb, k, ld, le, lg, lq, m, mla, ncs, nl, nn,
                       nsh, pb, pp, qb, qkn, qkh, rho, rkv, rq, s, sgate, tp, aux, vpp, w, wgc, wp)
-from .flops import attention_weights
+from .flops import KV_REPLICATED, attention_weights, kv_weights
 
 __all__ = ["CommRow", "RowSpec", "TOKEN_ROWS", "row_specs", "routed_row_formulas", "routed_all_to_all_rows",
            "activation_bytes", "local_param_elems", "zero3_units"]
@@ -92,6 +103,10 @@ class RowSpec:
     per_mb: bool
     what: str
     routed: bool = False  # MoE token all-to-all: exact from a run's counts (routed_all_to_all_rows)
+    # Calls whose latency the step time prices (None: every call).  The gradient buckets' rows
+    # price one latency per collective of the step, as the calibrated model did before it counted
+    # buckets (model.py ``_model_outputs``; see _data_parallel_rows).
+    latency: sp.Expr | None = None
 
     @property
     def passes(self) -> int:
@@ -115,7 +130,8 @@ def local_param_elems():
     dp*cp (TP-sharded weights count 1/tp, norms are whole), ``expert`` over tp*dp*cp/ep,
     and ``tp_replicated_partial`` the replicated weights whose gradients are partial sums
     over tp (norms under SP; routers and shared experts, which see a token slice; OLMo 2's
-    whole-width q/k norm weights, which each rank reads its slice of).  Besides the decoder:
+    whole-width q/k norm weights, which each rank reads its slice of; the k and v projections
+    under KV-head replication, ``KV_REPLICATED``, flops.py).  Besides the decoder:
     ``n_ln`` norms per layer; with ``p_b`` the column biases (MLP up/gate) split over tp and the
     row biases (o_proj, down: h each) whole, added after the reduction; ``P_emb`` (position and
     token-type tables) and ``emb_norm`` a norm of the embeddings (BERT's) on the first stage and
@@ -128,6 +144,10 @@ def local_param_elems():
     qkv, o = attention_weights()
     latent_norms = mla * (lq * rq + rkv)  # MLA's norms of its q and kv latents (tp does not split MLA)
     attn = (qkv + qb * (a + 2 * g) * d + o) / tp + qk_norms + latent_norms + pb * h
+    # KV-head replication: the k and v projections (and biases) whole on every tp rank, their
+    # gradients partial over tp (each rank's query heads' share)
+    kv_whole = KV_REPLICATED * kv_weights(qb)
+    attn += kv_whole * (1 - 1 / tp)
     norms = nl * h * nn
     mlp = _mlp(f) / tp + pb * ((1 + gated) * f / tp + h)
     router_shared = h * E + nsh * _mlp(fe) + sgate * h
@@ -135,7 +155,7 @@ def local_param_elems():
              + FIRST * (V * h / tp + Pe + en * h * nn) + LAST * (V * h / tp * (1 - TIED * FIRST) + h * nn + hb * V / tp + Ph))
     expert = le * (E / ep) * _mlp(fe)
     partial = (SP * ((nl * (ld + le) + LAST + en * FIRST) * h * nn + pb * (2 * ld + le) * h + FIRST * Pe + LAST * Ph)
-               + le * router_shared + (ld + le) * qk_norms)
+               + le * router_shared + (ld + le) * (qk_norms + kv_whole))
     return dense, expert, partial
 
 
@@ -224,9 +244,9 @@ def _row_collector():
     """An empty RowSpec list and the ``add`` that appends to it (``recv`` defaults to ``sent``)."""
     rows: list[RowSpec] = []
 
-    def add(phase, dim, coll, axis, group, sent, count, per_mb, what, recv=None, routed=False):
+    def add(phase, dim, coll, axis, group, sent, count, per_mb, what, recv=None, routed=False, latency=None):
         rows.append(RowSpec(phase, dim, coll, axis, group, sent, sent if recv is None else recv,
-                            count, per_mb, what, routed))
+                            count, per_mb, what, routed, latency))
 
     return rows, add
 
@@ -269,7 +289,8 @@ def _tensor_parallel_rows() -> list[RowSpec]:
     _, _, partial = local_param_elems()
     # Under ZeRO-2/3 the rank holds only its dp*cp shard of these gradients when it sums them.
     add("grad", "sp", "all_reduce", "tp", tp, _ar(partial * wgc * (1 - Z2 + Z2 / (dp * cp)), tp), 1, False,
-        "gradients of tp-replicated weights used on token shards (norms under SP, MoE routers)")
+        "gradients of tp-replicated weights used on token shards or head slices (norms under SP, MoE routers, "
+        "k/v projections under KV-head replication)")
     # A norm over a q or k projection's whole (tp-sharded) width sums its fp32 statistics per token
     # across ranks, and in backward the statistics' gradient (passes/reduction_rules.py _reduce_across_ranks).
     add("fwd", "tp", "all_reduce", "tp", tp, _ar(T * 4, tp), 2 * qkn * (ld + le), True,
@@ -380,20 +401,30 @@ def _data_parallel_rows() -> list[RowSpec]:
     # backward reads only the indices; without pp the embedding shares a unit with the head).
     # (An embedding norm's backward reads its weight, so then the unit is re-gathered.)
     emb_only = FIRST * SPLIT_REST * (1 - en)
-    for label, P, axis, n, u, P_bwd, u_bwd in (
-            ("dense", dense, "dp_cp", dp * cp, units, dense - emb_only * (V * h / tp + Pe), units - emb_only),
-            ("expert", expert, "edp", tp * dp * cp / ep, sp.Max(le, 1, evaluate=False), expert, le)):
-        # Stage 2 under pp splits its units at chunk borders (each chunk's gradients are scattered
-        # after its backward): one reduce-scatter per chunk and micro-batch, one gather per chunk.
-        per_chunk = 1 + Z2 * (1 - Z3) * (vpp - 1)
-        per_mb = 1 + Z3 * (u - 1) + per_chunk - 1  # reduce-scatters per micro-batch (stage 3: per unit)
-        add("grad", "dp", "all_reduce", axis, n, _ar(P * wgc, n), 1 - Z1, False,
-            f"all-reduce of the {label} gradients (bucketed, once per step)")
-        add("grad", "dp", "reduce_scatter", axis, n, _rs(P * wgc, n) / per_mb, Z1 * (1 + (m - 1) * Z2) * per_mb,
-            False, f"ZeRO reduce-scatter of the {label} gradients (per step for 1, per micro-batch for 2, "
-                   "per unit and micro-batch for 3)")
-        add("step", "zero", "all_gather", axis, n, _ag(P * wp / n, n) / per_chunk, Z1 * (1 - Z3) * per_chunk, False,
-            f"ZeRO all-gather of the updated {label} parameters")
+    for label, P, axis, n, u, P_bwd, u_bwd, nb, nu in (
+            ("dense", dense, "dp_cp", dp * cp, units, dense - emb_only * (V * h / tp + Pe), units - emb_only,
+             NBD, NUD),
+            ("expert", expert, "edp", tp * dp * cp / ep, sp.Max(le, 1, evaluate=False), expert, le, NBE, NUE)):
+        # Stages 0-2 call once per gradient bucket (buckets.py); ZeRO-1/2's units are the buckets,
+        # cut at chunk borders under ZeRO-2 with pp (each chunk's gradients are scattered after its
+        # backward).  Stage 3 reduce-scatters per gather unit.
+        zunits = nb + Z2 * (1 - Z3) * (nu - nb)
+        per_mb = Z3 * u + (1 - Z3) * zunits  # reduce-scatters per micro-batch (2-3) or per step (1)
+        # The step time prices one latency per collective of the step, not per bucket: once per
+        # step, per chunk under ZeRO-2 with pp (the calibration, cost/calibration.py, was fitted so).
+        held = sp.Min(nb, 1, evaluate=False)  # 0 where the rank holds no such gradient
+        chunks = 1 + Z2 * (1 - Z3) * (vpp - 1)
+        add("grad", "dp", "all_reduce", axis, n, _ar(P * wgc, n) / sp.Max(nb, 1, evaluate=False), (1 - Z1) * nb,
+            False, f"all-reduce of the {label} gradients (once per step, one call per bucket)",
+            latency=(1 - Z1) * held)
+        add("grad", "dp", "reduce_scatter", axis, n, _rs(P * wgc, n) / sp.Max(per_mb, 1, evaluate=False),
+            Z1 * (1 + (m - 1) * Z2) * per_mb,
+            False, f"ZeRO reduce-scatter of the {label} gradients (per bucket and step for 1, per bucket and "
+                   "micro-batch for 2, per unit and micro-batch for 3)",
+            latency=Z1 * (1 + (m - 1) * Z2) * (Z3 * u + (1 - Z3) * chunks * held))
+        add("step", "zero", "all_gather", axis, n, _ag(P * wp / n, n) / sp.Max(zunits, 1, evaluate=False),
+            Z1 * (1 - Z3) * zunits, False, f"ZeRO all-gather of the updated {label} parameters (per bucket)",
+            latency=Z1 * (1 - Z3) * chunks * held)
         add("fwd", "zero", "all_gather", axis, n, _ag(P * wp / n, n) / u, Z3 * u, True,
             f"ZeRO-3 all-gather of the {label} parameters before use (forward, per unit)")
         add("bwd", "zero", "all_gather", axis, n, _ag(P_bwd * wp / n, n) / u_bwd, Z3 * u_bwd, True,

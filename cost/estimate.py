@@ -17,6 +17,7 @@ from autopar.plan import Plan
 from autopar.plan_space import encode
 
 from . import symbols
+from .buckets import BUCKET_FIELDS, DEFAULT_BUCKET_BYTES, bucket_counts
 from .comm import CommRow, routed_all_to_all_rows
 from .flops import model_flops, per_token_layer_flops
 from .hardware import Cluster
@@ -94,6 +95,12 @@ class Cost:
         r = self.memory_pp_rank if pp_rank is None else pp_rank
         return {n.split(".", 1)[1]: self._value(n, r) for n in self._out if n.startswith("memory.")}
 
+    def peak_memory(self, pp_rank: int | None = None) -> float:
+        """The step's peak bytes per GPU on pipeline rank ``pp_rank`` (default: the fullest):
+        cost/memory.py's ``peak_memory`` timeline over the terms of :meth:`memory`, which are
+        not all alive at once (their sum over-counts)."""
+        return self._value("memory", self.memory_pp_rank if pp_rank is None else pp_rank)
+
     def breakdown(self, *, formulas: bool = True) -> list[Term]:
         """Each term: per-step time on the slowest rank, bubble, and memory on the fullest.
 
@@ -165,7 +172,7 @@ class Cost:
             f"  step time     {_fmt_time(self.step_time)}   (bubble {_fmt_time(self.bubble)}, "
             f"slowest pp rank {self.bottleneck_pp_rank})",
             f"  throughput    {self.tokens_per_s:,.0f} tokens/s   MFU {self.mfu * 100:.1f}%",
-            f"  memory/GPU    {_fmt_bytes(self.memory_per_gpu)} of {_fmt_bytes(cap)} usable "
+            f"  memory/GPU    {_fmt_bytes(self.memory_per_gpu)} peak of {_fmt_bytes(cap)} usable "
             f"({'fits' if self.fits else 'DOES NOT FIT'}; pp rank {self.memory_pp_rank})",
         ]
         terms = self.breakdown()
@@ -173,7 +180,8 @@ class Cost:
         for t in sorted((t for t in terms if t.category != "memory"), key=lambda t: -t.value):
             if t.value > 0 and (verbose or t.value >= 1e-3 * self.step_time):
                 lines.append("    " + (str(t) if verbose else f"{t.name:<38} {_fmt_time(t.value):>12}"))
-        lines.append("  memory per GPU:")
+        lines.append("  memory per GPU (terms; the peak takes the always-alive ones and the larger phase, "
+                     "cost/memory.py peak_memory):")
         for t in terms:
             if t.category == "memory" and t.value > 0:
                 lines.append("    " + (str(t) if verbose else f"{t.name:<38} {_fmt_bytes(t.value):>12}"))
@@ -194,7 +202,8 @@ def _as_cluster(cluster) -> Cluster:
 def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_bytes: int = 2,
              grad_bytes: int | None = None, activation_formula: str = "derived",
              tp_comm_overlap: bool = False, zero_overlap: bool = False, routing_imbalance: float = 1.0,
-             flash_attention: bool = True, constants: dict | None = None) -> Cost:
+             flash_attention: bool = True, constants: dict | None = None,
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Cost:
     """Predict step time, MFU and memory of ``plan`` for ``spec`` on ``cluster``.
 
     ``dtype_bytes``: 2 for bf16 mixed precision, 4 for fp32 (memory.py states the
@@ -205,7 +214,9 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
     all-gathers hidden (Megatron's distributed optimizer; autopar's runtime runs them blocking);
     ``routing_imbalance``: MoE load factor of
     the busiest rank; ``flash_attention``: False models Megatron's older unfused attention
-    (full score matrix, memory-bound softmax and dropout); ``constants``: override the calibrated eta_max, kappa, epsilon, phi.
+    (full score matrix, memory-bound softmax and dropout); ``constants``: override the calibrated eta_max, kappa, epsilon, phi;
+    ``bucket_bytes``: the gradient buckets' cap (``parallelize``'s), which sets the number of DP and
+    ZeRO-1/2 calls (buckets.py).
     """
     spec, cluster = _as_spec(spec), _as_cluster(cluster)
     plan = Plan.parse(plan)
@@ -219,7 +230,8 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
                   global_batch=global_batch, seq_len=seq_len, latent_attention=spec.kv_lora_rank > 0)
     consts = {**DEFAULT_CONSTANTS, **(constants or {})}
     model = model_formulas(activation_formula, True)
-    views = stage_views(spec, plan.pp, plan.schedule, plan.vpp, head_layers(spec, seq_len))
+    x = head_layers(spec, seq_len)
+    views = stage_views(spec, plan.pp, plan.schedule, plan.vpp, x)
     pp = plan.pp
     arrays = {key: np.full(pp, val, dtype=np.float64) for key, val in encode(plan).items()}
     arrays["b"] = np.full(pp, global_batch / (plan.dp * plan.mb))
@@ -227,6 +239,10 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
     for key, attr in (("ld", "dense"), ("le", "moe"), ("first", "first"), ("last", "last"),
                       ("nsend", "sends"), ("nrecv", "recvs")):
         arrays[key] = np.array([getattr(v, attr) for v in views], dtype=np.float64)
+    counts = bucket_counts(spec, tp=plan.tp, ep=plan.ep, pp=pp, schedule=plan.schedule, vpp=plan.vpp, head_layers=x,
+                           param_bytes=dtype_bytes, bucket_bytes=bucket_bytes)
+    for key, attr in BUCKET_FIELDS.items():
+        arrays[key] = np.array([getattr(c, attr) for c in counts], dtype=np.float64)
     arrays["infl"] = inflight(plan.schedule, pp, plan.num_chunks_per_rank,
                               np.arange(pp, dtype=np.float64), plan.mb)
     values = model_values(spec, dtype_bytes=dtype_bytes, grad_bytes=grad_bytes,

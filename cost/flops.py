@@ -10,7 +10,9 @@ calibration sets (non-causal attention, optionally with the recompute pass).
 Per micro-batch on a rank (T = b*S/cp tokens, the stage holding l_d dense and l_e MoE
 layers, * = 2 for matmul multiply-adds):
   q,k,v,o projections   2*T*h*(a + 2g)*d/tp + 2*T*a*d*h/tp         per layer
-                        (latent attention: 2*T*(its weights, attention_weights())/tp)
+                        (latent attention: 2*T*(its weights, attention_weights())/tp;
+                        KV-head replication, kv_r = 1 where tp does not divide g: the
+                        k and v projections whole, + kv_r*2*T*2*h*g*d*(1 - 1/tp))
   causal attention      b*S^2*a*(d + d_v)/(tp*cp)   (x2 when unfused) per layer
   dense MLP             2*T*(2 + gated)*h*F/tp                       per dense layer
   MoE (T/tp tokens)     2*(T/tp)*(h*E + (k*rho + n_sh)*(2 + gated)*h*F_e)  per MoE layer
@@ -28,7 +30,8 @@ import sympy as sp
 from .symbols import (FLASH, LAST, RFULL, RSEL, E, V, a, b, cp, d, dr, dv, ep, f, fe, g, gated, h, k, ld, le,
                       lq, mla, nsh, rho, rkv, rq, s, tp)
 
-__all__ = ["Gemm", "attention_weights", "gemm_classes", "model_flops", "megatron_flops", "per_token_layer_flops"]
+__all__ = ["Gemm", "KV_REPLICATED", "attention_weights", "kv_weights", "gemm_classes", "model_flops",
+           "megatron_flops", "per_token_layer_flops"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,17 @@ def attention_weights():
     return q + kv, a * dv * h
 
 
+# KV-head replication (autopar.plan_space.kv_replicated): 1 where tp does not divide the KV heads,
+# whose K and V projections every tp rank then holds whole (passes/tensor_parallel.py).
+KV_REPLICATED = sp.Min(sp.Mod(g, tp), 1)
+
+
+def kv_weights(bias=0):
+    """Elements of one layer's K and V projections, unsharded: ``2*g*d*(h + bias)`` (``bias``: the
+    0/1 indicator of their biases); none under multi-head latent attention (tp does not split it)."""
+    return (1 - mla) * 2 * g * d * (h + bias)
+
+
 def _n(M, K, N):
     return 3 / (1 / M + 1 / K + 1 / N)
 
@@ -65,7 +79,8 @@ def gemm_classes() -> list[Gemm]:
     tokens_per_expert = Te * k * rho * ep / E
     qkv, o = attention_weights()
     return [
-        Gemm("qkv_proj", lay * 2 * T * qkv / tp, _n(T, h, qkv / (h * tp)), 2, RFULL),
+        Gemm("qkv_proj", lay * 2 * T * (qkv / tp + KV_REPLICATED * kv_weights() * (1 - 1 / tp)),
+             _n(T, h, qkv / (h * tp)), 2, RFULL),
         Gemm("o_proj", lay * 2 * T * o / tp, _n(T, a * dv / tp, h), 2, RFULL),
         # Flash attention skips the masked half (bwd recomputes the scores: 2.5x); unfused
         # attention multiplies the full score matrix (and its backward is 2x).

@@ -24,7 +24,7 @@ import numpy as np
 from autopar.errors import AutoparError
 from autopar.plan_space import axis_geometry
 
-from .profile import FIGURES, load_profile, profile_name
+from .profile import FIGURES, OPTIONAL_FIGURES, host_share, load_profile, profile_name
 
 __all__ = ["Cluster", "GPU_PRESETS", "NODE_GPUS", "node_gpus", "axis_link_arrays"]
 
@@ -85,7 +85,13 @@ class Cluster:
     the fast-link domain (NVLink / Infinity Fabric); ``None`` takes the preset's (:data:`NODE_GPUS`,
     else 8: 72 for ``gb200``).  ``profile`` is the path of the hardware profile the figures were
     measured into (:meth:`from_profile`; ``None`` for a preset's published figures); it does not
-    take part in comparisons.
+    take part in comparisons.  ``elementwise_bandwidth``, ``optimizer_bandwidth`` (bytes/s of the
+    time model's element-wise and optimizer byte counts), ``all_reduce_bandwidth``,
+    ``all_gather_bandwidth``, ``reduce_scatter_bandwidth`` (each ring collective's own rate inside a
+    node), ``attention_factor`` (the attention kernel's seconds over its price as a GEMM) and
+    ``comm_overlap`` (the share of an asynchronous collective that compute hides, time.py's phi) are
+    measured figures of a profile (:data:`autopar.cost.profile.OPTIONAL_FIGURES`); ``None``:
+    ``hbm_bandwidth``, ``intra_node_bandwidth``, 1 and the calibrated phi.
     """
 
     gpu: str = "h100"
@@ -99,6 +105,13 @@ class Cluster:
     inter_node_bandwidth: float | None = None
     inter_node_latency: float | None = None
     gemm_efficiency: float | None = None
+    elementwise_bandwidth: float | None = None
+    optimizer_bandwidth: float | None = None
+    all_reduce_bandwidth: float | None = None
+    all_gather_bandwidth: float | None = None
+    reduce_scatter_bandwidth: float | None = None
+    attention_factor: float | None = None
+    comm_overlap: float | None = None
     usable_memory_fraction: float = 0.9
     profile: str | None = dataclasses.field(default=None, compare=False)
 
@@ -126,6 +139,12 @@ class Cluster:
         for name in GPU_PRESETS["h100"]:
             if not float(getattr(self, name)) > 0 or (name == "gemm_efficiency" and self.gemm_efficiency > 1):
                 raise AutoparError(f"autopar: Cluster.{name} must be > 0, got {getattr(self, name)!r}")
+        for name in ("elementwise_bandwidth", "optimizer_bandwidth", "all_reduce_bandwidth", "all_gather_bandwidth",
+                     "reduce_scatter_bandwidth", "attention_factor"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise AutoparError(f"autopar: Cluster.{name} must be > 0 or None, got {getattr(self, name)!r}")
+        if self.comm_overlap is not None and not 0 <= self.comm_overlap <= 1:
+            raise AutoparError(f"autopar: Cluster.comm_overlap must be in [0, 1] or None, got {self.comm_overlap!r}")
         if not 0 < self.usable_memory_fraction <= 1:
             raise AutoparError("autopar: usable_memory_fraction must be in (0, 1]")
 
@@ -152,12 +171,15 @@ class Cluster:
     @classmethod
     def from_profile(cls, path, *, num_nodes: int = 1, gpus_per_node: int | None = None, **overrides) -> "Cluster":
         """The cluster of a machine measured by ``autopar calibrate`` (cost/profile.py): every figure
-        from the profile at ``path``, ``gpu`` its device (e.g. ``"cpu (measured)"``), ``profile`` the
-        path; ``gpus_per_node`` defaults to the profile's, ``overrides`` replace figures."""
+        from the profile at ``path`` (the optional ones too), ``gpu`` its device (e.g. ``"cpu (measured)"``),
+        ``profile`` the path; ``gpus_per_node`` defaults to the profile's, ``overrides`` replace figures.
+        A CPU profile's figures are one rank's on ``threads_per_rank`` cores: more ranks on the host than
+        it has cores for time-share them (:func:`autopar.cost.profile.host_share`)."""
         data = load_profile(path)
-        figures = {name: float(data[name]) for name in FIGURES}
-        return cls(gpu=profile_name(data), num_nodes=num_nodes,
-                   gpus_per_node=data["gpus_per_node"] if gpus_per_node is None else gpus_per_node,
+        per_node = data["gpus_per_node"] if gpus_per_node is None else gpus_per_node
+        figures = {name: float(data[name]) for name in (*FIGURES, *OPTIONAL_FIGURES) if name in data}
+        figures = host_share(data, per_node, figures)
+        return cls(gpu=profile_name(data), num_nodes=num_nodes, gpus_per_node=per_node,
                    profile=os.fspath(path), **{**figures, **overrides})
 
     def replace(self, **changes) -> "Cluster":

@@ -32,6 +32,8 @@ expand + reshape, no dropout; checked tensor by tensor against ``ParallelModule.
                                         i.e. when the rank holds g/tp >= 2 KV heads and cp = 1
                                         -- with one local KV head the reshape is a view, and
                                         the CP attention functions take K, V unexpanded --,
+                                        and under KV-head replication, when tp does not
+                                        divide g: this rank's slice of the copies --,
                                         else g)
            + T*a*d*w/tp + 4*T*a/tp     (its output, kept for o_proj and its backward; fp32 LSE)
   MLP        (2 + 2*gated)*T*F*w/tp    (gate, up, silu(gate), product -- or up, gelu(up))
@@ -62,11 +64,12 @@ from __future__ import annotations
 import sympy as sp
 
 from .comm import local_param_elems
-from .symbols import (FIRST, FLASH, CPAG, INFL, LAST, RFULL, RSEL, SP, Z1, Z2, Z3, E, V, a, b, cp, d, dp, dv, ep, f,
-                      fe, g, gated, h, k, ld, le, nsh, rho, s, tp, w, wg, wo, wp, wz)
+from .flops import KV_REPLICATED
+from .symbols import (FIRST, FLASH, CPAG, INFL, LAST, NUD, RFULL, RSEL, SP, Z1, Z2, Z3, E, V, a, b, cp, d, dp, dv, ep, f,
+                      fe, g, gated, h, k, ld, le, m, nsh, rho, s, tp, vpp, w, wg, wo, wp, wz)
 
 __all__ = ["memory_terms", "derived_layer_bytes", "derived_outside_bytes", "korthikanti_layer_bytes",
-           "precision_bytes"]
+           "precision_bytes", "peak_memory", "STATIC_TERMS", "BACKWARD_TERMS"]
 
 
 def precision_bytes(dtype_bytes: int, grad_bytes: int | None = None) -> dict[str, float]:
@@ -101,6 +104,8 @@ def derived_layer_bytes():
     # GQA's expand + reshape copies K and V to all local heads unless the rank holds one KV
     # head (then the reshape is a view); CP attention takes K, V at their own head count.
     kv_heads = g + (a - g) * _at_least_two(g / tp) * (1 - _at_least_two(cp))
+    # KV-head replication (cp = 1): attention reads this rank's slice of the broadcast copies, a/tp heads
+    kv_heads += KV_REPLICATED * (a - kv_heads)
     attn = T * (a * d + kv_heads * (d + dv)) * w / tp  # q, k, v (MLA's v is narrower)
     attn_out = T * a * dv * w / tp + 4 * T * a / tp
     # Unfused attention keeps softmax output, dropout mask and dropped probabilities.
@@ -166,8 +171,29 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
     else:
         raise ValueError(f"autopar: unknown activation_formula {activation_formula!r}; "
                          f"expected 'derived' or 'korthikanti'")
+    # Transients (the peak timeline below): backward of the loss holds the fp32 gradient of the
+    # logits and the log-softmax backward's temporary of the same size; ZeRO-1/2's gradient sync
+    # holds, per unit of u elements (the dp buckets, cost/buckets.py: u = P_dense / n_ud), the
+    # flattened gradients, the rank-major padded copy, the collective's working copy of it (gloo's)
+    # and the shard it receives, averaged in place: (3 + 1/n) u; ZeRO-2 also the unit's full
+    # gradients beside the shards.
+    # ZeRO-3 reduce-scatters in backward (zero3_buffer).
+    T = b * s / cp
+    u = dense / sp.Max(NUD, 1, evaluate=False)
+    sync = (Z1 - Z3) * ((3 + 1 / n_dense) * u + Z2 * (u - u / n_dense)) * wg
+    # ZeRO-3's units (passes/zero.py): one per decoder layer (u3 elements) and one of the rest (the
+    # embedding, the final norm, the head).  When backward begins the rest's unit is gathered and
+    # the last layer's prefetched; at the end of a layer's backward, the layer's unit, the next one
+    # prefetched and the rest's are gathered, and the layer's gradients are reduce-scattered: the
+    # flattened gradients, the padded rank-major copy, the collective's working copy (gloo's) and
+    # the shard (3 + 1/n) u3.
+    rest = dense.subs({ld: 0, le: 0})
+    u3 = (dense + expert - rest) / sp.Max(ld + le, 1, evaluate=False)
+    zero3_buffer = Z3 * (rest + u3) * wp
+    zero3_layer_end = Z3 * ((rest + 2 * u3) * wp + (3 + 1 / n_dense) * u3 * wg)
     return {
         "params": params,
+        "master_params": Z1 * (1 - Z3) * (dense / n_dense + expert / n_exp) * wz,
         "grads": grads,
         "optimizer": optimizer,
         "zero3_buffer": zero3_buffer,
@@ -175,4 +201,60 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
         "recompute_buffer": working,
         "embedding_activations": FIRST * first,
         "head_activations": LAST * last,
+        "head_backward": LAST * 2 * T * V / tp * 4,
+        "head_weight_grad": LAST * V / tp * h * wg,   # backward's first gradient (peak_memory)
+        # One layer's backward working set: its largest matrix's weight gradient and input gradient.
+        "layer_backward": sp.Max(f, h, evaluate=False) * h / tp * wg + T * sp.Max(f, h, evaluate=False) / tp * w,
+        "zero_sync_buffer": sync,
+        "zero3_layer_end": zero3_layer_end,
+        # torch.distributed.pipelining keeps a receive buffer per micro-batch and chunk across steps
+        # (PipelineStage's args_recv_info / grad_recv_info): the first chunk receives gradients, the
+        # last activations, any other both -- 2 v - first - last per micro-batch on a rank of v chunks
+        # (zbv and dualpipev's two chunks per rank are counted as one: v = 1 there).
+        "pipeline_buffers": (2 * vpp - FIRST - LAST) * m * T * h * w * (1 - SP + SP / tp),
     }
+
+
+# Terms alive at every point of the step; the rest peak in one phase or the other (peak_memory).
+STATIC_TERMS = ("params", "master_params", "optimizer", "pipeline_buffers")
+BACKWARD_TERMS = ("zero3_buffer", "activations", "recompute_buffer", "embedding_activations", "head_activations",
+                  "head_backward")
+
+
+def peak_memory(terms: dict[str, sp.Expr]) -> sp.Expr:
+    """The step's peak bytes on the scored rank: what is always alive plus the largest of three moments.
+
+        peak = params + master_params + optimizer + pipeline_buffers + max(B_1, B_2, S, B_3)
+        B_1 = A + g_1 * (grads + layer_backward) + (1 - g_1) * head_weight_grad
+                                                                 (a backward begins with every
+                                                                  micro-batch in flight)
+        B_2 = A - activations / n_inflight + g_2 * grads + layer_backward
+                                                                 (a later backward: one micro-batch
+                                                                  fewer, earlier backwards' gradients)
+        S   = grads + zero_sync_buffer                           (backward done: the gradient sync)
+        B_3 = activations - activations / (n_inflight (l_d + l_e)) + embedding_activations
+              + recompute_buffer + g_2 * grads + zero3_layer_end  (ZeRO-3: the last layer's
+                                                                  backward ends; 0 without ZeRO-3)
+        A   = zero3_buffer + activations + recompute_buffer + embedding_activations
+              + head_activations + head_backward
+        g_1 = keep + (1 - keep) * [m > n_inflight],   g_2 = keep + (1 - keep) * [m >= 2]
+        keep = (1 - z_1) * [dp*cp >= 2]
+
+    ``keep``: plain data parallelism accumulates into persistent bucket buffers (runtime/grad_sync.py),
+    alive all step; otherwise gradients are made by backward and freed after the step.  Without a
+    pipeline (n_inflight = 1) B_1 is the last micro-batch's backward, with the gradients of those
+    before it; a 1F1B stage holding n_inflight micro-batches has no gradients at its first backward
+    (B_1, with the LM head's weight gradient, the first one made) unless the steady state follows
+    (m > n_inflight), and then runs later backwards with a micro-batch fewer and every gradient
+    (B_2, plus one layer's backward working set: the largest matrix's weight and input gradients)."""
+    keep = (1 - Z1) * _at_least_two(dp * cp)
+    g_1 = keep + (1 - keep) * _at_least_two(m - INFL + 1)
+    g_2 = keep + (1 - keep) * _at_least_two(m)
+    alive = sum(terms[x] for x in BACKWARD_TERMS)
+    first = alive + g_1 * (terms["grads"] + terms["layer_backward"]) + (1 - g_1) * terms["head_weight_grad"]
+    later = alive - terms["activations"] / INFL + g_2 * terms["grads"] + terms["layer_backward"]
+    sync = terms["grads"] + terms["zero_sync_buffer"]
+    one_layer = terms["activations"] / (INFL * sp.Max(ld + le, 1, evaluate=False))
+    zero3 = (terms["activations"] - one_layer + terms["embedding_activations"] + terms["recompute_buffer"]
+             + g_2 * terms["grads"] + terms["zero3_layer_end"])
+    return sum(terms[x] for x in STATIC_TERMS) + sp.Max(first, later, sync, zero3, evaluate=False)

@@ -14,6 +14,7 @@ indicators, and link figures come per axis of :data:`autopar.plan_space.GROUP_AX
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Callable
@@ -27,7 +28,7 @@ from . import cache as _cache
 from . import symbols
 from .comm import RowSpec, row_specs
 from .hardware import Cluster, axis_link_arrays
-from .memory import memory_terms, precision_bytes
+from .memory import memory_terms, peak_memory, precision_bytes
 from .pipeline import T_b, T_f, T_w, bubble_expr
 from .time import CALIBRATED, compute_terms, exposure, optimizer_time, row_time
 
@@ -105,7 +106,7 @@ def _lambdified(entry: str, outputs: Callable[[], Outputs], bubbles: bool = Fals
 
 
 def _memory_outputs(activation_formula: str) -> Outputs:
-    return [], ["memory"], [sp.sympify(sum(memory_terms(activation_formula).values()))]
+    return [], ["memory"], [sp.sympify(peak_memory(memory_terms(activation_formula)))]
 
 
 @functools.lru_cache(maxsize=8)
@@ -132,6 +133,8 @@ def _model_outputs(activation_formula: str, full: bool) -> Outputs:
     row_outputs: list[tuple[str, sp.Expr]] = []
     for i, row in enumerate(rows):
         t = row.count * row_time(row)             # per micro-batch (per_mb) or per step
+        if row.latency is not None:  # the latency of ``row.latency`` calls only (comm.RowSpec.latency)
+            t += (row.latency - row.count) * row_time(dataclasses.replace(row, sent=sp.Integer(0)))
         exp_t = exposure(row, t, comp)
         key = row.phase if (row.per_mb and row.phase in ("fwd", "bwd")) else "step"
         exposed[key] += exp_t
@@ -147,7 +150,7 @@ def _model_outputs(activation_formula: str, full: bool) -> Outputs:
         ("T_w", comp["wgrad"]),
         ("step_comm", exposed["step"]),
         ("optimizer", optimizer_time()),
-        ("memory", sum(mem.values())),
+        ("memory", peak_memory(mem)),
     ]
     if full:
         outputs += [(name, expr) for name, expr in comp.items()]
@@ -204,7 +207,8 @@ def plan_values(cluster: Cluster, arrays: dict[str, np.ndarray], *, constants: d
     """Plan, view and hardware symbol values from integer-coded plan arrays.
 
     ``arrays`` keys: the encoded plan (:data:`autopar.plan_space.PLAN_COLUMNS`), ``b`` (the
-    micro-batch size) and the view: ld le first last nsend nrecv infl.
+    micro-batch size), the view: ld le first last nsend nrecv infl, and the rank's gradient
+    buckets (``buckets.py``): nbd nud nbe nue.
     """
     A = arrays
     zero, rec, cpv, sched = A["zero"], A["recompute"], A["cp_variant"], A["schedule"]
@@ -219,12 +223,18 @@ def plan_values(cluster: Cluster, arrays: dict[str, np.ndarray], *, constants: d
         "cp_ul": among(cpv, "cp_variant", ("ulysses",)) * 1.0,
         "first": A["first"], "last": A["last"], "n_inflight": A["infl"],
         "n_send": A["nsend"], "n_recv": A["nrecv"], "l_d": A["ld"], "l_e": A["le"],
+        "n_bd": A["nbd"], "n_ud": A["nud"], "n_be": A["nbe"], "n_ue": A["nue"],
         "tp_overlap": 1.0 if tp_comm_overlap else 0.0,
         "zero_overlap": 1.0 if zero_overlap else 0.0,
         "dualpipe": among(sched, "schedule", ("dualpipev",)) * 1.0,
         "P_peak": cluster.peak_flops, "B_hbm": cluster.hbm_bandwidth,
+        "B_ew": cluster.elementwise_bandwidth or cluster.hbm_bandwidth,
+        "B_opt": cluster.optimizer_bandwidth or cluster.hbm_bandwidth,
+        **ring_factors(cluster), "x_attn": cluster.attention_factor or 1.0,
         "eta_max": constants.get("eta_max") or cluster.gemm_efficiency, "kappa": constants["kappa"],
-        "epsilon": constants["epsilon"], "phi": constants["phi"],
+        # A measured profile's overlap (autopar calibrate) replaces the phi fitted to published runs.
+        "epsilon": constants["epsilon"],
+        "phi": constants["phi"] if cluster.comm_overlap is None else cluster.comm_overlap,
     }
     if capacity is not None:
         vals["rho"] = capacity
@@ -232,6 +242,15 @@ def plan_values(cluster: Cluster, arrays: dict[str, np.ndarray], *, constants: d
         links = link_values(cluster, A["tp"], A["cp"], A["dp"], A["pp"], A["ep"], constants["epsilon"])
     vals.update(links)
     return vals
+
+
+def ring_factors(cluster: Cluster) -> dict[str, float]:
+    """Each ring collective's seconds per byte over the link's ring rate (symbols.RING_FACTORS): the
+    cluster's intra-node bandwidth over the collective's own, measured (1 without one)."""
+    ring = cluster.intra_node_bandwidth
+    own = {"all_reduce": cluster.all_reduce_bandwidth, "all_gather": cluster.all_gather_bandwidth,
+           "reduce_scatter": cluster.reduce_scatter_bandwidth}
+    return {symbols.RING_FACTORS[c].name: ring / (b or ring) for c, b in own.items()}
 
 
 def evaluate(model: Formulas, values: dict) -> dict[str, np.ndarray]:

@@ -16,10 +16,12 @@ Groups:
     the per-stage layer counts ``ld`` (dense layers) / ``le`` (MoE layers) on the stage being scored;
   * plan: degrees ``tp, dp, cp, pp, ep, vpp, m`` (micro-batches per step) and 0/1
     indicators (``sp``, recompute, ZeRO stage, CP variant, stage role) so that every
-    formula is a rational function without ``Piecewise`` (fast to evaluate on arrays);
+    formula is a rational function without ``Piecewise`` (fast to evaluate on arrays), and the
+    scored rank's gradient-bucket counts ``n_bd``, ``n_ud``, ``n_be``, ``n_ue`` (buckets.py);
   * options of the run: ``tp_overlap`` (TPOV), ``zero_overlap`` (ZOV) and ``dualpipe`` (DPV);
-  * hardware and calibration constants (``peak``, link bandwidths and latencies per axis and
-    kind, :func:`link_symbols`; ``eta_max``, ``kappa``, ``eps``, ``phi``).
+  * hardware and calibration constants (``peak``, ``hbm_bw``, ``ew_bw``, ``opt_bw``, link bandwidths
+    and latencies per axis and kind, ring collectives' factors ``x_ar``, ``x_ag``, ``x_rs``, the
+    attention kernel's ``x_attn``, :func:`link_symbols`; ``eta_max``, ``kappa``, ``eps``, ``phi``).
 """
 from __future__ import annotations
 
@@ -30,9 +32,10 @@ __all__ = [
     "gated", "mla", "lq", "rq", "rkv", "dr", "dv", "nl", "pb", "Pe", "en", "Ph", "hb", "lg", "ncs", "ccs", "gc",
     "ld", "le", "L", "Le",
     "tp", "dp", "cp", "pp", "ep", "vpp", "m", "SP", "RSEL", "RFULL",
-    "Z1", "Z2", "Z3", "CPRING", "CPAG", "CPUL", "FIRST", "LAST", "INFL", "NSEND", "NRECV",
+    "Z1", "Z2", "Z3", "CPRING", "CPAG", "CPUL", "FIRST", "LAST", "INFL", "NSEND", "NRECV", "NBD", "NUD", "NBE", "NUE",
     "rho", "FLASH", "TIED", "TPOV", "ZOV", "DPV", "wg", "wgc", "wo", "wp", "wz",
-    "peak", "hbm_bw", "eta_max", "kappa", "eps", "phi",
+    "peak", "hbm_bw", "ew_bw", "opt_bw", "x_ar", "x_ag", "x_rs", "RING_FACTORS", "x_attn", "eta_max", "kappa", "eps",
+    "phi",
     "MODEL_SYMBOLS", "PLAN_SYMBOLS", "ALL_SYMBOLS", "link_symbols",
 ]
 
@@ -78,6 +81,9 @@ CPRING, CPAG, CPUL = sp.symbols("cp_ring cp_ag cp_ul", nonnegative=True)
 FIRST, LAST = sp.symbols("first last", nonnegative=True)  # scored stage holds the embedding / the head
 INFL = sp.Symbol("n_inflight", positive=True)           # micro-batches of activations held (in stage units)
 NSEND, NRECV = sp.symbols("n_send n_recv", nonnegative=True)  # P2P sends / receives per micro-batch (fwd)
+# Gradient buckets with a tensor on the scored rank (buckets.py): dense and routed-expert gradients,
+# and the same cut at pipeline-chunk borders (ZeRO-2's units under pp).
+NBD, NUD, NBE, NUE = sp.symbols("n_bd n_ud n_be n_ue", nonnegative=True)
 rho = sp.Symbol("rho", positive=True)                   # EP routing imbalance (or capacity factor)
 FLASH = sp.Symbol("flash", nonnegative=True)            # 1: fused (flash) attention, 0: scores materialised
 
@@ -97,6 +103,15 @@ wz = sp.Symbol("w_z", nonnegative=True)  # ZeRO-3 parameter shard, beyond the ma
 
 # ---- hardware and calibration
 peak, hbm_bw = sp.symbols("P_peak B_hbm", **_pos)
+# Bandwidths the element-wise kernels and the optimizer step reach (B_hbm unless a measured
+# hardware profile gives them: time.py, hardware.Cluster).
+ew_bw, opt_bw = sp.symbols("B_ew B_opt", **_pos)
+# Seconds per byte of each ring collective over the link's fitted ring rate (1 unless a measured
+# profile timed each collective alone: gloo's all-gather and reduce-scatter are ~3x its all-reduce).
+x_ar, x_ag, x_rs = sp.symbols("x_ar x_ag x_rs", **_pos)
+RING_FACTORS = {"all_reduce": x_ar, "all_gather": x_ag, "reduce_scatter": x_rs}
+# The attention kernel's seconds over its FLOPs priced as a GEMM of its size (1 unless a profile measured it).
+x_attn = sp.Symbol("x_attn", **_pos)
 eta_max, kappa, eps, phi = sp.symbols("eta_max kappa epsilon phi", **_pos)
 
 
@@ -110,5 +125,6 @@ def link_symbols(axis: str, kind: str):
 MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, sgate, nn, qb, qkn, qkh, aux, gated, mla, lq, rq, rkv, dr,
                  dv, nl, pb, Pe, en, Ph, hb, lg, ncs, ccs, gc, L, Le, TIED)
 PLAN_SYMBOLS = (tp, dp, cp, pp, ep, vpp, m, SP, RSEL, RFULL, Z1, Z2, Z3, CPRING, CPAG, CPUL,
-                FIRST, LAST, INFL, NSEND, NRECV, ld, le, rho, FLASH)
-ALL_SYMBOLS = MODEL_SYMBOLS + PLAN_SYMBOLS + (wp, wg, wgc, wo, wz, peak, hbm_bw, eta_max, kappa, eps, phi)
+                FIRST, LAST, INFL, NSEND, NRECV, NBD, NUD, NBE, NUE, ld, le, rho, FLASH)
+ALL_SYMBOLS = MODEL_SYMBOLS + PLAN_SYMBOLS + (wp, wg, wgc, wo, wz, peak, hbm_bw, ew_bw, opt_bw, x_ar, x_ag, x_rs,
+                                               x_attn, eta_max, kappa, eps, phi)

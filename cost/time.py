@@ -6,14 +6,19 @@ a smoothed roofline: a GEMM's arithmetic intensity is (2 / 3w) n FLOP/byte and t
 balance point P_peak / B_hbm, so small or skinny GEMMs (large tp, small micro-batches) run
 further from peak, more so on GPUs with more FLOPs per byte of bandwidth. eta_max
 (hardware.py's gemm_efficiency, per GPU) is the fraction of peak that large GEMMs reach.
+The attention kernel is priced as a GEMM of its FLOPs and size, times x_attn (1 for a preset; in a
+profile the measured seconds of the device's causal SDPA over that price).
 Element-wise work (norms, residuals, RoPE, activation functions, MoE permutes, softmax
-cross-entropy) is memory bound: bytes moved / B_hbm.
+cross-entropy) is memory bound: bytes moved / B_ew, where B_ew = B_hbm for a preset and, in a
+hardware profile measured by ``autopar calibrate``, the bandwidth at which this byte count
+reproduces an eager decoder layer's element-wise kernels on the machine (profile.py).
 
 Collectives. A call moving ``sent`` bytes (the byte convention of docs/architecture.md) on axis X costs
     sent * beta_X + passes * alpha_X,
 where beta_X, alpha_X come from the axis' layout (hardware.py: NVLink inside a node, the
 network across nodes, hierarchical rings, the collective efficiency ``epsilon`` folded
-into both bandwidths).
+into both bandwidths); a ring collective's beta is times its factor x_ar / x_ag / x_rs (1 for a
+preset; a measured profile's ring bandwidth over that collective's own).
 
 Exposure. Asynchronous communication hides behind compute up to a fraction ``phi``:
 exposed = max((1 - phi) t, t - window), the window being the compute it can run under:
@@ -29,7 +34,8 @@ exposed = max((1 - phi) t, t - window), the window being the compute it can run 
 
 Step. Per micro-batch, the slowest pp rank takes T_f = compute_f + exposed_f and
 T_b = compute_b + exposed_b; step = m (T_f + T_b) + bubble (pipeline.py) + exposed
-per-step collectives + the optimizer update (memory bound).
+per-step collectives + the optimizer update (memory bound: bytes / B_opt; B_opt = B_hbm for a
+preset, the measured rate of torch's AdamW step in a profile).
 
 The four constants (eta_max, kappa, epsilon, phi) are fitted to calibration.md (see
 calibration.py and docs/cost-model.md).
@@ -40,9 +46,10 @@ import sympy as sp
 
 from .comm import RowSpec, local_param_elems
 from .flops import gemm_classes
-from .symbols import (DPV, FLASH, LAST, RFULL, RSEL, SP, TPOV, Z1, Z2, Z3, ZOV, m, E, V, a, b, cp, d, dp, ep, eta_max, f,
-                      fe, g, gated, h, hbm_bw, k, kappa, ld, le, link_symbols, nsh, peak, phi, rho, s, tp, w, wg, wo,
-                      wp)
+from .symbols import (RING_FACTORS, DPV, FLASH, LAST, RFULL, RSEL, SP, TPOV, Z1, Z2, Z3, ZOV, m, x_attn, E, V, a, b,
+                      cp, d, dp, ep, eta_max, f,
+                      fe, g, gated, h, hbm_bw, k, kappa, ld, le, link_symbols, nsh, opt_bw, peak, phi, rho, s, tp, w,
+                      wg, wo, wp, ew_bw)
 
 __all__ = ["CALIBRATED", "efficiency", "compute_terms", "row_time", "exposure", "optimizer_time"]
 
@@ -76,6 +83,8 @@ def compute_terms() -> dict[str, sp.Expr]:
     fwd = bwd = wgrad = sp.Integer(0)
     for gemm in gemm_classes():
         t = gemm.fwd / (peak * efficiency(gemm.size))
+        if gemm.name == "attention":
+            t = t * x_attn  # the attention kernel against a GEMM of its size (a profile's measured factor)
         terms[f"compute.fwd.{gemm.name}"] = t
         terms[f"compute.bwd.{gemm.name}"] = t * (gemm.bwd_factor + gemm.recompute)
         fwd += t
@@ -83,9 +92,9 @@ def compute_terms() -> dict[str, sp.Expr]:
         if gemm.name != "attention":
             wgrad += t  # weight gradient = one forward's worth of the GEMM
     layers_bytes, head_bytes = _elementwise_bytes_fwd()
-    ew_f = (layers_bytes + head_bytes) / hbm_bw
+    ew_f = (layers_bytes + head_bytes) / ew_bw
     scores = (1 - FLASH) * (ld + le) * b * a * s**2 / (tp * cp) * (6 * w + 1)
-    ew_b = (2 * layers_bytes + head_bytes + RFULL * layers_bytes + RSEL * scores) / hbm_bw
+    ew_b = (2 * layers_bytes + head_bytes + RFULL * layers_bytes + RSEL * scores) / ew_bw
     terms.update({"compute.fwd.elementwise": ew_f, "compute.bwd.elementwise": ew_b,
                   "fwd": fwd + ew_f, "bwd": bwd + ew_b,
                   "wgrad": wgrad})
@@ -99,8 +108,9 @@ def row_time(row: RowSpec) -> sp.Expr:
     if row.axis == "pp_embed":
         beta, alpha = link_symbols("pp", "a2a")
     else:
-        kind = "ring" if row.collective in ("all_gather", "reduce_scatter", "all_reduce") else "a2a"
+        kind = "ring" if row.collective in RING_FACTORS else "a2a"
         beta, alpha = link_symbols(row.axis, kind)
+        beta = beta * RING_FACTORS.get(row.collective, 1)
     return row.sent * beta + row.passes * alpha
 
 
@@ -134,8 +144,8 @@ def exposure(row: RowSpec, t: sp.Expr, comp: dict[str, sp.Expr]) -> sp.Expr:
 
 
 def optimizer_time() -> sp.Expr:
-    """Adam update: read grads, read/write state and master weights, write parameters."""
+    """Adam update: read grads, read/write state and master weights, write parameters (at B_opt)."""
     dense, expert, _ = local_param_elems()
     n = dp * cp
     shard = (dense + expert * ep) / n * Z1 + (dense + expert) * (1 - Z1)
-    return (shard * (wg + 2 * wo) + (dense + expert) * wp) / hbm_bw
+    return (shard * (wg + 2 * wo) + (dense + expert) * wp) / opt_bw

@@ -16,16 +16,14 @@ from typing import Any, Callable, Sequence
 from autopar.frontend.analyze import analyze
 from autopar.frontend.trace import trace_model
 from autopar.plan import Plan
-from autopar.plan_space import check_microbatches
+from autopar.plan_space import DEFAULT_BUCKET_BYTES, check_microbatches
 from autopar.support import check_runnable, check_supported, moe_needs_rewrite
 from .causal_mask import causal_mask_pass
 from .cleanup import cleanup_pass
 from .context import PassInputs
 from .runner import default_passes, run_passes
 
-__all__ = ["compile_program", "DEFAULT_BUCKET_BYTES"]
-
-DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+__all__ = ["compile_program", "DEFAULT_BUCKET_BYTES"]  # the default bucket cap: autopar.plan_space's
 
 
 def compile_program(model, example_inputs: Sequence[Any], example_kwargs: dict | None,

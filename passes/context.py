@@ -19,6 +19,8 @@ from typing import Any, Mapping
 
 from torch.fx import Node
 
+from autopar.plan_space import DEFAULT_BUCKET_BYTES
+
 __all__ = ["GradBucket", "ParamShard", "PassInputs", "Decisions", "PassContext", "CompiledProgram", "PassResult",
            "Provenance", "provenance", "META_KEY", "PLACEMENT_KEY", "SOURCE_META", "COPIED_META"]
 
@@ -69,7 +71,7 @@ class PassInputs:
     seq_symbol: Any = None
     batch_symbol: Any = None
     num_inputs: int = 1
-    bucket_bytes: int = 25 * 1024 * 1024
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
     pipeline_split: tuple[int, ...] | None = None  # user-given layers per pipeline chunk
 
 

@@ -5,7 +5,9 @@ itself does not change.  What changes is what happens after backward: each gradi
 averaged over ``dp``; gradients that shard propagation found to be partial sums over
 another axis (e.g. norm weights on sequence shards under SP, axis ``tp``) are first summed
 over that axis.  Gradients are grouped into buckets of at most ``bucket_bytes`` local bytes,
-in reverse parameter order (the order backward produces them), one collective per bucket.
+in reverse parameter order (the order backward produces them), one collective per bucket;
+the packing rule is :func:`autopar.plan_space.pack_buckets`, which the cost model
+(``cost/buckets.py``) counts with too.
 
 The runtime (:mod:`autopar.runtime`) executes the buckets; this pass only decides them, so
 they can be printed with the program and counted by the cost model.
@@ -16,7 +18,7 @@ import math
 
 from torch.fx import GraphModule
 
-from autopar.plan_space import data_axis
+from autopar.plan_space import data_axis, pack_buckets
 
 from .context import GradBucket, PassContext, PassResult
 
@@ -31,19 +33,11 @@ def local_param_bytes(gm: GraphModule, ctx: PassContext, name: str) -> int:
 
 def _buckets(gm: GraphModule, ctx: PassContext, names: list[str], axis: str, average: bool,
              cap: int, divisor: int | None = None) -> list[GradBucket]:
-    out: list[GradBucket] = []
-    current: list[str] = []
-    size = 0
-    for name in reversed(names):
-        nbytes = local_param_bytes(gm, ctx, name)
-        if current and size + nbytes > cap:
-            out.append(GradBucket(axis, tuple(current), average, size, divisor))
-            current, size = [], 0
-        current.append(name)
-        size += nbytes
-    if current:
-        out.append(GradBucket(axis, tuple(current), average, size, divisor))
-    return out
+    """``names`` packed into buckets of at most ``cap`` local bytes, in backward's (reverse) order."""
+    order = list(reversed(names))
+    sizes = [local_param_bytes(gm, ctx, name) for name in order]
+    return [GradBucket(axis, tuple(order[i] for i in run), average, sum(sizes[i] for i in run), divisor)
+            for run in pack_buckets(sizes, cap)]
 
 
 def data_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:

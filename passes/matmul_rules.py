@@ -3,7 +3,8 @@ products, attention, and the embedding lookup.
 
 A column-parallel weight (sharded on its output features) shards the output's last dim; a
 row-parallel one (sharded on its input features, meeting an input sharded alike) leaves a
-partial sum, which the TP pass reduces right after.  Attention keeps its heads' shard.
+partial sum, which the TP pass reduces right after.  Attention keeps its heads' shard
+(replicated K and V, under KV-head replication, are cut to this rank's query heads first).
 Registered in the one registry of ``passes/rules.py``.
 """
 from __future__ import annotations
@@ -12,8 +13,10 @@ import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
+from autopar.frontend.op_sets import SIZED_RESHAPE_OPS
 from .op_sets import SDPA_OPS
-from .rules import P, R, RuleContext, ndim_of, register, shape_of
+from .rules import P, R, RuleContext, ndim_of, register, shape_of, size_expr
+from .view_rules import view_rule
 
 __all__ = ["linear_rule", "addmm_rule", "mm_rule", "batched_matmul_rule", "outer_rule", "sdpa_rule",
            "embedding_rule"]
@@ -116,8 +119,65 @@ def outer_rule(node: Node, pls: list, rc: RuleContext):
 
 # --- attention and the embedding ------------------------------------------------------
 
+def _replicated_kv(node: Node, pls: list, heads: int, rc: RuleContext) -> list:
+    """Query heads sharded, K or V replicated (KV-head replication, ``passes/tensor_parallel.py``):
+    an operand broadcast to every query head is cut to this rank's heads (the broadcast of one KV
+    head made to this rank's copies only, :func:`_local_copies`; else a ``local_shard`` of it,
+    whose backward makes its gradient partial); one KV head read by every query head
+    (``enable_gqa``) serves this rank's query heads as it is.  Returns the placements the op then
+    sees."""
+    q = pls[0]
+    if rc.local_sizes or not (isinstance(q, Shard) and q.dim == heads):
+        return pls
+    out = list(pls)
+    num_heads = shape_of(node.args[0])[heads]
+    for i in (1, 2):
+        if not isinstance(pls[i], Replicate):
+            continue
+        kv_heads = shape_of(node.args[i])[heads]
+        if kv_heads == num_heads and _local_copies(node.args[i], heads, rc):
+            out[i] = Shard(heads)
+        elif kv_heads == num_heads:
+            rc.shard_operand(node, node.args[i], heads,
+                             f"KV-head replication: this rank's query heads' copies of the replicated "
+                             f"{'keys' if i == 1 else 'values'} {node.args[i].name} (no communication)")
+            out[i] = Shard(heads)
+        elif kv_heads == 1 and node.kwargs.get("enable_gqa"):
+            out[i] = Shard(heads)  # the one KV head is every local query head's
+        else:
+            raise rc.fail(node, f"{'key' if i == 1 else 'value'} with {kv_heads} replicated heads meets "
+                                f"{num_heads} query heads split over {rc.axis}",
+                          "KV-head replication needs K and V broadcast to every query head before the "
+                          "attention op (as repeat_kv does), or a tp that divides the KV heads.")
+    return out
+
+
+def _local_copies(kv: Node, heads: int, rc: RuleContext) -> bool:
+    """One KV head broadcast to every query head (``repeat_kv`` of multi-query attention:
+    ``expand`` ``[.., 1, 1, s, d] -> [.., 1, n, s, d]``, then ``reshape`` to ``[.., n, s, d]``, each
+    used once): the broadcast makes only this rank's ``n/tp`` copies instead, so no rank builds
+    every query head's copy (the two ops' sizes rewritten, placed on the copies).  Returns
+    whether it did; otherwise the caller slices the broadcast's result."""
+    expand = kv.args[0] if kv.target in SIZED_RESHAPE_OPS else None
+    if expand is None or expand.target is not aten.expand.default or len(kv.users) != 1 \
+            or len(expand.users) != 1 or rc.placements is None:
+        return False
+    src, out, merged = ([size_expr(x) for x in shape_of(n)] for n in (expand.args[0], expand, kv))
+    if len(out) != len(merged) + 1 or len(src) != len(out) or out[:heads] != merged[:heads] \
+            or out[heads + 2:] != merged[heads + 1:] or out[heads] != 1 or src[heads + 1] != 1 \
+            or out[heads + 1] != merged[heads]:
+        return False
+    sizes = list(expand.args[1])
+    sizes[heads + 1] = rc.local_size(expand, sizes[heads + 1])
+    expand.args = (expand.args[0], sizes, *expand.args[2:])
+    rc.placements[expand] = Shard(heads + 1)
+    rc.placements[kv] = view_rule(kv, [Shard(heads + 1)], rc)
+    return True
+
+
 @register(*SDPA_OPS)
 def sdpa_rule(node: Node, pls: list, rc: RuleContext):
+    pls = _replicated_kv(node, pls, ndim_of(node) - 3, rc)
     q, k, v = pls[:3]
     nd = ndim_of(node)
     heads = nd - 3

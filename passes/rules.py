@@ -113,6 +113,9 @@ class RuleContext:
     token_symbols: frozenset = frozenset()  # under local_sizes: the sequence symbols of the inputs
     pass_name: str = "shard_propagation_pass"
     sum_loss: bool = False  # under local_sizes: the loss is a sum, which the runtime adds over the ranks
+    # the placements found so far (set by ``propagate``): a rule that rewrites the sizes of nodes
+    # before it places them anew there (KV-head replication's broadcast, passes/matmul_rules.py)
+    placements: dict | None = None
 
     def fail(self, node: Node, found: str, hint: str = "") -> ShardingError:
         return ShardingError(
@@ -121,8 +124,9 @@ class RuleContext:
                        "for this model, or report the op.")
         )
 
-    def shard_operand(self, node: Node, arg: Node, dim: int) -> Node:
-        """Replace ``node``'s replicated input ``arg`` by this rank's slice along ``dim``."""
+    def shard_operand(self, node: Node, arg: Node, dim: int, why: str = "") -> Node:
+        """Replace ``node``'s replicated input ``arg`` by this rank's slice along ``dim`` (``why``:
+        the provenance's reason, by default a generic one)."""
         if self.local_sizes:  # the graph's sizes are local: a replicated operand this long is not a slice
             raise self.fail(node, f"replicated {arg.name} meets this rank's tokens along dim {dim}")
         with self.gm.graph.inserting_before(node):
@@ -130,7 +134,7 @@ class RuleContext:
         part.meta["val"] = arg.meta.get("val")
         part.meta["autopar_placement"] = {self.axis: Shard(dim)}
         provenance(part, self.pass_name, self.axis,
-                   f"take this rank's slice of replicated {arg.name} (no communication)")
+                   why or f"take this rank's slice of replicated {arg.name} (no communication)")
         node.replace_input_with(arg, part)
         return part
 

@@ -69,6 +69,7 @@ def propagate(gm: GraphModule, rc: RuleContext, start: Callable[[Node], Any],
     sees a sharded input, and where the graph returns anything but a replicated value (a
     data-sharded axis, ``rc.local_sizes``: anything but the rank's share of the loss)."""
     placements: dict[Node, Any] = {}
+    rc.placements = placements
     fixed = fixed or {}
     for node in list(gm.graph.nodes):
         if node in fixed:

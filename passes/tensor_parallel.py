@@ -11,6 +11,15 @@ For every attention and MLP region found by :mod:`autopar.frontend.analyze`:
   a partial sum, reduced by an ``all_reduce`` inserted right after them (a bias is moved
   behind the reduction so it is added once).
 
+Where tp does not divide the KV heads (fewer KV heads than tp, multi-query attention's one, or a
+count tp does not divide: :func:`autopar.plan_space.kv_replicated`) the KV heads are replicated:
+the column projections whose output reaches only the attention op's key and value operands
+(found by dataflow) are not split, so every rank computes every KV head; the attention op's rule
+(``passes/matmul_rules.py``) then gives this rank the copies of K and V its query heads read
+(one KV head: the GQA broadcast makes only those; several: a ``local_shard`` of the broadcast,
+no communication either way), and gradient placement finds the K/V weights' gradients partial
+over tp, which the DP pass's buckets sum.
+
 The embedding becomes vocabulary-parallel (masked local lookup + all-reduce), the LM head
 column-parallel over the vocabulary, and a cross-entropy loss on those logits becomes
 ``vocab_parallel_cross_entropy`` (the full logits are never gathered).  Local sizes in
@@ -28,6 +37,7 @@ from autopar.frontend.fx_utils import module_path, reshape_chain, within
 from autopar.frontend.op_sets import RESHAPE_OPS
 from autopar.frontend.loss import logits_loss
 from autopar.errors import AutoparError, describe_node
+from autopar.plan_space import kv_replicated
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
 
 aten = torch.ops.aten
@@ -177,6 +187,59 @@ def _check_rows_follow_attention(region) -> None:
                     todo.append(user)
 
 
+def _attention_operands(start: Node, region) -> set[int]:
+    """Which of the region's attention op's operands (0: query, 1: key, 2: value) the value of
+    ``start`` reaches, following its uses inside the region's module."""
+    found: set[int] = set()
+    todo, seen = [start], {start}
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user is region.attention:
+                found.update(i for i, a in enumerate(user.args[:3]) if a is node)
+            elif user not in seen and within(module_path(user), region.module):
+                seen.add(user)
+                todo.append(user)
+    return found
+
+
+def _kv_columns(region, tp: int) -> set[str]:
+    """The columns of an attention region to keep whole on every rank (KV-head replication): those
+    whose output reaches only the key and value operands.  A fused projection that feeds the query
+    as well (QKV in one weight) is refused: its parts would need different layouts."""
+    if region.attention is None or not kv_replicated(tp, region.num_kv_heads):
+        return set()
+    kv = set()
+    for c in region.columns:
+        operands = _attention_operands(c.node, region)
+        if operands and operands <= {1, 2}:
+            kv.add(c.weight)
+        elif 0 in operands and operands & {1, 2}:
+            raise AutoparError(
+                f"autopar: tp={tp} does not divide the {region.num_kv_heads} KV heads of {region.module}, so "
+                f"every tp rank keeps all of them (KV-head replication), but {c.module} "
+                f"({describe_node(c.node)}) projects the query and the key/value heads in one fused weight, "
+                "whose parts would need different layouts (the query heads split, the KV heads whole); this is "
+                f"not supported yet. Use {_kv_hint(region.num_kv_heads)}.")
+    return kv
+
+
+def _kv_hint(num_kv_heads: int) -> str:
+    tps = [d for d in range(2, num_kv_heads + 1) if num_kv_heads % d == 0]
+    return (f"a tp that divides the KV heads ({', '.join(map(str, tps))}), or " if tps else "") + \
+        "a plan without tp (dp, cp, pp and ZeRO run it)"
+
+
+def _check_eager_kv(s: ModelStructure, tp: int) -> None:
+    """KV-head replication slices K and V at the attention op; an eager core (softmax between
+    matmuls) has none to find, so tp must divide its KV heads."""
+    if s.num_kv_heads and kv_replicated(tp, s.num_kv_heads) and not any(r.attention is not None for r in s.regions):
+        raise AutoparError(
+            f"autopar: tp={tp} does not divide the {s.num_kv_heads} KV heads, and KV-head replication needs "
+            "attention through scaled_dot_product_attention, which this model does not call (its attention is "
+            f"a softmax between matmuls); load it with attn_implementation='sdpa', or use {_kv_hint(s.num_kv_heads)}.")
+
+
 def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     s: ModelStructure = ctx.structure
     tp = ctx.axis_sizes[AXIS]
@@ -186,12 +249,17 @@ def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
             "autopar: tensor parallelism found no attention or MLP region in the model (no linear "
             "projections around an attention op or feeding one another inside a module); "
             "use a plan without tp for this model.")
+    _check_eager_kv(s, tp)
     for region in s.regions:
         _check_rows_follow_attention(region)
         if region.kind == "attention":
             _check_divisible("number of attention heads", region.num_heads, tp, region.attention)
-            _check_divisible("number of KV heads", region.num_kv_heads, tp, region.attention)
+        whole = _kv_columns(region, tp)
         for c in region.columns:
+            if c.weight in whole:
+                result.notes.append(f"{c.module}: KV heads replicated on every tp rank ({region.num_kv_heads} KV "
+                                    f"heads, tp={tp})")
+                continue
             _shard_column(ctx, result, c)
         _enter_region(gm, region.columns, region.module, "column_input")
         for r in region.rows:

@@ -11,14 +11,27 @@ It times, on this machine:
   (:func:`autopar.cost.profile.fit_memory`);
 * the device's memory -> ``hbm_bytes``: ``torch.cuda.get_device_properties``, or on the CPU the
   host's memory divided by the ranks that share it;
-* all-reduce and all-gather at several message sizes over every group size 2..world, on
+* the element-wise kernels of one eager decoder layer (RMSNorms, RoPE, the grouped-query copies, the
+  attention output's transpose, residual adds, SwiGLU), forward and backward, without its matrix
+  products -> ``elementwise_bandwidth`` (:func:`autopar.cost.profile.fit_elementwise`), and one
+  ``torch.optim.AdamW`` step -> ``optimizer_bandwidth`` (:func:`autopar.cost.profile.fit_optimizer`):
+  the bandwidths at which the time model's byte counts reproduce them; causal
+  ``scaled_dot_product_attention`` over the layer's tokens -> ``attention_factor``, its seconds over
+  the time model's price of its FLOPs as a matrix product (:func:`autopar.cost.profile.fit_attention`);
+* all-reduce, all-gather and reduce-scatter at several message sizes over every group size 2..world, on
   ``--world`` local processes (NCCL on CUDA, gloo on the CPU) -> ``intra_node_bandwidth`` and
   ``intra_node_latency`` by the time model's alpha-beta formula, least squares
-  (:func:`autopar.cost.profile.fit_alpha_beta`). One host measures no network: the
-  ``inter_node`` figures repeat the ``intra_node`` ones, and the profile's notes say so.
+  (:func:`autopar.cost.profile.fit_alpha_beta`), and each collective alone ->
+  ``all_reduce_bandwidth``, ``all_gather_bandwidth``, ``reduce_scatter_bandwidth``. One host measures no network: the
+  ``inter_node`` figures repeat the ``intra_node`` ones, and the profile's notes say so;
+* on the same ranks, an asynchronous all-reduce under matrix products against each alone ->
+  ``comm_overlap``, the share of the collective the compute hides (:func:`autopar.cost.profile.fit_overlap`;
+  on a CPU gloo's threads need the cores the compute runs on).
 
 On the CPU the compute and memory kernels run with a rank's share of the cores (cores // world
-threads) and each collective rank with one thread, as the ranks of a gloo run do. Progress goes
+threads) and each collective rank with one thread, as the ranks of a gloo run do; the profile
+records ``host_cores`` and ``threads_per_rank``, so that a cluster with more ranks on the host than
+that time-shares its cores (:func:`autopar.cost.profile.host_share`). Progress goes
 to stderr as it goes; the figures to stdout. ``--quick`` times fewer shapes and sizes, for
 shorter (under a minute on a CPU). ``autopar plan --hardware`` / ``autopar explain --hardware``
 and ``autopar.Cluster.from_profile`` read the profile (docs/cost-model.md, "Hardware profiles").
@@ -34,10 +47,11 @@ import traceback
 from autopar.errors import AutoparError
 
 __all__ = ["register", "run_calibrate", "measure_gemm", "measure_memory_bandwidth", "device_memory",
-           "measure_collectives", "SETTINGS"]
+           "measure_elementwise", "measure_optimizer", "measure_collectives", "SETTINGS", "LAYER", "OPTIMIZER_PARAMS"]
 
 _KIB, _MIB, _GIB = 2**10, 2**20, 2**30
 COLLECTIVE_TIMEOUT_S = 600.0
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # the ring collectives timed, each at every size
 
 # What each run times: matrix shapes [m, k] @ [k, n], the memory kernels' buffer, collective
 # message sizes (bytes of the all-reduce buffer / the all-gather shard), and the seconds each
@@ -59,6 +73,11 @@ SETTINGS = {
               (2048, 8192, 8192)],
         memory_bytes=2 * _GIB, sizes=[16 * _KIB * 4**i for i in range(9)], budget=0.4),
 }
+# The decoder layer whose element-wise kernels measure_elementwise times (tokens on the rank, hidden,
+# heads, KV heads, head dim, FFN width), and the parameters of the optimizer step measure_optimizer times.
+LAYER = {"cpu": dict(tokens=1024, seq=256, hidden=512, heads=8, kv_heads=4, head_dim=64, ffn=1536),
+         "cuda": dict(tokens=8192, seq=4096, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336)}
+OPTIMIZER_PARAMS = {"cpu": 16 * _MIB, "cuda": 256 * _MIB}
 
 
 def register(subparsers) -> None:
@@ -132,6 +151,110 @@ def measure_memory_bandwidth(torch, device, nbytes: int, budget: float, log) -> 
     return rows
 
 
+def _rms_norm(torch, x, weight):
+    """Llama's RMSNorm as eager PyTorch runs it: in fp32, then the weight in the input's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return weight * h.to(x.dtype)
+
+
+def _rope(torch, x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _layer_elementwise(torch, t: dict) -> tuple:
+    """The element-wise part of one Llama decoder layer's forward, its matrix products and attention
+    replaced by the leaf tensors they would produce: the outputs whose gradients backward gets."""
+    b, heads, s, d = t["o"].shape
+    g = t["k"].shape[-1] // d
+    q, k, v = (t[n].view(b, s, -1, d).transpose(1, 2) for n in ("q", "k", "v"))  # the projections' outputs
+    n1 = _rms_norm(torch, t["x"], t["w1"])                                    # into q/k/v projections
+    q, k = _rope(torch, q, t["cos"], t["sin"]), _rope(torch, k, t["cos"], t["sin"])
+    k = k[:, :, None].expand(b, g, heads // g, s, d).reshape(b, heads, s, d)   # grouped-query copies
+    v = v[:, :, None].expand(b, g, heads // g, s, d).reshape(b, heads, s, d)
+    out = t["o"].transpose(1, 2).reshape(b, s, heads * d)                     # into o_proj
+    r1 = t["x"] + t["attn"]
+    n2 = _rms_norm(torch, r1, t["w2"])                                        # into gate/up
+    act = torch.nn.functional.silu(t["gate"]) * t["up"]                       # into down_proj
+    return n1, q, k, v, out, n2, act, r1 + t["down"]
+
+
+def measure_elementwise(torch, device, dtype, layer: dict, budget: float, log) -> dict:
+    """Seconds of one decoder layer's element-wise kernels, forward and backward (:data:`LAYER`), and
+    the time model's bytes for them (:func:`autopar.cost.profile.layer_elementwise_bytes`)."""
+    from autopar.cost.profile import layer_elementwise_bytes
+
+    T, H, a, g, d, F = (layer[k] for k in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "ffn"))
+    b, s = 1, T
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
+
+    t = dict(x=leaf(b, s, H), q=leaf(b, s, a * d), k=leaf(b, s, g * d), v=leaf(b, s, g * d), o=leaf(b, a, s, d),
+             attn=leaf(b, s, H), gate=leaf(b, s, F), up=leaf(b, s, F), down=leaf(b, s, H), w1=leaf(H), w2=leaf(H),
+             cos=torch.randn(s, d, device=device, dtype=dtype), sin=torch.randn(s, d, device=device, dtype=dtype))
+    grads = [torch.randn_like(o) for o in _layer_elementwise(torch, t)]
+
+    def step():
+        for x in t.values():
+            x.grad = None
+        torch.autograd.backward(_layer_elementwise(torch, t), grads)
+
+    seconds, calls = _best_seconds(step, _sync(torch, device), budget)
+    model_bytes = layer_elementwise_bytes(T, H, a, g, d, F, torch.tensor([], dtype=dtype).element_size())
+    log(f"element-wise kernels of a decoder layer ({T} tokens, hidden {H}, FFN {F}), forward + backward: "
+        f"{seconds * 1e3:,.2f} ms, {model_bytes / seconds / 1e9:,.1f} GB/s of the time model's bytes")
+    return dict(layer, dtype=str(dtype).removeprefix("torch."), seconds=seconds, calls=calls, model_bytes=model_bytes)
+
+
+def measure_attention(torch, device, dtype, layer: dict, budget: float, log) -> dict:
+    """Seconds of causal ``scaled_dot_product_attention`` over one layer's tokens (:data:`LAYER`:
+    ``tokens // seq`` sequences, every head with its own K and V, as after the grouped-query copies),
+    forward and backward."""
+    b, a, s, d = layer["tokens"] // layer["seq"], layer["heads"], layer["seq"], layer["head_dim"]
+    q, k, v = (torch.randn(b, a, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+    grad = torch.randn(b, a, s, d, device=device, dtype=dtype)
+
+    def step():
+        for x in (q, k, v):
+            x.grad = None
+        torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    seconds, calls = _best_seconds(step, _sync(torch, device), budget)
+    log(f"causal attention ({b} x {s} tokens, {a} heads of {d}), forward + backward: {seconds * 1e3:,.2f} ms")
+    return dict(batch=b, heads=a, seq=s, head_dim=d, dtype=str(dtype).removeprefix("torch."), seconds=seconds,
+                calls=calls)
+
+
+def measure_optimizer(torch, device, params: int, budget: float, log) -> dict:
+    """Seconds of the per-step work on ``params`` fp32 parameters (16 tensors) as autopar's runtime
+    does it: backward's gradient accumulated into the persistent gradient buffer, one
+    ``torch.optim.AdamW`` step (its default implementation on ``device``), the buffer zeroed for the
+    next step; and the time model's optimizer bytes for it."""
+    from autopar.cost.profile import adamw_bytes
+
+    tensors = [torch.zeros(params // 16, device=device, requires_grad=True) for _ in range(16)]
+    fresh = [torch.randn_like(p) for p in tensors]  # what backward produces
+    for p in tensors:
+        p.grad = torch.zeros_like(p)
+    opt = torch.optim.AdamW(tensors, lr=1e-3)
+
+    def step():
+        for p, g in zip(tensors, fresh):
+            p.grad.add_(g)
+        opt.step()
+        for p in tensors:
+            p.grad.zero_()
+
+    seconds, calls = _best_seconds(step, _sync(torch, device), budget)
+    model_bytes = adamw_bytes(params // 16 * 16)
+    log(f"optimizer step (gradients accumulated, torch.optim.AdamW, zeroed; {params / 2**20:g}M fp32 parameters): "
+        f"{seconds * 1e3:,.1f} ms, "
+        f"{model_bytes / seconds / 1e9:,.1f} GB/s of the time model's bytes")
+    return dict(params=params // 16 * 16, seconds=seconds, calls=calls, model_bytes=model_bytes)
+
+
 def device_memory(torch, device, ranks_per_host: int) -> tuple[float, dict]:
     """(``hbm_bytes`` per rank, how it was found)."""
     if device.type == "cuda":
@@ -151,6 +274,12 @@ def _time_collective(torch, dist, collective: str, nbytes: int, group, n: int, d
 
         def op():
             dist.all_reduce(buf, group=group)
+    elif collective == "reduce_scatter":  # nbytes: the input, n shards of it
+        full = torch.zeros(max(1, elems // n) * n, device=device)
+        out = torch.empty(full.numel() // n, device=device)
+
+        def op():
+            dist.reduce_scatter_single(out, full, group=group)
     else:
         shard = torch.zeros(elems, device=device)
         full = torch.empty(elems * n, device=device)
@@ -183,6 +312,47 @@ def _time_collective(torch, dist, collective: str, nbytes: int, group, n: int, d
     return best, calls
 
 
+def _time_overlap(torch, dist, device, nbytes: int) -> dict:
+    """Matrix products alone, an all-reduce of ``nbytes`` alone, and the all-reduce started
+    asynchronously under the same products, over every rank (the slowest member's seconds), five
+    times in turn -> ``comm_overlap``, the median of the five (:func:`autopar.cost.profile.fit_overlap`):
+    taken side by side, the three see the same load from other processes."""
+    from autopar.cost.profile import fit_overlap
+
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    n = 4096 if device.type == "cuda" else 1024
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    out, buf = torch.empty_like(a), torch.zeros(max(1, nbytes // 4), device=device)
+    sync = _sync(torch, device)
+
+    def products(count: int) -> None:
+        for _ in range(count):
+            torch.mm(a, b, out=out)
+
+    def both(count: int) -> None:
+        work = dist.all_reduce(buf, async_op=True)
+        products(count)
+        work.wait()
+
+    def timed(fn) -> float:
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        t = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    timed(lambda: both(1))  # warm-up
+    once, collective = timed(lambda: products(1)), timed(lambda: dist.all_reduce(buf))
+    count = max(1, math.ceil(2 * collective / once))  # about twice the collective's time: a whole window
+    rounds = [[timed(fn) for fn in (lambda: products(count), lambda: dist.all_reduce(buf), lambda: both(count))]
+              for _ in range(5)]
+    overlaps = sorted(fit_overlap(*r) for r in rounds)
+    return dict(bytes=nbytes, products=count, rounds=rounds, comm_overlap=overlaps[len(overlaps) // 2])
+
+
 def _collective_rank(rank: int, world: int, port: int, kind: str, sizes, budget: float, results) -> None:
     """One spawned rank: time every collective of every group size it belongs to; rank 0 reports."""
     from datetime import timedelta
@@ -202,13 +372,16 @@ def _collective_rank(rank: int, world: int, port: int, kind: str, sizes, budget:
         groups = {n: dist.new_group(list(range(n))) for n in range(2, world + 1)}  # every rank creates each
         for n, group in groups.items():
             if rank < n:
-                for collective in ("all_reduce", "all_gather"):
+                for collective in COLLECTIVES:
                     for nbytes in sizes:
                         seconds, calls = _time_collective(torch, dist, collective, nbytes, group, n, device, budget)
                         if rank == 0:
                             results.put(("sample", rank, dict(collective=collective, group=n, bytes=nbytes,
                                                               seconds=seconds, calls=calls)))
             dist.barrier()
+        overlap = _time_overlap(torch, dist, device, max(sizes))
+        if rank == 0:
+            results.put(("overlap", rank, overlap))
         results.put(("done", rank, None))
     except BaseException as exc:  # reported to the parent, which raises a clear error
         results.put(("err", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
@@ -218,8 +391,9 @@ def _collective_rank(rank: int, world: int, port: int, kind: str, sizes, budget:
 
 
 def measure_collectives(kind: str, world: int, sizes, budget: float, log,
-                        timeout: float = COLLECTIVE_TIMEOUT_S) -> list[dict]:
-    """Timed all-reduces and all-gathers on ``world`` spawned local ranks (NCCL on cuda, gloo on cpu)."""
+                        timeout: float = COLLECTIVE_TIMEOUT_S) -> tuple[list[dict], dict]:
+    """Timed all-reduces and all-gathers on ``world`` spawned local ranks (NCCL on cuda, gloo on cpu), and
+    the overlap of an all-reduce with matrix products (:func:`_time_overlap`): ``(samples, overlap)``."""
     import queue
 
     import torch.multiprocessing as mp
@@ -233,7 +407,7 @@ def measure_collectives(kind: str, world: int, sizes, budget: float, log,
              for r in range(world)]
     for p in procs:
         p.start()
-    samples, done = [], set()
+    samples, done, overlap = [], set(), {}
     deadline = time.monotonic() + timeout
     try:
         while len(done) < world:
@@ -253,12 +427,17 @@ def measure_collectives(kind: str, world: int, sizes, budget: float, log,
             if status == "done":
                 done.add(rank)
                 continue
+            if status == "overlap":
+                overlap = payload
+                log(f"all-reduce of {_fmt_bytes(payload['bytes'])} under matrix products: "
+                    f"{payload['comm_overlap'] * 100:.0f}% of it hidden")
+                continue
             samples.append(payload)
             log(f"{payload['collective'].replace('_', '-')} over {payload['group']} ranks, "
                 f"{_fmt_bytes(payload['bytes'])}: {payload['seconds'] * 1e6:,.0f} us")
     finally:
         stop_processes(procs)
-    return samples
+    return samples, overlap
 
 
 # ---------------------------------------------------------------------- the command
@@ -297,6 +476,13 @@ def _summary(profile: dict, out: str) -> str:
              f"  intra_node_latency    {f['intra_node_latency'] * 1e6:,.1f} us",
              f"  inter_node_bandwidth  {f['inter_node_bandwidth'] / 1e9:,.2f} GB/s",
              f"  inter_node_latency    {f['inter_node_latency'] * 1e6:,.1f} us"]
+    gbs = lambda x: f"{x / 1e9:,.2f} GB/s"  # noqa: E731
+    for key, text in (("elementwise_bandwidth", gbs), ("optimizer_bandwidth", gbs), ("all_reduce_bandwidth", gbs),
+                      ("all_gather_bandwidth", gbs), ("reduce_scatter_bandwidth", gbs),
+                      ("attention_factor", lambda x: f"{x:.2f}"),
+                      ("comm_overlap", lambda x: f"{x:.2f}"), ("host_cores", str), ("threads_per_rank", str)):
+        if key in f:
+            lines.append(f"  {key:<24} {text(f[key])}")
     lines += [f"  note: {n}" for n in f["notes"]]
     lines.append(f"use it: autopar plan --hardware {out} --model MODEL --gpus N --seq S --global-batch B")
     return "\n".join(lines)
@@ -311,24 +497,24 @@ def _links(kind: str, world: int, settings: dict, notes: list[str], log) -> tupl
 
     if world >= 2:
         log(f"starting {world} {'NCCL' if kind == 'cuda' else 'gloo'} ranks for the collectives")
-        samples = measure_collectives(kind, world, settings["sizes"], settings["budget"], log)
+        samples, overlap = measure_collectives(kind, world, settings["sizes"], settings["budget"], log)
         links = fit_alpha_beta(samples, CALIBRATED["epsilon"])
         bandwidth, latency = links["bandwidth"], links["latency"]
         by_collective = {c: {k: v for k, v in fit_alpha_beta([x for x in samples if x["collective"] == c],
                                                              CALIBRATED["epsilon"]).items()
-                             if k in ("bandwidth", "latency")} for c in ("all_reduce", "all_gather")}
+                             if k in ("bandwidth", "latency")} for c in COLLECTIVES}
         collectives = {"backend": "nccl" if kind == "cuda" else "gloo", "world": world,
                        "group_sizes": list(range(2, world + 1)), "sizes_bytes": settings["sizes"], **links,
-                       "by_collective": by_collective}
+                       "by_collective": by_collective, "overlap": overlap}
         notes.append(f"intra_node figures: least squares of t = sent / (bandwidth * epsilon) + passes * (n - 1) "
-                     f"* latency over {len(samples)} timed all-reduces and all-gathers (groups of "
+                     f"* latency over {len(samples)} timed all-reduces, all-gathers and reduce-scatters (groups of "
                      f"2..{world} ranks), epsilon {CALIBRATED['epsilon']} as in the time model")
-        fast, slow = sorted(by_collective, key=lambda c: -by_collective[c]["bandwidth"])
-        ratio = by_collective[fast]["bandwidth"] / by_collective[slow]["bandwidth"]
-        if ratio > 1.5:
-            notes.append(f"{slow.replace('_', '-')} moves its bytes {ratio:.1f}x slower than {fast.replace('_', '-')} "
-                         f"here; the time model takes one bandwidth for every ring collective, so the fit lies "
-                         f"between (measured.collectives.by_collective fits each alone)")
+        ranked = sorted(by_collective, key=lambda c: -by_collective[c]["bandwidth"])
+        ratio = by_collective[ranked[0]]["bandwidth"] / by_collective[ranked[-1]]["bandwidth"]
+        notes.append(f"all_reduce_bandwidth, all_gather_bandwidth, reduce_scatter_bandwidth fit each collective alone "
+                     f"(measured.collectives.by_collective); the time model prices each at its own rate "
+                     f"({ranked[-1].replace('_', '-')} is {ratio:.1f}x slower per byte than "
+                     f"{ranked[0].replace('_', '-')} here)")
     else:
         from autopar.planning.autoplan import local_gpu
 
@@ -339,12 +525,74 @@ def _links(kind: str, world: int, settings: dict, notes: list[str], log) -> tupl
     return bandwidth, latency, collectives
 
 
+def _host_cores() -> int:
+    """The cores this process may run on (its affinity; ``os.cpu_count()`` where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _local_figures(torch, kind: str, device, settings: dict, world: int, ranks_per_host: int,
+                   log) -> tuple[dict, dict, list[str]]:
+    """What one process measures: matrix products, memory bandwidth, element-wise kernels, the optimizer
+    step and the memory size -> (figures, measured details, notes)."""
+    from autopar.cost.profile import (attention_model_seconds, fit_attention, fit_elementwise, fit_gemm, fit_memory,
+                                      fit_optimizer)
+    from autopar.cost.time import CALIBRATED
+
+    threads = max(1, _host_cores() // world) if kind == "cpu" else None
+    saved_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        dtype = torch.bfloat16 if kind == "cuda" else torch.float32
+        gemm_samples = measure_gemm(torch, device, dtype, settings["gemm"], settings["budget"], log)
+        memory = fit_memory(measure_memory_bandwidth(torch, device, settings["memory_bytes"], settings["budget"],
+                                                     log))
+        ew = measure_elementwise(torch, device, dtype, LAYER[kind], settings["budget"], log)
+        attn = measure_attention(torch, device, dtype, LAYER[kind], settings["budget"], log)
+        opt = measure_optimizer(torch, device, OPTIMIZER_PARAMS[kind], settings["budget"], log)
+        hbm_bytes, hbm_details = device_memory(torch, device, ranks_per_host)
+    finally:
+        torch.set_num_threads(saved_threads)
+    gemm = fit_gemm(gemm_samples, memory["hbm_bandwidth"], CALIBRATED["kappa"])
+    figures = {"gemm_efficiency": gemm["gemm_efficiency"], "peak_flops": gemm["peak_flops"], "hbm_bytes": hbm_bytes,
+               "hbm_bandwidth": memory["hbm_bandwidth"],
+               "elementwise_bandwidth": fit_elementwise(ew["model_bytes"], ew["seconds"]),
+               "optimizer_bandwidth": fit_optimizer(opt["model_bytes"], opt["seconds"])}
+    attn["model_seconds"] = attention_model_seconds(attn["batch"], attn["heads"], attn["seq"], attn["head_dim"],
+                                                    gemm_samples[0]["dtype_bytes"], gemm["peak_flops"],
+                                                    memory["hbm_bandwidth"], CALIBRATED["kappa"])
+    figures["attention_factor"] = fit_attention(attn["seconds"], attn["model_seconds"])
+    notes = [f"peak_flops is the best FLOP/s of {len(gemm_samples)} timed matrix products "
+             f"({gemm_samples[0]['dtype']}) and gemm_efficiency 1.0, so the time model's large-GEMM rate "
+             f"equals it; smaller and skinnier products follow the roofline knee (measured.gemm sets each "
+             f"measured rate beside the model's)",
+             f"hbm_bandwidth is the best of a copy and an add of {_fmt_bytes(settings['memory_bytes'])} buffers "
+             f"(bytes read + written per second)",
+             "elementwise_bandwidth and optimizer_bandwidth are the time model's element-wise bytes of one "
+             "decoder layer (forward + backward) and its optimizer bytes over the measured seconds of eager "
+             "kernels and of torch.optim.AdamW's step (measured.elementwise, measured.optimizer)",
+             "attention_factor is the measured seconds of causal scaled_dot_product_attention over the time "
+             "model's price of its FLOPs as a matrix product of its size (measured.attention)",
+             "hbm_bytes is " + ("the device's memory" if kind == "cuda" else
+                                f"the host's memory shared by {_ranks(ranks_per_host)}")]
+    if threads:
+        figures.update(host_cores=_host_cores(), threads_per_rank=threads)
+        notes.append(f"compute and memory were timed with {threads} thread(s), a rank's share of "
+                     f"{_host_cores()} cores over {_ranks(world)}; more ranks than cores on this host "
+                     f"time-share them (host_cores, threads_per_rank)")
+    measured = {"gemm": gemm["samples"], "memory": memory["samples"], "elementwise": ew, "attention": attn,
+                "optimizer": opt, "hbm_bytes": hbm_details}
+    return figures, measured, notes
+
+
 def run_calibrate(args) -> int:
     """``autopar calibrate``: measure, fit (cost/profile.py), write the profile, print its figures."""
     import torch
 
-    from autopar.cost.profile import FORMAT, SOURCE, fit_gemm, fit_memory, save_profile
-    from autopar.cost.time import CALIBRATED
+    from autopar.cost.profile import FORMAT, SOURCE, save_profile
 
     kind = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if kind == "cuda" and not torch.cuda.is_available():
@@ -363,44 +611,26 @@ def run_calibrate(args) -> int:
         print(f"autopar calibrate: {msg}", file=sys.stderr, flush=True)
 
     begin = time.perf_counter()
-    log(f"measuring {name}{' (quick)' if args.quick else ''}: matrix products, memory bandwidth, then "
-        f"collectives on {_ranks(world)}")
-    threads = max(1, (os.cpu_count() or 1) // world) if kind == "cpu" else None
-    saved_threads = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(threads)
-    try:
-        dtype = torch.bfloat16 if kind == "cuda" else torch.float32
-        gemm_samples = measure_gemm(torch, device, dtype, settings["gemm"], settings["budget"], log)
-        memory = fit_memory(measure_memory_bandwidth(torch, device, settings["memory_bytes"], settings["budget"],
-                                                     log))
-        hbm_bytes, hbm_details = device_memory(torch, device, ranks_per_host)
-    finally:
-        torch.set_num_threads(saved_threads)
-    gemm = fit_gemm(gemm_samples, memory["hbm_bandwidth"], CALIBRATED["kappa"])
-    notes = [f"peak_flops is the best FLOP/s of {len(gemm_samples)} timed matrix products "
-             f"({gemm_samples[0]['dtype']}) and gemm_efficiency 1.0, so the time model's large-GEMM rate "
-             f"equals it; smaller and skinnier products follow the roofline knee (measured.gemm sets each "
-             f"measured rate beside the model's)",
-             f"hbm_bandwidth is the best of a copy and an add of {_fmt_bytes(settings['memory_bytes'])} buffers "
-             f"(bytes read + written per second)",
-             "hbm_bytes is " + ("the device's memory" if kind == "cuda" else
-                                f"the host's memory shared by {_ranks(ranks_per_host)}")]
-    if threads:
-        notes.append(f"compute and memory were timed with {threads} thread(s), a rank's share of "
-                     f"{os.cpu_count()} cores over {_ranks(world)}")
+    log(f"measuring {name}{' (quick)' if args.quick else ''}: matrix products, memory bandwidth, element-wise "
+        f"kernels, the optimizer step, then collectives on {_ranks(world)}")
+    figures, measured, notes = _local_figures(torch, kind, device, settings, world, ranks_per_host, log)
     bandwidth, latency, collectives = _links(kind, world, settings, notes, log)
     notes.append("one host: no network was measured, so inter_node_bandwidth and inter_node_latency repeat "
                  "the intra_node figures")
+    for collective, fit in collectives.get("by_collective", {}).items():
+        figures[f"{collective}_bandwidth"] = fit["bandwidth"]
+    if collectives.get("overlap"):
+        figures["comm_overlap"] = collectives["overlap"]["comm_overlap"]
+        notes.append("comm_overlap is the share of an all-reduce that matrix products running meanwhile hide "
+                     "(measured.collectives.overlap, the median of 5 rounds); it replaces the time model's phi"
+                     + ("; on a host whose ranks fill every core gloo's threads have none of their own, and "
+                        "Cluster.from_profile takes 0" if kind == "cpu" else ""))
     profile = {
-        "format": FORMAT, "device": name, "gpus_per_node": ranks_per_host,
-        "gemm_efficiency": gemm["gemm_efficiency"], "peak_flops": gemm["peak_flops"], "hbm_bytes": hbm_bytes,
-        "hbm_bandwidth": memory["hbm_bandwidth"], "intra_node_bandwidth": bandwidth,
-        "intra_node_latency": latency, "inter_node_bandwidth": bandwidth, "inter_node_latency": latency,
-        "notes": notes,
-        "measured": {"quick": bool(args.quick), "seconds": None, "gemm": gemm["samples"],
-                     "memory": memory["samples"], "hbm_bytes": hbm_details, "collectives": collectives},
-        "machine": _machine(torch, threads),
+        "format": FORMAT, "device": name, "gpus_per_node": ranks_per_host, **figures,
+        "intra_node_bandwidth": bandwidth, "intra_node_latency": latency, "inter_node_bandwidth": bandwidth,
+        "inter_node_latency": latency, "notes": notes,
+        "measured": {"quick": bool(args.quick), "seconds": None, **measured, "collectives": collectives},
+        "machine": _machine(torch, figures.get("threads_per_rank")),
         "source": SOURCE,
     }
     if not all(math.isfinite(profile[k]) for k in ("peak_flops", "hbm_bandwidth", "intra_node_bandwidth")):

@@ -3,8 +3,10 @@
 The model's dimensions come from the traced graph (``autopar.frontend.analyze``), the hardware
 from the hardware profile named by ``$AUTOPAR_HARDWARE_PROFILE`` (written by ``autopar calibrate``)
 or else the current device (an H100/H200/A100 by its CUDA name, else the ``cpu`` preset),
-the world size from the process group, and the sequence and global batch from the
-example inputs (pass a representative batch).  :func:`choose_plan` is the search
+the world size from the process group (a CPU profile's host holds ``$LOCAL_WORLD_SIZE`` ranks, which
+time-share its cores: :func:`autopar.cost.profile.host_share`), and the sequence and global batch from the
+example inputs (pass a representative batch).  :func:`estimate_step` is the same model's estimate of
+the plan a program runs (``pm.predicted_cost``, ``pm.last_step_stats``).  :func:`choose_plan` is the search
 (:mod:`autopar.planning.search`) restricted to what this world allows: its world size and
 the plans the runtime runs (``runnable=True``, the rules of :mod:`autopar.plan_space` that
 ``parallelize`` checks); the fastest plan that fits in memory wins (the fastest of all if none fits).
@@ -21,7 +23,7 @@ import torch
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 
-__all__ = ["choose_plan", "local_gpu", "predict_step", "PROFILE_ENV"]
+__all__ = ["choose_plan", "local_gpu", "estimate_step", "predict_step", "step_prediction", "PROFILE_ENV"]
 
 PROFILE_ENV = "AUTOPAR_HARDWARE_PROFILE"
 """The environment variable naming a hardware profile (``autopar calibrate``) for ``plan="auto"``."""
@@ -39,34 +41,50 @@ def local_gpu() -> str:
 
 def _spec_and_cluster(structure, world_size: int):
     from autopar.cost import Cluster, ModelSpec
+    from autopar.cost.profile import load_profile
     from autopar.frontend.analyze import structure_dims
 
     spec = ModelSpec(name="traced", **{**structure_dims(structure), "num_layers": max(1, structure.num_layers)})
     if os.environ.get(PROFILE_ENV):
-        base = Cluster.from_profile(os.environ[PROFILE_ENV])
+        path = os.environ[PROFILE_ENV]
+        base = Cluster.from_profile(path)
         per_node = min(base.gpus_per_node, world_size)
+        if load_profile(path).get("host_cores"):  # a CPU host: the ranks started on it share its cores
+            per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
         per_node = per_node if world_size % per_node == 0 else world_size
-        return spec, base.replace(num_nodes=world_size // per_node, gpus_per_node=per_node)
+        return spec, Cluster.from_profile(path, num_nodes=world_size // per_node, gpus_per_node=per_node)
     cluster = Cluster.for_world(local_gpu(), world_size) if world_size <= 8 or world_size % 8 == 0 else Cluster(
         gpu=local_gpu(), num_nodes=1, gpus_per_node=world_size)
     return spec, cluster
 
 
-def predict_step(structure, plan: Plan, seq_len: int, global_batch: int, *, dtype_bytes: int = 2) -> dict[str, float]:
-    """The cost model's step time, MFU and tokens/s of ``plan`` on this machine's GPUs
-    (``pm.last_step_stats``); empty on a CPU without a hardware profile (``$AUTOPAR_HARDWARE_PROFILE``):
-    the ``cpu`` preset's figures are no measurement of this machine."""
+def estimate_step(structure, plan: Plan, seq_len: int, global_batch: int, *, dtype_bytes: int = 2):
+    """The cost model's :class:`autopar.cost.Cost` of ``plan`` on this machine (``pm.predicted_cost``);
+    None on a CPU without a hardware profile (``$AUTOPAR_HARDWARE_PROFILE``): the ``cpu`` preset's
+    figures are no measurement of this machine."""
     if local_gpu() == "cpu" and not os.environ.get(PROFILE_ENV):
-        return {}
+        return None
     from autopar.cost import estimate
 
     spec, cluster = _spec_and_cluster(structure, plan.world_size)
     try:
-        cost = estimate(spec, cluster, plan, seq_len=seq_len, global_batch=global_batch, dtype_bytes=dtype_bytes)
+        return estimate(spec, cluster, plan, seq_len=seq_len, global_batch=global_batch, dtype_bytes=dtype_bytes)
     except ValueError:
+        return None
+
+
+def predict_step(structure, plan: Plan, seq_len: int, global_batch: int, *, dtype_bytes: int = 2) -> dict[str, float]:
+    """The cost model's step time, MFU and tokens/s of ``plan`` on this machine's GPUs, or on the
+    machine a hardware profile measured (``pm.last_step_stats``); empty where :func:`estimate_step` is None."""
+    return step_prediction(estimate_step(structure, plan, seq_len, global_batch, dtype_bytes=dtype_bytes))
+
+
+def step_prediction(cost) -> dict[str, float]:
+    """``cost``'s step time, MFU and tokens/s under ``pm.last_step_stats``' keys (empty for None)."""
+    if cost is None:
         return {}
     return {"predicted_seconds": cost.step_time, "predicted_mfu": cost.mfu,
-            "predicted_tokens_per_s": seq_len * global_batch / cost.step_time}
+            "predicted_tokens_per_s": cost.tokens_per_s}
 
 
 def choose_plan(structure, world_size: int, seq_len: int, global_batch: int, *,

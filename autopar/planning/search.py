@@ -25,6 +25,7 @@ from typing import Callable
 
 import numpy as np
 
+from autopar.cost.buckets import BUCKET_FIELDS, bucket_counts
 from autopar.cost.estimate import Cost, _as_cluster, _as_spec, estimate, head_layers
 from autopar.cost.model import (DEFAULT_CONSTANTS, compute_formulas, evaluate, link_values, memory_formulas,
                                 model_formulas, model_values, plan_values, step_time_arrays)
@@ -110,9 +111,11 @@ def enumerate_plans(spec, world_size: int, seq_len: int, global_batch: int, **op
     return out
 
 
-def _view_tables(spec, base: dict[str, np.ndarray], seq_len: int) -> dict[str, np.ndarray]:
-    """Per structure and scored slot (first rank, last rank, busiest rank): the stage view,
-    as (structures, 3) float columns keyed ld le first last nsend nrecv pp_rank."""
+def _view_tables(spec, base: dict[str, np.ndarray], seq_len: int, param_bytes: int,
+                 bucket_bytes: int) -> dict[str, np.ndarray]:
+    """Per structure and scored slot (first rank, last rank, busiest rank): the stage view and the
+    rank's gradient buckets, as (structures, 3) float columns keyed ld le first last nsend nrecv
+    pp_rank and nbd nud nbe nue."""
     x = head_layers(spec, seq_len)
     moe_cost = 1.0
     if spec.is_moe:
@@ -130,7 +133,27 @@ def _view_tables(spec, base: dict[str, np.ndarray], seq_len: int) -> dict[str, n
         slots = (views[0], views[-1], views[int(np.argmax(cost))])
         for name, attr in _VIEW_FIELDS.items():
             table[name][j] = [getattr(v, attr) for v in slots]
-    return {name: col[which] for name, col in table.items()}
+    out = {name: col[which] for name, col in table.items()}
+    out.update(_bucket_tables(spec, base, out["pp_rank"], x, param_bytes, bucket_bytes))
+    return out
+
+
+def _bucket_tables(spec, base: dict[str, np.ndarray], pp_rank: np.ndarray, x: float, param_bytes: int,
+                   bucket_bytes: int) -> dict[str, np.ndarray]:
+    """Per structure and scored slot: the gradient-bucket counts of the slot's pipeline rank
+    (:func:`autopar.cost.buckets.bucket_counts`, once per pp, schedule, vpp, tp and ep)."""
+    keys: dict[tuple[int, ...], int] = {}
+    which = np.array([keys.setdefault(k, len(keys)) for k in zip(
+        *(base[f].tolist() for f in ("pp", "schedule", "vpp", "tp", "ep")))], dtype=np.int64)
+    out = {name: np.zeros(pp_rank.shape) for name in BUCKET_FIELDS}
+    for (pp, schedule, vpp, tp, ep), j in keys.items():
+        counts = bucket_counts(spec, tp=tp, ep=ep, pp=pp, schedule=SCHEDULES[schedule], vpp=vpp, head_layers=x,
+                               param_bytes=param_bytes, bucket_bytes=bucket_bytes)
+        rows = np.nonzero(which == j)[0]
+        ranks = pp_rank[rows].astype(np.int64)
+        for name, attr in BUCKET_FIELDS.items():
+            out[name][rows] = np.array([getattr(c, attr) for c in counts], dtype=np.float64)[ranks]
+    return out
 
 
 def search(spec, cluster, seq_len: int, global_batch: int, top: int = 10, *,
@@ -189,7 +212,7 @@ class _Scorer:
         """Stage views and link figures per structure, and the lambdified formulas of ``est_opts``."""
         opts = {**_ESTIMATE_DEFAULTS, **est_opts}
         self.cluster, self.cands, self.total = cluster, cands, len(cands["tp"])
-        self.views = _view_tables(spec, base, seq_len)
+        self.views = _view_tables(spec, base, seq_len, opts["dtype_bytes"], opts["bucket_bytes"])
         self.consts = {**DEFAULT_CONSTANTS, **(opts["constants"] or {})}
         self.model = model_formulas(opts["activation_formula"], False)
         self.mvals = model_values(spec, dtype_bytes=opts["dtype_bytes"], grad_bytes=opts["grad_bytes"],

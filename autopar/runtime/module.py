@@ -37,7 +37,7 @@ from autopar.plan_space import data_axis
 from autopar.passes.context import GradBucket
 from autopar.runtime import checkpoint
 from autopar.runtime import state as module_state
-from autopar.planning.autoplan import predict_step
+from autopar.planning.autoplan import estimate_step, step_prediction
 from autopar.runtime.batching import global_sizes, local_microbatches, split_microbatches
 from autopar.runtime.clipping import clip_gradients, norm_weights
 from autopar.runtime.data import BatchSlice
@@ -122,6 +122,9 @@ class ParallelModule:
         self.last_grad_norm: float | None = None
         self.last_step_stats: dict[str, Any] = {}
         self._prediction: dict[str, float] | None = None
+        # The cost model's estimate of this plan on this machine (autopar.cost.Cost), made at the first
+        # step from its batch; None without hardware figures (a CPU without a hardware profile).
+        self.predicted_cost = None
         holders = max(1, plan.world_size // plan.pp) if self.groups else 1
         names = [n for n, _ in self.gm.named_parameters()]
         copies = {n: len(self.executor.holders(n) or (0,)) for n in names}  # the tied weight: on two stages
@@ -166,6 +169,7 @@ class ParallelModule:
         retarget_devices(self.gm, self._traced_device, self.device)
         for chunk in (self.program.pipeline.chunks if self.program.pipeline is not None else ()):
             retarget_devices(chunk.gm, self._traced_device, self.device)  # the pipeline's own graphs
+            _release_tensors(chunk.gm, self.gm)
         move_constants(self.gm, self.device)
         coords = self.coords()
         for name, p in list(self.gm.named_parameters()):
@@ -384,12 +388,14 @@ class ParallelModule:
                                    global_batch_size, seq_len)
 
     def _predicted(self, inputs: tuple) -> dict[str, float]:
-        """The cost model's step time and MFU for this plan, when the hardware is known (a GPU)."""
+        """The cost model's step time, MFU and tokens/s for this plan (:attr:`predicted_cost`), when the
+        hardware is known: a GPU, or a CPU measured into ``$AUTOPAR_HARDWARE_PROFILE``."""
         if self._prediction is None:
             batch, seq = global_sizes(inputs, self.plan, local=self._local_batch)
             width = next((dtype.itemsize for _, dtype in self._full_meta.values() if dtype.is_floating_point), 4)
-            self._prediction = predict_step(self.program.structure, self.plan, seq or 1, int(batch),
-                                            dtype_bytes=width)  # the precision the model trains in
+            self.predicted_cost = estimate_step(self.program.structure, self.plan, seq or 1, int(batch),
+                                                dtype_bytes=width)  # the precision the model trains in
+            self._prediction = step_prediction(self.predicted_cost)
         return self._prediction
 
     def _check_inputs(self, inputs: Sequence[Any]) -> tuple:
@@ -452,3 +458,19 @@ def _set_attr(root: nn.Module, name: str, value: torch.Tensor, buffer: bool = Fa
     else:
         setattr(mod, leaf, value)
 
+
+def _release_tensors(gm: torch.fx.GraphModule, program_gm: nn.Module) -> None:
+    """The pipeline pass's chunk module keeps its graph and tensor shapes but no memory: its
+    parameters and buffers become meta tensors.  The runtime builds this rank's chunks on the
+    placed local parameters (runtime/pipelined.py); the pass's modules only describe a stage
+    (``describe_stage``, ``autopar inspect``) -- holding the original tensors there kept every
+    chunk's weights, the whole model, alive on each pipeline rank.  A submodule the chunk shares
+    with the program's module is left alone."""
+    shared = {id(mod) for mod in program_gm.modules()}
+    owner = lambda name: gm.get_submodule(name.rpartition(".")[0])  # noqa: E731
+    for name, p in list(gm.named_parameters()):
+        if id(owner(name)) not in shared:
+            _set_attr(gm, name, nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad))
+    for name, b in list(gm.named_buffers()):
+        if id(owner(name)) not in shared:
+            _set_attr(gm, name, b.detach().to("meta"), buffer=True)

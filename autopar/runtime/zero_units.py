@@ -179,7 +179,10 @@ class ZeroUnits:
         if work is not None:
             work.wait()
         divisor = self.unit_divisors[unit] or self.layouts[unit].n
-        return out.float() / divisor if divisor > 1 else out.float()
+        # Averaged in place (``out`` is this call's own buffer, fp32 when mixed precision reduces in
+        # fp32): no allocation while gloo may still hold its working copy of the input.
+        out = out.float()
+        return out.div_(divisor) if divisor > 1 else out
 
 
 def _partial_axes(grad_partial_axes: dict, partial: set[str]) -> list[str]:

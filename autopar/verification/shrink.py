@@ -5,7 +5,8 @@ and returns a copy with few layers and small widths, plus one note per change, f
 ``autopar verify`` (:mod:`autopar.verification.api`).  The architecture stays what it was
 (model type, GQA grouping, MoE routing, tied embeddings, norms, biases, rotary setup); the
 widths are cut so that everything the plan splits still splits: the query and KV heads by
-``tp`` (``tp*cp`` under Ulysses), the experts by ``ep``, the vocabulary and MLP widths by
+``tp`` (``tp*cp`` under Ulysses; KV heads that tp does not divide stay so, replicated), the
+experts by ``ep``, the vocabulary and MLP widths by
 ``tp``.  Whether the plan fits the *original* model is checked before shrinking
 (:func:`autopar.plan.Plan.validate`), so shrinking never hides a refusal.
 
@@ -15,6 +16,7 @@ transformers config (Llama for dense presets, Mixtral for MoE ones).  No torch h
 from __future__ import annotations
 
 import copy
+import math
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
@@ -153,23 +155,33 @@ def _every_kind(pattern: list, layers: int) -> list:
     return out
 
 
+def _shrunk_heads(kv: int, group: int, split: int) -> tuple[int, int]:
+    """(KV heads, query heads) of the shrunk model.  Where ``split`` (tp, or Ulysses' tp*cp) divides
+    the original KV heads (then new_kv <= kv): grouped-query attention keeps two KV groups (where it
+    had them) of up to MAX_GROUP query heads, multi-head attention four heads (where it had them).
+    Where it does not (KV-head replication, cp = 1: :func:`autopar.plan_space.kv_replicated`), the
+    shrunk model keeps a KV-head count tp does not divide -- so the certificate covers the
+    replicated path -- and query heads it does."""
+    if kv % split == 0:
+        new_kv = _round_up(min(kv, 2 if group > 1 else 4), split)
+        return new_kv, new_kv * min(group, MAX_GROUP)
+    new_kv = next((n for n in range(min(kv, 2), kv + 1) if n % split), 1)
+    return new_kv, new_kv * _round_up(min(group, MAX_GROUP), split // math.gcd(new_kv, split))
+
+
 def _shrink_attention(s: _Shrink, plan: Plan) -> None:
     cfg = s.cfg
     heads = int(_value(cfg, "heads"))
     kv = int(_value(cfg, "kv_heads", heads))
     split = plan.tp * (plan.cp if plan.cp_variant == "ulysses" and plan.cp > 1 else 1)
-    # tp (and Ulysses' tp*cp) divides the original KV heads (checked before shrinking), so
-    # new_kv <= kv.  Grouped-query attention keeps two KV groups (where it had them) of up to
-    # MAX_GROUP query heads; multi-head attention keeps four heads (where it had them).
-    group = heads // kv
-    new_kv = _round_up(min(kv, 2 if group > 1 else 4), split)
-    new_heads = new_kv * min(group, MAX_GROUP)
+    new_kv, new_heads = _shrunk_heads(kv, heads // kv, split)
     hidden = int(_value(cfg, "hidden"))
     head_dim = int(_value(cfg, "head_dim", hidden // heads))
     new_head_dim = min(head_dim, HEAD_DIM)
     s.field("heads", new_heads, f"divisible by {split}" if split > 1 else "")
     if _key(cfg, "kv_heads") is not None:
-        s.field("kv_heads", new_kv, f"divisible by {split}" if split > 1 else "")
+        s.field("kv_heads", new_kv, "" if split == 1 else f"divisible by {split}" if new_kv % split == 0
+                else f"not divisible by tp={split}: replicated on every tp rank")
     s.field("hidden", new_heads * new_head_dim, f"{new_heads} heads x {new_head_dim}")
     s.field("head_dim", new_head_dim)
     if cfg.get("query_pre_attn_scalar") == head_dim:  # Gemma: scores scaled by head_dim

@@ -65,10 +65,10 @@ def test_a_corrupted_gradient_is_reported_with_its_name(tmp_path, capsys):
 
 
 def test_a_refused_plan_exits_2_with_an_autopar_error(tmp_path, capsys):
-    config = _llama(tmp_path)  # 2 KV heads: tp=4 cannot split them, shrunk or not
-    assert main(["verify", "--model", config, "--plan", "tp=4", "--world", "4"]) == 2
+    config = _llama(tmp_path)  # 2 KV heads: tp=4 replicates them, which cp does not run, shrunk or not
+    assert main(["verify", "--model", config, "--plan", "tp=4,cp=2", "--world", "8"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("autopar: tp=4 does not divide the 2 KV heads") and "valid tp values are 1, 2" in err
+    assert err.startswith("autopar: tp=4 does not divide the 2 KV heads") and "use cp=1 with tp=4" in err
     with pytest.raises(autopar.AutoparError, match="needs pp\\*dp\\*cp\\*tp = 1\\*2\\*1\\*1 = 2 ranks"):
         autopar.verify(config, "dp=2", world_size=3)
     assert json.loads(open(config).read())["num_key_value_heads"] == 2  # the user's file is not touched
@@ -97,6 +97,21 @@ def test_shrinking_keeps_what_the_plan_splits(model_type, plan):
     p.validate(num_heads=heads, num_kv_heads=kv, vocab=get["vocab"], num_experts=get["experts"] or 0,
                num_layers=get["layers"])
     assert full["vocab_size"] > get["vocab"]  # the input is not modified
+
+
+@pytest.mark.parametrize("kv, heads, tp, want", [(1, 48, 2, (1, 4)), (2, 32, 4, (2, 8)), (5, 20, 2, (3, 12)),
+                                                 (8, 32, 2, (2, 8))])
+def test_shrinking_keeps_kv_head_replication(kv, heads, tp, want):
+    """KV heads tp does not divide (replicated on every tp rank) stay so in the shrunk model, with
+    query heads tp does divide; KV heads tp divides stay divisible."""
+    from autopar.plan import Plan
+    from autopar.verification.shrink import shrink_config
+
+    full = dict(model_type="llama", num_hidden_layers=4, hidden_size=heads * 64, num_attention_heads=heads,
+                num_key_value_heads=kv, vocab_size=1000, intermediate_size=512)
+    cfg, notes = shrink_config(full, Plan.parse(f"tp={tp}"), seq_len=16)
+    assert (cfg["num_key_value_heads"], cfg["num_attention_heads"]) == want
+    assert (kv % tp == 0) == (want[0] % tp == 0) and want[1] % tp == 0 and want[1] % want[0] == 0
 
 
 def test_a_field_saved_under_two_names_shrinks_under_both():

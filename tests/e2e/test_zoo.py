@@ -24,8 +24,10 @@ E, R, T = "equal", "refused", "refused (trace)"
 EXPECTED: dict[str, dict[str, object]] = {
     # dense, grouped-query attention
     "llama": {"tp=2,sp": E, "cp=2:ring": E, "pp=2,mb=2": E},
-    # multi-query attention: one KV head, which tp cannot split
-    "gpt_bigcode": {"tp=2,sp": (R, "does not divide the 1 KV heads"), "cp=2:ring": E},
+    # multi-query attention: one KV head, which tp replicates (but the full-size vocabulary 50257 is odd)
+    "gpt_bigcode": {"tp=2,sp": (R, "does not divide the vocabulary size 50257"), "cp=2:ring": E},
+    # 5 KV heads, which tp=2 does not divide: replicated on both ranks (KV-head replication)
+    "bitnet": {"tp=2,sp": E},
     # mixtures of experts: stacked experts; shared experts
     "mixtral": {"tp=2,sp": E, "pp=2,mb=2": E},
     "qwen2_moe": {"dp=2,zero=3": E},

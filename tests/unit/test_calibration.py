@@ -30,10 +30,16 @@ def test_every_published_row_is_in_the_table(table):
     assert [e["set"] for e in runs].count("A") == 9
     assert [e["set"] for e in runs].count("B") == 10
     assert [e["set"] for e in runs].count("C") == 8  # 4 models x (SP + selective, full recompute)
-    # Every published run fits in 80 GB by our memory model. Set A's 314B and 462B runs did not
-    # while the runtime kept the all-gathered SP input of each GEMM; it re-gathers it now, as
-    # Megatron does (autopar/ops/regather.py).
-    assert [e["name"] for e in runs if not e["fits"]] == []
+    # Every published run fits in 80 GB by our memory model (set A's 314B and 462B did not while the
+    # runtime kept the all-gathered SP input of each GEMM; it re-gathers it now, as Megatron does,
+    # autopar/ops/regather.py) -- but for the receive buffers of torch.distributed.pipelining, which
+    # autopar's pipelines run on: a stage keeps one per micro-batch (Megatron's do not), so the runs
+    # of 280 and 512 micro-batches do not fit autopar's runtime as published (cost/memory.py).
+    usable = 80 * 0.9
+    too_big = [e for e in runs if not e["fits"]]
+    assert {"1008B", "1T full recompute"} <= {e["name"] for e in too_big}  # 512 micro-batches: ~100 GiB of them
+    for e in too_big:
+        assert "pp=" in e["plan"] and e["memory_gib"] - e["pipeline_buffers_gib"] <= usable, e["name"]
 
 
 def test_mfu_error_bounds(table):
@@ -90,4 +96,5 @@ def test_search_is_no_worse_than_the_published_plan(row):
     published, _ = predict(row)
     found = search(row.spec, row.cluster, row.seq_len, row.global_batch, top=1, **row.options)
     assert found and found[0][1].fits
-    assert found[0][1].step_time <= published.step_time * (1 + 1e-9)
+    if published.fits:  # else the published plan is no candidate (test_every_published_row_is_in_the_table)
+        assert found[0][1].step_time <= published.step_time * (1 + 1e-9)

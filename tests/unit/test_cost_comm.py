@@ -147,6 +147,37 @@ def test_zero_stages_by_hand():
     assert sum(v for (ph, _, ax), v in z3.items() if ax == "dp" and ph != "loss") == pytest.approx(1.5 * dp0)
 
 
+def _calls(rows) -> dict:
+    out = defaultdict(int)
+    for r in rows:
+        out[(r.phase, r.collective, r.axis)] += r.count
+    return dict(out)
+
+
+def test_gradient_bucket_calls_by_hand():
+    """One call per gradient bucket of at most 40000 bytes, counted by hand on the tiny spec (fp32).
+
+    Local bytes: token table and head 32768, q and o 16384, k and v 8192, gate, up and down 32768,
+    norms 256.  Backward's order packs [head, final norm, 2 norms of layer 1], [down1], [up1],
+    [gate1], [o1, v1, k1] (32768; q1 would make 49152), [q1, 2 norms of layer 0] (spans both
+    layers), [down0], [up0], [gate0], [o0, v0, k0], [q0], [token table]: 12 buckets."""
+    est = lambda plan: estimate(SPEC, CLUSTER, plan, S, GB, dtype_bytes=W, bucket_bytes=40000)  # noqa: E731
+    F = local_param_bytes(1)
+    dp = est("dp=2").comm_table()
+    assert _calls(dp)[("grad", "all_reduce", "dp")] == 12
+    assert totals(dp)[("grad", "all_reduce", "dp")] == pytest.approx(F)  # the bytes do not change: 2 (n-1)/n F
+    z1 = _calls(est("dp=2,zero=1").comm_table())
+    assert (z1[("grad", "reduce_scatter", "dp")], z1[("step", "all_gather", "dp")]) == (12, 12)
+    z2 = _calls(est("dp=2,zero=2,mb=2").comm_table())  # every micro-batch scatters every bucket
+    assert (z2[("grad", "reduce_scatter", "dp")], z2[("step", "all_gather", "dp")]) == (24, 12)
+    # pp=2 puts one layer on each rank: rank 0 holds the token table and layer 0 (the last 7
+    # buckets, the spanning one included), rank 1 layer 1 and the head (the first 6).
+    piped = est("pp=2,dp=2,mb=2")
+    assert [_calls(piped.comm_table(r))[("grad", "all_reduce", "dp")] for r in (0, 1)] == [7, 6]
+    # The default cap (25 MiB) holds this whole model: one call.
+    assert _calls(table("dp=2"))[("grad", "all_reduce", "dp")] == 1
+
+
 def test_context_parallel_variants_by_hand():
     cp = 2
     T = GB * S // cp                       # tokens per rank

@@ -23,14 +23,17 @@ def test_tp_not_dividing_heads():
         _compile("example", "tp=3", 3)
 
 
-def test_tp_not_dividing_kv_heads():
-    with pytest.raises(AutoparError, match=r"^autopar: tp=4 does not divide the 2 KV heads.*valid tp values are 1, 2"):
-        _compile("example", "tp=4", 4)
+def test_tp_not_dividing_kv_heads_with_cp():
+    # tp=4 over 2 KV heads replicates them on every tp rank (docs/plan-syntax.md); context
+    # parallelism does not run on replicated KV heads.
+    with pytest.raises(AutoparError, match=r"^autopar: tp=4 does not divide the 2 KV heads.*KV-head replication.*"
+                                           r"use cp=1 with tp=4, or a tp that divides the KV heads \(2\)"):
+        _compile("example", "tp=4,cp=2", 8)
 
 
-def test_tp_not_dividing_kv_heads_hf():
-    with pytest.raises(AutoparError, match=r"KV heads"):
-        _compile("hf_llama", "tp=4", 4)
+def test_tp_not_dividing_kv_heads_with_cp_hf():
+    with pytest.raises(AutoparError, match=r"KV-head replication"):
+        _compile("hf_llama", "tp=4,cp=2", 8)
 
 
 def test_vocab_not_divisible_by_tp():

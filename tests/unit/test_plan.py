@@ -316,13 +316,18 @@ def test_validate_heads():
 
 
 def test_validate_gqa_kv_heads():
-    msg = _err("tp=4", num_heads=8, num_kv_heads=2)
-    assert "2 KV heads" in msg and "not supported" in msg
-    assert "valid tp values are 1, 2" in msg
-    msg = _err("tp=4", num_heads=12, num_kv_heads=6)  # gcd(12, 6) = 6
-    assert "1, 2, 3, 6" in msg
-    msg = _err("tp=4", num_kv_heads=2)
-    assert "2 KV heads" in msg
+    # tp that does not divide the KV heads replicates them on every tp rank (KV-head replication)
+    Plan.parse("tp=4").validate(num_heads=8, num_kv_heads=2)
+    Plan.parse("tp=4,sp,dp=2").validate(num_heads=8, num_kv_heads=1)
+    Plan.parse("tp=4").validate(num_heads=12, num_kv_heads=6)
+    Plan.parse("tp=2,cp=2").validate(num_heads=8, num_kv_heads=2)  # tp divides the KV heads: cp runs
+    # ... which context parallelism does not run
+    msg = _err("tp=4,cp=2", num_heads=8, num_kv_heads=2)
+    assert "2 KV heads" in msg and "KV-head replication" in msg and "cp=1" in msg
+    assert "tp that divides the KV heads (2)" in msg
+    msg = _err("tp=2,cp=2:ring", num_kv_heads=1)
+    assert "1 KV heads" in msg and "use cp=1 with tp=2" in msg
+    assert "does not divide the 6 attention heads" in _err("tp=4", num_heads=6, num_kv_heads=2)
 
 
 def test_validate_vocab():

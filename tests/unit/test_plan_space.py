@@ -27,7 +27,7 @@ from autopar.cost import Cluster, ModelSpec, estimate
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.plan_space import (RUNTIME_RULES, axis_groups, candidates, check_microbatches, decode, divisors,
-                                encode, model_facts, runnable, supported_summary)
+                                encode, model_facts, pack_buckets, runnable, supported_summary)
 from autopar.planning.search import enumerate_plans, search
 from autopar.support import SUPPORTED_SUMMARY, check_runnable, check_supported, unsupported
 
@@ -230,3 +230,14 @@ def test_plan_space_imports_neither_torch_nor_numpy():
     code = "import sys, autopar.plan_space; assert not {'torch', 'numpy'} & set(sys.modules), 'imported'; print('ok')"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_pack_buckets_greedy_in_order():
+    """Buckets close before the tensor that would take them past the cap; order is kept."""
+    # cap 10: 4+5 = 9 (+3 would be 12); 3+7 = 10 (equal to the cap fits); 12 alone (over the
+    # cap); then 1+2.
+    assert [list(r) for r in pack_buckets([4, 5, 3, 7, 12, 1, 2], 10)] == [[0, 1], [2, 3], [4], [5, 6]]
+    assert [list(r) for r in pack_buckets([2, 11, 2], 10)] == [[0], [1], [2]]
+    assert [list(r) for r in pack_buckets([11], 10)] == [[0]]
+    assert pack_buckets([], 10) == []
+    assert [list(r) for r in pack_buckets([1] * 5, 100)] == [[0, 1, 2, 3, 4]]

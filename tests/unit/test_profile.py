@@ -1,5 +1,6 @@
 """Hardware profiles (cost/profile.py): the file format and its errors, ``Cluster.from_profile``,
-the fits of ``autopar calibrate`` on synthetic timings, and ``autopar plan|explain --hardware``
+the fits of ``autopar calibrate`` on synthetic timings, a CPU profile's optional figures and its
+host's time-sharing, and ``autopar plan|explain --hardware``
 against the same figures given to ``Cluster`` and ``search`` directly.  The real measurement is
 tests/e2e/test_calibrate.py."""
 from __future__ import annotations
@@ -11,8 +12,9 @@ import pytest
 from autopar.cli import main
 from autopar.cost import Cluster, ModelSpec, estimate
 from autopar.cost.hardware import GPU_PRESETS
-from autopar.cost.profile import (FIGURES, FORMAT, SOURCE, fit_alpha_beta, fit_gemm, fit_memory, load_profile,
-                                  save_profile, sent_bytes)
+from autopar.cost.profile import (FIGURES, FORMAT, SOURCE, adamw_bytes, attention_model_seconds, fit_alpha_beta,
+                                  fit_attention, fit_elementwise, fit_gemm, fit_memory, fit_optimizer, fit_overlap,
+                                  layer_elementwise_bytes, load_profile, save_profile, sent_bytes)
 from autopar.errors import AutoparError
 from autopar.planning.search import search
 
@@ -202,3 +204,131 @@ def test_plan_auto_reads_a_profile_from_the_environment(profile_path, monkeypatc
         assert cluster.profile == str(profile_path) and cluster.peak_flops == FIGS["peak_flops"]
     monkeypatch.delenv(autoplan.PROFILE_ENV)
     assert autoplan._spec_and_cluster(structure, 2)[1].profile is None
+
+
+# ---------------------------------------------------------------------- optional figures, CPU hosts
+CPU_EXTRA = dict(elementwise_bandwidth=4e9, optimizer_bandwidth=5e9, comm_overlap=0.0, host_cores=2, threads_per_rank=1)
+
+
+def _cpu_profile(tmp_path, **changes):
+    path = tmp_path / "cpu.json"
+    save_profile(_profile(device="cpu", gpus_per_node=2, **{**CPU_EXTRA, **changes}), path)
+    return path
+
+
+@pytest.mark.parametrize("field, value", [("comm_overlap", 1.5), ("elementwise_bandwidth", 0), ("host_cores", "2"),
+                                          ("optimizer_bandwidth", float("nan"))])
+def test_bad_optional_figures_are_refused(tmp_path, field, value):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(_profile(**{field: value})))
+    with pytest.raises(AutoparError, match=f"autopar: hardware profile .* has {field!r}"):
+        load_profile(path)
+
+
+def test_optional_figures_reach_the_cluster(tmp_path):
+    cluster = Cluster.from_profile(_cpu_profile(tmp_path))
+    assert (cluster.elementwise_bandwidth, cluster.optimizer_bandwidth, cluster.comm_overlap) == (4e9, 5e9, 0.0)
+    assert cluster.peak_flops == FIGS["peak_flops"] and cluster.hbm_bytes == FIGS["hbm_bytes"]  # 2 ranks, 2 cores
+
+
+def test_more_ranks_than_cores_time_share_them(tmp_path):
+    """4 one-thread ranks on 2 cores: each gets half a core, so every rate halves and every latency
+    doubles; the host's memory is split over 4 ranks instead of 2."""
+    path = _cpu_profile(tmp_path)
+    two, four = Cluster.from_profile(path), Cluster.from_profile(path, gpus_per_node=4)
+    for name in ("peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth",
+                 "elementwise_bandwidth", "optimizer_bandwidth"):
+        assert getattr(four, name) == pytest.approx(getattr(two, name) / 2), name
+    for name in ("intra_node_latency", "inter_node_latency"):
+        assert getattr(four, name) == pytest.approx(getattr(two, name) * 2), name
+    assert four.hbm_bytes == pytest.approx(two.hbm_bytes / 2) and four.comm_overlap == 0.0
+    # every core computing leaves none for gloo's threads: no overlap, whatever was measured
+    noisy = _cpu_profile(tmp_path, comm_overlap=0.6)
+    assert Cluster.from_profile(noisy).comm_overlap == 0.0
+    assert Cluster.from_profile(noisy, gpus_per_node=1).comm_overlap == 0.6
+    assert Cluster.from_profile(path, gpus_per_node=1).peak_flops == two.peak_flops  # a rank never gets more
+    # a GPU profile (no host_cores) is not scaled
+    gpu = tmp_path / "gpu.json"
+    save_profile(_profile(), gpu)
+    assert Cluster.from_profile(gpu, gpus_per_node=8).peak_flops == FIGS["peak_flops"]
+
+
+def test_measured_figures_price_their_terms(tmp_path):
+    """The element-wise and optimizer terms scale with 1 / their bandwidths, and a measured overlap of
+    0 leaves plain DP's gradient all-reduce whole on the step (phi 0.8 hides most of it)."""
+    spec = ModelSpec(name="t", num_layers=2, hidden=256, num_heads=4, num_kv_heads=2, head_dim=64, ffn=512,
+                     vocab=1000, gated_mlp=True, tied_embeddings=False, norm="rmsnorm")
+    base = Cluster(gpu="cpu-test", gpus_per_node=2, **FIGS)
+
+    def terms(cluster):
+        cost = estimate(spec, cluster, "dp=2", seq_len=128, global_batch=8, dtype_bytes=4)
+        return {t.name: t.value for t in cost.breakdown(formulas=False)}
+
+    ref = terms(base)
+    hbm = FIGS["hbm_bandwidth"]
+    slow = terms(base.replace(elementwise_bandwidth=hbm / 3, optimizer_bandwidth=hbm / 2))
+    assert slow["compute.fwd.elementwise"] == pytest.approx(3 * ref["compute.fwd.elementwise"])
+    assert slow["optimizer"] == pytest.approx(2 * ref["optimizer"])
+    assert slow["compute.fwd.mlp"] == ref["compute.fwd.mlp"]
+    grad = "comm.grad.dp.all_reduce"
+    assert ref[grad + " (exposed)"] < ref[grad]
+    assert terms(base.replace(comm_overlap=0.0))[grad + " (exposed)"] == pytest.approx(ref[grad])
+
+
+def test_layer_fits():
+    # the time model's element-wise bytes of a dense gated layer, forward + twice that backward (time.py)
+    T, H, a, g, d, F, w = 1024, 512, 8, 4, 64, 1536, 4
+    fwd = 10 * T * H * w + 2 * T * (a + g) * d * w + 3 * T * F * w
+    assert layer_elementwise_bytes(T, H, a, g, d, F, w) == 3 * fwd
+    assert adamw_bytes(1000) == 1000 * (4 + 2 * 8 + 4)  # fp32 gradient, Adam's m and v read and written, parameter
+    assert fit_elementwise(6e9, 2.0) == 3e9 and fit_optimizer(4e9, 2.0) == 2e9
+    assert fit_overlap(1.0, 0.5, 1.5) == 0.0 and fit_overlap(1.0, 0.5, 1.0) == 1.0
+    assert fit_overlap(1.0, 0.5, 1.25) == pytest.approx(0.5) and fit_overlap(1.0, 0.5, 1.7) == 0.0
+    with pytest.raises(AutoparError, match="cannot fit elementwise_bandwidth"):
+        fit_elementwise(1.0, 0.0)
+    # causal attention priced as a GEMM: b S^2 a (d + d) FLOPs forward, 2.5x that backward, at P eta(n)
+    b, a, s, d, peak, hbm = 4, 8, 256, 64, 100e9, 10e9
+    n = 3 / (1 / s + 1 / d + 1 / s)
+    rate = peak * n / (n + 1.5 * 4 * peak / hbm)
+    assert attention_model_seconds(b, a, s, d, 4, peak, hbm, 1.0) == pytest.approx(3.5 * b * s * s * a * 2 * d / rate)
+    assert fit_attention(0.3, 0.1) == pytest.approx(3.0)
+
+
+def test_attention_factor_scales_the_attention_term():
+    spec = ModelSpec(name="t", num_layers=2, hidden=256, num_heads=4, num_kv_heads=2, head_dim=64, ffn=512,
+                     vocab=1000, gated_mlp=True, tied_embeddings=False, norm="rmsnorm")
+    base = Cluster(gpu="cpu-test", gpus_per_node=2, **FIGS)
+    a, b = (estimate(spec, c, "tp=2", seq_len=256, global_batch=4, dtype_bytes=4) for c in
+            (base, base.replace(attention_factor=2.5)))
+    ta, tb = ({t.name: t.value for t in c.breakdown(formulas=False)} for c in (a, b))
+    for name in ("compute.fwd.attention", "compute.bwd.attention"):
+        assert tb[name] == pytest.approx(2.5 * ta[name])
+    assert tb["compute.fwd.mlp"] == ta["compute.fwd.mlp"]
+
+
+def test_each_ring_collective_at_its_own_rate():
+    """A profile's per-collective bandwidths price each ring collective (tp=2,sp: all-gathers and
+    reduce-scatters; the dp gradient all-reduce) at the collective's own rate: the bandwidth part of
+    a row, count x sent / (B x epsilon) on a 2-rank axis inside a node, scales by B / B_own."""
+    spec = ModelSpec(name="t", num_layers=2, hidden=256, num_heads=4, num_kv_heads=2, head_dim=64, ffn=512,
+                     vocab=1000, gated_mlp=True, tied_embeddings=False, norm="rmsnorm")
+    base = Cluster(gpu="cpu-test", gpus_per_node=4, **FIGS)
+    ring = FIGS["intra_node_bandwidth"]
+    own = base.replace(all_gather_bandwidth=ring / 3, reduce_scatter_bandwidth=ring / 2, all_reduce_bandwidth=ring * 2)
+
+    def rows(cluster):
+        cost = estimate(spec, cluster, "tp=2,sp,dp=2", seq_len=128, global_batch=8, dtype_bytes=4)
+        out: dict[str, float] = {}
+        for t in cost.breakdown(formulas=False):
+            if t.category == "comm":  # (two rows may share a name: dense and expert gradients)
+                out[t.name] = out.get(t.name, 0.0) + t.value
+        return out, cost
+
+    (ref, cost), (got, _) = rows(base), rows(own)
+    table = {(r.phase, r.dimension, r.collective): r for r in cost.comm_table()}
+    for key, factor in ((("fwd", "sp", "all_gather"), 3), (("fwd", "sp", "reduce_scatter"), 2),
+                        (("grad", "dp", "all_reduce"), 0.5)):
+        row, name = table[key], "comm." + ".".join(key)
+        bandwidth_part = row.count * row.bytes_sent / (ring * 0.9)
+        assert got[name] - ref[name] == pytest.approx(bandwidth_part * (factor - 1), rel=1e-9), name
+    assert sent_bytes("reduce_scatter", 4, 1000) == (750.0, 1)

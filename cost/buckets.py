@@ -1,0 +1,166 @@
+"""Gradient buckets: how many bucketed collectives a pipeline rank issues per step.
+
+The data-parallel pass (``passes/data_parallel.py``) packs the gradients of the weight copies
+into buckets of at most ``bucket_bytes`` local bytes, one collective per bucket (plain DP's
+all-reduce; ZeRO-1/2's reduce-scatter and after-step all-gather, a bucket being a ZeRO unit).
+The packing rule has one home, :func:`autopar.plan_space.pack_buckets`; this module runs it
+on the tensors a :class:`~autopar.cost.spec.ModelSpec` describes and gives comm.py, per pipeline
+rank, the four counts its DP / ZeRO rows use (symbols.py): ``n_bd`` and ``n_be``, the buckets of
+dense and of routed-expert gradients with a tensor on the rank, and ``n_ud`` and ``n_ue``, the
+same buckets cut at pipeline-chunk borders (ZeRO-2's units under pp).  A greedy packing has no
+closed form, so these are numbers, like the stage views of pipeline.py, not formulas.
+
+Tensors (:func:`param_tensors`), in the parameter order of a transformers Llama or Mixtral
+(the layouts the counts are exact for; the order of other architectures may differ, which
+moves bucket borders only for models whose gradients fill more than one bucket):
+  * the first chunk: the token table ``[V/tp, H]``, the extra embedding tables (``P_emb``),
+    the embedding norm;
+  * each layer: q, k, v (weight, then bias under ``q_b``; MLA: q_a, its norm, q_b (or q),
+    kv_a, its norm, kv_b), o (its bias under ``p_b``), the q/k norms; a dense MLP's gate, up
+    and down (biases under ``p_b``), or a MoE block's router ``[E, H]``, its routed experts
+    ``[E/ep, (1 + gated) F_e, H]`` and ``[E/ep, H, F_e]``, its shared experts' gate, up and down
+    ``[n_sh F_e, H]`` and their gate ``[1, H]``; then the layer's norms (``n_ln * n_norm``
+    vectors of ``H``);
+  * the last chunk: the head transform (``P_head``), the final norm, the LM head ``[V/tp, H]``
+    (the token table itself when tied) and its bias ``[V/tp]``.
+A tensor's local bytes are ``x = w_p * elements / split`` (split: tp for the projections that
+tp splits -- k and v only where tp divides the KV heads, ``autopar.plan_space.kv_replicated`` --,
+the token table and the head; ep for the routed experts; else 1).
+
+Counting, with ``C = bucket_bytes``: the dense tensors (routed experts are packed apart, over
+their own ranks) in backward's order ``x_J, ..., x_1`` are cut into runs ``B_1 .. B_n``, a run
+closing before tensor ``j`` when ``|B_k| + x_j > C``.  Under pp the runs are cut over the whole
+model and a rank keeps each run's tensors that it holds (``H_r``: its chunks' tensors, the tied
+table on the first and the last chunk's ranks), so
+
+    n_b(r) = #{k : B_k ∩ H_r ≠ ∅}
+    n_u(r) = Σ_k #{owner chunk of j : j ∈ B_k ∩ H_r}      (owner: the first chunk using j)
+
+and without pp ``n_b = n_u = n``.  The same for the routed experts gives ``n_be``, ``n_ue``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from autopar.plan_space import DEFAULT_BUCKET_BYTES, chunk_rank, chunks_per_rank, kv_replicated, pack_buckets
+
+from .pipeline import place_layers
+
+__all__ = ["BucketCounts", "BUCKET_FIELDS", "param_tensors", "bucket_counts", "DEFAULT_BUCKET_BYTES"]
+
+EMBEDDING, HEAD = "embedding", "head"
+
+
+@dataclass(frozen=True)
+class BucketCounts:
+    """The bucket counts of one pipeline rank (the symbols ``n_bd``, ``n_ud``, ``n_be``, ``n_ue``)."""
+
+    dense: int           # buckets of dense gradients with a tensor on the rank
+    dense_units: int     # the same, cut at chunk borders (ZeRO-2 under pp)
+    expert: int          # buckets of routed-expert gradients with a tensor on the rank
+    expert_units: int
+
+
+BUCKET_FIELDS = {"nbd": "dense", "nud": "dense_units", "nbe": "expert", "nue": "expert_units"}
+"""Plan-array column (``model.plan_values``) -> :class:`BucketCounts` attribute."""
+
+
+def _attention(spec, tp: int) -> list[int]:
+    """The attention's tensors, local elements, in order."""
+    H, a, g, d = spec.hidden, spec.num_heads, spec.num_kv_heads, spec.head_dim
+    if spec.kv_lora_rank:  # MLA: tensor parallelism does not split it
+        rq, rkv, dr = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_rope_head_dim
+        q = [H * rq, rq, rq * a * d] if rq else [H * a * d]
+        return q + [H * (rkv + dr), rkv, rkv * a * (d - dr + spec.v_dim), a * spec.v_dim * H]
+    out = []
+    kv = 1 if kv_replicated(tp, g) else tp  # KV heads tp does not divide: whole (KV-head replication)
+    for heads, split in ((a, tp), (g, kv), (g, kv)):
+        out.append(heads * d * H // split)
+        if spec.qkv_bias:
+            out.append(heads * d // split)
+    out.append(H * a * spec.v_dim // tp)
+    if spec.proj_bias:
+        out.append(H)  # o_proj's bias, added after the reduction: whole
+    if spec.qk_norm:
+        out += [a * d, g * d]
+    if spec.qk_head_norm:
+        out += [d, d]
+    return out
+
+
+def _mlp(spec, width: int, tp: int, bias: bool) -> list[int]:
+    """A (gated) MLP's gate, up and down projections, local elements, in order."""
+    H = spec.hidden
+    out = []
+    for _ in range(2 if spec.gated_mlp else 1):  # gate, up: column-parallel
+        out += [width * H // tp] + ([width // tp] if bias else [])
+    return out + [H * width // tp] + ([H] if bias else [])  # down: row-parallel, its bias whole
+
+
+def _layer(spec, index: int, tp: int, ep: int) -> list[tuple[int, bool]]:
+    """(local elements, routed expert) of layer ``index``'s tensors, in order."""
+    out = [(x, False) for x in _attention(spec, tp)]
+    if spec.is_moe_layer(index):
+        H, E, fe = spec.hidden, spec.num_experts, spec.moe_ffn
+        out.append((E * H, False))  # the router
+        out += [(E // ep * (1 + int(spec.gated_mlp)) * fe * H, True), (E // ep * H * fe, True)]
+        if spec.num_shared_experts:
+            out += [(x, False) for x in _mlp(spec, spec.num_shared_experts * fe, 1, False)]
+        if spec.shared_expert_gate:
+            out.append((H, False))
+    else:
+        out += [(x, False) for x in _mlp(spec, spec.ffn, tp, spec.proj_bias)]
+    return out + [(spec.hidden, False)] * (spec.layer_norms * spec.norm_vectors)
+
+
+def param_tensors(spec, tp: int = 1, ep: int = 1) -> list[tuple[int, object, bool]]:
+    """``(local elements, where, routed expert)`` of every parameter tensor, in model order;
+    ``where`` is a layer index, ``"embedding"`` (the first chunk's) or ``"head"`` (the last
+    chunk's); the token table is the first tensor, shared with the head when tied."""
+    H, V, norm = spec.hidden, spec.vocab, spec.norm_vectors
+    out: list[tuple[int, object, bool]] = [(V * H // tp, EMBEDDING, False)]
+    out += [(x, EMBEDDING, False) for x in ([spec.embedding_extra_params] if spec.embedding_extra_params else [])]
+    out += [(H, EMBEDDING, False)] * (norm * int(spec.embedding_norm))
+    for i in range(spec.num_layers):
+        out += [(x, i, e) for x, e in _layer(spec, i, tp, ep)]
+    out += [(x, HEAD, False) for x in ([spec.head_extra_params] if spec.head_extra_params else [])]
+    out += [(H, HEAD, False)] * norm
+    out += [(V * H // tp, HEAD, False)] * int(not spec.tied_embeddings)
+    return out + [(V // tp, HEAD, False)] * int(spec.lm_head_bias)
+
+
+def _owners(spec, pp: int, schedule: str, vpp: int, head_layers: float):
+    """(chunk of each layer, number of chunks, rank of chunk ``c``) of the pipeline placement."""
+    nchunks = pp * chunks_per_rank(schedule, vpp) if pp > 1 else 1
+    layer_chunk: list[int] = []
+    for c, n in enumerate(place_layers(spec.num_layers, nchunks, round(float(head_layers), 3))):
+        layer_chunk += [c] * n
+    return layer_chunk, nchunks, (lambda c: chunk_rank(c, pp, schedule) if pp > 1 else 0)
+
+
+@lru_cache(maxsize=1024)
+def bucket_counts(spec, *, tp: int, ep: int, pp: int, schedule: str, vpp: int, head_layers: float,
+                  param_bytes: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[BucketCounts, ...]:
+    """The :class:`BucketCounts` of every pipeline rank (see the module docstring)."""
+    layer_chunk, nchunks, rank_of = _owners(spec, pp, schedule, vpp, head_layers)
+    tensors = []  # (local bytes, owner chunk, holding ranks, routed expert)
+    for j, (elems, where, expert) in enumerate(param_tensors(spec, tp, ep)):
+        chunk = 0 if where == EMBEDDING else nchunks - 1 if where == HEAD else layer_chunk[where]
+        ranks = {rank_of(chunk)}
+        if j == 0 and spec.tied_embeddings:
+            ranks.add(rank_of(nchunks - 1))  # the tied table is the head's too
+        tensors.append((elems * param_bytes, chunk, ranks, expert))
+    counts = {}
+    for expert in (False, True):
+        order = [t for t in reversed(tensors) if t[3] == expert]
+        buckets, units = [0] * pp, [0] * pp
+        for run in pack_buckets([t[0] for t in order], bucket_bytes):
+            pairs = {(r, order[i][1]) for i in run for r in order[i][2]}
+            for r in {r for r, _ in pairs}:
+                buckets[r] += 1
+            for r, _ in pairs:
+                units[r] += 1
+        counts[expert] = (buckets, units if pp > 1 else buckets)
+    (bd, ud), (be, ue) = counts[False], counts[True]
+    return tuple(BucketCounts(bd[r], ud[r], be[r], ue[r]) for r in range(pp))
