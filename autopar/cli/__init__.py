@@ -4,10 +4,10 @@
 ``explain`` (autopar/cli/plan_cmd.py) run the offline cost model and search, and
 ``explain --measure`` (autopar/cli/measure_cmd.py) sets the memory one step measures on local
 gloo processes against the prediction; ``verify`` (autopar/cli/verify_cmd.py) proves a plan
-on CPU gloo processes against one process; ``calibrate`` (autopar/cli/calibrate_cmd.py) measures
-this machine (matrix products, memory bandwidth, collectives on local ranks) and writes a hardware
-profile, which ``plan --hardware PROFILE`` and ``explain --hardware PROFILE`` use instead of a GPU
-preset's published figures.
+on CPU gloo processes against one process; ``calibrate`` (autopar/cli/calibrate_cmd.py, its
+one-rank kernels in calibrate_kernels.py) measures this machine (matrix products, memory
+bandwidth, collectives on local ranks) and writes a hardware profile, which ``plan --hardware
+PROFILE`` and ``explain --hardware PROFILE`` use instead of a GPU preset's published figures.
 """
 from __future__ import annotations
 
