@@ -65,8 +65,8 @@ import sympy as sp
 
 from .comm import local_param_elems
 from .flops import KV_REPLICATED
-from .symbols import (FIRST, FLASH, CPAG, INFL, LAST, NUD, RFULL, RSEL, SP, Z1, Z2, Z3, E, V, a, b, cp, d, dp, dv, ep, f,
-                      fe, g, gated, h, k, ld, le, m, nsh, rho, s, tp, vpp, w, wg, wo, wp, wz)
+from .symbols import (FIRST, FLASH, CPAG, INFL, LAST, NRECV, NSEND, NUD, RFULL, RSEL, SP, Z1, Z2, Z3, E, V, a, b, cp, d, dp, dv, ep, f,
+                      fe, g, gated, h, k, ld, le, m, nsh, rho, s, tp, w, wg, wo, wp, wz)
 
 __all__ = ["memory_terms", "derived_layer_bytes", "derived_outside_bytes", "korthikanti_layer_bytes",
            "precision_bytes", "peak_memory", "STATIC_TERMS", "BACKWARD_TERMS"]
@@ -207,11 +207,10 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
         "layer_backward": sp.Max(f, h, evaluate=False) * h / tp * wg + T * sp.Max(f, h, evaluate=False) / tp * w,
         "zero_sync_buffer": sync,
         "zero3_layer_end": zero3_layer_end,
-        # torch.distributed.pipelining keeps a receive buffer per micro-batch and chunk across steps
-        # (PipelineStage's args_recv_info / grad_recv_info): the first chunk receives gradients, the
-        # last activations, any other both -- 2 v - first - last per micro-batch on a rank of v chunks
-        # (zbv and dualpipev's two chunks per rank are counted as one: v = 1 there).
-        "pipeline_buffers": (2 * vpp - FIRST - LAST) * m * T * h * w * (1 - SP + SP / tp),
+        # torch.distributed.pipelining keeps a receive buffer per micro-batch across steps for each
+        # P2P receive (PipelineStage's args_recv_info / grad_recv_info): the rank's forward receives
+        # of activations and, one per forward send, its backward receives of gradients.
+        "pipeline_buffers": (NSEND + NRECV) * m * T * h * w * (1 - SP + SP / tp),
     }
 
 
