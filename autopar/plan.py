@@ -33,7 +33,7 @@ from autopar.plan_space import (CP_VARIANTS, MESH_AXES, MULTI_CHUNK_SCHEDULES, R
                                 V_SCHEDULES, ZERO_STAGES, batch_ok, check_microbatches, chunk_rank,
                                 chunks_per_rank, cp_seq_ok, divisors, ep_ok, experts_ok, heads_ok, kv_cp_ok,
                                 latent_attention_ok, layers_ok, microbatches_ok, sp_ok, sp_seq_ok, ulysses_fits,
-                                ulysses_heads_ok, ulysses_ok, valid_microbatches, vocab_ok)
+                                ulysses_heads_ok, ulysses_ok, valid_microbatches)
 from autopar.plan_space import code as _code
 
 # Names of the plan space used with plans (autopar.plan_space) are re-exported here.
@@ -386,14 +386,7 @@ class Plan:
                 f"autopar: plan '{self}' splits multi-head latent attention (a low-rank latent K/V) over tp; the "
                 "runtime does not shard latent attention by heads yet, so neither does the cost model. Use tp=1 "
                 "(dp, cp, ep, pp and ZeRO run it).")
-        if vocab is not None and not vocab_ok(self.tp, vocab):
-            padded = -(-vocab // self.tp) * self.tp
-            raise AutoparError(
-                f"autopar: tp={self.tp} does not divide the vocabulary size {vocab}; the "
-                f"embedding and LM head are split by vocabulary rows, so pad the vocabulary "
-                f"to a multiple of {self.tp} (the nearest is {padded}), or use a tp that "
-                f"divides {vocab}"
-            )
+        # a vocabulary tp does not divide is padded to ceil(V/tp) rows per rank (vocab_ok: always)
         if num_layers is not None:
             chunks = self.pp * self.num_chunks_per_rank
             if not layers_ok(self.pp, self.num_chunks_per_rank, num_layers):

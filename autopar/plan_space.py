@@ -278,8 +278,14 @@ def kv_cp_ok(tp, cp, num_kv_heads):
 
 
 def vocab_ok(tp, vocab):
-    """The embedding and LM head are split by vocabulary rows: tp divides the vocabulary."""
-    return vocab % tp == 0
+    """The embedding and LM head are split by vocabulary rows; a vocabulary tp does not divide is
+    padded to ceil(V/tp) rows per rank (:func:`padded_vocab`), so every tp fits."""
+    return tp == tp
+
+
+def padded_vocab(vocab, tp):
+    """Vocabulary rows of the embedding / LM head on one tp rank: ceil(V/tp) (Megatron's padding)."""
+    return -(-vocab // tp)
 
 
 def ulysses_heads_ok(num_heads, tp, cp):

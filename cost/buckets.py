@@ -13,7 +13,7 @@ closed form, so these are numbers, like the stage views of pipeline.py, not form
 Tensors (:func:`param_tensors`), in the parameter order of a transformers Llama or Mixtral
 (the layouts the counts are exact for; the order of other architectures may differ, which
 moves bucket borders only for models whose gradients fill more than one bucket):
-  * the first chunk: the token table ``[V/tp, H]``, the extra embedding tables (``P_emb``),
+  * the first chunk: the token table ``[ceil(V/tp), H]`` (padded vocabulary), the extra embedding tables (``P_emb``),
     the embedding norm;
   * each layer: q, k, v (weight, then bias under ``q_b``; MLA: q_a, its norm, q_b (or q),
     kv_a, its norm, kv_b), o (its bias under ``p_b``), the q/k norms; a dense MLP's gate, up
@@ -21,8 +21,8 @@ moves bucket borders only for models whose gradients fill more than one bucket):
     ``[E/ep, (1 + gated) F_e, H]`` and ``[E/ep, H, F_e]``, its shared experts' gate, up and down
     ``[n_sh F_e, H]`` and their gate ``[1, H]``; then the layer's norms (``n_ln * n_norm``
     vectors of ``H``);
-  * the last chunk: the head transform (``P_head``), the final norm, the LM head ``[V/tp, H]``
-    (the token table itself when tied) and its bias ``[V/tp]``.
+  * the last chunk: the head transform (``P_head``), the final norm, the LM head ``[ceil(V/tp), H]``
+    (the token table itself when tied) and its bias ``[ceil(V/tp)]``.
 A tensor's local bytes are ``x = w_p * elements / split`` (split: tp for the projections that
 tp splits -- k and v only where tp divides the KV heads, ``autopar.plan_space.kv_replicated`` --,
 the token table and the head; ep for the routed experts; else 1).
@@ -119,15 +119,15 @@ def param_tensors(spec, tp: int = 1, ep: int = 1) -> list[tuple[int, object, boo
     ``where`` is a layer index, ``"embedding"`` (the first chunk's) or ``"head"`` (the last
     chunk's); the token table is the first tensor, shared with the head when tied."""
     H, V, norm = spec.hidden, spec.vocab, spec.norm_vectors
-    out: list[tuple[int, object, bool]] = [(V * H // tp, EMBEDDING, False)]
+    out: list[tuple[int, object, bool]] = [(-(-V // tp) * H, EMBEDDING, False)]
     out += [(x, EMBEDDING, False) for x in ([spec.embedding_extra_params] if spec.embedding_extra_params else [])]
     out += [(H, EMBEDDING, False)] * (norm * int(spec.embedding_norm))
     for i in range(spec.num_layers):
         out += [(x, i, e) for x, e in _layer(spec, i, tp, ep)]
     out += [(x, HEAD, False) for x in ([spec.head_extra_params] if spec.head_extra_params else [])]
     out += [(H, HEAD, False)] * norm
-    out += [(V * H // tp, HEAD, False)] * int(not spec.tied_embeddings)
-    return out + [(V // tp, HEAD, False)] * int(spec.lm_head_bias)
+    out += [(-(-V // tp) * H, HEAD, False)] * int(not spec.tied_embeddings)
+    return out + [(-(-V // tp), HEAD, False)] * int(spec.lm_head_bias)
 
 
 def _owners(spec, pp: int, schedule: str, vpp: int, head_layers: float):

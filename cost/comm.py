@@ -61,7 +61,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from .symbols import (CPAG, CPRING, CPUL, E, FIRST, TIED, V, LAST, NBD, NBE, NRECV, NSEND, NUD, NUE, RFULL, RSEL, SP, Z1, Z2, Z3, Pe, Ph, a, en,
+from .symbols import (CPAG, CPRING, CPUL, E, FIRST, TIED, Vt, LAST, NBD, NBE, NRECV, NSEND, NUD, NUE, RFULL, RSEL, SP, Z1, Z2, Z3, Pe, Ph, a, en,
                       b, ccs, cp, d, dp, dv, ep, f, fe, g, gated, gc, h, hb, k, ld, le, lg, lq, m, mla, ncs, nl, nn,
                       nsh, pb, pp, qb, qkn, qkh, rho, rkv, rq, s, sgate, tp, aux, vpp, w, wgc, wp)
 from .flops import KV_REPLICATED, attention_weights, kv_weights
@@ -136,7 +136,7 @@ def local_param_elems():
     row biases (o_proj, down: h each) whole, added after the reduction; ``P_emb`` (position and
     token-type tables) and ``emb_norm`` a norm of the embeddings (BERT's) on the first stage and
     ``P_head`` (a head transform) on the last, whole;
-    the LM head's bias ``head_bias * V / tp``.  Under SP the row biases, the tables and the head
+    the LM head's bias ``head_bias * ceil(V/tp)`` (``Vt``: a vocabulary tp does not divide is padded).  Under SP the row biases, the tables and the head
     transform see a sequence shard, so their gradients are partial too.
     """
     # replicated: the norm weights are not split with q and k (whole width, or per head: 2 d)
@@ -152,7 +152,7 @@ def local_param_elems():
     mlp = _mlp(f) / tp + pb * ((1 + gated) * f / tp + h)
     router_shared = h * E + nsh * _mlp(fe) + sgate * h
     dense = (ld * (attn + mlp + norms) + le * (attn + norms + router_shared)
-             + FIRST * (V * h / tp + Pe + en * h * nn) + LAST * (V * h / tp * (1 - TIED * FIRST) + h * nn + hb * V / tp + Ph))
+             + FIRST * (Vt * h + Pe + en * h * nn) + LAST * (Vt * h * (1 - TIED * FIRST) + h * nn + hb * Vt + Ph))
     expert = le * (E / ep) * _mlp(fe)
     partial = (SP * ((nl * (ld + le) + LAST + en * FIRST) * h * nn + pb * (2 * ld + le) * h + FIRST * Pe + LAST * Ph)
                + le * router_shared + (ld + le) * (qk_norms + kv_whole))
@@ -305,7 +305,7 @@ def _tensor_parallel_rows() -> list[RowSpec]:
         "vocab-parallel cross-entropy: fp32 max, sum of exp, target logit per token")
     # Logits that reach the loss through other ops (a soft cap) are gathered whole instead; every rank
     # then computes the same loss, so backward keeps this rank's slice of the gradient (no collective).
-    add("fwd", "tp", "all_gather", "tp", tp, _ag(T * V / tp * w, tp), LAST * lg, True,
+    add("fwd", "tp", "all_gather", "tp", tp, _ag(T * Vt * w, tp), LAST * lg, True,
         "all-gather of the vocabulary-sharded logits for a loss after other ops, shard [b, s, V/tp]")
     return rows
 
@@ -382,7 +382,7 @@ def _pipeline_parallel_rows() -> list[RowSpec]:
         recv=0)
     add("bwd", "pp", "recv", "pp", pp, 0, NSEND, True, "output grad from the next stage",
         recv=boundary)
-    add("grad", "pp", "all_reduce", "pp_embed", 2, _ar(V * h / tp * wgc, 2),
+    add("grad", "pp", "all_reduce", "pp_embed", 2, _ar(Vt * h * wgc, 2),
         TIED * (FIRST + LAST - 2 * FIRST * LAST), False,
         "tied embedding / LM-head gradient between the first and last stage")
     return rows
@@ -402,7 +402,7 @@ def _data_parallel_rows() -> list[RowSpec]:
     # (An embedding norm's backward reads its weight, so then the unit is re-gathered.)
     emb_only = FIRST * SPLIT_REST * (1 - en)
     for label, P, axis, n, u, P_bwd, u_bwd, nb, nu in (
-            ("dense", dense, "dp_cp", dp * cp, units, dense - emb_only * (V * h / tp + Pe), units - emb_only,
+            ("dense", dense, "dp_cp", dp * cp, units, dense - emb_only * (Vt * h + Pe), units - emb_only,
              NBD, NUD),
             ("expert", expert, "edp", tp * dp * cp / ep, sp.Max(le, 1, evaluate=False), expert, le, NBE, NUE)):
         # Stages 0-2 call once per gradient bucket (buckets.py); ZeRO-1/2's units are the buckets,

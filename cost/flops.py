@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from .symbols import (FLASH, LAST, RFULL, RSEL, E, V, a, b, cp, d, dr, dv, ep, f, fe, g, gated, h, k, ld, le,
+from .symbols import (Vt, FLASH, LAST, RFULL, RSEL, E, a, b, cp, d, dr, dv, ep, f, fe, g, gated, h, k, ld, le,
                       lq, mla, nsh, rho, rkv, rq, s, tp)
 
 __all__ = ["Gemm", "KV_REPLICATED", "attention_weights", "kv_weights", "gemm_classes", "model_flops",
@@ -92,7 +92,7 @@ def gemm_classes() -> list[Gemm]:
         Gemm("experts", le * 2 * Te * k * rho * mlp_mult * h * fe, _n(tokens_per_expert, h, fe), 2,
              RFULL),
         Gemm("shared_experts", le * 2 * Te * nsh * mlp_mult * h * fe, _n(Te, h, fe), 2, RFULL),
-        Gemm("lm_head", LAST * 2 * T * h * V / tp, _n(T, h, V / tp), 2, sp.Integer(0)),
+        Gemm("lm_head", LAST * 2 * T * h * Vt, _n(T, h, Vt), 2, sp.Integer(0)),
     ]
 
 

@@ -65,7 +65,7 @@ import sympy as sp
 
 from .comm import local_param_elems
 from .flops import KV_REPLICATED
-from .symbols import (FIRST, FLASH, CPAG, INFL, LAST, NRECV, NSEND, NUD, RFULL, RSEL, SP, Z1, Z2, Z3, E, V, a, b, cp, d, dp, dv, ep, f,
+from .symbols import (Vt, FIRST, FLASH, CPAG, INFL, LAST, NRECV, NSEND, NUD, RFULL, RSEL, SP, Z1, Z2, Z3, E, a, b, cp, d, dp, dv, ep, f,
                       fe, g, gated, h, k, ld, le, m, nsh, rho, s, tp, w, wg, wo, wp, wz)
 
 __all__ = ["memory_terms", "derived_layer_bytes", "derived_outside_bytes", "korthikanti_layer_bytes",
@@ -139,7 +139,7 @@ def derived_outside_bytes():
     token_ids = 8 * T                                  # int64 ids saved by the embedding
     # Final norm, LM-head input (its sequence shard under SP), fp32 log-softmax (or the
     # vocabulary-parallel loss's exp) and the int64 target.
-    head = _norm_bytes(t_sp) + t_sp * h * w + T * V / tp * 4 + 8 * T
+    head = _norm_bytes(t_sp) + t_sp * h * w + T * Vt * 4 + 8 * T
     return token_ids, head
 
 
@@ -164,7 +164,7 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
     if activation_formula == "korthikanti":
         per_dense = per_moe = korthikanti_layer_bytes()
         working = RFULL * korthikanti_layer_bytes().subs({RFULL: 0, RSEL: 0})
-        first, last = sp.Integer(0), b * s / cp * V / tp * (w + 4)   # logits: bf16 + fp32 softmax
+        first, last = sp.Integer(0), b * s / cp * Vt * (w + 4)   # logits: bf16 + fp32 softmax
     elif activation_formula == "derived":
         per_dense, per_moe, working = derived_layer_bytes()
         first, last = derived_outside_bytes()
@@ -201,8 +201,8 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
         "recompute_buffer": working,
         "embedding_activations": FIRST * first,
         "head_activations": LAST * last,
-        "head_backward": LAST * 2 * T * V / tp * 4,
-        "head_weight_grad": LAST * V / tp * h * wg,   # backward's first gradient (peak_memory)
+        "head_backward": LAST * 2 * T * Vt * 4,
+        "head_weight_grad": LAST * Vt * h * wg,   # backward's first gradient (peak_memory)
         # One layer's backward working set: its largest matrix's weight gradient and input gradient.
         "layer_backward": sp.Max(f, h, evaluate=False) * h / tp * wg + T * sp.Max(f, h, evaluate=False) / tp * w,
         "zero_sync_buffer": sync,

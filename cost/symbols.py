@@ -30,7 +30,7 @@ import sympy as sp
 __all__ = [
     "b", "s", "h", "a", "g", "d", "f", "fe", "V", "E", "k", "w", "nsh", "sgate", "nn", "qb", "qkn", "qkh", "aux",
     "gated", "mla", "lq", "rq", "rkv", "dr", "dv", "nl", "pb", "Pe", "en", "Ph", "hb", "lg", "ncs", "ccs", "gc",
-    "ld", "le", "L", "Le",
+    "ld", "le", "L", "Le", "Vt",
     "tp", "dp", "cp", "pp", "ep", "vpp", "m", "SP", "RSEL", "RFULL",
     "Z1", "Z2", "Z3", "CPRING", "CPAG", "CPUL", "FIRST", "LAST", "INFL", "NSEND", "NRECV", "NBD", "NUD", "NBE", "NUE",
     "rho", "FLASH", "TIED", "TPOV", "ZOV", "DPV", "wg", "wgc", "wo", "wp", "wz",
@@ -75,6 +75,9 @@ TIED = sp.Symbol("tied", nonnegative=True)              # 1 if the LM head share
 # ---- plan
 tp, dp, cp, pp, ep, vpp, m = sp.symbols("tp dp cp pp ep v m", **_pos)
 SP = sp.Symbol("sp", nonnegative=True)                  # sequence parallelism on (1) / off (0)
+# vocabulary rows of the embedding / LM head on one tp rank: ceil(V/tp), the vocabulary padded to a
+# multiple of tp where tp does not divide it (passes/tensor_parallel.py)
+Vt = sp.ceiling(V / tp)
 RSEL, RFULL = sp.symbols("r_sel r_full", nonnegative=True)
 Z1, Z2, Z3 = sp.symbols("z_1 z_2 z_3", nonnegative=True)  # 1 if ZeRO stage >= 1, >= 2, == 3
 CPRING, CPAG, CPUL = sp.symbols("cp_ring cp_ag cp_ul", nonnegative=True)

@@ -48,6 +48,9 @@ class ParamShard:
     # Whole tensor on rank ``owner`` of the axis, empty (size 0 along ``dim``) elsewhere:
     # a ModuleList expert under expert parallelism.
     owner: int | None = None
+    # Full size along ``dim`` when the axis does not divide it (a vocabulary tp does not divide):
+    # each rank holds ceil(size/n) rows, the last ranks' rows past ``size`` are zero padding.
+    size: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ from torch.fx import Node
 
 from autopar.ops import collectives
 from autopar.ops import cp_attention
+from .context import META_KEY
 from .op_sets import CP_ATTENTION_OPS
 from .reduction_rules import token_loss
 from .rules import P, R, RuleContext, axis_of, canonical_dim, is_sharded, ndim_of, register
@@ -109,4 +110,9 @@ def vocab_ce_rule(node: Node, pls: list, rc: RuleContext):
         return pls[0]
     if pls[0] != Shard(ndim_of(node.args[0]) - 1) or not isinstance(pls[1], Replicate):
         raise rc.fail(node, f"vocab-parallel cross-entropy of logits {pls[0]} and target {pls[1]}")
+    vocab = int(node.args[0].meta["val"].shape[-1])
+    if vocab % rc.size and vocab in rc.uneven and len(node.args) < 7:  # padded vocabulary: mask the padding
+        node.args = tuple(node.args[:6]) + (vocab,)
+        if META_KEY in node.meta:
+            node.meta[META_KEY].reason += f"; vocabulary {vocab} padded to {-(-vocab // rc.size) * rc.size}"
     return R

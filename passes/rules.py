@@ -116,6 +116,9 @@ class RuleContext:
     # the placements found so far (set by ``propagate``): a rule that rewrites the sizes of nodes
     # before it places them anew there (KV-head replication's broadcast, passes/matmul_rules.py)
     placements: dict | None = None
+    # global sizes the axis splits unevenly, padded to ceil(size / axis size) per rank: a vocabulary
+    # tp does not divide (the parameters laid out with ``ParamShard.size``)
+    uneven: frozenset = frozenset()
 
     def fail(self, node: Node, found: str, hint: str = "") -> ShardingError:
         return ShardingError(
@@ -191,6 +194,8 @@ class RuleContext:
         if isinstance(elem, int):
             if elem == -1:
                 return -1
+            if elem % self.size and elem in self.uneven:
+                return -(-elem // self.size)
             if elem % self.size:
                 raise self.fail(node, f"size {elem} is not divisible by {self.axis}={self.size}",
                                 f"Choose a {self.axis} degree that divides {elem}.")

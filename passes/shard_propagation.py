@@ -49,7 +49,9 @@ def local_numel(node: Node, ctx: PassContext) -> sympy.Expr:
     sizes = [size_expr(s) for s in val.shape]
     for axis, pl in (node.meta.get(PLACEMENT_KEY) or {}).items():
         if isinstance(pl, Shard):
-            sizes[pl.dim] = sizes[pl.dim] / ctx.axis_sizes[axis]
+            n = ctx.axis_sizes[axis]
+            d = sizes[pl.dim]  # an uneven (padded vocabulary) shard keeps ceil(d / n) rows
+            sizes[pl.dim] = sympy.Integer(-(-int(d) // n)) if d.is_Integer and int(d) % n else d / n
     return _simplified_product(tuple(sizes))
 
 
@@ -109,7 +111,9 @@ def propagate(gm: GraphModule, rc: RuleContext, start: Callable[[Node], Any],
 
 
 def _propagate_axis(gm: GraphModule, ctx: PassContext, result: PassResult, axis: str, local_syms: dict) -> None:
-    rc = RuleContext(gm, axis, ctx.axis_sizes[axis], local_syms)
+    rc = RuleContext(gm, axis, ctx.axis_sizes[axis], local_syms,
+                     uneven=frozenset(sh[axis].size for sh in ctx.param_shards.values()
+                                      if axis in sh and sh[axis].size is not None))
 
     def start(node: Node):
         shard = ctx.param_shards.get(node.target, {}).get(axis) if node.op == "get_attr" else None
@@ -142,7 +146,7 @@ def _predict_bytes(node: Node, ctx: PassContext) -> dict:
     if node.target is collectives.region_entry:
         return {"bwd": ("all_reduce", numel * itemsize)}
     # vocab-parallel cross-entropy: three all-reduces of one fp32 value per token
-    tokens = numel / sympy.Integer(int(src.meta["val"].shape[-1]) // n)
+    tokens = numel / sympy.Integer(-(-int(src.meta["val"].shape[-1]) // n))
     return {"fwd": ("all_reduce", 3 * tokens * 4)}
 
 

@@ -22,7 +22,12 @@ over tp, which the DP pass's buckets sum.
 
 The embedding becomes vocabulary-parallel (masked local lookup + all-reduce), the LM head
 column-parallel over the vocabulary, and a cross-entropy loss on those logits becomes
-``vocab_parallel_cross_entropy`` (the full logits are never gathered).  Local sizes in
+``vocab_parallel_cross_entropy`` (the full logits are never gathered).  A vocabulary tp does
+not divide is padded (Megatron's padded vocabulary): the embedding and LM head (and its bias)
+are laid out with ``ParamShard.size``, ceil(V/tp) rows per rank, the rows past V zero padding
+that no id looks up; shard propagation then splits the V-sized dims unevenly
+(``RuleContext.uneven``) and the cross-entropy's rule (``passes/op_rules.py``) gives it the
+real vocabulary so it leaves the padding columns out of the softmax.  Local sizes in
 views are rewritten later by ``passes/shard_propagation.py``; SP (``passes/sequence_parallel.py``)
 turns the entry/reduction pairs into all-gather / reduce-scatter.
 """
@@ -72,14 +77,18 @@ def _redirect(node: Node, new: Node, only: set[Node] | None = None) -> None:
             user.replace_input_with(node, new)
 
 
-def _shard_column(ctx: PassContext, result: PassResult, info: LinearInfo) -> None:
+def _shard_column(ctx: PassContext, result: PassResult, info: LinearInfo, vocab: int | None = None) -> None:
+    """``vocab``: the LM head, whose output features (the vocabulary) tp need not divide: the
+    uneven shard is padded to ceil(V/tp) rows per rank (``ParamShard.size``)."""
     blocks = tuple(info.split_sizes) if info.split_sizes else None
-    for size in blocks or (info.out_features,):
-        _check_divisible(f"output features of {info.module} ({'part ' if blocks else ''}size {size})",
-                         size, ctx.axis_sizes[AXIS], info.node)
-    result.shard_param(info.weight, AXIS, ParamShard(1 if info.in_out else 0, blocks))
+    padded = vocab if vocab is not None and not blocks and info.out_features % ctx.axis_sizes[AXIS] else None
+    if padded is None:
+        for size in blocks or (info.out_features,):
+            _check_divisible(f"output features of {info.module} ({'part ' if blocks else ''}size {size})",
+                             size, ctx.axis_sizes[AXIS], info.node)
+    result.shard_param(info.weight, AXIS, ParamShard(1 if info.in_out else 0, blocks, size=padded))
     if info.bias:
-        result.shard_param(info.bias, AXIS, ParamShard(0, blocks))
+        result.shard_param(info.bias, AXIS, ParamShard(0, blocks, size=padded))
     if blocks:
         for node in reshape_chain(info.node):
             node.meta["autopar_blocks"] = blocks
@@ -135,10 +144,13 @@ def _enter_region(gm: GraphModule, columns: list[LinearInfo], label: str, role: 
         _redirect(x, entry, only=users)
 
 
-def _vocab_parallel_embedding(gm: GraphModule, result: PassResult, node: Node) -> None:
+def _vocab_parallel_embedding(gm: GraphModule, result: PassResult, node: Node, tp: int) -> None:
     weight, ids = node.args[0], node.args[1]
     padding_idx = node.args[2] if len(node.args) > 2 else -1
-    result.shard_param(weight.target, AXIS, ParamShard(0))
+    rows = int(weight.meta["val"].shape[0])
+    # tp need not divide the vocabulary: each rank holds ceil(V/tp) rows, the last ones zero
+    # padding that no id looks up (Megatron's padded vocabulary)
+    result.shard_param(weight.target, AXIS, ParamShard(0, size=rows if rows % tp else None))
     node.target = collectives.vocab_parallel_embedding
     node.args = (weight, ids, AXIS, padding_idx)
     provenance(node, _PASS, AXIS, "embedding rows sharded over the vocabulary", role="embedding")
@@ -268,14 +280,22 @@ def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     for emb in s.embeddings:
         if int(emb.args[0].meta["val"].shape[0]) != s.vocab:
             continue  # e.g. learned position embeddings: stay replicated
-        _check_divisible("vocabulary size", s.vocab, tp, emb)
-        _vocab_parallel_embedding(gm, result, emb)
+        _vocab_parallel_embedding(gm, result, emb, tp)
+        if s.vocab % tp:
+            result.notes.append(f"vocabulary {s.vocab} padded to {-(-s.vocab // tp) * tp} rows ({-(-s.vocab // tp)} "
+                                f"per tp rank)")
     if s.lm_head is not None:
-        _shard_column(ctx, result, s.lm_head)
+        _shard_column(ctx, result, s.lm_head, vocab=s.lm_head.out_features)
         _enter_region(gm, [s.lm_head], s.lm_head.module, "lm_head_input")
         loss = logits_loss(s.lm_head.node)
         if loss is not None:
             _vocab_parallel_loss(gm, loss)
+        elif s.lm_head.out_features % tp:
+            raise AutoparError(
+                f"autopar: tp={tp} does not divide the vocabulary size {s.lm_head.out_features}, and the LM head's "
+                f"logits ({describe_node(s.lm_head.node)}) reach no cross-entropy loss, so they would be gathered "
+                "with their padding columns; padded vocabularies are supported only for a cross-entropy on the "
+                f"logits. Use a tp that divides {s.lm_head.out_features}, or a loss of cross_entropy(logits, target).")
         else:
             gathered = _insert_after(gm, s.lm_head.node, collectives.all_gather,
                                      (s.lm_head.node, s.lm_head.node.meta["val"].dim() - 1, AXIS, "logits"),

@@ -318,10 +318,12 @@ def vocab_parallel_embedding(weight: torch.Tensor, ids: torch.Tensor, axis: str,
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, axis, ignore_index, reduction, tag):
+    def forward(ctx, logits, target, axis, ignore_index, reduction, tag, vocab=None):
         num_local = logits.shape[-1]
         start = axis_rank(axis) * num_local
         x = logits.float()
+        if vocab is not None and start + num_local > vocab:  # padded vocabulary: no probability on the padding
+            x = x.masked_fill(torch.arange(start, start + num_local, device=x.device) >= vocab, float("-inf"))
         local_max = x.amax(dim=-1)
         global_max = _reduce(local_max, axis, "fwd", tag + " (max)", op=dist.ReduceOp.MAX)
         shifted = x - global_max.unsqueeze(-1)
@@ -353,7 +355,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             g = g * (grad.float() / num_valid)
         else:
             g = g * grad.float()
-        return g.to(ctx.in_dtype), None, None, None, None, None
+        return g.to(ctx.in_dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -363,11 +365,13 @@ def vocab_parallel_cross_entropy(
     ignore_index: int = -100,
     reduction: int = 1,
     tag: str = "",
+    vocab: int | None = None,
 ) -> torch.Tensor:
     """Cross-entropy of vocabulary-sharded logits, without gathering them.
 
     ``reduction`` follows aten: 0 none, 1 mean (over non-ignored targets), 2 sum.  Three
     all-reduces of one fp32 value per token (max, sum of exp, target logit) run forward;
-    backward needs no communication.
+    backward needs no communication.  ``vocab``: the real vocabulary size where tp does not divide it
+    (the logits' last shards are padding columns, left out of the softmax: -inf).
     """
-    return _VocabParallelCrossEntropy.apply(logits, target, axis, ignore_index, reduction, tag)
+    return _VocabParallelCrossEntropy.apply(logits, target, axis, ignore_index, reduction, tag, vocab)

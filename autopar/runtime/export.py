@@ -39,7 +39,7 @@ import uuid
 import torch.distributed as dist
 
 from autopar.errors import AutoparError
-from autopar.runtime.layout import local_index
+from autopar.runtime.layout import local_index, unpad_piece
 from autopar.runtime.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsLayout, parse_size
 from autopar.runtime.state import tensor_value
 
@@ -156,6 +156,7 @@ def _write_pieces(pm, by_graph, layouts, file_of, where) -> str | None:
             full = pm.checkpoint_names.shapes[by_graph[name][0]]
             index = local_index(full, pm.shards_of(name), pm.coords()) if full else []
             kept = tuple(n if i is None else len(i) for n, i in zip(full, index))
+            value = unpad_piece(value, kept)  # an uneven vocabulary shard's padding rows
             if tuple(value.shape) != kept:
                 raise ValueError(f"{name}: this rank holds shape {tuple(value.shape)}, its piece of {full} is {kept}")
             for orig in by_graph[name]:

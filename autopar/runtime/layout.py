@@ -11,7 +11,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["shard_local", "gather_full", "local_index"]
+__all__ = ["shard_local", "gather_full", "local_index", "padded_rows", "pad_piece", "unpad_piece"]
+
+
+def padded_rows(size: int, n: int) -> int:
+    """Rows per rank of a dim of ``size`` split over ``n`` ranks, padded up (vocabulary padding)."""
+    return -(-size // n)
+
+
+def _pad(t: torch.Tensor, shard, n: int) -> torch.Tensor:
+    """``t`` zero-padded along ``shard.dim`` to ``n * ceil(size / n)`` rows (uneven vocabulary shards)."""
+    if shard.size is None or t.shape[shard.dim] % n == 0:
+        return t
+    extra = padded_rows(t.shape[shard.dim], n) * n - t.shape[shard.dim]
+    shape = list(t.shape)
+    shape[shard.dim] = extra
+    return torch.cat([t, t.new_zeros(shape)], dim=shard.dim)
 
 
 def _blocks(t: torch.Tensor, shard) -> list[torch.Tensor]:
@@ -26,6 +41,8 @@ def shard_local(full: torch.Tensor, shards: dict, coords: dict[str, tuple[int, i
         if shard.owner is not None:
             t = t if rank == shard.owner or size == 1 else t.narrow(shard.dim, 0, 0)
             continue
+        if shard.size is not None:
+            t = _pad(t, shard, size)
         parts = [torch.chunk(b, size, dim=shard.dim)[rank] for b in _blocks(t, shard)]
         t = torch.cat(parts, dim=shard.dim) if len(parts) > 1 else parts[0]
     return t.contiguous()
@@ -42,12 +59,37 @@ def local_index(shape: tuple[int, ...], shards: dict, coords: dict[str, tuple[in
         idx = kept[dim] if kept[dim] is not None else torch.arange(shape[dim])
         if shard.owner is not None:
             idx = idx if rank == shard.owner or size == 1 else idx[:0]
+        elif shard.size is not None and shard.size % size:
+            per = padded_rows(shard.size, size)  # the padding rows are not in the full tensor
+            idx = idx[rank * per:(rank + 1) * per]
         else:
             blocks = list(torch.split(idx, list(shard.blocks))) if shard.blocks else [idx]
             idx = torch.cat([torch.chunk(b, size)[rank] for b in blocks])
         kept[dim] = idx
     return [None if k is not None and len(k) == n and bool((k == torch.arange(n)).all()) else k
             for k, n in zip(kept, shape)]
+
+
+def pad_piece(piece: torch.Tensor, full_shape: tuple, shards: dict, coords: dict) -> torch.Tensor:
+    """A piece read at :func:`local_index` padded with zero rows to this rank's local shape, which
+    an uneven (vocabulary-padded) shard makes longer than the piece: what :func:`shard_local` cuts."""
+    if not any(s.size is not None for s in shards.values()):
+        return piece
+    local = shard_local(torch.empty(full_shape, device="meta"), shards, coords).shape
+    for dim, n in enumerate(local):
+        if piece.shape[dim] < n:
+            shape = list(piece.shape)
+            shape[dim] = n - piece.shape[dim]
+            piece = torch.cat([piece, piece.new_zeros(shape)], dim=dim)
+    return piece
+
+
+def unpad_piece(local: torch.Tensor, kept: tuple[int, ...]) -> torch.Tensor:
+    """This rank's tensor without its padding rows: the first ``kept`` positions along each dim."""
+    for dim, n in enumerate(kept):
+        if local.shape[dim] != n:
+            local = local.narrow(dim, 0, n)
+    return local
 
 
 def _broadcast_owned(t: torch.Tensor, shard, group, full_shape) -> torch.Tensor:
@@ -79,4 +121,6 @@ def gather_full(local: torch.Tensor, shards: dict, groups: dict, coords: dict,
                            for i in range(len(shard.blocks))], dim=shard.dim)
         else:
             t = torch.cat(pieces, dim=shard.dim)
+        if shard.size is not None and t.shape[shard.dim] != shard.size:
+            t = t.narrow(shard.dim, 0, shard.size)  # drop the vocabulary padding
     return t

@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 from autopar.errors import AutoparError
-from autopar.runtime.layout import local_index, shard_local
+from autopar.runtime.layout import local_index, pad_piece, shard_local
 from autopar.runtime.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsFile
 
 __all__ = ["CheckpointNames", "load_pretrained", "checkpoint_files", "INDEX_NAME", "WEIGHTS_NAME"]
@@ -173,7 +173,8 @@ def load_pretrained(pm, path: str | os.PathLike) -> None:
             if name in written or not pm.holds(name):
                 continue
             index = local_index(names.shapes[orig], pm.shards_of(name), pm.coords())
-            pm.write_local(name, handle(file).read(key, index))
+            pm.write_local(name, pad_piece(handle(file).read(key, index), names.shapes[orig], pm.shards_of(name),
+                                           pm.coords()))
             written.add(name)
     for orig, sources in sorted(converted.items()):
         name = pm.graph_name(orig)

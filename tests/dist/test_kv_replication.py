@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import pytest
 
-import autopar
-from tests.support.comm_check import assert_comm_equal, model_spec, predicted_cost
+from tests.support.comm_check import assert_comm_equal, assert_memory_report_equals_cost_model, predicted_cost
 from tests.support.harness import assert_equivalent
 from tests.support.jobs import BATCH, reference, train_cases_job
-from tests.support.zero_jobs import SEQ, memory_plans_job
+from tests.support.zero_jobs import SEQ
 
 MODEL = "hf_llama"
 CASES = [(1, "tp=2,sp", 2), (1, "tp=2,sp,recompute=full", 2), (1, "tp=4", 4), (2, "tp=4", 4),
@@ -62,15 +61,4 @@ def test_kv_replication_bytes_equal_cost_model(trained, kv, plan, world):
 def test_kv_replication_memory_equals_cost_model(dist_pool, kv, plan, world):
     """Parameters, gradients and AdamW state per rank (the k/v projections whole) equal the cost
     model's; saved activations (K and V at the rank's a/tp heads) within its 10%."""
-    overrides = {"num_key_value_heads": kv}
-    reports = dist_pool(memory_plans_job, MODEL, [plan], BATCH, overrides, SEQ, world=world)
-    cost = autopar.estimate(model_spec(MODEL, overrides, BATCH),
-                            autopar.Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world), plan,
-                            seq_len=SEQ, global_batch=BATCH, dtype_bytes=4)
-    predicted = cost.memory()
-    activations = (predicted["activations"] + predicted["embedding_activations"]
-                   + predicted["head_activations"] + predicted["recompute_buffer"])
-    for (r,) in reports:
-        for key in ("params", "grads", "optimizer"):
-            assert r[key] == predicted[key], (key, r[key], predicted[key])
-        assert abs(r["activations"] - activations) <= 0.10 * activations, (r["activations"], activations)
+    assert_memory_report_equals_cost_model(dist_pool, MODEL, plan, {"num_key_value_heads": kv}, world, BATCH, SEQ)

@@ -24,8 +24,9 @@ E, R, T = "equal", "refused", "refused (trace)"
 EXPECTED: dict[str, dict[str, object]] = {
     # dense, grouped-query attention
     "llama": {"tp=2,sp": E, "cp=2:ring": E, "pp=2,mb=2": E},
-    # multi-query attention: one KV head, which tp replicates (but the full-size vocabulary 50257 is odd)
-    "gpt_bigcode": {"tp=2,sp": (R, "does not divide the vocabulary size 50257"), "cp=2:ring": E},
+    # multi-query attention: one KV head, which tp replicates, but fused with the query heads in c_attn
+    # (the odd vocabulary 50257 is padded)
+    "gpt_bigcode": {"tp=2,sp": (R, "projects the query and the key/value heads in one fused weight"), "cp=2:ring": E},
     # 5 KV heads, which tp=2 does not divide: replicated on both ranks (KV-head replication)
     "bitnet": {"tp=2,sp": E},
     # mixtures of experts: stacked experts; shared experts
@@ -39,8 +40,8 @@ EXPECTED: dict[str, dict[str, object]] = {
     "gemma2": {"cp=2:ring": (R, "found no scaled_dot_product_attention op")},
     # tied input and output embeddings
     "gemma": {"tp=2,sp": E, "dp=2,zero=3": E},
-    # Conv1D weights ([in, out], addmm); the full-size vocabulary 50257 is odd
-    "gpt2": {"dp=2,zero=3": E, "pp=2,mb=2": E, "tp=2,sp": (R, "does not divide the vocabulary size 50257")},
+    # Conv1D weights ([in, out], addmm); the full-size vocabulary 50257 is odd: padded to 2 x 25129 rows
+    "gpt2": {"dp=2,zero=3": E, "pp=2,mb=2": E, "tp=2,sp": E},
     # parallel attention and MLP
     "phi": {"tp=2,sp": E},
     "gpt_neox": {"cp=2:ring": E},

@@ -86,3 +86,22 @@ def model_spec(model_name: str, overrides: dict, batch: int, seq: int = SEQ):
         (inputs, _), = make_batches(VOCAB, batch, seq, 1, seed=1)
         _SPECS[key] = autopar.ModelSpec.from_module(model, inputs, kwargs)
     return _SPECS[key]
+
+
+def assert_memory_report_equals_cost_model(dist_pool, model_name: str, plan: str, overrides: dict, world: int,
+                                           batch: int, seq: int) -> None:
+    """``memory_report()`` after two AdamW steps on every rank: parameters, gradients and optimizer
+    state equal the cost model's terms; saved activations within 10% of its activation terms."""
+    from tests.support.zero_jobs import memory_plans_job
+
+    reports = dist_pool(memory_plans_job, model_name, [plan], batch, overrides, seq, world=world)
+    cost = autopar.estimate(model_spec(model_name, overrides, batch),
+                            autopar.Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world), plan,
+                            seq_len=seq, global_batch=batch, dtype_bytes=4)
+    predicted = cost.memory()
+    activations = (predicted["activations"] + predicted["embedding_activations"]
+                   + predicted["head_activations"] + predicted["recompute_buffer"])
+    for (r,) in reports:
+        for key in ("params", "grads", "optimizer"):
+            assert r[key] == predicted[key], (key, r[key], predicted[key])
+        assert abs(r["activations"] - activations) <= 0.10 * activations, (r["activations"], activations)

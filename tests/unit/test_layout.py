@@ -6,7 +6,7 @@ import torch
 
 from autopar.ops.collectives import record, record_p2p
 from autopar.ops.step import AxisGroup, StepContext, activate
-from autopar.runtime.layout import shard_local
+from autopar.runtime.layout import local_index, pad_piece, shard_local, unpad_piece
 from autopar.passes.context import ParamShard
 
 
@@ -15,6 +15,21 @@ def test_plain_shard_takes_contiguous_rows():
     parts = [shard_local(full, {"tp": ParamShard(0)}, {"tp": (r, 3)}) for r in range(3)]
     assert torch.equal(torch.cat(parts), full)
     assert torch.equal(parts[1], full[2:4])
+
+
+def test_uneven_vocabulary_shard_is_padded():
+    """tp=4 over 10 rows: 3 rows per rank, the 2 rows past 10 (on the last rank) are zero padding;
+    a checkpoint piece read at local_index pads to the same, and unpad_piece drops it again."""
+    full = torch.arange(1.0, 21.0).view(10, 2)
+    shards = {"tp": ParamShard(0, size=10)}
+    parts = [shard_local(full, shards, {"tp": (r, 4)}) for r in range(4)]
+    assert all(p.shape == (3, 2) for p in parts)
+    assert torch.equal(torch.cat(parts)[:10], full) and not torch.cat(parts)[10:].any()
+    for r, part in enumerate(parts):
+        index = local_index((10, 2), shards, {"tp": (r, 4)})
+        piece = full[index[0]]
+        assert torch.equal(pad_piece(piece, (10, 2), shards, {"tp": (r, 4)}), part)
+        assert torch.equal(unpad_piece(part, tuple(piece.shape)), piece)
 
 
 def test_block_shard_keeps_each_ranks_heads_of_every_part():

@@ -331,12 +331,12 @@ def test_validate_gqa_kv_heads():
 
 
 def test_validate_vocab():
-    msg = _err("tp=4", vocab=50257)
-    assert "50257" in msg and "pad" in msg
-    assert "50260" in msg  # 4 * 12565 = 50260 is the next multiple of 4
-    msg = _err("tp=8", vocab=32001)
-    assert "32008" in msg  # 8 * 4001
+    """A vocabulary tp does not divide is padded to ceil(V/tp) rows per rank, not refused."""
+    from autopar.plan_space import padded_vocab, vocab_ok
+    Plan.parse("tp=4").validate(vocab=50257)
+    Plan(tp=8).validate(vocab=32001)
     Plan(tp=8).validate(vocab=32000)
+    assert vocab_ok(4, 50257) and padded_vocab(50257, 4) == 12565 and padded_vocab(32000, 8) == 4000
 
 
 def test_validate_layers():
