@@ -13,7 +13,7 @@ import torch
 
 __all__ = ["sym_expr", "sym_hint", "flatten_mesh", "rename_node", "tensor_base", "set_buffer",
            "ASSERT_METADATA_OPS", "is_guards_call", "recording_stage_class", "compute_kinds", "pipeline_order",
-           "top_saved_tensors_hooks"]
+           "top_saved_tensors_hooks", "retained_compiled_backward"]
 
 
 def sym_expr(size: Any):
@@ -81,6 +81,19 @@ def never_traced(fn) -> None:
 
     code = getattr(fn, "__func__", fn).__code__
     set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
+
+def retained_compiled_backward():
+    """A context in which ``torch.compile`` builds backwards that may run twice
+    (``torch._functorch.config.patch(donated_buffer=False)``).
+
+    AOTAutograd lets a compiled backward free ("donate") the buffers it saved, which refuses
+    ``retain_graph=True``; torch's pipeline stages differentiate a chunk's graph twice for the
+    split input / weight backward (autopar/runtime/pipelined.py), the first time retaining it.
+    The compiled backward reads the switch when it runs; only a private config has it."""
+    import torch._functorch.config
+
+    return torch._functorch.config.patch(donated_buffer=False)
 
 
 def set_buffer(module: torch.nn.Module, leaf: str, value: torch.Tensor) -> None:

@@ -32,7 +32,7 @@ from autopar.errors import AutoparError
 from autopar.plan_space import (CP_VARIANTS, MESH_AXES, MULTI_CHUNK_SCHEDULES, RECOMPUTE_MODES, SCHEDULES,
                                 V_SCHEDULES, ZERO_STAGES, batch_ok, check_microbatches, chunk_rank,
                                 chunks_per_rank, cp_seq_ok, divisors, ep_ok, experts_ok, heads_ok, kv_cp_ok,
-                                latent_attention_ok, layers_ok, microbatches_ok, sp_ok, sp_seq_ok, ulysses_fits,
+                                layers_ok, microbatches_ok, sp_ok, sp_seq_ok, ulysses_fits,
                                 ulysses_heads_ok, ulysses_ok, valid_microbatches)
 from autopar.plan_space import code as _code
 
@@ -356,13 +356,11 @@ class Plan:
         num_experts: int | None = None,
         global_batch: int | None = None,
         seq_len: int | None = None,
-        latent_attention: bool | None = None,
     ) -> "Plan":
         """Check the plan against a model and a run; return ``self`` or raise AutoparError.
 
         Arguments left as ``None`` are not checked. ``num_kv_heads=None`` means the same
-        as ``num_heads`` (no GQA). ``num_experts=0`` means a dense model. ``latent_attention``:
-        the model has multi-head latent attention, which the cost model does not split by heads.
+        as ``num_heads`` (no GQA). ``num_experts=0`` means a dense model.
         """
         if world_size is not None and world_size != self.world_size:
             rest = self.pp * self.cp * self.tp
@@ -381,11 +379,6 @@ class Plan:
             self._check_heads(num_heads, kv)
         elif num_kv_heads is not None:
             self._check_kv_cp(num_kv_heads)
-        if latent_attention is not None and not latent_attention_ok(self.tp, int(latent_attention)):
-            raise AutoparError(
-                f"autopar: plan '{self}' splits multi-head latent attention (a low-rank latent K/V) over tp; the "
-                "runtime does not shard latent attention by heads yet, so neither does the cost model. Use tp=1 "
-                "(dp, cp, ep, pp and ZeRO run it).")
         # a vocabulary tp does not divide is padded to ceil(V/tp) rows per rank (vocab_ok: always)
         if num_layers is not None:
             chunks = self.pp * self.num_chunks_per_rank

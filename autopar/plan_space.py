@@ -51,7 +51,7 @@ __all__ = [
     # rules of a plan alone, and of a plan against a model and a run
     "sp_ok", "ep_ok", "heads_ok", "kv_replicated", "kv_cp_ok", "vocab_ok", "ulysses_heads_ok", "ulysses_fits",
     "ulysses_ok", "layers_ok",
-    "experts_ok", "batch_ok", "cp_seq_ok", "sp_seq_ok", "latent_attention_ok", "model_facts",
+    "experts_ok", "batch_ok", "cp_seq_ok", "sp_seq_ok", "model_facts",
     # what the runtime runs
     "Rule", "RUNTIME_RULES", "moe_rewritten", "split_backward", "runtime_refusals", "runnable",
     "supported_summary",
@@ -334,14 +334,6 @@ def sp_seq_ok(seq_len, cp, tp, sp):
     return (sp == 0) | ((seq_len // cp) % tp == 0)
 
 
-def latent_attention_ok(tp, latent):
-    """Multi-head latent attention (``latent`` 1) is not split by heads: it takes ``tp == 1``.
-
-    The cost model does not price it, so neither the search nor ``estimate`` offers it; the
-    runtime's tensor-parallel pass refuses it on the graph itself, naming the projection."""
-    return (tp == 1) | (latent == 0)
-
-
 def model_facts(spec) -> dict[str, int]:
     """The numbers of a model the rules read, from anything with ``ModelSpec``'s fields (a
     missing field counts as absent: 0, or 1 head)."""
@@ -349,7 +341,6 @@ def model_facts(spec) -> dict[str, int]:
     return {"num_heads": heads, "num_kv_heads": getattr(spec, "num_kv_heads", 0) or heads,
             "vocab": getattr(spec, "vocab", 0), "num_layers": getattr(spec, "num_layers", 0),
             "num_experts": getattr(spec, "num_experts", 0),
-            "latent": int(getattr(spec, "kv_lora_rank", 0) > 0),
             "tied": int(bool(getattr(spec, "tied_embeddings", False)))}
 
 
@@ -517,8 +508,7 @@ def structures(world_size: int, facts: Mapping, *, seq_len: int, global_batch: i
     cols: dict[str, list[int]] = {name: [] for name in STRUCTURE_FIELDS}
     for tp in divisors(world_size):
         if (max_tp is not None and tp > max_tp) or not (heads_ok(tp, f["num_heads"], f["num_kv_heads"])
-                                                        & vocab_ok(tp, f["vocab"])
-                                                        & latent_attention_ok(tp, f["latent"])):
+                                                        & vocab_ok(tp, f["vocab"])):
             continue
         for cp in divisors(world_size // tp):
             if not (cp_seq_ok(seq_len, cp) & kv_cp_ok(tp, cp, f["num_kv_heads"])):

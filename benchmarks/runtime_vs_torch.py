@@ -13,7 +13,12 @@ vocab 2048) from the same seed, on the same batches, with the same ``AdamW`` fac
 - ``cp``: ``cp=2:allgather`` against ``context_parallel()`` (its default all-gather rotation,
   causal load balancing), with DDP averaging the gradients;
 - ``compile``: ``dp=2`` with ``parallelize(..., compile=True)`` against
-  ``torch.compile(DistributedDataParallel(model))``: both through Inductor.
+  ``torch.compile(DistributedDataParallel(model))``: both through Inductor;
+- ``zero1``: ``dp=2,zero=1`` against DDP with ``ZeroRedundancyOptimizer`` (torch's ZeRO-1);
+- ``fused``: ``dp=2`` (autopar's flat parameters stepped by the fused AdamW) against DDP with
+  ``AdamW(fused=True)``;
+- ``pp_compile``: ``pp=2:1f1b,mb=4`` with ``compile=True`` against the ``pp`` pair's torch side
+  with each decoder layer ``torch.compile``'d (torchtitan's way of compiling pipeline stages).
 
 The ranks are spawned once per world size (4 for ``tp``, 2 for the others) and every pair
 of that size runs inside the one process group, one pair after the other.  For each
@@ -33,7 +38,7 @@ A pair whose PyTorch side cannot run here (``context_parallel`` needs a flash, e
 or cuDNN SDPA kernel, which CPUs lack) is reported as ``not run: <reason>``.  With CUDA
 and at least as many GPUs as ranks the pairs run on NCCL, else on CPU with gloo.
 
-Run: ``python benchmarks/runtime_vs_torch.py [--pairs tp,dp,zero3,pp,cp,compile] [--steps N]
+Run: ``python benchmarks/runtime_vs_torch.py [--pairs tp,dp,zero3,pp,cp,compile,zero1,fused,pp_compile] [--steps N]
 [--warmup N] [--json PATH]``.  Results and their discussion: ``docs/performance.md``.
 """
 from __future__ import annotations
@@ -95,6 +100,10 @@ PAIRS = {p.name: p for p in (
     Pair("cp", 2, "cp=2:allgather", "context_parallel() (all-gather rotation, load-balanced) + DDP"),
     Pair("compile", 2, "dp=2", "torch.compile(DistributedDataParallel(model)) (Inductor, DDPOptimizer)",
          compiled=True),
+    Pair("zero1", 2, "dp=2,zero=1", "DistributedDataParallel + ZeroRedundancyOptimizer(AdamW)"),
+    Pair("fused", 2, "dp=2", "DistributedDataParallel + AdamW(fused=True)"),
+    Pair("pp_compile", 2, "pp=2:1f1b,mb=4", "torch.distributed.pipelining, each decoder layer torch.compile'd "
+                                             "(Inductor) + Schedule1F1B", pipeline_halves=True, compiled=True),
 )}
 
 

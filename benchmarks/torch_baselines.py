@@ -6,6 +6,7 @@ the report live in runtime_vs_torch.py.
 """
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import traceback
@@ -187,12 +188,17 @@ def _logits_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def _torch_pp(model, make_opt, cfg, device: torch.device) -> Callable:
+def _torch_pp(model, make_opt, cfg, device: torch.device, compiled: bool = False) -> Callable:
+    """``compiled``: each decoder layer of the stage through ``torch.compile`` (Inductor), as
+    torchtitan compiles the blocks of its pipeline stages; the P2P stays eager."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     rank, stages = dist.get_rank(), dist.get_world_size()
     per_stage = len(model.model.layers) // stages
     half = _LlamaHalf(model, range(rank * per_stage, (rank + 1) * per_stage), rank == 0, rank == stages - 1)
+    if compiled:
+        for layer in half.layers:
+            layer.compile()  # in place: the parameters stay the module's, the optimizer steps them
     stage = PipelineStage(half, rank, stages, device)
     schedule = Schedule1F1B(stage, n_microbatches=4, loss_fn=_logits_loss, scale_grads=True)
     opt = make_opt(half.parameters())
@@ -212,6 +218,27 @@ def _torch_pp(model, make_opt, cfg, device: torch.device) -> Callable:
         return float(loss)
 
     return step
+
+
+def _torch_zero1(model, make_opt, cfg, device: torch.device) -> Callable:
+    """DDP with ``ZeroRedundancyOptimizer`` (torch's ZeRO-1: optimizer state sharded by whole
+    parameters, updated parameters broadcast by their owners) over the factory's optimizer class
+    and hyper-parameters (``make_opt`` is a ``functools.partial`` of the class)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=make_opt.func, **make_opt.keywords)
+    return _data_parallel_step(ddp, opt)
+
+
+def _torch_fused_dp(model, make_opt, cfg, device: torch.device) -> Callable:
+    """DDP with the factory's optimizer in its fused implementation (``fused=True``: one kernel
+    over all parameters), against autopar's flat masters stepped fused."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    return _data_parallel_step(ddp, make_opt(ddp.parameters(), fused=True))
 
 
 def _probe_context_parallel(device: torch.device) -> None:
@@ -262,4 +289,5 @@ def _torch_cp(model, make_opt, cfg, device: torch.device) -> Callable:
 
 
 TORCH_BUILDERS = {"tp": _torch_tp, "dp": _torch_dp, "zero3": _torch_zero3, "pp": _torch_pp, "cp": _torch_cp,
-                  "compile": _torch_compiled_dp}
+                  "compile": _torch_compiled_dp, "zero1": _torch_zero1, "fused": _torch_fused_dp,
+                  "pp_compile": functools.partial(_torch_pp, compiled=True)}

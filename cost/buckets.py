@@ -69,10 +69,10 @@ BUCKET_FIELDS = {"nbd": "dense", "nud": "dense_units", "nbe": "expert", "nue": "
 def _attention(spec, tp: int) -> list[int]:
     """The attention's tensors, local elements, in order."""
     H, a, g, d = spec.hidden, spec.num_heads, spec.num_kv_heads, spec.head_dim
-    if spec.kv_lora_rank:  # MLA: tensor parallelism does not split it
+    if spec.kv_lora_rank:  # MLA: the down-projections and latent norms whole, the rest split by heads
         rq, rkv, dr = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_rope_head_dim
-        q = [H * rq, rq, rq * a * d] if rq else [H * a * d]
-        return q + [H * (rkv + dr), rkv, rkv * a * (d - dr + spec.v_dim), a * spec.v_dim * H]
+        q = [H * rq, rq, rq * a * d // tp] if rq else [H * a * d // tp]
+        return q + [H * (rkv + dr), rkv, rkv * a * (d - dr + spec.v_dim) // tp, a * spec.v_dim * H // tp]
     out = []
     kv = 1 if kv_replicated(tp, g) else tp  # KV heads tp does not divide: whole (KV-head replication)
     for heads, split in ((a, tp), (g, kv), (g, kv)):

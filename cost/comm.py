@@ -64,7 +64,7 @@ import sympy as sp
 from .symbols import (CPAG, CPRING, CPUL, E, FIRST, TIED, Vt, LAST, NBD, NBE, NRECV, NSEND, NUD, NUE, RFULL, RSEL, SP, Z1, Z2, Z3, Pe, Ph, a, en,
                       b, ccs, cp, d, dp, dv, ep, f, fe, g, gated, gc, h, hb, k, ld, le, lg, lq, m, mla, ncs, nl, nn,
                       nsh, pb, pp, qb, qkn, qkh, rho, rkv, rq, s, sgate, tp, aux, vpp, w, wgc, wp)
-from .flops import KV_REPLICATED, attention_weights, kv_weights
+from .flops import KV_REPLICATED, attention_weights, kv_weights, latent_down_weights
 
 __all__ = ["CommRow", "RowSpec", "TOKEN_ROWS", "row_specs", "routed_row_formulas", "routed_all_to_all_rows",
            "activation_bytes", "local_param_elems", "zero3_units"]
@@ -131,7 +131,8 @@ def local_param_elems():
     and ``tp_replicated_partial`` the replicated weights whose gradients are partial sums
     over tp (norms under SP; routers and shared experts, which see a token slice; OLMo 2's
     whole-width q/k norm weights, which each rank reads its slice of; the k and v projections
-    under KV-head replication, ``KV_REPLICATED``, flops.py).  Besides the decoder:
+    under KV-head replication, ``KV_REPLICATED``, flops.py; multi-head latent attention's
+    down-projections and latent norms, which every rank computes whole for its heads).  Besides the decoder:
     ``n_ln`` norms per layer; with ``p_b`` the column biases (MLP up/gate) split over tp and the
     row biases (o_proj, down: h each) whole, added after the reduction; ``P_emb`` (position and
     token-type tables) and ``emb_norm`` a norm of the embeddings (BERT's) on the first stage and
@@ -142,11 +143,11 @@ def local_param_elems():
     # replicated: the norm weights are not split with q and k (whole width, or per head: 2 d)
     qk_norms = qkn * (a + g) * d + qkh * 2 * d
     qkv, o = attention_weights()
-    latent_norms = mla * (lq * rq + rkv)  # MLA's norms of its q and kv latents (tp does not split MLA)
+    latent_norms = mla * (lq * rq + rkv)  # MLA's norms of its q and kv latents: whole
     attn = (qkv + qb * (a + 2 * g) * d + o) / tp + qk_norms + latent_norms + pb * h
     # KV-head replication: the k and v projections (and biases) whole on every tp rank, their
-    # gradients partial over tp (each rank's query heads' share)
-    kv_whole = KV_REPLICATED * kv_weights(qb)
+    # gradients partial over tp (each rank's query heads' share); so are MLA's down-projections
+    kv_whole = KV_REPLICATED * kv_weights(qb) + latent_down_weights()
     attn += kv_whole * (1 - 1 / tp)
     norms = nl * h * nn
     mlp = _mlp(f) / tp + pb * ((1 + gated) * f / tp + h)
@@ -155,7 +156,7 @@ def local_param_elems():
              + FIRST * (Vt * h + Pe + en * h * nn) + LAST * (Vt * h * (1 - TIED * FIRST) + h * nn + hb * Vt + Ph))
     expert = le * (E / ep) * _mlp(fe)
     partial = (SP * ((nl * (ld + le) + LAST + en * FIRST) * h * nn + pb * (2 * ld + le) * h + FIRST * Pe + LAST * Ph)
-               + le * router_shared + (ld + le) * (qk_norms + kv_whole))
+               + le * router_shared + (ld + le) * (qk_norms + kv_whole + latent_norms))
     return dense, expert, partial
 
 

@@ -201,7 +201,7 @@ def _as_cluster(cluster) -> Cluster:
 
 def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_bytes: int = 2,
              grad_bytes: int | None = None, activation_formula: str = "derived",
-             tp_comm_overlap: bool = False, zero_overlap: bool = False, routing_imbalance: float = 1.0,
+             tp_comm_overlap: bool = False, zero_overlap: bool = True, routing_imbalance: float = 1.0,
              flash_attention: bool = True, constants: dict | None = None,
              bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Cost:
     """Predict step time, MFU and memory of ``plan`` for ``spec`` on ``cluster``.
@@ -210,8 +210,9 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
     conventions); ``grad_bytes``: bytes of a held gradient (default 4, Megatron's fp32
     main grads, when dtype_bytes is 2); ``activation_formula``: "derived" (ours, Llama-style
     layers) or "korthikanti" (GPT layer, set C); ``tp_comm_overlap``: TP collectives hidden
-    behind GEMMs (Megatron-Core's userbuffers); ``zero_overlap``: ZeRO-1/2's reduce-scatters and
-    all-gathers hidden (Megatron's distributed optimizer; autopar's runtime runs them blocking);
+    behind GEMMs (Megatron-Core's userbuffers); ``zero_overlap``: ZeRO-1's reduce-scatters and
+    ZeRO-1/2's after-step all-gathers hidden behind the last backward and the next forward (as
+    autopar's runtime and Megatron's distributed optimizer run them; False: blocking);
     ``routing_imbalance``: MoE load factor of
     the busiest rank; ``flash_attention``: False models Megatron's older unfused attention
     (full score matrix, memory-bound softmax and dropout); ``constants``: override the calibrated eta_max, kappa, epsilon, phi;
@@ -227,7 +228,7 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
             f"bigger cluster or smaller degrees")
     plan.validate(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, vocab=spec.vocab,
                   num_layers=spec.num_layers, num_experts=spec.num_experts,
-                  global_batch=global_batch, seq_len=seq_len, latent_attention=spec.kv_lora_rank > 0)
+                  global_batch=global_batch, seq_len=seq_len)
     consts = {**DEFAULT_CONSTANTS, **(constants or {})}
     model = model_formulas(activation_formula, True)
     x = head_layers(spec, seq_len)

@@ -10,7 +10,8 @@ calibration sets (non-causal attention, optionally with the recompute pass).
 Per micro-batch on a rank (T = b*S/cp tokens, the stage holding l_d dense and l_e MoE
 layers, * = 2 for matmul multiply-adds):
   q,k,v,o projections   2*T*h*(a + 2g)*d/tp + 2*T*a*d*h/tp         per layer
-                        (latent attention: 2*T*(its weights, attention_weights())/tp;
+                        (latent attention: 2*T*(its weights, attention_weights())/tp, but the
+                        down-projections to the latents whole: + 2*T*latent_down_weights()*(1 - 1/tp);
                         KV-head replication, kv_r = 1 where tp does not divide g: the
                         k and v projections whole, + kv_r*2*T*2*h*g*d*(1 - 1/tp))
   causal attention      b*S^2*a*(d + d_v)/(tp*cp)   (x2 when unfused) per layer
@@ -30,7 +31,7 @@ import sympy as sp
 from .symbols import (Vt, FLASH, LAST, RFULL, RSEL, E, a, b, cp, d, dr, dv, ep, f, fe, g, gated, h, k, ld, le,
                       lq, mla, nsh, rho, rkv, rq, s, tp)
 
-__all__ = ["Gemm", "KV_REPLICATED", "attention_weights", "kv_weights", "gemm_classes", "model_flops",
+__all__ = ["Gemm", "KV_REPLICATED", "attention_weights", "kv_weights", "latent_down_weights", "gemm_classes", "model_flops",
            "megatron_flops", "per_token_layer_flops"]
 
 
@@ -61,9 +62,18 @@ def attention_weights():
 KV_REPLICATED = sp.Min(sp.Mod(g, tp), 1)
 
 
+def latent_down_weights():
+    """Elements of one layer's multi-head latent attention down-projections, which every tp rank
+    keeps whole (the latents are shared by all heads; passes/tensor_parallel.py
+    ``_latent_projections``): ``h*r_q`` (``l_q = 1``) and ``h*(r_kv + d_r)``; 0 without MLA.  The
+    up-projections and o split by heads like any column / row."""
+    return mla * (lq * h * rq + h * (rkv + dr))
+
+
 def kv_weights(bias=0):
     """Elements of one layer's K and V projections, unsharded: ``2*g*d*(h + bias)`` (``bias``: the
-    0/1 indicator of their biases); none under multi-head latent attention (tp does not split it)."""
+    0/1 indicator of their biases); none under multi-head latent attention (its shared latents:
+    :func:`latent_down_weights`)."""
     return (1 - mla) * 2 * g * d * (h + bias)
 
 
@@ -79,7 +89,7 @@ def gemm_classes() -> list[Gemm]:
     tokens_per_expert = Te * k * rho * ep / E
     qkv, o = attention_weights()
     return [
-        Gemm("qkv_proj", lay * 2 * T * (qkv / tp + KV_REPLICATED * kv_weights() * (1 - 1 / tp)),
+        Gemm("qkv_proj", lay * 2 * T * (qkv / tp + (KV_REPLICATED * kv_weights() + latent_down_weights()) * (1 - 1 / tp)),
              _n(T, h, qkv / (h * tp)), 2, RFULL),
         Gemm("o_proj", lay * 2 * T * o / tp, _n(T, a * dv / tp, h), 2, RFULL),
         # Flash attention skips the masked half (bwd recomputes the scores: 2.5x); unfused

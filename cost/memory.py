@@ -173,14 +173,17 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
                          f"expected 'derived' or 'korthikanti'")
     # Transients (the peak timeline below): backward of the loss holds the fp32 gradient of the
     # logits and the log-softmax backward's temporary of the same size; ZeRO-1/2's gradient sync
-    # holds, per unit of u elements (the dp buckets, cost/buckets.py: u = P_dense / n_ud), the
-    # flattened gradients, the rank-major padded copy, the collective's working copy of it (gloo's)
-    # and the shard it receives, averaged in place: (3 + 1/n) u; ZeRO-2 also the unit's full
-    # gradients beside the shards.
+    # starts every unit's reduce-scatter in backward (the last one's under ZeRO-1, runtime/zero_grads.py),
+    # so when backward ends each unit (the dp buckets, cost/buckets.py: u = P_dense / n_ud) has in
+    # flight its rank-major padded copy, the collective's working copy of it (gloo's) and the shard
+    # it receives, (2 + 1/n) P_dense in all, and one unit's flattened gradients are being cut: + u;
+    # ZeRO-2 also holds the micro-batch's full gradients beside the shards (P_dense - P_dense/n more
+    # than the grads term).  The after-step all-gathers in flight (P w_p, runtime/zero_grads.py)
+    # are less than this, the gradients freed: no moment of their own.
     # ZeRO-3 reduce-scatters in backward (zero3_buffer).
     T = b * s / cp
     u = dense / sp.Max(NUD, 1, evaluate=False)
-    sync = (Z1 - Z3) * ((3 + 1 / n_dense) * u + Z2 * (u - u / n_dense)) * wg
+    sync = (Z1 - Z3) * ((2 + 1 / n_dense) * dense + u + Z2 * (dense - dense / n_dense)) * wg
     # ZeRO-3's units (passes/zero.py): one per decoder layer (u3 elements) and one of the rest (the
     # embedding, the final norm, the head).  When backward begins the rest's unit is gathered and
     # the last layer's prefetched; at the end of a layer's backward, the layer's unit, the next one

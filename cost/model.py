@@ -202,7 +202,7 @@ def link_values(cluster: Cluster, tp, cp, dp, pp, ep, epsilon: float) -> dict[st
 
 
 def plan_values(cluster: Cluster, arrays: dict[str, np.ndarray], *, constants: dict,
-                tp_comm_overlap: bool, zero_overlap: bool = False, capacity=None,
+                tp_comm_overlap: bool, zero_overlap: bool = True, capacity=None,
                 links: dict | None = None) -> dict[str, np.ndarray]:
     """Plan, view and hardware symbol values from integer-coded plan arrays.
 

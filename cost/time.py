@@ -24,9 +24,9 @@ Exposure. Asynchronous communication hides behind compute up to a fraction ``phi
 exposed = max((1 - phi) t, t - window), the window being the compute it can run under:
   * DP gradient reduction: the last micro-batch's backward (plain DP's bucket all-reduces);
     ZeRO 2-3's per-unit reduce-scatters: each backward; parameter all-gathers (ZeRO-3 per use):
-    the forward (or backward) they prefetch for.  ZeRO-1's reduce-scatters and ZeRO 1-2's
-    all-gathers after the step run blocking in autopar: exposed, unless ``zero_overlap``
-    (Megatron's distributed optimizer: the last backward, and the next forward);
+    the forward (or backward) they prefetch for; with ``zero_overlap`` (the default: autopar's
+    runtime, as Megatron's distributed optimizer) ZeRO-1's reduce-scatters the last backward and
+    ZeRO 1-2's after-step all-gathers the next forward; without it both are exposed (blocking);
   * CP ring: the attention block it pipelines with; PP P2P: (1 - phi) t;
   * TP/SP collectives sit on the critical path unless ``tp_comm_overlap`` (then
     (1 - phi) t); EP all-to-alls likewise, except under dualpipev (overlapped);
@@ -132,12 +132,13 @@ def exposure(row: RowSpec, t: sp.Expr, comp: dict[str, sp.Expr]) -> sp.Expr:
     if dim == "zero" and phase in ("fwd", "bwd"):
         return hide(comp["fwd"] if phase == "fwd" else comp["bwd"])
     if dim == "zero" and phase == "step":
-        # ZeRO 1-2's all-gather of the updated parameters: after the step, blocking, in autopar.
+        # ZeRO 1-2's all-gather of the updated parameters: started after the step, waited for at
+        # each unit's first use in the next forward (blocking without zero_overlap).
         return ZOV * hide(comp["fwd"]) + (1 - ZOV) * t
     if dim == "dp" and phase == "grad":
         # Plain DP's bucket all-reduces start in the last backward; ZeRO 2-3 reduce-scatter each
-        # unit under every micro-batch's backward (m of them hide); ZeRO-1 reduces after
-        # backward, blocking, unless zero_overlap.
+        # unit under every micro-batch's backward (m of them hide); ZeRO-1 in the last backward
+        # with zero_overlap (the default), else after it, blocking.
         blocking = (Z1 - Z2) * (1 - ZOV)
         return blocking * t + (1 - blocking) * hide(comp["bwd"] * (1 + (m - 1) * Z2))
     return t

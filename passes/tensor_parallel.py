@@ -176,27 +176,36 @@ def _vocab_parallel_loss(gm: GraphModule, loss: Node) -> None:
     provenance(loss, _PASS, AXIS, "cross-entropy on vocabulary-sharded logits", role="loss")
 
 
-def _check_rows_follow_attention(region) -> None:
-    """A row-parallel projection must consume the attention's output, not feed the attention: a
-    projection of another projection's output that feeds it is a low-rank latent (multi-head
-    latent attention), which splitting by heads does not cover."""
+def _reaches(start: Node, targets: set[Node], module: str) -> set[Node]:
+    """The nodes of ``targets`` that the value of ``start`` reaches, following its uses inside ``module``."""
+    found, todo, seen = set(), [start], {start}
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in targets:
+                found.add(user)
+            elif user not in seen and within(module_path(user), module):
+                seen.add(user)
+                todo.append(user)
+    return found
+
+
+def _latent_projections(region) -> tuple[list[LinearInfo], list[LinearInfo]]:
+    """Multi-head latent attention (DeepSeek's MLA): ``(ups, downs)``.  The *ups* are the rows that
+    feed the attention op (``q_b_proj``, ``kv_b_proj``: a low-rank latent projected up to the
+    heads), split by heads like columns; the *downs* are the columns whose output reaches an up
+    (``q_a_proj``, ``kv_a_proj_with_mqa``: hidden to the latent, with the shared rotary key), kept
+    whole on every rank: the latent is shared by all heads, so every rank computes it (its weight
+    gradients are partial sums over tp, which gradient placement finds and the DP pass sums).
+    Both empty for attention whose rows all follow it."""
     if region.attention is None:
-        return
-    for row in region.rows:
-        todo, seen = [row.node], set()
-        while todo:
-            node = todo.pop()
-            if node is region.attention:
-                raise AutoparError(
-                    f"autopar: tensor parallelism cannot split the attention in {region.module}: the projection "
-                    f"{row.module} ({describe_node(row.node)}) takes another projection's output and feeds the "
-                    "attention op, a low-rank latent projection as in multi-head latent attention (MLA), which "
-                    "sharding by heads does not cover yet. Use a plan without tp for this model (dp, cp, ep, pp "
-                    "and ZeRO run it).")
-            for user in node.users:  # the attention op is inside the region's module
-                if user not in seen and within(module_path(user), region.module):
-                    seen.add(user)
-                    todo.append(user)
+        return [], []
+    ups = [r for r in region.rows if _reaches(r.node, {region.attention}, region.module)]
+    if not ups:
+        return [], []
+    up_nodes = {u.node for u in ups}
+    downs = [c for c in region.columns if _reaches(c.node, up_nodes, region.module)]
+    return ups, downs
 
 
 def _attention_operands(start: Node, region) -> set[int]:
@@ -263,19 +272,27 @@ def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
             "use a plan without tp for this model.")
     _check_eager_kv(s, tp)
     for region in s.regions:
-        _check_rows_follow_attention(region)
         if region.kind == "attention":
             _check_divisible("number of attention heads", region.num_heads, tp, region.attention)
-        whole = _kv_columns(region, tp)
+        ups, downs = _latent_projections(region)
+        if ups and kv_replicated(tp, region.num_kv_heads):
+            raise AutoparError(
+                f"autopar: tp={tp} does not divide the {region.num_kv_heads} heads of the latent attention "
+                f"{region.module}; expected a tp that divides them. Use {_kv_hint(region.num_kv_heads)}.")
+        whole = {c.weight for c in downs} or _kv_columns(region, tp)
         for c in region.columns:
             if c.weight in whole:
-                result.notes.append(f"{c.module}: KV heads replicated on every tp rank ({region.num_kv_heads} KV "
-                                    f"heads, tp={tp})")
+                result.notes.append(f"{c.module}: kept whole on every tp rank " + (
+                    "(the latent of multi-head latent attention, shared by all heads)" if downs else
+                    f"(KV heads replicated: {region.num_kv_heads} KV heads, tp={tp})"))
                 continue
             _shard_column(ctx, result, c)
+        for u in ups:  # the latent's up-projections to the heads: split by heads, as columns
+            _shard_column(ctx, result, u)
         _enter_region(gm, region.columns, region.module, "column_input")
         for r in region.rows:
-            _shard_row(gm, ctx, result, r, region.module)
+            if r not in ups:
+                _shard_row(gm, ctx, result, r, region.module)
         result.num_rewritten += len(region.columns) + len(region.rows)
     for emb in s.embeddings:
         if int(emb.args[0].meta["val"].shape[0]) != s.vocab:

@@ -125,6 +125,22 @@ def reshape_like_rule(node: Node, pls: list, rc: RuleContext):
     return Shard(_mapped_dim(node, node.args[0], pl, rc))
 
 
+@register(aten.reshape_as.default, aten.view_as.default)
+def reshape_as_rule(node: Node, pls: list, rc: RuleContext):
+    """``x.reshape_as(other)``: the sizes come from ``other`` at run time, so nothing is rewritten;
+    the output's placement is the view's (``x`` to ``other``'s shape), and it must be ``other``'s,
+    or the local ``other`` would not have the local sizes that view needs."""
+    pl, other = pls[0], pls[1] if len(pls) > 1 else R
+    if not isinstance(pl, Shard):
+        if isinstance(other, Shard):
+            raise rc.fail(node, f"reshapes a {pl} tensor like one placed {other}")
+        return pl
+    out = _token_shard(node, rc) if rc.local_sizes else Shard(_mapped_dim(node, node.args[0], pl, rc))
+    if other != out:
+        raise rc.fail(node, f"reshapes a tensor placed {pl} to {out}, like one placed {other}")
+    return out
+
+
 @register(aten.repeat_interleave.self_int)
 def repeat_interleave_rule(node: Node, pls: list, rc: RuleContext):
     """``x.repeat_interleave(r, dim)``: each element repeated ``r`` times in place along ``dim``
@@ -170,6 +186,31 @@ def expand_rule(node: Node, pls: list, rc: RuleContext):
     if node.args[1][out] != -1:
         _rewrite_sizes(node, 1, out, rc)
     return Shard(out)
+
+
+@register(aten.expand_as.default)
+def expand_as_rule(node: Node, pls: list, rc: RuleContext):
+    """``x.expand_as(other)``: the sizes come from ``other`` at run time, so the output is placed
+    like ``other``.  A sharded ``x`` must be sharded on the same (right-aligned) dim; a replicated
+    ``x`` broadcasts along a size-1 dim, and is sliced to this rank's part where it has the full
+    size (no communication)."""
+    pl, other = pls[0], pls[1] if len(pls) > 1 else R
+    if not isinstance(other, Shard):
+        if isinstance(pl, Shard):
+            raise rc.fail(node, f"expands a tensor placed {pl} like one placed {other}")
+        return pl  # replicated, or a partial sum (expanding is linear)
+    d = other.dim - (ndim_of(node) - ndim_of(node.args[0]))
+    if isinstance(pl, Shard):
+        if pl.dim != d:
+            raise rc.fail(node, f"expands a tensor placed {pl} like one placed {other}")
+    elif isinstance(pl, Replicate):
+        if rc.local_sizes:
+            return other
+        if d >= 0 and size_expr(shape_of(node.args[0])[d]) != 1:
+            rc.shard_operand(node, node.args[0], d)
+    else:
+        raise rc.fail(node, f"expands a tensor placed {pl} like one placed {other}")
+    return other
 
 
 @register(aten.transpose.int)
@@ -270,15 +311,59 @@ def index_rule(node: Node, pls: list, rc: RuleContext):
 @register(aten.copy_.default)
 def copy_rule(node: Node, pls: list, rc: RuleContext):
     """``dst.copy_(src)`` (DeepSeek's keys written into two slices of an empty tensor): exact when
-    ``src`` is placed like ``dst`` after broadcasting; ``dst`` keeps its placement."""
+    ``src`` is placed like ``dst`` after broadcasting; ``dst`` keeps its placement.  Two more
+    cases are exact: a replicated ``src`` written into a sharded ``dst`` (each rank writes its
+    slice of it), and a sharded ``src`` written into slices of a fresh fill that nothing read
+    yet: the fill is then sharded like ``src`` (:func:`_shard_fill`)."""
     dst, src = pls[0], pls[1]
+    offset = ndim_of(node.args[0]) - ndim_of(node.args[1])
     if isinstance(src, Shard):
-        src = Shard(src.dim + ndim_of(node.args[0]) - ndim_of(node.args[1]))
+        src = Shard(src.dim + offset)
+        if isinstance(dst, Replicate) and not rc.local_sizes and _shard_fill(node, node.args[0], src.dim, rc):
+            return src
     if src == dst or (isinstance(dst, Replicate) and isinstance(src, Replicate)):
+        return dst
+    if isinstance(dst, Shard) and isinstance(src, Replicate) and not rc.local_sizes:
+        d = dst.dim - offset
+        if d >= 0 and size_expr(shape_of(node.args[1])[d]) != 1:  # a size-1 dim broadcasts: no slice
+            rc.shard_operand(node, node.args[1], d, f"this rank's slice of replicated {node.args[1].name}, "
+                                                   f"copied into a tensor sharded on dim {dst.dim}")
         return dst
     raise rc.fail(node, f"copies a value placed {pls[1]} into a tensor placed {dst}",
                   "An in-place copy must keep the destination's placement; build the tensor from its parts "
                   "(torch.cat) instead, or use a plan without this dimension.")
+
+
+# fills whose size list is their argument 1 (``x.new_empty(size)``) or 0 (``torch.empty(size)``)
+_FILL_SIZES = {aten.new_empty.default: 1, aten.new_zeros.default: 1, aten.empty.memory_format: 0,
+               aten.zeros.default: 0}
+
+
+def _shard_fill(node: Node, dst: Node, dim: int, rc: RuleContext) -> bool:
+    """Place on ``Shard(dim)`` a constant fill that ``dst`` slices (through ``aten.slice`` on other
+    dims only) when the first write into it, ``node``, brings a value sharded on ``dim`` and nothing
+    else has used the fill yet: each rank then allocates and fills its shard.  Re-places the fill
+    and the slices (their placements were decided before the write); False when the pattern differs."""
+    chain, fill = [], dst
+    while fill.op == "call_function" and fill.target == aten.slice.Tensor:
+        if canonical_dim(fill.args[1], ndim_of(fill.args[0])) == dim:
+            return False
+        chain.append(fill)
+        fill = fill.args[0]
+    if fill.op != "call_function" or fill.target not in _FILL_SIZES or rc.placements is None:
+        return False
+    placed_users = {u for n in [fill, *chain] for u in n.users if u in rc.placements}
+    if not placed_users <= set(chain):  # something read or viewed the fill before this write
+        return False
+    index = _FILL_SIZES[fill.target]
+    sizes = list(fill.args[index])
+    sizes[dim] = rc.local_size(fill, sizes[dim])
+    args = list(fill.args)
+    args[index] = sizes
+    fill.args = tuple(args)
+    for n in [fill, *chain]:
+        rc.placements[n] = Shard(dim)
+    return True
 
 
 @register(*SPLIT_OPS)
@@ -321,11 +406,25 @@ def cat_rule(node: Node, pls: list, rc: RuleContext):
         return R
     nd = ndim_of(node)
     dim = (node.args[1] if len(node.args) > 1 else 0) % nd
-    if len(shards) == 1 and all(isinstance(p, Shard) for p in pls):
+    if len(shards) == 1 and all(isinstance(p, (Shard, Replicate)) for p in pls):
         (pl,) = shards
         if pl.dim != dim:
+            _slice_replicated(node, parts, pl.dim, rc)
             return pl
     raise rc.fail(node, f"concatenates inputs placed {pls} along dim {dim}")
+
+
+def _slice_replicated(node: Node, parts: list, dim: int, rc: RuleContext) -> None:
+    """Give ``node`` this rank's slice along ``dim`` of each replicated part of a cat / stack
+    whose other parts are sharded on ``dim`` (a token-type embedding concatenated with sequence
+    shards, a per-head tensor with head shards): every part has the full size on that dim, so
+    the slice is exactly the rank's share (no communication)."""
+    for arg, pl in parts:
+        if isinstance(pl, Replicate):
+            if size_expr(shape_of(arg)[dim]) in rc.uneven:
+                raise rc.fail(node, f"joins replicated {arg.name} with parts split unevenly on dim {dim}")
+            rc.shard_operand(node, arg, dim, f"this rank's slice of replicated {arg.name}, joined with "
+                                             f"parts sharded on dim {dim} (no communication)")
 
 
 @register(aten.stack.default)
@@ -334,8 +433,9 @@ def stack_rule(node: Node, pls: list, rc: RuleContext):
     if not shards and not any(isinstance(p, Partial) for p in pls):
         return R
     dim = (node.args[1] if len(node.args) > 1 else 0) % ndim_of(node)
-    if len(shards) == 1 and all(isinstance(p, Shard) for p in pls):
+    if len(shards) == 1 and all(isinstance(p, (Shard, Replicate)) for p in pls):
         (pl,) = shards
+        _slice_replicated(node, list(zip(node.args[0], pls)), pl.dim, rc)
         return Shard(pl.dim + (1 if dim <= pl.dim else 0))
     raise rc.fail(node, f"stacks inputs placed {pls}")
 

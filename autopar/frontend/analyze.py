@@ -274,9 +274,15 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node
     claimed: set[Node] = set()
     attention_ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
     groups: list[tuple[str, str, Node | None]] = [("attention", module_path(op), op) for op in attention_ops]
+    def in_layer(path: str) -> bool:
+        return any(_within(path, l) for l in layers)
+
+    def covers(scope: str, module: str) -> bool:  # a scope outside the layers covers no layer's linear
+        return _within(module, scope) and (in_layer(scope) or not in_layer(module))
+
     for info in linears.values():
         parent = info.module.rsplit(".", 1)[0] if "." in info.module else ""
-        if not any(_within(info.module, g[1]) for g in groups) and parent:
+        if not any(covers(g[1], info.module) for g in groups) and parent:
             if not any(g[1] == parent for g in groups):
                 groups.append(("mlp", parent, None))
     stop = set(linears)
@@ -284,7 +290,12 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node
         # A region split over sibling modules (BERT's attention.self and attention.output,
         # intermediate and output) is the enclosing module's, never above the layer.
         for scope in _enclosing(path, layers):
-            members = [n for n, i in linears.items() if _within(i.module, scope) and n not in claimed | exclude]
+            # A linear outside every layer (ELECTRA's and RoFormer's embedding projection, in the
+            # module that also holds the layers) makes no region with the layers' linears, nor
+            # with another linear on the far side of the layers (ELECTRA's generator head).
+            if not in_layer(scope) and any(_within(l, scope) for l in layers):
+                continue
+            members = [n for n, i in linears.items() if covers(scope, i.module) and n not in claimed | exclude]
             member_set = set(members)
             columns = [n for n in members if not _ancestors(n, stop) & member_set]
             if len(members) >= 2 and len(columns) < len(members):

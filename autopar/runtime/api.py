@@ -56,6 +56,7 @@ def parallelize(
     mixed_precision: str | None = None,
     compile: bool | dict = False,
     init_weights: Callable[[nn.Module], None] | None = None,
+    fused_optimizer: bool = True,
 ) -> ParallelModule:
     """Compile ``model`` for ``plan`` on the current process group; the model is not modified.
 
@@ -71,8 +72,14 @@ def parallelize(
     masters (:mod:`autopar.runtime.precision`).  None: train in the model's own dtype.
     ``compile``: True (or a dict of ``torch.compile``'s keyword arguments, e.g.
     ``{"backend": "aot_eager"}``) compiles this rank's program with ``torch.compile``; the
-    inserted collectives run eagerly between compiled regions (:mod:`autopar.runtime.inductor`).
-    Not with pipeline parallelism.
+    inserted collectives run eagerly between compiled regions (:mod:`autopar.runtime.inductor`):
+    each pipeline chunk under every schedule, and each recomputed region's body.  ``fused_optimizer`` (default True): for an optimizer of an
+    element-wise class (``torch.optim`` Adam, AdamW, SGD, Adagrad, RMSprop, exactly), the tensors it
+    steps (the fp32 masters, or the parameters) and their gradients are views of one flat buffer per
+    param group, dtype and device, stepped in one update with ``fused=True`` where torch has the
+    kernel (ZeRO's flat shards too); ``pm.optimizer`` then holds the flat tensors, while checkpoints,
+    ``state_dict`` and schedulers are unchanged (:mod:`autopar.runtime.fused_step`).  False: the
+    optimizer the factory returns, stepping each parameter.
 
     Devices: the model may be on the CPU, on a GPU or on the meta device, and the example inputs
     anywhere (they stand for shapes and dtypes); the program runs on this rank's device
@@ -91,7 +98,7 @@ def parallelize(
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise AutoparError(f"autopar: max_grad_norm={max_grad_norm}; expected a positive number (or None: no clipping).")
     auto = isinstance(plan, str) and plan.strip().lower() == "auto"
-    torch_compile_options(compile, None if auto else Plan.parse(plan))  # refused before tracing
+    torch_compile_options(compile, None if auto else Plan.parse(plan))  # a bad value: refused before tracing
     traced_model = low_precision_copy(model, dtype) if dtype is not None else model
     example_inputs = cast_inputs(tuple(example_inputs), dtype)
     if auto:
@@ -104,7 +111,7 @@ def parallelize(
     return ParallelModule(traced_model, traced, program, program.plan, optimizer or torch.optim.AdamW,
                           max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
                           masters_from=model if dtype is not None else None, torch_compile_options=options,
-                          init_weights=init_weights)
+                          init_weights=init_weights, fused_optimizer=fused_optimizer)
 
 
 def _auto_plan(model, example_inputs, example_kwargs, loss_fn, example_target, world_size: int) -> Plan:

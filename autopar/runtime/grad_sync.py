@@ -6,7 +6,9 @@ partial gradients, average over ``dp``) as one flat buffer, of which the gradien
 (``GradSync._bucket_views``; else flattened each step and written back).  Every
 collective is recorded with phase ``grad``.  In the flat executor's last micro-batch a
 bucket's all-reduce starts during backward, once its gradients exist (:class:`_Overlap`);
-``sync()`` waits for it.
+``sync()`` waits for it.  With ``fused_optimizer`` under dp the stepped tensors and their
+gradients are views of flat buffers stepped in one fused update (:mod:`autopar.runtime.fused_step`),
+and a bucket is a slice of the flat gradient.
 
 :class:`GradSync` is the gradient-sync strategy :class:`autopar.runtime.module.ParallelModule`
 uses without ZeRO; ZeRO stages replace it with :class:`autopar.runtime.zero.ZeroSync`.  Both
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.ops import collectives
+from autopar.runtime import fused_step
 from autopar.runtime.precision import MainGrads
 
 __all__ = ["GradSync"]
@@ -36,12 +39,16 @@ class GradSync:
 
     ``originals``: graph name -> this rank's piece of the user's fp32 tensor, for mixed
     precision (:mod:`autopar.runtime.precision`): the optimizer then steps fp32 masters
-    whose main gradients are what is reduced.  None: the parameters themselves.  A
+    whose main gradients are what is reduced.  None: the parameters themselves.
+    ``fused_optimizer``: for an element-wise optimizer class, the stepped tensors and their
+    gradients become views of flat buffers that one (fused) update steps (:attr:`flat`,
+    :mod:`autopar.runtime.fused_step`).  A
     :class:`autopar.runtime.sync_protocol.GradientSynchronizer`."""
 
     zero_stage = 0
 
-    def __init__(self, gm: torch.fx.GraphModule, buckets, groups: dict, make_optimizer, originals=None):
+    def __init__(self, gm: torch.fx.GraphModule, buckets, groups: dict, make_optimizer, originals=None,
+                 fused_optimizer: bool = True):
         self.gm = gm
         self.buckets = list(buckets)
         self.groups = groups
@@ -49,28 +56,62 @@ class GradSync:
         self.main = MainGrads(params, originals) if originals is not None else None
         # What holds each parameter's value and gradient for sync, clipping, the step and state.
         self.params = self.main.masters if self.main is not None else params
-        self.optimizer = make_optimizer([p for p in self.params.values() if p.requires_grad])
+        self.optimizer, self.flat = self._optimizer(make_optimizer, fused_optimizer)
         self._overlap = _Overlap(self) if self.main is None and self.buckets else None
-        self._views = self._bucket_views() if self.main is None else {}
+        self._spans: set[int] = set()  # buckets whose buffer is a slice of the flat gradient
+        self._views = self._bucket_views() if self.main is None or self.flat is not None else {}
+
+    def _optimizer(self, make_optimizer, fused_optimizer: bool):
+        """The user's optimizer over the stepped tensors, or (``fused_optimizer``, an element-wise
+        class: :mod:`autopar.runtime.fused_step`) the same over flat buffers of which they become
+        views where data-parallel buckets keep the gradients all step, else over the tensors with
+        ``fused=True``; returns ``(optimizer, FlatParams or None)``."""
+        stepped = [p for p in self.params.values() if p.requires_grad]
+        probe = make_optimizer(stepped)
+        if (not fused_optimizer or type(probe) not in fused_step.ELEMENTWISE or not stepped
+                or any(p.device.type == "meta" for p in stepped)):
+            return probe, None
+        name_of = {id(p): n for n, p in self.params.items()}
+        if any(id(p) not in name_of for g in probe.param_groups for p in g["params"]) or not self._keeps_grads():
+            return fused_step.fused_version(probe), None  # tensors of the factory's own; or see _keeps_grads
+        order = {n: i for i, n in enumerate(dict.fromkeys(n for b in self.buckets for n in b.params))}
+        groups = [sorted((name_of[id(p)] for p in g["params"]), key=lambda n: order.get(n, len(order)))
+                  for g in probe.param_groups]
+        flat = fused_step.FlatParams({n: self.params[n] for g in groups for n in g}, groups)
+        per_group = [[t for t, gi in zip(flat.flats, flat.group_of) if gi == i] for i in range(len(groups))]
+        return fused_step.flat_optimizer(probe, per_group), flat
+
+    def _keeps_grads(self) -> bool:
+        """Whether data-parallel buckets keep the gradients all step (persistent bucket views):
+        only then are they made flat, which keeps them so (the cost model's ``keep``, cost/memory.py)."""
+        return any(b.average and b.axis in self.groups and self.groups[b.axis].size > 1 for b in self.buckets)
 
     def _bucket_views(self) -> dict[int, tuple[torch.Tensor, list[torch.Tensor]]]:
         """Bucket index -> (its flat buffer, each parameter's gradient as a view of it).
 
         As DDP's ``gradient_as_bucket_view``: backward accumulates into the bucket, which is
         averaged and all-reduced in place -- no flattening copy and no buffer allocated per
-        step -- and the gradients are zeroed in place after the step.  Not under mixed
-        precision (MainGrads writes the fp32 main gradients), nor for a parameter in two
-        buckets (a gradient partial over tp is summed, then averaged over dp)."""
+        step -- and the gradients are zeroed in place after the step.  With a flat optimizer
+        (:attr:`flat`) a bucket whose parameters are contiguous in it is a slice of its flat
+        gradient.  Under mixed precision only with a flat optimizer (its main gradients are
+        views that MainGrads adds into; else it writes new ones), and never for a parameter in
+        two buckets (a gradient partial over tp is summed, then averaged over dp)."""
         count = collections.Counter(n for b in self.buckets for n in b.params)
         out = {}
         for index, bucket in enumerate(self.buckets):
             params = [self.params[n] for n in bucket.params]
             if any(count[n] > 1 for n in bucket.params) or len({(p.dtype, p.device) for p in params}) > 1:
                 continue
-            flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+            flat = self.flat.grad_span(list(bucket.params)) if self.flat is not None else None
+            if flat is not None:
+                self._spans.add(index)  # zeroed with the flat gradient after the step
+            else:
+                flat = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
             views, offset = [], 0
-            for p in params:
-                views.append(flat[offset:offset + p.numel()].view_as(p))
+            for name, p in zip(bucket.params, params):
+                # A slice of the flat gradient: the very view FlatParams holds (no re-pointing).
+                views.append(self.flat.grad_view(name) if index in self._spans
+                             else flat[offset:offset + p.numel()].view_as(p))
                 p.grad = views[-1]
                 offset += p.numel()
             out[index] = (flat, views)
@@ -129,10 +170,16 @@ class GradSync:
     def step(self) -> None:
         """The optimizer step on the synchronised gradients, which are then dropped (zeroed in
         their buckets)."""
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.flat is not None:
+            self.flat.collect_grads()
+            self.optimizer.step()
+            self.flat.zero_grads()
+        else:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         for index, (flat, views) in self._views.items():
-            flat.zero_()
+            if index not in self._spans:
+                flat.zero_()
             for name, view in zip(self.buckets[index].params, views):
                 self.params[name].grad = view
         if self.main is not None:
@@ -209,6 +256,8 @@ class GradSync:
 
     def optimizer_state(self) -> dict[str, dict[str, torch.Tensor]]:
         """Graph parameter name -> {state key: this rank's tensor} (tp-local, as the parameter)."""
+        if self.flat is not None:
+            return self.flat.state_by_name(self.optimizer)
         by_id = {id(p): n for n, p in self.params.items()}
         out: dict[str, dict] = {}
         for group in self.optimizer.param_groups:
@@ -219,11 +268,13 @@ class GradSync:
 
     def load_optimizer_state(self, entries: dict[str, dict[str, torch.Tensor]]) -> None:
         """Inverse of :meth:`optimizer_state` (entries already cut to this rank's tp shard)."""
+        if self.flat is not None:
+            self.flat.load_state(self.optimizer, entries)
+            return
         for name, p in self.params.items():
             found = entries.get(name)
             if found:
-                self.optimizer.state[p] = {k: v.to(device=p.device, dtype=p.dtype) if v.dim() else v.clone()
-                                           for k, v in found.items()}
+                self.optimizer.state[p] = fused_step.place_state(self.optimizer, p, found)
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors held outside the module's parameters: extra ``params``, ``master_params``, ``grads``."""

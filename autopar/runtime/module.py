@@ -36,6 +36,7 @@ from autopar.ops.step import StepContext, activate
 from autopar.plan_space import data_axis
 from autopar.passes.context import GradBucket
 from autopar.runtime import checkpoint
+from autopar.runtime import fused_step
 from autopar.runtime import state as module_state
 from autopar.planning.autoplan import estimate_step, step_prediction
 from autopar.runtime.batching import global_sizes, local_microbatches, split_microbatches
@@ -67,9 +68,10 @@ class ParallelModule:
     def __init__(self, model: nn.Module, traced, program, plan, make_optimizer: Callable, *,
                  max_grad_norm: float | None = None, lr_scheduler: Callable | None = None,
                  masters_from: nn.Module | None = None, torch_compile_options: dict | None = None,
-                 init_weights: Callable[[nn.Module], None] | None = None):
+                 init_weights: Callable[[nn.Module], None] | None = None, fused_optimizer: bool = True):
         """``model``: the module that was traced; ``masters_from``: under mixed precision, the
-        user's fp32 model whose tensors become the master weights (``model`` is its bf16 copy)."""
+        user's fp32 model whose tensors become the master weights (``model`` is its bf16 copy);
+        ``fused_optimizer``: step flat tensors, fused where possible (:mod:`autopar.runtime.fused_step`)."""
         self.plan = plan
         self.gm = traced.gm
         self.program = program
@@ -92,8 +94,8 @@ class ParallelModule:
         self._unset: set[str] = set()
         self.executor: Executor
         if plan.pp > 1:
-            self.executor = PipelineExecutor(self.gm, program, plan)
-        else:  # torch.compile's arguments (autopar.runtime.inductor; refused under pp)
+            self.executor = PipelineExecutor(self.gm, program, plan, torch_compile_options)
+        else:  # torch_compile_options: torch.compile's arguments (autopar.runtime.inductor)
             self.executor = FlatExecutor(self.gm, program, plan, torch_compile_options)
         self._tensor_names = _original_names(model, self.gm, every_buffer=True)  # non-persistent buffers too
         state_keys = model.state_dict().keys()
@@ -112,10 +114,12 @@ class ParallelModule:
                                          tied.numel() * tied.element_size()))
         self.grad_sync: GradientSynchronizer
         if plan.zero > 0:
-            self.grad_sync = ZeroSync(self.gm, program, buckets, self.groups, make_optimizer,
+            self.grad_sync = ZeroSync(self.gm, program, buckets, self.groups,
+                                      fused_step.flat_factory(make_optimizer, fused_optimizer),
                                       zero_stage=plan.zero, originals=originals)
         else:
-            self.grad_sync = GradSync(self.gm, buckets, self.groups, make_optimizer, originals)
+            self.grad_sync = GradSync(self.gm, buckets, self.groups, make_optimizer, originals,
+                                      fused_optimizer=fused_optimizer)
         self.optimizer = self.grad_sync.optimizer
         self.lr_scheduler = lr_scheduler(self.optimizer) if lr_scheduler is not None else None
         self.max_grad_norm = max_grad_norm

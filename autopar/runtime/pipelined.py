@@ -21,22 +21,28 @@ reduce-scatters the chunk's ZeRO-2 units or drops ZeRO-3's re-gathered units, so
 schedule's own ``scale_grads`` (on ``param.grad``) is off and :meth:`run` divides the held
 gradients by the micro-batch count instead.  ZeRO-3's gathers run inside
 ``grad_sync.pipeline_step()``, around the whole schedule step.
+
+``compile=``: each stage runs its chunk's compiled program (:mod:`autopar.runtime.inductor`
+says what is compiled and how the split backward of zbv / dualpipev goes through it); the chunk
+itself stays what ``describe_stage`` and the meta-device simulation use.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from autopar.compat import pipeline_order, recording_stage_class
+from autopar.compat import pipeline_order, recording_stage_class, retained_compiled_backward
 from autopar.errors import AutoparError
 from autopar.ops import collectives
 from autopar.ops.regather import keeping_shards, regathers
 from autopar.ops.schedules import SCHEDULE_CLASSES, actions, rank_orders, single_stage
 from autopar.plan_space import V_SCHEDULES
 from autopar.runtime.executors import StepOutput, weighted_loss
+from autopar.runtime.inductor import torch_compiled_program
 from autopar.runtime.simulated import simulate_step
 
 __all__ = ["PipelineExecutor"]
@@ -61,8 +67,9 @@ _RecordingStage = recording_stage_class(_record_p2p)
 class PipelineExecutor:
     """This rank's chunks of a pipelined program and the schedule that runs them."""
 
-    def __init__(self, gm: torch.fx.GraphModule, program, plan):
+    def __init__(self, gm: torch.fx.GraphModule, program, plan, torch_compile_options: dict | None = None):
         self.gm, self.plan = gm, plan
+        self._torch_compile_options = torch_compile_options  # compile=: each chunk's program compiled
         self.pipeline = program.pipeline
         owner = self.pipeline.param_chunk()
         self._owner = {p: self.pipeline.chunk_rank(c) for p, c in owner.items()}
@@ -102,12 +109,13 @@ class PipelineExecutor:
         if not dist.is_initialized():
             return
         pp_group = pm.groups["pp"].group
-        stages = [_RecordingStage(self._chunks[c], c, len(self.pipeline.chunks), pm.device, group=pp_group)
+        stages = [_RecordingStage(self._stage_module(c), c, len(self.pipeline.chunks), pm.device, group=pp_group)
                   for c in chunk_ids]
-        # Mixed precision (fp32 main gradients), a tied copy and ZeRO-2/3 (gradients in the flat
-        # shards) move gradients after each backward action; torch's scale_grads (on the stage
-        # parameters' .grad) then comes too early or misses them, so run() scales them itself.
-        self._fold = pm.mixed_precision or self._tied_copy is not None or self.plan.zero >= 2
+        # Mixed precision (fp32 main gradients), a tied copy, ZeRO-1 (reduce-scatters started
+        # after a chunk's last backward) and ZeRO-2/3 (gradients in the flat shards) move
+        # gradients after each backward action; torch's scale_grads (on the stage parameters'
+        # .grad) then comes too early or misses them, so run() scales them itself.
+        self._fold = pm.mixed_precision or self._tied_copy is not None or self.plan.zero >= 1
         for c, stage in zip(chunk_ids, stages):
             stage.after_backward = functools.partial(self._after_backward, pm, c) if self._fold else None
         cls = SCHEDULE_CLASSES[self.plan.schedule]
@@ -121,6 +129,13 @@ class PipelineExecutor:
         expected = rank_orders(self.plan.schedule, self.plan.pp, self.plan.mb, self.plan.vpp)[pp_rank]
         got = actions(pipeline_order(self._schedule)[pp_rank])
         assert got == expected, f"torch's {self.plan.schedule} order differs from autopar.ops.schedules on rank {pp_rank}"
+
+    def _stage_module(self, c: int) -> torch.nn.Module:
+        """What chunk ``c``'s stage runs: the chunk, or under ``compile=`` the chunk's parameters
+        around its compiled program (the stage differentiates ``parameters()``: ZeRO-3's shards too)."""
+        if self._torch_compile_options is None:
+            return self._chunks[c]
+        return _CompiledChunk(self._chunks[c], torch_compiled_program(self._chunks[c], self._torch_compile_options))
 
     def _after_backward(self, pm, chunk: int, kind: str) -> None:
         """After backward action ``kind`` of ``chunk`` (see compat.recording_stage_class)."""
@@ -164,7 +179,10 @@ class PipelineExecutor:
         local_target = torch.cat([p[1] for p in pieces])
         kwargs = dict(zip(self.pipeline.kwarg_names, local_inputs + [local_target]))
         losses: list = []
-        call(target=local_target if self._last else None, losses=losses, **options, **kwargs)
+        # Compiled chunks: torch's split backward differentiates each graph twice, retaining it
+        # the first time, which a compiled backward that donates its saved buffers refuses.
+        with retained_compiled_backward() if self._torch_compile_options is not None else contextlib.nullcontext():
+            call(target=local_target if self._last else None, losses=losses, **options, **kwargs)
         if not self._last:
             return StepOutput(None)
         return StepOutput(torch.stack([l.detach().float() for l in losses]).mean())
@@ -175,6 +193,19 @@ class PipelineExecutor:
             raise AutoparError(f"autopar: stage {stage} does not exist; plan '{self.plan}' has {n} pipeline "
                                f"chunks (0..{n - 1}).")
         return self.pipeline.chunks[stage].gm
+
+
+class _CompiledChunk(torch.nn.Module):
+    """A chunk's stage module under ``compile=``: the chunk's parameters (its submodule), its
+    compiled program (not a submodule: the same parameters again) as the forward."""
+
+    def __init__(self, chunk: torch.fx.GraphModule, program: torch.nn.Module):
+        super().__init__()
+        self.chunk = chunk
+        self.__dict__["program"] = program  # not registered: parameters() lists the chunk's once
+
+    def forward(self, *args, **kwargs):
+        return self.program(*args, **kwargs)
 
 
 def _alias_parameter(chunks: dict, c: int, name: str, gm: torch.nn.Module) -> torch.nn.Parameter:

@@ -9,7 +9,9 @@ The layout is Megatron's, priced by the cost model as ``dtype_bytes=2`` (cost/me
   function (``trace_model(upcast_outputs=True)``), so the loss is computed in fp32;
 * fp32 master weights are cut from the user's own fp32 tensors, never from the rounded
   bf16 copy (a model built on the meta device: from the checkpoint or ``init_weights``, which
-  write the masters and the bf16 parameters alike): plain per-parameter tensors without ZeRO (:class:`MainGrads`), the flat
+  write the masters and the bf16 parameters alike): per-parameter tensors without ZeRO (:class:`MainGrads`;
+  under dp with ``fused_optimizer`` views of one flat buffer, their main gradients too:
+  :mod:`autopar.runtime.fused_step`), the flat
   ``dp`` shards with ZeRO (:class:`autopar.runtime.zero.ZeroSync`), which under ZeRO-3 are
   also the parameter shards, cast to bf16 as they are gathered (FSDP2's layout);
 * the bf16 gradients autograd leaves on the parameters are folded into fp32 main

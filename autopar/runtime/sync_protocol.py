@@ -53,7 +53,8 @@ class GradientSynchronizer(Protocol):
         """After a backward: the flat micro-batch's (``chunk`` None), or the pipeline action
         ``kind`` (``full``, ``input``, ``weight`` or torch's ``inference``) of pipeline chunk
         ``chunk``.  Mixed precision folds bf16 gradients into fp32 main gradients here; ZeRO-2
-        reduce-scatters a chunk's gradients, ZeRO-3 drops its re-gathered units."""
+        reduce-scatters a chunk's gradients, ZeRO-1 starts those of the units whose chunks ran
+        their last backward, ZeRO-3 drops its re-gathered units."""
         ...
 
     def chunk_shards(self, chunk: int) -> list[torch.nn.Parameter]:

@@ -21,9 +21,26 @@ The strategy is split by concern over four modules:
 Padding is zero when every segment's element count is divisible by ``dp`` (true for every
 test model), and then the bytes equal the cost model's ``P*w/dp`` terms exactly; otherwise
 each call moves the padded size.  Bytes are recorded by
-:func:`autopar.ops.collectives.record`, with the cost model's phases.  ZeRO-2 starts a unit's
-reduce-scatter from its gradients' hooks during backward, ZeRO-3 from the unit's gather's
-backward; ZeRO-1's reduce-scatters and ZeRO-1/2's after-step all-gathers run blocking.
+:func:`autopar.ops.collectives.record`, with the cost model's phases.
+
+Overlap, as Megatron's distributed optimizer (the cost model's ``zero_overlap``, on by default):
+ZeRO-2 starts a unit's reduce-scatter from its gradients' hooks during every micro-batch's
+backward, ZeRO-1 during the last one's (under pp once the unit's chunks have run their last
+backward), ZeRO-3 from the unit's gather's backward; ZeRO-1's are waited for in ``sync()``.
+ZeRO-1/2's after-step all-gathers start asynchronously at the end of ``step()``, one per unit, and
+each is waited for right before the next forward first reads one of its unit's parameters (a
+torch-function mode that watches the calls' arguments while gathers are in flight; why not a
+graph node as ZeRO-3's: :mod:`autopar.runtime.zero_grads`).  Every other reader or writer of the
+parameters -- ``full_parameters`` (state dicts, checkpoints, loads), ``read_parameters``
+(exports), ``write_parameter``, ``forward_only`` (evaluation) -- first waits for all of them
+(:meth:`ShardedGradients.await_parameters`), and the end of the micro-batch or pipelined step
+waits for any its forward did not read.  Code that reads ``pm.gm``'s parameters directly, outside
+these, between two steps must call :meth:`ShardedGradients.await_parameters` first.
+
+Under pp, ZeRO-1's reduce-scatters start from ``after_backward``, which the pipelined executor
+calls when it moves gradients itself (mixed precision, a tied copy; runtime/pipelined.py
+``_fold``); in fp32 without a tied copy torch's schedule divides ``.grad`` by the micro-batch
+count after its last action, so the reduce-scatters run in ``sync()``, after it.
 
 Mixed precision (:mod:`autopar.runtime.precision`): the shards are cut from the user's fp32
 tensors and are the master weights; the module's parameters (ZeRO-1/2) and every
@@ -46,6 +63,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.ops.step import activate, current
+from autopar.runtime import fused_step
 from autopar.runtime.flat_layout import FlatLayout
 from autopar.runtime.zero_grads import ShardedGradients
 from autopar.runtime.zero_params import ShardedParameters
@@ -60,9 +78,10 @@ class ZeroSync(ShardedParameters, ShardedGradients):
     def __init__(self, gm: torch.fx.GraphModule, program, buckets, groups: dict, make_optimizer, zero_stage: int,
                  originals: dict[str, torch.Tensor] | None = None):
         super().__init__(gm, program, buckets, groups, make_optimizer, zero_stage, originals)
-        self._init_sharded_gradients()
+        self._init_sharded_gradients(program.plan.mb)
         self._init_sharded_parameters()
-        if zero_stage == 2:
+        self._scattered_early: set[int] = set()  # ZeRO-1 under pp: units scaled before sync() (scale_grads)
+        if zero_stage in (1, 2):
             self._hook_gradients(dict(gm.named_parameters()))
         if zero_stage == 3:
             self._free_parameters()
@@ -71,11 +90,12 @@ class ZeroSync(ShardedParameters, ShardedGradients):
 
     @contextlib.contextmanager
     def microbatch(self, last: bool = False, defer_scatter: bool = True) -> Iterator[None]:
-        """Wrap one micro-batch's forward and backward (``last``: the step's last; unused).
-        ``defer_scatter``: ZeRO-3 overlaps each unit's reduce-scatter with backward
-        (:meth:`scatter_in_backward`)."""
+        """Wrap one micro-batch's forward and backward (``last``: the step's last, whose backward
+        starts ZeRO-1's reduce-scatters).  ``defer_scatter``: ZeRO-3 overlaps each unit's
+        reduce-scatter with backward (:meth:`scatter_in_backward`).  ZeRO-1/2: the previous
+        step's all-gathers are waited for at their units' first use (:meth:`first_use`)."""
         if self.zero_stage < 3:
-            with self._scattering_microbatch():
+            with self.first_use(), self._scattering_microbatch(last):
                 yield
             return
         self._defer_scatter = defer_scatter
@@ -90,9 +110,11 @@ class ZeroSync(ShardedParameters, ShardedGradients):
             self._drain_prefetched()
 
     @contextlib.contextmanager
-    def _scattering_microbatch(self) -> Iterator[None]:
-        """ZeRO-1/2's micro-batch: ZeRO-2's gradients reduce-scattered into the shards after it."""
-        if self.zero_stage == 2:
+    def _scattering_microbatch(self, last: bool) -> Iterator[None]:
+        """ZeRO-1/2's micro-batch: reduce-scatters started from the gradients' hooks in its backward
+        (ZeRO-2: every micro-batch's, waited for after it; ZeRO-1: the last one's, waited for in
+        :meth:`sync`)."""
+        if self.zero_stage == 2 or last:
             self._count_waiting()
         try:
             yield
@@ -101,6 +123,7 @@ class ZeroSync(ShardedParameters, ShardedGradients):
             raise
         finally:
             self._waiting = None
+        self._event("backward_end")
         self.after_backward()
         if self.zero_stage == 2:
             for unit in range(len(self.units)):
@@ -108,9 +131,16 @@ class ZeroSync(ShardedParameters, ShardedGradients):
 
     @contextlib.contextmanager
     def pipeline_step(self) -> Iterator[None]:
-        """Wrap a pipelined step (every action of this rank's chunks): ZeRO-3 gathers inside it."""
+        """Wrap a pipelined step (every action of this rank's chunks): ZeRO-3 gathers inside it;
+        ZeRO-1/2 wait for the previous step's all-gathers at first use (:meth:`first_use`)."""
         if self.zero_stage < 3:
-            yield
+            # A V-shaped schedule's evaluation runs a whole step and drops its gradients: what its
+            # backward started is dropped here, before this step's backward starts anew.
+            self._drop_started()
+            self._scattered_early.clear()
+            self._backwards.clear()
+            with self.first_use():
+                yield
             return
         with self.microbatch(defer_scatter=False):
             yield
@@ -120,7 +150,9 @@ class ZeroSync(ShardedParameters, ShardedGradients):
         ``kind`` of pipeline chunk ``chunk`` (``full``, ``input``, ``weight`` or torch's ``inference``).
 
         ZeRO-1 with mixed precision folds the bf16 gradients into fp32 main gradients; under
-        pp ZeRO-2 reduce-scatters the chunk's units once its weight gradients exist, and
+        pp ZeRO-1 starts the reduce-scatters of the units whose chunks have all run their last
+        backward (:meth:`_chunk_backward_done`), ZeRO-2 reduce-scatters the chunk's units once its
+        weight gradients exist, and
         ZeRO-3 drops the chunk's re-gathered units once its weight gradients exist (an input-only
         backward keeps them for the weight half, which reads some of them again)."""
         if kind == "inference":  # torch's first-step shape inference: no parameter gradient made
@@ -135,13 +167,18 @@ class ZeroSync(ShardedParameters, ShardedGradients):
                 self._regathered.pop(unit, None)
         if self.mixed and self.zero_stage == 1:
             self._fold_main_grads()
+        if chunk is not None and self.zero_stage == 1 and kind != "input":
+            self._chunk_backward_done(chunk)
 
     def sync(self) -> None:
-        """Gradients into their reduced ``dp`` shards (partial sums summed over their axes)."""
+        """Gradients into their reduced ``dp`` shards (partial sums summed over their axes); ZeRO-1
+        waits for the reduce-scatters its last backward started and runs the others."""
         if self.zero_stage == 1:
             self._all_reduce_partial_full()
             for unit in range(len(self.units)):
-                self._scatter_param_grads(unit)
+                if unit not in self._scattered_early:
+                    self._scatter_param_grads(unit)
+            self._scattered_early.clear()
         else:
             self._all_reduce_partial_shards()
 
@@ -154,8 +191,10 @@ class ZeroSync(ShardedParameters, ShardedGradients):
 
     @contextlib.contextmanager
     def forward_only(self) -> Iterator[None]:
-        """An evaluation forward: ZeRO-3 gathers its units, nothing is scattered or kept."""
+        """An evaluation forward: ZeRO-3 gathers its units, nothing is scattered or kept; ZeRO-1/2
+        wait for the after-step all-gathers first."""
         if self.zero_stage < 3:
+            self.await_parameters()
             yield
             return
         try:
@@ -179,7 +218,11 @@ class ZeroSync(ShardedParameters, ShardedGradients):
 
     def scale_grads(self, coef: float) -> None:
         """Every gradient held: the shards', and ZeRO-1's not yet scattered ones (the module's, or
-        the fp32 main gradients)."""
+        the fp32 main gradients).  ZeRO-1's reduce-scatters in flight (under pp this runs before
+        :meth:`sync`) are waited for first: their sources were cut before the scaling."""
+        if self.zero_stage == 1 and self._started:
+            self._scattered_early.update(self._started)
+            self._finish_started()
         held = [p.grad for p in self.gm.parameters()] + list(self.main_grads.values())
         for grad in [s.grad for s in self.shards] + held:
             if grad is not None:
@@ -192,6 +235,7 @@ class ZeroSync(ShardedParameters, ShardedGradients):
         """Graph name -> the whole (tp-local) parameter while the block runs: the module's
         parameters, or under mixed precision the fp32 masters gathered from the shards;
         ``write_back`` re-cuts the shards from them (and refreshes the bf16 parameters)."""
+        self.await_parameters()
         if self.mixed:
             yield from self._full_masters(write_back)
             return
@@ -228,6 +272,7 @@ class ZeroSync(ShardedParameters, ShardedGradients):
         """Set graph parameter ``name`` to ``value`` (its tp-local shape): this rank's piece of it in
         its unit's shard (the master under mixed precision) and, under ZeRO-1/2, the module's
         parameter; nothing is gathered (loading weights one tensor at a time)."""
+        self.await_parameters()  # a gather still in flight would overwrite the value later
         unit = self._unit_of.get(name)
         with torch.no_grad():
             if unit is None or self.zero_stage < 3:  # a parameter outside every unit (frozen), or held whole
@@ -245,6 +290,7 @@ class ZeroSync(ShardedParameters, ShardedGradients):
         master under mixed precision).  A unit's shards are all-gathered (collective: every rank
         of the unit's axis calls it with the same names) once for its names that follow each
         other, and dropped before the next unit's: at most one unit is held whole."""
+        self.await_parameters()
         held: tuple[int, dict] | None = None
         for name in names:
             unit = self._unit_of.get(name)
@@ -292,8 +338,8 @@ class ZeroSync(ShardedParameters, ShardedGradients):
                     continue
                 flat = lay.rank_major(lay.flatten({x: per_name[x][key].to(shard.device) for x in lay.names}))
                 new[key] = flat.view(lay.n, -1)[self._rank(unit)].clone().to(shard.dtype)
-            if new:
-                self.optimizer.state[shard] = new
+            if new:  # the scalar step on the shard's device where the optimizer is fused
+                self.optimizer.state[shard] = fused_step.place_state(self.optimizer, shard, new)
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The flat fp32 shards: parameters under ZeRO-3, master copies under ZeRO-1/2 and

@@ -28,13 +28,14 @@ batches (loss per step <= 1e-5, full state dict <= 1e-4, fp32):
   them), the fused qkv is grouped by KV head and cut by slices and list indices (the column
   shard holds whole groups, so both stay on the rank), and attention and MLP run in parallel
   (two row-parallel reductions added together);
-- DeepSeek-V3 under ``cp=2:ulysses``, ``cp=2:ring``, ``ep=2,dp=2``, ``pp=2,mb=2`` and
-  ``dp=2,zero=3``: latent attention (K wider than V, packed along the head dim by the CP
-  collectives; the keys written into an empty tensor by two in-place copies), a dense first
-  layer, sigmoid routing with a score-correction bias limited to the best expert group (the
-  group mask scattered and the weights gathered per token; the weights are the router's
-  output, outside the experts).  Under tp the latent projections are refused
-  (tests/unit/test_architecture_rules.py);
+- DeepSeek-V3 under ``cp=2:ulysses``, ``cp=2:ring``, ``ep=2,dp=2``, ``pp=2,mb=2``,
+  ``dp=2,zero=3`` and ``tp=2,sp``: latent attention (K wider than V, packed along the head dim
+  by the CP collectives; the keys written into an empty tensor by two in-place copies, which
+  under tp is allocated at the rank's heads), a dense first layer, sigmoid routing with a
+  score-correction bias limited to the best expert group (the group mask scattered and the
+  weights gathered per token; the weights are the router's output, outside the experts).
+  Under tp the latents (``q_a_proj``, ``kv_a_proj_with_mqa`` and their norms) are whole on
+  every rank and the up-projections split by heads;
 - BERT for masked LM under ``tp=2,sp`` and ``cp=2:ring``: attention and MLP each split over two
   sibling modules (the region is the enclosing module), bidirectional attention (a mask that
   allows every position is dropped, so CP runs non-causal), positions sliced from a buffer
@@ -66,7 +67,8 @@ CASES = [("hf_gemma2", "tp=2"), ("hf_gemma2", "tp=2,sp"), ("hf_gemma2", "pp=2,mb
          ("hf_qwen3", "tp=2,sp"), ("hf_qwen3", "cp=2:ring"), ("hf_qwen3", "pp=2,mb=2"), ("hf_qwen3", "dp=2,zero=3"),
          ("hf_falcon", "tp=2,sp"), ("hf_falcon", "cp=2:ring"), ("hf_falcon", "pp=2,mb=2"), ("hf_falcon", "dp=2,zero=3"),
          ("hf_deepseek_v3", "cp=2:ulysses"), ("hf_deepseek_v3", "cp=2:ring"), ("hf_deepseek_v3", "ep=2,dp=2"),
-         ("hf_deepseek_v3", "pp=2,mb=2"), ("hf_deepseek_v3", "dp=2,zero=3"), ("hf_bert", "tp=2,sp"),
+         ("hf_deepseek_v3", "pp=2,mb=2"), ("hf_deepseek_v3", "dp=2,zero=3"), ("hf_deepseek_v3", "tp=2,sp"),
+         ("hf_bert", "tp=2,sp"),
          ("hf_bert", "cp=2:ring"), ("hf_bert", "pp=2,mb=2"), ("hf_bert", "dp=2,zero=3")]
 # tp and sp with data parallelism, on 4 ranks (OPT refuses sp and DeepSeek-V3 tp: tests/e2e/test_matrix_refusals.py)
 # and BERT's embedding LayerNorm, a first-stage parameter, under pp with dp (its gradient) and ZeRO-3
@@ -125,7 +127,7 @@ def test_load_balancing_loss_bytes_equal_cost_model(trained, plan):
         assert_comm_equal(r["comm"], cost.comm_table(**kwargs), rank)
 
 
-@pytest.mark.parametrize("plan", ["cp=2:ulysses", "cp=2:ring", "ep=2,dp=2", "pp=2,mb=2", "dp=2,zero=3"])
+@pytest.mark.parametrize("plan", ["cp=2:ulysses", "cp=2:ring", "ep=2,dp=2", "pp=2,mb=2", "dp=2,zero=3", "tp=2,sp"])
 def test_latent_attention_bytes_equal_cost_model(trained, plan):
     """DeepSeek-V3's collectives are what the cost model prices from the traced module: the
     latent attention's parameters (``kv_lora_rank``, ``q_lora_rank``, the rope split) in the

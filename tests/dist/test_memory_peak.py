@@ -31,10 +31,10 @@ PLANS = ([("hf_llama", *p) for p in REPORT_PLANS]
 PIPELINE = [("hf_llama", "pp=2,mb=2", 2, 4), ("hf_llama", "pp=2,mb=4", 2, 8), ("hf_llama", "pp=2,dp=2,mb=2", 4, 8)]
 
 
-def _predicted(model_name: str, plan: str, world: int, batch: int) -> autopar.Cost:
+def _predicted(model_name: str, plan: str, world: int, batch: int, **options) -> autopar.Cost:
     return autopar.estimate(model_spec(model_name, {}, batch),
                             autopar.Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world), plan,
-                            seq_len=SEQ, global_batch=batch, dtype_bytes=4)
+                            seq_len=SEQ, global_batch=batch, dtype_bytes=4, **options)
 
 
 @pytest.mark.parametrize("model_name,plan,world,batch", PLANS + PIPELINE,
@@ -53,3 +53,15 @@ def test_peak_within_5_percent_of_allocator(dist_pool, model_name, plan, world, 
         # (peak_jobs.py): no step beyond 20% of the prediction.
         assert min(abs(predicted - p) / p for p in peaks) <= 0.05, (pp_rank, predicted, sorted(set(peaks)))
         assert max(peaks) <= 1.2 * predicted, (pp_rank, predicted, sorted(set(peaks)))
+
+
+@pytest.mark.parametrize("plan", ["dp=2,zero=1", "dp=2,zero=2"])
+def test_peak_with_many_zero_units(dist_pool, plan):
+    """Small buckets, a dozen ZeRO units per rank: every unit's reduce-scatter is in flight when
+    backward ends (cost/memory.py's ``zero_sync_buffer``: (2 + 1/n) P + u, not one unit's buffers)."""
+    bucket_bytes = 20_000
+    measured = dist_pool(peak_job, "hf_llama", plan, 4, SEQ, bucket_bytes=bucket_bytes, world=2)
+    predicted = _predicted("hf_llama", plan, 2, 4, bucket_bytes=bucket_bytes).peak_memory(0)
+    peaks = [p for m in measured for p in m["peaks"]]
+    assert min(abs(predicted - p) / p for p in peaks) <= 0.05, (predicted, sorted(set(peaks)))
+    assert max(peaks) <= 1.2 * predicted, (predicted, sorted(set(peaks)))

@@ -1,10 +1,23 @@
-"""A sliding-window model whose window is shorter than the sequence trains exactly under every plan
-that runs it, or is refused before the first step (never with the window dropped).
+"""Sliding-window models whose windows are shorter than the sequence train exactly under every plan
+that runs them, or are refused before the first step (never with the window dropped).
 
 The causal-mask pass used to decide that a mask "is causal" from two sizes shorter than any
-window and replaced it with ``is_causal=True``; the window was gone at real lengths.  Mistral
-with an 8-token window at sequence 16: the mask must stay (passes/causal_mask.py ``check_sizes``)
-and the losses and state equal one device.
+window and replaced it with ``is_causal=True``; the window was gone at real lengths.  Now the
+mask is checked past every threshold its subgraph holds (passes/causal_mask.py ``check_sizes``;
+the small-size decision re-checked at larger sizes: tests/unit/test_passes.py), so a window
+stays a mask.  Each model has an 8-token window at sequence 16:
+
+- Mistral (``sliding_window`` on every layer) and Qwen2 (``use_sliding_window``: layer 0 full,
+  layer 1 windowed) through SDPA: equal under ``dp=2``, ``tp=2,sp``, ``pp=2,mb=2`` and
+  ``dp=2,zero=3``; every CP variant is refused, since the window is a mask CP cannot place
+  by position (ring attention over windows is not built);
+- Gemma 2 (local and global layers alternating): transformers 5.25 refuses SDPA for it (its
+  soft-capped scores), so it runs its eager attention, which keeps its mask: equal under the
+  same plans; CP is refused for the missing SDPA op;
+- GPT-OSS (alternating 8-token-window and full layers, attention sinks, eager attention, 4
+  experts): its experts are reached through a ``cumsum`` of routing counts that no rule places
+  (and, under tp, more than one offsets tensor), so every plan is refused before training,
+  naming the node in the experts module; CP first for its eager attention.
 """
 from __future__ import annotations
 
@@ -13,15 +26,38 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.support.harness import assert_equivalent  # noqa: E402
-from tests.support.jobs import reference, train_cases_job  # noqa: E402
+from tests.support.jobs import reference  # noqa: E402
+from tests.support.window_jobs import train_or_refuse_job  # noqa: E402
 
-PLANS = [("dp=2", 2), ("tp=2,sp", 2), ("pp=2,mb=2", 2), ("dp=2,zero=3", 2)]
+RUNS = ("dp=2", "tp=2,sp", "pp=2,mb=2", "dp=2,zero=3")
+CP = ("cp=2:ring", "cp=2:allgather", "cp=2:ulysses")
+NOT_CAUSAL = "context parallelism supports causal attention"
+NO_SDPA = "found no scaled_dot_product_attention op"
+GPT_OSS = "in module 'model.model.layers.0.mlp.experts' (GptOssExperts)"
+# model -> {plan: None (equal to one device) or a phrase of its refusal}
+EXPECTED = {
+    "hf_mistral_window": {**dict.fromkeys(RUNS), **dict.fromkeys(CP, NOT_CAUSAL)},
+    "hf_qwen2_window": {**dict.fromkeys(RUNS), **dict.fromkeys(CP, NOT_CAUSAL)},
+    "hf_gemma2_window": {**dict.fromkeys(RUNS), **dict.fromkeys(CP, NO_SDPA)},
+    "hf_gpt_oss_window": {**dict.fromkeys(RUNS, GPT_OSS), **dict.fromkeys(CP, NO_SDPA)},
+}
+CASES = [(model, plan) for model, plans in EXPECTED.items() for plan in plans]
 
 
-def test_window_shorter_than_the_sequence_is_exact(dist_pool):
-    cases = [("hf_mistral_window", plan, {}) for plan, _ in PLANS]
-    results = dist_pool(train_cases_job, cases, "adamw", world=2)
-    ref = reference("hf_mistral_window", "adamw", ())
-    for index, (plan, _) in enumerate(PLANS):
-        got = results[0][index]
-        assert_equivalent(ref, (got["losses"], got["state"])), plan
+@pytest.fixture(scope="module")
+def outcomes(dist_pool):
+    results = []
+    for start in range(0, len(CASES), 14):  # pool jobs of a few models each keep within the job timeout
+        results += dist_pool(train_or_refuse_job, CASES[start:start + 14], "adamw", world=2)[0]
+    return dict(zip(CASES, results))
+
+
+@pytest.mark.parametrize("model_name,plan", CASES, ids=[f"{m}-{p}" for m, p in CASES])
+def test_window_shorter_than_the_sequence_is_exact_or_refused(outcomes, model_name, plan):
+    got, phrase = outcomes[(model_name, plan)], EXPECTED[model_name][plan]
+    if phrase is None:
+        assert "refused" not in got, got.get("refused")
+        assert_equivalent(reference(model_name, "adamw", ()), (got["losses"], got["state"]))
+    else:
+        assert "losses" not in got, f"{model_name} under {plan} trained; expected a refusal ({phrase})"
+        assert got["refused"].startswith("autopar:") and phrase in got["refused"], got["refused"]

@@ -19,8 +19,7 @@ REFUSALS = [
                            "modeling_opt.py", "without the traced sequence size", "plan without 'sp'"]),
     # The load-balancing statistic is over the whole batch: per micro-batch it would differ.
     ("hf_mixtral_aux", "pp=2,mb=2", ["is a statistic over the whole batch's tokens", "modeling_mixtral.py"]),
-    # DeepSeek-V3: MoE under tp needs sp; with sp, latent attention is refused
-    # (tests/unit/test_architecture_rules.py::test_latent_attention_under_tp_is_refused_with_its_source_line).
+    # DeepSeek-V3: MoE under tp needs sp (tp=2,sp: tests/dist/test_architectures.py).
     ("hf_deepseek_v3", "tp=2", ["without sp on a mixture-of-experts model", "'tp=2,sp'"]),
 ]
 

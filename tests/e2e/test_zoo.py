@@ -55,8 +55,10 @@ EXPECTED: dict[str, dict[str, object]] = {
     "bert": {"tp=2,sp": E},
     # a hybrid of attention and state-space layers
     "jamba": {"tp=2,sp": (R, "sequence parallelism needs the sequence dimension")},
-    # multi-head latent attention
-    "deepseek_v3": {"tp=2,sp": (R, "tensor parallelism cannot split the attention")},
+    # multi-head latent attention: the latents whole on every tp rank, the up-projections split by heads
+    "deepseek_v3": {"tp=2,sp": E},
+    # linears outside the layers (an embedding projection, a generator head) make no region
+    "electra": {"tp=2,sp": E},
     # lightning attention: a state built with zeros over every head, met by the rank's heads
     "minimax": {"tp=2,sp": E},
     # interleaved rotary tables (cos.repeat_interleave(2, dim=-1)) on sequence shards

@@ -95,19 +95,25 @@ def train_cases_job(cases: list, opt_name: str, steps: int = 3):
 
 def compile_cases_job(cases: list, opt_name: str, backend: str, steps: int = 3):
     """Each ``(model_name, plan, overrides)`` trained eagerly and with ``compile={"backend": backend}``:
-    the compiled run's losses and state, and whether both ran the same collectives (in any order:
-    a compiled backward may unpack saved tensors in another order) and print the same program."""
+    the compiled run's losses and state, the eager run's losses, and whether both ran the same
+    collectives (in any order: a compiled backward may unpack saved tensors in another order),
+    recomputed as many regions in the last step and print the same program, and the largest
+    difference of their states (``state_diff``)."""
     out = []
     for model_name, plan, overrides in cases:
         runs = []
         for options in ({}, {"compile": {"backend": backend}}):
+            torch.manual_seed(7)  # the dropout streams' base seed, the same for both runs
             pm, batches = _parallelize(model_name, plan, opt_name, overrides, **options)
             losses = [pm.train_step(inputs, target) for inputs, target in batches[:steps]]
             runs.append((pm, losses))
-        (eager, _), (compiled, losses) = runs
-        state = compiled.state_dict()
+        (eager, eager_losses), (compiled, losses) = runs
+        state, eager_state = compiled.state_dict(), eager.state_dict()  # collectives under ZeRO-3: every rank
         comm = [sorted(repr(sorted(r.items())) for r in pm.comm_stats()) for pm in (eager, compiled)]
-        out.append({"losses": losses, "same_comm": comm[0] == comm[1], "same_code": eager.code() == compiled.code(),
+        recomputed = [pm.step_context.counters["recomputed_regions"] for pm in (eager, compiled)]
+        out.append({"losses": losses, "eager_losses": eager_losses, "same_comm": comm[0] == comm[1],
+                    "same_recomputed": recomputed[0] == recomputed[1], "same_code": eager.code() == compiled.code(),
+                    "state_diff": max(float((v - eager_state[k]).abs().max()) for k, v in state.items()),
                     "state": {k: v.detach().cpu().clone() for k, v in state.items()} if dist.get_rank() == 0 else None})
     return out
 

@@ -31,6 +31,9 @@ __all__ = [
     "hf_mixtral_aux",
     "hf_qwen3",
     "hf_mistral_window",
+    "hf_qwen2_window",
+    "hf_gemma2_window",
+    "hf_gpt_oss_window",
     "aux_loss",
     "lm_loss",
     "make_batch",
@@ -280,3 +283,34 @@ def hf_mistral_window(seed: int = 0, **overrides):
 
 
 MODELS["hf_mistral_window"] = (hf_mistral_window, hf_loss, {"use_cache": False})
+
+
+_WINDOWED = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, sliding_window=8)
+
+
+def hf_qwen2_window(seed: int = 0, **overrides):
+    """A tiny ``transformers.Qwen2ForCausalLM`` with ``use_sliding_window``: layer 0 full attention,
+    layer 1 an 8-token window (``max_window_layers=1``), shorter than the tests' sequence (16)."""
+    return _hf("Qwen2Config", "Qwen2ForCausalLM", seed, dict(
+        _WINDOWED, use_sliding_window=True, max_window_layers=1, attn_implementation="sdpa"), overrides)
+
+
+def hf_gemma2_window(seed: int = 0, **overrides):
+    """A tiny ``transformers.Gemma2ForCausalLM``, its local layers with an 8-token window (shorter than
+    the sequence).  transformers 5.25 refuses SDPA for Gemma 2 (its soft-capped scores), so it runs
+    its eager attention, whose mask the graph keeps."""
+    return _hf("Gemma2Config", "Gemma2ForCausalLM", seed, dict(_WINDOWED, head_dim=16, attn_implementation="eager"),
+               overrides)
+
+
+def hf_gpt_oss_window(seed: int = 0, **overrides):
+    """A tiny ``transformers.GptOssForCausalLM``: alternating 8-token-window and full layers, attention
+    sinks (eager attention: transformers 5.25 has no SDPA path for it), 4 experts, top-2."""
+    return _hf("GptOssConfig", "GptOssForCausalLM", seed, dict(
+        _WINDOWED, head_dim=16, num_local_experts=4, num_experts_per_tok=2, attn_implementation="eager"), overrides)
+
+
+MODELS["hf_qwen2_window"] = (hf_qwen2_window, hf_loss, {"use_cache": False})
+MODELS["hf_gemma2_window"] = (hf_gemma2_window, hf_loss, {"use_cache": False})
+MODELS["hf_gpt_oss_window"] = (hf_gpt_oss_window, hf_loss, {"use_cache": False})

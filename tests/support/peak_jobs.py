@@ -57,16 +57,18 @@ def _events(prof) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
 
 
 def peak_job(model_name: str, plan: str, batch: int, seq: int = 16, warmup: int = 2, measured: int = 10,
-             overrides: dict | None = None) -> dict:
+             overrides: dict | None = None, bucket_bytes: int | None = None) -> dict:
     """Build and train ``plan`` with AdamW; the allocator's peak over ``measured`` steps after
-    ``warmup`` (the optimizer state exists from the first step), and its total between steps."""
+    ``warmup`` (the optimizer state exists from the first step), and its total between steps
+    (``bucket_bytes``: the gradient buckets' cap, parallelize's default when None)."""
     batches = make_batches(VOCAB, batch, seq, 2, seed=1)
     gc.collect()
     _count_every_free()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         model, loss_fn, kwargs = build(model_name, overrides or {})
+        extra = {"bucket_bytes": bucket_bytes} if bucket_bytes is not None else {}
         pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
-                                 loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"])
+                                 loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"], **extra)
         del model  # the program holds what it needs; the caller's model is not the program's memory
         trace_cache.clear()  # the suite's trace cache would hold this model's weights (tests/support/trace_cache.py)
         for i in range(warmup + measured):

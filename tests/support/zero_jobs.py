@@ -5,14 +5,16 @@ Not a test module.  Like ``tests/support/jobs.py`` but with the global batch siz
 """
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 import autopar
 from tests.support.harness import OPTIMIZERS, make_batches
 from tests.support.jobs import SEQ, VOCAB, build, fresh_program, load_problems
 from tests.support.wire import train_guarded
 
-__all__ = ["zero_train_job", "zero_state_job", "outside_step_job", "memory_job", "SEQ", "VOCAB"]
+__all__ = ["zero_train_job", "zero_state_job", "outside_step_job", "memory_job", "zero_overlap_job", "SEQ", "VOCAB"]
 
 def _parallelize(model_name: str, plan: str, opt_name: str, overrides: dict, batch: int, num_batches: int = 3,
                  seq: int = SEQ):
@@ -85,3 +87,59 @@ def zero2_overlap_job(model_name: str, bucket_bytes: int):
         p.register_post_accumulate_grad_hook(lambda _p: seen.append(len(started)))
     pm.train_step(*batches[0])
     return {"seen": seen, "units": len(zero.units), "left": len(zero._started)}
+
+
+class _LayerReads(TorchFunctionMode):
+    """Appends ``("reads_layer", k)`` to ``events`` the first time a call reads a parameter of decoder
+    layer ``k`` (entered around ``train_step``, it sees each call after ZeRO's first-use wait)."""
+
+    def __init__(self, events: list, layer_of: dict[int, int]):
+        super().__init__()
+        self.events, self.layer_of, self.seen = events, layer_of, set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not isinstance(func, torch._ops.OpOverload):  # the program's aten calls, not metadata reads
+            return func(*args, **(kwargs or {}))
+        for arg in (*args, *(kwargs or {}).values()):
+            layer = self.layer_of.get(id(arg)) if isinstance(arg, torch.Tensor) else None
+            if layer is not None and layer not in self.seen:
+                self.seen.add(layer)
+                self.events.append(("reads_layer", layer))
+        return func(*args, **(kwargs or {}))
+
+
+def zero_overlap_job(model_name: str, plan: str, batch: int, bucket_bytes: int, mixed: bool = False,
+                     steps: int = 3):
+    """``steps`` AdamW steps under a ZeRO-1/2 plan with small buckets (several units), recording the
+    strategy's events (autopar/runtime/zero_grads.py) with ``("step", i)`` before each step,
+    ``("reads_layer", k)`` when a call first reads decoder layer ``k``'s parameters in a step and
+    ``("grad", k)`` when backward accumulates gradients of layer ``k`` (once per run of them);
+    also the units (their layers), the units ZeRO-1 may start in backward, losses and rank 0's state."""
+    model, loss_fn, kwargs = build(model_name, {})
+    batches = make_batches(VOCAB, batch, SEQ, steps, seed=1)
+    extra = {"mixed_precision": "bf16"} if mixed else {}
+    pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan, loss_fn=loss_fn,
+                             optimizer=OPTIMIZERS["adamw"], bucket_bytes=bucket_bytes, **extra)
+    zero = pm.grad_sync
+    prefixes = list(pm.program.structure.layers)
+    layer_of_name = {x: k for x, _ in pm.gm.named_parameters() for k, pre in enumerate(prefixes)
+                     if x.startswith(pre + ".")}
+    layer_of = {id(pm.gm.get_parameter(x)): k for x, k in layer_of_name.items()}
+    events = zero.events = []
+    for x, k in layer_of_name.items():  # ("grad", k): backward reached layer k's parameters
+        pm.gm.get_parameter(x).register_post_accumulate_grad_hook(
+            lambda _p, k=k: events.append(("grad", k)) if events[-1] != ("grad", k) else None)
+    losses = []
+    for i, (inputs, target) in enumerate(batches):
+        events.append(("step", i))
+        with _LayerReads(events, layer_of):
+            losses.append(pm.train_step(inputs, target))
+    in_flight_after = len(zero._gathering)
+    state = pm.state_dict()  # a reader outside the forward: waits for every gather
+    return {
+        "losses": losses, "events": events, "in_flight_after_step": in_flight_after,
+        "in_flight_after_state_dict": len(zero._gathering),
+        "unit_layers": [sorted({layer_of_name.get(x, -1) for x in names}) for names in zero.units],
+        "early": list(zero._early),
+        "state": {k: v.detach().cpu().clone() for k, v in state.items()} if dist.get_rank() == 0 else None,
+    }

@@ -128,17 +128,45 @@ def test_gather_along_the_sharded_dim_is_refused():
 
 
 @pytest.mark.parametrize("dst,src,ok", [(Shard(1), Shard(1), True), (Replicate(), Shard(1), False),
-                                        (Shard(1), Replicate(), False)])
+                                        (Shard(1), Replicate(), True)])
 def test_copy_keeps_the_destination_placement(dst, src, ok):
+    """A sharded value copied into a replicated tensor the graph did not just allocate is refused;
+    a replicated one copied into a shard is sliced to it first (no communication)."""
     b = _Builder()
     d = b.input("dst", 2, 4, 8, 6, shard=dst.dim if isinstance(dst, Shard) else None)
     s = b.input("src", 2, 4, 8, 6, shard=src.dim if isinstance(src, Shard) else None)
     out = b.op(aten.copy_.default, d, s, shape=(2, 4, 8, 6))
     if ok:
         assert _placed(b, out) == dst
+        assert (out.args[1].target is C.local_shard) == isinstance(src, Replicate)
     else:
         with pytest.raises(AutoparError, match=r"copies a value placed .* into a tensor placed"):
             _placed(b, out)
+
+
+@pytest.mark.parametrize("read_first", [False, True])
+def test_a_fresh_fill_takes_the_placement_of_its_first_write(read_first):
+    """DeepSeek's keys: ``k = x.new_empty(b, heads, s, d); k[..., :n].copy_(k_nope)`` with the heads
+    sharded allocates the rank's heads only (the fill's size rewritten); a fill read before the
+    write stays replicated, and the write is refused."""
+    b = _Builder()
+    x = b.input("x", 2, 4, 8, 6)
+    fill = b.op(aten.new_empty.default, x, [2, 4, 8, 10], shape=(2, 4, 8, 10))
+    if read_first:
+        b.op(aten.sum.default, fill, shape=())
+    part = b.op(aten.slice.Tensor, fill, 3, 0, 6, shape=(2, 4, 8, 6))
+    src = b.input("src", 2, 4, 8, 6, shard=1)
+    out = b.op(aten.copy_.default, part, src, shape=(2, 4, 8, 6))
+    placements = {n: b.sharded.get(n, Replicate()) for n in b.graph.nodes if n is not out}  # placed before it
+    b.graph.output((out,))
+    rc = RuleContext(GraphModule(b.root, b.graph), "tp", 2, {}, placements=placements)
+    rule = lookup(out.target)
+    if read_first:
+        with pytest.raises(AutoparError, match=r"copies a value placed"):
+            rule(out, [Replicate(), Shard(1)], rc)
+        return
+    assert rule(out, [Replicate(), Shard(1)], rc) == Shard(1)
+    assert placements[fill] == placements[part] == Shard(1) and fill.args[1] == [2, 2, 8, 10]
 
 
 def test_cat_skips_a_legacy_empty_tensor():
@@ -151,6 +179,45 @@ def test_cat_skips_a_legacy_empty_tensor():
     assert _placed(b, out, "cp", local_sizes=True) == Shard(2)
 
 
+@pytest.mark.parametrize("op", [aten.cat.default, aten.stack.default])
+def test_a_replicated_part_joined_with_shards_is_sliced(op):
+    """RoC-BERT's embeddings: a sequence-sharded lookup concatenated with a replicated one along
+    the hidden dim; each rank takes its slice of the replicated part (no communication).  Under
+    cp (sizes already local) a replicated part of the full length is refused."""
+    b = _Builder()
+    x = b.input("x", 2, 8, 6, shard=1)
+    y = b.input("y", 2, 8, 6)
+    out = b.op(op, [x, y], -1, shape=(2, 8, 12) if op is aten.cat.default else (2, 8, 6, 2))
+    assert _placed(b, out) == Shard(1)
+    assert out.args[0][1].target is C.local_shard and out.args[0][1].args[1:] == (1, "tp")
+    b2 = _Builder()
+    x2, y2 = b2.input("x", 2, 8, 6, shard=1), b2.input("y", 2, 8, 6)
+    with pytest.raises(AutoparError, match="replicated y meets this rank's tokens"):
+        _placed(b2, b2.op(op, [x2, y2], -1, shape=(2, 8, 12)), "cp", local_sizes=True)
+
+
+def test_reshape_as_and_expand_as_follow_their_model():
+    """``x.reshape_as(other)`` / ``x.expand_as(other)`` take their sizes from ``other``: the output is
+    placed like it, a replicated ``x`` expanded like a shard is sliced (RoFormer's rotary, HRM's
+    carried state)."""
+    b = _Builder()
+    x = b.input("x", 2, 4, 8, 3, 2, shard=1)
+    other = b.input("other", 2, 4, 8, 6, shard=1)
+    assert _placed(b, b.op(aten.reshape_as.default, x, other, shape=(2, 4, 8, 6))) == Shard(1)
+    b = _Builder()
+    x, other = b.input("x", 2, 4, 8, 3, 2, shard=1), b.input("other", 2, 4, 8, 6)
+    with pytest.raises(AutoparError, match="like one placed R"):
+        _placed(b, b.op(aten.reshape_as.default, x, other, shape=(2, 4, 8, 6)))
+    b = _Builder()
+    state, hidden = b.input("state", 1, 8, 6), b.input("hidden", 2, 8, 6, shard=1)
+    out = b.op(aten.expand_as.default, state, hidden, shape=(2, 8, 6))
+    assert _placed(b, out) == Shard(1) and out.args[0].target is C.local_shard
+    b = _Builder()
+    state, hidden = b.input("state", 1, 1, 6), b.input("hidden", 2, 8, 6, shard=1)
+    out = b.op(aten.expand_as.default, state, hidden, shape=(2, 8, 6))
+    assert _placed(b, out) == Shard(1) and out.args[0] is state  # a size-1 dim broadcasts: no slice
+
+
 def test_deepseek_routing_weights_are_the_routers():
     (block,) = _structure("hf_deepseek_v3").moe
     assert (block.num_experts, block.top_k) == (4, 2)
@@ -159,12 +226,20 @@ def test_deepseek_routing_weights_are_the_routers():
     assert block.module.endswith("layers.1.mlp")
 
 
-def test_latent_attention_under_tp_is_refused_with_its_source_line():
-    with pytest.raises(AutoparError) as info:
-        _compile("hf_deepseek_v3", "tp=2,sp")
-    msg = str(info.value)
-    assert msg.startswith("autopar: tensor parallelism cannot split the attention in ")
-    assert "q_b_proj" in msg and "multi-head latent attention" in msg and "modeling_deepseek_v3.py" in msg
+def test_latent_attention_under_tp_keeps_the_latents_whole():
+    """MLA under tp: the up-projections (q_b, kv_b) split by heads with o, the down-projections
+    (q_a, kv_a) and the latent norms whole on every rank, their gradients partial over tp (summed
+    by the tp bucket); the keys' empty tensor is allocated per rank at its heads."""
+    traced, program = _compile("hf_deepseek_v3", "tp=2,sp")
+    names = [n for n, _ in traced.gm.named_parameters() if ".self_attn." in n]
+    whole = [n for n in names if any(k in n for k in ("q_a_proj", "kv_a_proj", "q_a_layernorm", "kv_a_layernorm"))]
+    split = [n for n in names if any(k in n for k in ("q_b_proj", "kv_b_proj", "o_proj"))]
+    assert len(whole) == 2 * 4 and len(split) == 2 * 3
+    for name in whole:
+        assert "tp" not in program.param_shards.get(name, {}), name
+        assert program.grad_partial_axes[name] == frozenset({"tp"}), name
+    for name in split:
+        assert "tp" in program.param_shards[name], name
 
 
 @pytest.mark.parametrize("model_name", ["hf_falcon", "hf_gemma2", "hf_bert", "hf_opt", "hf_gpt2"])
@@ -201,11 +276,10 @@ def test_deepseek_config_and_module_give_the_same_latent_attention():
     assert {f: getattr(read, f) for f in fields} == {f: getattr(traced, f) for f in fields}
     assert (read.head_dim, read.v_head_dim, read.kv_lora_rank, read.q_lora_rank) == (24, 16, 16, 32)
     assert read.num_params == traced.num_params == sum(p.numel() for p in model.parameters())
-    with pytest.raises(AutoparError, match=r"splits multi-head latent attention .* over tp"):
-        estimate(read, Cluster(gpu="cpu", num_nodes=1, gpus_per_node=2), "tp=2,sp", seq_len=16, global_batch=4)
+    assert estimate(read, Cluster(gpu="cpu", num_nodes=1, gpus_per_node=2), "tp=2,sp", seq_len=16, global_batch=4)
 
 
-def test_search_skips_tp_for_latent_attention():
+def test_search_splits_latent_attention_over_tp():
     import autopar
     from autopar.cost import ModelSpec
 
@@ -213,13 +287,17 @@ def test_search_skips_tp_for_latent_attention():
                                      "num_attention_heads": 16, "num_key_value_heads": 16, "vocab_size": 32000,
                                      "intermediate_size": 2816, "kv_lora_rank": 128, "q_lora_rank": 256,
                                      "qk_rope_head_dim": 32, "qk_nope_head_dim": 64, "v_head_dim": 64})
-    found = autopar.search(spec, autopar.Cluster(gpu="h100", num_nodes=1, gpus_per_node=8), seq_len=2048,
-                           global_batch=64, top=5, runnable=False)
-    assert found and all(plan.tp == 1 for plan, _ in found)
-    # the same model with plain attention would be split by tp somewhere in the space
     from autopar.planning.search import enumerate_plans
+    assert enumerate_plans(spec, 8, 2048, 64)["tp"].max() == 8
+    # the whole down-projections cost each tp rank their FLOPs and weights, which split attention does not
+    cluster = autopar.Cluster(gpu="h100", num_nodes=1, gpus_per_node=8)
     plain = spec.replace(kv_lora_rank=0, q_lora_rank=0, qk_rope_head_dim=0, v_head_dim=None)
-    assert enumerate_plans(plain, 8, 2048, 64)["tp"].max() > 1 == enumerate_plans(spec, 8, 2048, 64)["tp"].max()
+    share = {}
+    for name, model in (("mla", spec), ("plain", plain)):
+        one, two = (autopar.estimate(model, cluster, p, seq_len=2048, global_batch=64).memory()["params"]
+                    for p in ("dp=8", "tp=2,dp=4"))
+        share[name] = two / one
+    assert 0.5 < share["plain"] < share["mla"] < 1
 
 
 def test_bert_regions_span_sibling_modules():

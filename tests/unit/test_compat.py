@@ -77,3 +77,15 @@ def test_top_saved_tensors_hooks_is_the_innermost_pair():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             assert compat.top_saved_tensors_hooks() == (pack, unpack)
+
+
+
+def test_retained_compiled_backward_turns_buffer_donation_off():
+    """The switch torch's split pipeline backward needs on compiled chunks (a retained backward,
+    then another): exercised end to end under zbv / dualpipev in tests/dist/test_compile.py."""
+    import torch._functorch.config as functorch_config
+
+    before = functorch_config.donated_buffer
+    with compat.retained_compiled_backward():
+        assert functorch_config.donated_buffer is False
+    assert functorch_config.donated_buffer == before

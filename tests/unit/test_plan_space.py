@@ -1,7 +1,7 @@
 """autopar.plan_space: the one home of the plan rules.
 
 * Each rule is stated once: the source of ``autopar/``, ``passes/`` and ``cost/`` holds the
-  expressions and texts of the MoE-needs-sp, no-tp-on-latent-attention, split-backward and
+  expressions and texts of the MoE-needs-sp, split-backward and
   tied-embedding rules in plan_space.py only.
 * What the search ranks as runnable, ``parallelize`` runs: every plan ``search(runnable=True)``
   (and the space it scores, ``enumerate_plans``) offers on dense, MoE, latent-attention and tied
@@ -39,8 +39,6 @@ RULE_PATTERNS = {
     "moe needs sp": [r"\bmoe\w*\b[^\n]*\btp\s*>\s*1[^\n]*\bsp\b", r"\btp\s*>\s*1[^\n]*\bnot\s+[\w.]*\bsp\b",
                      r"num_experts[^\n]*\bsps?\b\s*=", r"\bsps?\b\s*=[^\n]*num_experts",
                      r"without sp on a mixture-of-experts"],
-    "no tp on latent attention": [r"kv_lora_rank[^\n]*\btp\s*(>|==|!=)", r"\btp\s*(>|==|!=)\s*1[^\n]*(kv_lora|latent)",
-                                  r"(kv_lora|latent)\w*[^\n]*\btp\s*(>|==|!=)\s*1"],
     "split backward": [r"SPLIT_BACKWARD_SCHEDULES", r"""in\s*\(\s*["']zbv["']\s*,\s*["']dualpipev["']\s*\)""",
                        r"would recompute every region twice", r"would re-run the layer's backward collectives"],
     "tied embedding": [r"tied\w*[^\n]*\bpp\s*>\s*1[^\n]*\bzero\b", r"\bzero\b[^\n]*\bpp\s*>\s*1[^\n]*tied",
@@ -85,14 +83,11 @@ WORLD, SEQ, GB = 8, 256, 16
 
 def _parallelize_checks(plan: Plan, spec: ModelSpec) -> None:
     """What ``parallelize`` checks before compiling: compile_program's checks of the plan alone, then
-    passes/compile.py's ``_validate`` (``check_runnable`` with the model's numbers); the runtime's
-    tensor-parallel pass refuses tp on latent attention."""
+    passes/compile.py's ``_validate`` (``check_runnable`` with the model's numbers)."""
     check_supported(plan)
     check_microbatches(plan)
     check_runnable(plan, world_size=WORLD, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
                    vocab=spec.vocab, num_experts=spec.num_experts, tied=spec.tied_embeddings)
-    if spec.kv_lora_rank and plan.tp > 1:
-        raise AutoparError("tp on latent attention")
 
 
 @pytest.mark.parametrize("name", list(MODELS))
@@ -129,11 +124,10 @@ def test_moe_search_offers_tp_with_sp_only():
     assert (enumerate_plans(MODELS["moe"], WORLD, SEQ, GB, runnable=False)["sp"] == 0).any()
 
 
-def test_latent_attention_takes_no_tp_anywhere():
+def test_latent_attention_is_split_over_tp():
     spec = MODELS["latent"]
-    assert (enumerate_plans(spec, WORLD, SEQ, GB, runnable=False)["tp"] == 1).all()
-    with pytest.raises(AutoparError, match=r"splits multi-head latent attention .* over tp"):
-        estimate(spec, Cluster(gpu="cpu", num_nodes=1, gpus_per_node=2), "tp=2", SEQ, GB)
+    assert (enumerate_plans(spec, WORLD, SEQ, GB, runnable=False)["tp"] > 1).any()
+    assert estimate(spec, Cluster(gpu="cpu", num_nodes=1, gpus_per_node=2), "tp=2", SEQ, GB)
 
 
 # --------------------------------------------------------------------------- the rules on ints and arrays
