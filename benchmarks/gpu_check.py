@@ -2,18 +2,20 @@
 
 For a session lent a GPU (issue 27; ``benchmarks/device_check.sh`` runs it there with
 ``tests/gpu``).  At world 1 on NCCL it first writes a Llama-shaped ``LlamaForCausalLM`` with
-``save_pretrained`` into a temporary directory (sharded), then trains three pairs from it:
+``save_pretrained`` into a temporary directory (sharded), then trains four pairs from it.
 
-============  =================================================  ==================================================
-pair          autopar                                            PyTorch
-============  =================================================  ==================================================
-``eager``     ``plan="dp=1"``                                    fp32 parameters under ``torch.autocast(bfloat16)``
-``recompute`` ``plan="dp=1,recompute=selective"``                the same, with ``torch.utils.checkpoint`` (non-reentrant)
-                                                                 on the regions autopar recomputes: attention + o_proj
-                                                                 (from q, k, v) and act(gate) * up + down_proj (from
-                                                                 gate, up) in every layer (passes/recompute.py)
-``compiled``  ``compile=True``                                   ``torch.compile`` of the eager model
-============  =================================================  ==================================================
+Pairs (autopar; PyTorch):
+
+* ``eager``: ``plan="dp=1"``; fp32 parameters under ``torch.autocast(bfloat16)``;
+* ``recompute``: ``plan="dp=1,recompute=selective"``; the same, with ``torch.utils.checkpoint``
+  (non-reentrant) on the regions autopar recomputes: attention + o_proj (from q, k, v) and
+  act(gate) * up + down_proj (from gate, up) in every layer (passes/recompute.py);
+* ``compiled``: ``compile=True``; ``torch.compile`` of the eager model;
+* ``recompute_compiled``: ``plan="dp=1,recompute=selective"`` with ``compile=True`` (each recomputed
+  region's body compiled, its checkpoint eager: autopar/runtime/inductor.py); the ``recompute``
+  side through ``torch.compile``.
+
+Pipelined plans need a rank per stage, so they take more than the one GPU this check runs on.
 
 Each autopar side goes the user's way for a large model: the model is built under
 ``torch.device("meta")``, ``autopar.parallelize(model, (ids,), ..., mixed_precision="bf16")`` is
@@ -35,7 +37,10 @@ model.  The sides run one after the other, not interleaved.  Reported per pair:
   GPU) term by term (``Cost.breakdown()``): each time term (only the total is measured), each memory
   term next to what was measured -- autopar's own meter (``pm.memory_report()``) and, for PyTorch,
   the bytes of its parameters, gradients and optimizer state and (eager pair) the bytes saved for
-  backward -- and ``memory_per_gpu`` next to both allocator peaks.
+  backward -- and ``memory_per_gpu`` next to both allocator peaks;
+* the optimizer's share of each side's step: the median time of its ``optimizer.step()`` (synchronized
+  around it, in the timed steps) over the median step (autopar: the fused step on its fp32 masters,
+  ``autopar/runtime/fused_step.py``; PyTorch: AdamW's default ``foreach`` step on fp32 parameters).
 
 ``--quick`` trains a 4-layer model of the same width at sequence 2048 with fewer steps (under 3
 minutes on one H200); the default is about 1.1B parameters (hidden 2048, 16 layers, 16 heads, 8 KV
@@ -45,7 +50,7 @@ a 2-layer hidden-256 model at sequence 128, the meta model and ``load_pretrained
 preset) to check the script; its numbers mean nothing.  tests/e2e/test_gpu_check.py runs it.
 Record GPU results in docs/performance.md ("GPU check").
 
-Run: ``python benchmarks/gpu_check.py [--dry-run | --quick] [--pairs eager,recompute,compiled]
+Run: ``python benchmarks/gpu_check.py [--dry-run | --quick] [--pairs eager,recompute,compiled,recompute_compiled]
 [--steps N] [--warmup N] [--seq S] [--batch B] [--json PATH]``.
 """
 from __future__ import annotations
@@ -63,6 +68,7 @@ import tempfile
 import time
 import types
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -78,13 +84,30 @@ FULL = dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=16, num_
 QUICK = dict(FULL, num_hidden_layers=4)
 TINY = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
             intermediate_size=768, vocab_size=2048)
-PAIRS = ("eager", "recompute", "compiled")
-PLANS = {"eager": "dp=1", "recompute": "dp=1,recompute=selective", "compiled": "dp=1"}
+PAIRS = ("eager", "recompute", "compiled", "recompute_compiled")
+PLANS = {"eager": "dp=1", "recompute": "dp=1,recompute=selective", "compiled": "dp=1",
+         "recompute_compiled": "dp=1,recompute=selective"}
+RECOMPUTED = {"recompute", "recompute_compiled"}
+COMPILED = {"compiled", "recompute_compiled"}
 TORCH_SIDES = {
     "eager": "fp32 parameters, torch.autocast(bfloat16), eager",
     "recompute": "fp32 parameters, torch.autocast(bfloat16), torch.utils.checkpoint on the same regions",
     "compiled": "fp32 parameters, torch.autocast(bfloat16), torch.compile",
+    "recompute_compiled": "fp32 parameters, torch.autocast(bfloat16), torch.utils.checkpoint on the same regions, "
+                          "torch.compile",
 }
+
+
+def _timed(step: Callable, device, times: list) -> Callable:
+    """``step`` (an optimizer's) timed into ``times``, synchronized around it."""
+    def run(*args, **kwargs):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = step(*args, **kwargs)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        return out
+    return run
 
 
 def _loss(out, target):
@@ -208,6 +231,9 @@ class AutoparSide:
                                       optimizer=functools.partial(torch.optim.AdamW, lr=LR),
                                       mixed_precision="bf16", **options)
         self.pm.load_pretrained(checkpoint)
+        self.optimizer_times: list[float] = []
+        optimizer = self.pm.optimizer
+        optimizer.step = _timed(optimizer.step, ids.device, self.optimizer_times)
 
     def step(self, ids, meter: bool = False) -> float:
         return self.pm.train_step((ids,), ids)
@@ -231,6 +257,8 @@ class TorchSide:
         compiled = compile_options is not None
         self.forward = torch.compile(self.model, **compile_options) if compiled else self.model
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        self.optimizer_times: list[float] = []
+        self.opt.step = _timed(self.opt.step, device, self.optimizer_times)
         self.device = device
         self.measured: dict = {}
         self.meter_activations = not recompute and not compiled  # checkpoint and compile hide the saves
@@ -282,6 +310,7 @@ def measure(make, ids, args, device) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = []
+    side.optimizer_times.clear()
     for _ in range(args.steps):
         _sync(device)
         t0 = time.perf_counter()
@@ -289,11 +318,14 @@ def measure(make, ids, args, device) -> dict:
         _sync(device)
         times.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated() - base if device.type == "cuda" else None
+    optimizer_s = statistics.median(side.optimizer_times) if side.optimizer_times else None
     del side
     _free(device)
-    return {"first_loss": first, "build_s": build_s, "times": times, "median_s": statistics.median(times),
+    median = statistics.median(times)
+    return {"first_loss": first, "build_s": build_s, "times": times, "median_s": median,
             "peak_bytes": peak, "left_after_free_bytes": _allocated(device) - base if device.type == "cuda" else None,
-            "memory": memory}
+            "memory": memory, "optimizer_s": optimizer_s,
+            "optimizer_share": optimizer_s / median if optimizer_s is not None else None}
 
 
 # --- the cost model ---------------------------------------------------------------------------
@@ -324,12 +356,12 @@ METER_TERMS = {"params": ("params",), "grads": ("grads",), "optimizer": ("optimi
 
 def run_pair(name: str, args, device, checkpoint: Path, config, ids, cluster) -> dict:
     plan = PLANS[name]
-    compiled = name == "compiled"
+    compiled = name in COMPILED
     options = ({"backend": "aot_eager"} if args.dry_run else {}) if compiled else None  # {}: Inductor
     print(f"gpu_check: {name}: autopar (plan {plan}{', compile' if compiled else ''}) ...", flush=True)
     a = measure(lambda: AutoparSide(checkpoint, config, ids, plan, options), ids, args, device)
     print(f"gpu_check: {name}: torch ({TORCH_SIDES[name]}) ...", flush=True)
-    b = measure(lambda: TorchSide(checkpoint, device, name == "recompute", options), ids, args, device)
+    b = measure(lambda: TorchSide(checkpoint, device, name in RECOMPUTED, options), ids, args, device)
     predicted = predict(config, plan, args.seq, args.batch, cluster)
     equal = abs(a["first_loss"] - b["first_loss"]) <= LOSS_RTOL * abs(b["first_loss"])
     out = {"pair": name, "plan": plan, "autopar_side": f"plan {plan}, mixed_precision=bf16"
@@ -340,7 +372,9 @@ def run_pair(name: str, args, device, checkpoint: Path, config, ids, cluster) ->
            "times_autopar": a["times"], "times_torch": b["times"], "build_autopar_s": a["build_s"],
            "build_torch_s": b["build_s"], "peak_autopar_bytes": a["peak_bytes"], "peak_torch_bytes": b["peak_bytes"],
            "left_after_free_bytes": [a["left_after_free_bytes"], b["left_after_free_bytes"]],
-           "memory_autopar": a["memory"], "memory_torch": b["memory"], "predicted": predicted}
+           "memory_autopar": a["memory"], "memory_torch": b["memory"], "predicted": predicted,
+           "optimizer_s": [a["optimizer_s"], b["optimizer_s"]],
+           "optimizer_share": [a["optimizer_share"], b["optimizer_share"]]}
     if compiled and args.dry_run:
         out["note"] = "dry run: both sides compiled with backend aot_eager (Inductor on the GPU)"
     flops, peak = predicted["flops"], predicted["peak_flops"]
@@ -412,6 +446,8 @@ def report(result: dict) -> list[str]:
                      f"{p['build_autopar_s']:.1f} s vs {p['build_torch_s']:.1f} s")
         lines.append(f"  peak memory {_gib(p['peak_autopar_bytes'])} vs {_gib(p['peak_torch_bytes'])} "
                      f"(predicted memory_per_gpu {_gib(pred['memory_bytes'])})")
+        (oa, ot), (sa, st) = p["optimizer_s"], p["optimizer_share"]
+        lines.append(f"  optimizer step {_ms(oa)} vs {_ms(ot)}: {sa:.1%} vs {st:.1%} of the step")
         lines.append(f"  {'cost model term':<36} {'predicted':>12} {'autopar':>12} {'torch':>12}")
         terms = {t["name"]: t for t in pred["terms"]}
         for t in pred["terms"]:

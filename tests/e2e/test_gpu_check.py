@@ -22,7 +22,7 @@ def test_gpu_check_dry_run(tmp_path):
     result = json.loads(out_json.read_text())
     assert result["checkpoint_files"] >= 2  # sharded, read back by load_pretrained
     pairs = {p["pair"]: p for p in result["pairs"]}
-    assert set(pairs) == {"eager", "recompute", "compiled"}
+    assert set(pairs) == {"eager", "recompute", "compiled", "recompute_compiled"}
     for p in pairs.values():
         assert p["equal"] and p["ratio"] > 0 and p["autopar_s"] > 0 and p["torch_s"] > 0
         assert "load_pretrained" in p["autopar_side"]
@@ -32,5 +32,6 @@ def test_gpu_check_dry_run(tmp_path):
         terms = {t["name"]: t["value"] for t in p["predicted"]["terms"]}
         for key in ("params", "grads", "optimizer"):
             assert p["memory_autopar"][key] == terms[f"memory.{key}"], key
+        assert all(0 < share < 1 for share in p["optimizer_share"])  # the optimizer's share of each side's step
     assert "checkpoint" in pairs["recompute"]["torch_side"]
     assert pairs["recompute"]["predicted"]["plan"] == "dp=1,recompute=selective"
