@@ -176,18 +176,22 @@ def _vocab_parallel_loss(gm: GraphModule, loss: Node) -> None:
     provenance(loss, _PASS, AXIS, "cross-entropy on vocabulary-sharded logits", role="loss")
 
 
-def _reaches(start: Node, targets: set[Node], module: str) -> set[Node]:
-    """The nodes of ``targets`` that the value of ``start`` reaches, following its uses inside ``module``."""
-    found, todo, seen = set(), [start], {start}
+def _edges_within(start: Node, module: str):
+    """Every (node, user) edge the value of ``start`` flows along inside ``module`` (users outside
+    it end the walk; each node is walked once)."""
+    todo, seen = [start], {start}
     while todo:
         node = todo.pop()
         for user in node.users:
-            if user in targets:
-                found.add(user)
-            elif user not in seen and within(module_path(user), module):
+            yield node, user
+            if user not in seen and within(module_path(user), module):
                 seen.add(user)
                 todo.append(user)
-    return found
+
+
+def _reaches(start: Node, targets: set[Node], module: str) -> set[Node]:
+    """The nodes of ``targets`` that the value of ``start`` reaches, following its uses inside ``module``."""
+    return {user for _, user in _edges_within(start, module) if user in targets}
 
 
 def _latent_projections(region) -> tuple[list[LinearInfo], list[LinearInfo]]:
@@ -211,17 +215,8 @@ def _latent_projections(region) -> tuple[list[LinearInfo], list[LinearInfo]]:
 def _attention_operands(start: Node, region) -> set[int]:
     """Which of the region's attention op's operands (0: query, 1: key, 2: value) the value of
     ``start`` reaches, following its uses inside the region's module."""
-    found: set[int] = set()
-    todo, seen = [start], {start}
-    while todo:
-        node = todo.pop()
-        for user in node.users:
-            if user is region.attention:
-                found.update(i for i, a in enumerate(user.args[:3]) if a is node)
-            elif user not in seen and within(module_path(user), region.module):
-                seen.add(user)
-                todo.append(user)
-    return found
+    return {i for node, user in _edges_within(start, region.module) if user is region.attention
+            for i, a in enumerate(user.args[:3]) if a is node}
 
 
 def _kv_columns(region, tp: int) -> set[str]:
