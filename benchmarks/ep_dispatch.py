@@ -24,21 +24,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
-_ROOT = Path(__file__).resolve().parent.parent
-if str(_ROOT) not in sys.path:
-    sys.path.insert(0, str(_ROOT))
+if str(Path(__file__).resolve().parent.parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks.gloo_ranks import run_ranks, slowest  # noqa: E402
 
 __all__ = ["run_benchmark", "main"]
 
@@ -46,19 +41,10 @@ WORLD_SIZE = 2
 PLANS = ("dp=2", "ep=2,dp=2")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, port: int, args, out_path: str) -> None:
+def _worker(rank: int, world: int, args) -> dict:
     import autopar
     from tests.support.models import example_moe, lm_loss, make_batch
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE)
     batches = [make_batch(128, args.batch, args.seq, seed=s) for s in range(args.warmup + args.steps)]
     modules = {}
     for plan in PLANS:
@@ -70,23 +56,15 @@ def _worker(rank: int, port: int, args, out_path: str) -> None:
     losses = {plan: [] for plan in PLANS}
     for i, (ids, target) in enumerate(batches):
         for plan in PLANS:
-            dist.barrier()
-            start = time.perf_counter()
-            losses[plan].append(modules[plan].train_step((ids,), target))
-            elapsed = torch.tensor(time.perf_counter() - start)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+            loss, seconds = slowest(modules[plan].train_step, (ids,), target)
+            losses[plan].append(loss)
             if i >= args.warmup:
-                times[plan].append(float(elapsed))
-    if rank == 0:
-        Path(out_path).write_text(json.dumps({"times": times, "losses": losses}))
-    dist.destroy_process_group()
+                times[plan].append(seconds)
+    return {"times": times, "losses": losses}
 
 
 def run_benchmark(args) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.json")
-        mp.spawn(_worker, args=(_free_port(), args, out), nprocs=WORLD_SIZE, join=True)
-        result = json.loads(Path(out).read_text())
+    result = run_ranks(_worker, WORLD_SIZE, args)
     dp, ep = (result["times"][p] for p in PLANS)
     first = [result["losses"][p][:2] for p in PLANS]
     return {

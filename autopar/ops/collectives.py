@@ -19,8 +19,19 @@ recorder belong to the active :class:`autopar.ops.step.StepContext`.
 
 Every call appends a :class:`CommRecord` (bytes this rank sends and receives by the ring
 convention of docs/architecture.md) to the active :class:`CommRecorder`.
+
+Copy-free slices.  NCCL and gloo gather into, and reduce-scatter out of, a buffer whose ranks'
+pieces follow each other in memory.  Along a dim with larger dims in front of it -- sequence
+parallelism's sequence dim 1 of ``[batch, seq, hidden]`` at micro-batch 2 and more -- a rank's
+piece of the result is not one block but one per slice in front (per sample), so moving the dim
+to the front would copy the input and the result.  Instead the collective runs on the slices in
+front (:func:`_sliced`): slice ``p`` of the contiguous input is exactly the rank's piece of slice
+``p`` of the contiguous result, so one coalesced call over the slices copies nothing.  Past
+:data:`MAX_PARTS` slices (a gather along the last dim of every token) the dim is moved instead.
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -122,9 +133,49 @@ def record_p2p(op: str, axis: str, t: torch.Tensor, phase: str, tag: str) -> Non
     )
 
 
+# Above this many slices in front of the dim, the dim is moved (copied) rather than sliced: a
+# coalesced call's cost grows with its number of tensors.
+MAX_PARTS = 64
+
+
+def _num_parts(x: torch.Tensor, dim: int) -> int | None:
+    """How many slices a collective along ``dim`` of ``x`` runs on: one per slice in front of ``dim``
+    (1 where the dims in front are all 1), or None past :data:`MAX_PARTS` (the dim is moved)."""
+    num_slices = max(1, math.prod(x.shape[:dim]))
+    return num_slices if num_slices <= MAX_PARTS else None
+
+
+def _sliced(op: str, out: torch.Tensor, src: torch.Tensor, parts: int, g: AxisGroup) -> None:
+    """All-gather (``op`` "all_gather") into, or reduce-scatter out of, each of the ``parts`` slices of
+    contiguous ``out`` from those of ``src``: one collective, coalesced (NCCL groups the slices into
+    one launch, gloo into one work item), no copy on either side."""
+    group = g.group if g.group is not None else dist.distributed_c10d._get_default_group()
+    outs, srcs = list(out.view(parts, -1).unbind(0)), list(src.view(parts, -1).unbind(0))
+    if parts == 1:
+        single = dist.all_gather_single if op == "all_gather" else dist.reduce_scatter_single
+        single(outs[0], srcs[0], group=group)
+    elif out.device.type == "meta":
+        # The fake group of the scale simulation has no meta kernel for the coalesced operators;
+        # on meta tensors nothing moves, so one call per slice says the same.
+        single = dist.all_gather_single if op == "all_gather" else dist.reduce_scatter_single
+        for o, i in zip(outs, srcs):
+            single(o, i, group=group)
+    elif op == "all_gather":
+        group.allgather_into_tensor_coalesced(outs, srcs).wait()
+    else:
+        group.reduce_scatter_tensor_coalesced(outs, srcs).wait()
+
+
 def _gather(x: torch.Tensor, dim: int, axis: str, phase: str, tag: str) -> torch.Tensor:
     g = _group(axis)
+    parts = _num_parts(x, dim)
     record("all_gather", axis, x, phase, tag)
+    if parts is not None:
+        shape = list(x.shape)
+        shape[dim] *= g.size
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        _sliced("all_gather", out, x.contiguous(), parts, g)
+        return out
     src = x.movedim(dim, 0).contiguous()
     out = torch.empty((g.size * src.shape[0],) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
     dist.all_gather_single(out, src, group=g.group)
@@ -133,13 +184,20 @@ def _gather(x: torch.Tensor, dim: int, axis: str, phase: str, tag: str) -> torch
 
 def _scatter(x: torch.Tensor, dim: int, axis: str, phase: str, tag: str) -> torch.Tensor:
     g = _group(axis)
-    record("reduce_scatter", axis, x, phase, tag)
-    src = x.movedim(dim, 0).contiguous()
-    if src.shape[0] % g.size:
+    if x.shape[dim] % g.size:
         raise RuntimeError(
             f"autopar: reduce-scatter over '{axis}' needs dim {dim} of shape {tuple(x.shape)} divisible by "
             f"{g.size}; choose a sequence length divisible by the tp degree."
         )
+    parts = _num_parts(x, dim)
+    record("reduce_scatter", axis, x, phase, tag)
+    if parts is not None:
+        shape = list(x.shape)
+        shape[dim] //= g.size
+        out = torch.empty(shape, dtype=x.dtype, device=x.device)
+        _sliced("reduce_scatter", out, x.contiguous(), parts, g)
+        return out
+    src = x.movedim(dim, 0).contiguous()
     out = torch.empty((src.shape[0] // g.size,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
     dist.reduce_scatter_single(out, src, group=g.group)
     return out.movedim(0, dim).contiguous()  # user code may .view() it

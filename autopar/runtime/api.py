@@ -98,7 +98,7 @@ def parallelize(
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise AutoparError(f"autopar: max_grad_norm={max_grad_norm}; expected a positive number (or None: no clipping).")
     auto = isinstance(plan, str) and plan.strip().lower() == "auto"
-    torch_compile_options(compile, None if auto else Plan.parse(plan))  # a bad value: refused before tracing
+    options = torch_compile_options(compile)  # a bad value: refused before tracing
     traced_model = low_precision_copy(model, dtype) if dtype is not None else model
     example_inputs = cast_inputs(tuple(example_inputs), dtype)
     if auto:
@@ -107,7 +107,6 @@ def parallelize(
                                       world_size=world_size, example_target=example_target,
                                       bucket_bytes=bucket_bytes, pipeline_split=pipeline_split,
                                       upcast_outputs=dtype is not None)
-    options = torch_compile_options(compile, program.plan)
     return ParallelModule(traced_model, traced, program, program.plan, optimizer or torch.optim.AdamW,
                           max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
                           masters_from=model if dtype is not None else None, torch_compile_options=options,

@@ -72,9 +72,8 @@ __all__ = ["torch_compile_options", "torch_compiled_program"]
 _ALLOWED = frozenset(inspect.signature(torch.compile).parameters) - {"model"}
 
 
-def torch_compile_options(value: Any, plan=None) -> dict | None:
-    """None for ``compile=False``; else the keyword arguments for ``torch.compile``.  ``plan``
-    (None: not known yet) is accepted for the caller's check before tracing: every plan compiles."""
+def torch_compile_options(value: Any) -> dict | None:
+    """None for ``compile=False``; else the keyword arguments for ``torch.compile`` (every plan compiles)."""
     if value is None or value is False:
         return None
     if value is True:
