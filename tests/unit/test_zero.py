@@ -40,9 +40,23 @@ def test_flat_layout_pads_and_round_trips(n):
     a_full = torch.cat([tensors["w"].reshape(-1), tensors["b"]])
     assert torch.equal(rows[:, :sa].reshape(-1)[:17], a_full)
     assert torch.equal(rows[:, sa:].reshape(-1)[:7], tensors["norm"])
+    assert not rows[:, :sa].reshape(-1)[17:].any() and not rows[:, sa:].reshape(-1)[7:].any()  # zero padding
     assert torch.equal(lay.from_rank_major(buf), flat)
     views = lay.views(flat)
     assert all(torch.equal(views[k], tensors[k]) for k in shapes)
+
+
+@pytest.mark.parametrize("n,numel", [(1, 17), (2, 16), (2, 17), (3, 17), (4, 16)])
+def test_flat_layout_without_partial_segment(n, numel):
+    """No ``B`` segment: the rank-major buffer is ``A`` then zeros, in a buffer of its own even
+    when nothing is padded (the cost model counts it; a one-rank reduce-scatter averages it in place)."""
+    lay = FlatLayout(["w", "b"], {"w": torch.Size([numel - 2]), "b": torch.Size([2])}, set(), n)
+    flat = torch.arange(1, numel + 1, dtype=torch.float32)
+    buf = lay.rank_major(flat)
+    assert buf.numel() == n * lay.sa and lay.sb == 0
+    assert torch.equal(buf[:numel], flat) and torch.equal(buf[numel:], torch.zeros(n * lay.sa - numel))
+    assert buf.data_ptr() != flat.data_ptr()
+    assert torch.equal(lay.from_rank_major(buf), flat)
 
 
 @pytest.mark.parametrize("plan", ["zero=1", "zero=2", "zero=3"])
