@@ -29,8 +29,10 @@ pair:
    the same global mean loss on both sides within ``LOSS_RTOL`` relative; otherwise the
    pair is reported as unequal and not timed;
 3. warm-up (``--warmup`` steps of each side);
-4. ``--steps`` timed steps interleaved A, B, A, B, ...; every step starts after a
-   barrier and its time is the slowest rank's (an all-reduce MAX at the end);
+4. ``--steps`` timed samples interleaved A, B, A, B, ...; every sample starts after a
+   barrier, runs one step (``zero1``: three consecutive steps, so that ZeRO-1's after-step
+   all-gathers overlap the next forward as in training) and ends when the side's work in
+   flight is done; its time per step is the slowest rank's (an all-reduce MAX at the end);
 5. the report is the median of the per-pair ratios autopar/torch (below 1: autopar is
    faster), with their min and max and each side's median step.
 
@@ -88,6 +90,10 @@ class Pair:
     pipeline_halves: bool = False
     # both sides through torch.compile (autopar: parallelize(..., compile=True))
     compiled: bool = False
+    # Consecutive steps of one side per timed sample: ZeRO-1/2's after-step all-gathers run on
+    # into the next step's forward, as in training; a barrier after every step would hide them
+    # in the untimed gap, so a sample runs ``chain`` steps and then waits for what is in flight.
+    chain: int = 1
 
 
 PAIRS = {p.name: p for p in (
@@ -100,7 +106,7 @@ PAIRS = {p.name: p for p in (
     Pair("cp", 2, "cp=2:allgather", "context_parallel() (all-gather rotation, load-balanced) + DDP"),
     Pair("compile", 2, "dp=2", "torch.compile(DistributedDataParallel(model)) (Inductor, DDPOptimizer)",
          compiled=True),
-    Pair("zero1", 2, "dp=2,zero=1", "DistributedDataParallel + ZeroRedundancyOptimizer(AdamW)"),
+    Pair("zero1", 2, "dp=2,zero=1", "DistributedDataParallel + ZeroRedundancyOptimizer(AdamW)", chain=3),
     Pair("fused", 2, "dp=2", "DistributedDataParallel + AdamW(fused=True)"),
     Pair("pp_compile", 2, "pp=2:1f1b,mb=4", "torch.distributed.pipelining, each decoder layer torch.compile'd "
                                              "(Inductor) + Schedule1F1B", pipeline_halves=True, compiled=True),
@@ -185,19 +191,25 @@ def _equal_work(result: dict, sides: dict, batches: list) -> BaseException | Non
     return None
 
 
-def _timed_steps(sides: dict, cfg: BenchConfig, batches: list, device: torch.device) -> dict:
-    """Warm-up, then interleaved timed steps of each side; each step's time is its slowest rank's."""
+def _timed_steps(sides: dict, cfg: BenchConfig, batches: list, device: torch.device, chain: int = 1,
+                 drain=None) -> dict:
+    """Warm-up, then interleaved timed samples of each side, each ``chain`` consecutive steps after a
+    barrier, ending when ``drain[name]()`` (what the side left in flight) returns; a sample's time
+    per step is its slowest rank's."""
     times = {"autopar": [], "torch": []}
     for i in range(2, 2 + cfg.warmup + cfg.steps):
-        ids, target = batches[i % len(batches)]
         for name, step in sides.items():
             dist.barrier()
             start = time.perf_counter()
-            step(ids, target)
+            for k in range(chain):
+                ids, target = batches[(i * chain + k) % len(batches)]
+                step(ids, target)
+            if drain is not None and name in drain:
+                drain[name]()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             if i >= 2 + cfg.warmup:
-                times[name].append(time.perf_counter() - start)
+                times[name].append((time.perf_counter() - start) / chain)
     slowest = {}
     for name, ts in times.items():  # a step lasts as long as its slowest rank
         t = torch.tensor(ts, dtype=torch.float64, device=device)
@@ -243,7 +255,9 @@ def _run_pair(pair: Pair, cfg: BenchConfig, batches: list, device: torch.device)
     _say(f"{pair.name}: equal work ok (max relative loss diff {result['equal_work']['max_rel_diff']:.1e}); "
          f"{cfg.warmup} warm-up + {cfg.steps} interleaved timed steps of each side ...")
     load_before = os.getloadavg()[0]
-    slowest = _timed_steps(sides, cfg, batches, device)
+    # ZeRO-1/2 leave the after-step all-gathers in flight: each sample waits for them at its end
+    drain = {"autopar": getattr(pm.grad_sync, "await_parameters", lambda: None)}
+    slowest = _timed_steps(sides, cfg, batches, device, pair.chain, drain)
     ratios = [a / t for a, t in zip(slowest["autopar"], slowest["torch"])]
     result.update({
         "status": "ok",

@@ -1,17 +1,18 @@
-"""Benchmark: sequence parallelism's collectives sliced per sample against moving the sequence dim (issue 30 item 4).
+"""Benchmark: sequence parallelism's collectives on per-sample slices against moving the sequence dim (issue 30 item 4).
 
 SP's all-gathers and reduce-scatters run along the sequence dim 1 of ``[batch, seq, hidden]``.
-From micro-batch 2 on, autopar issues each as one call per sample on contiguous slices, copying
-nothing (autopar/ops/collectives.py, "Copy-free slices"); the alternative it replaced moved the
-dim to the front and back around one call (``movedim(...).contiguous()``: a copy of the input and
-of the result).  Both run here side by side on 2 gloo ranks: the same ``tp=2,sp`` program of the
-example decoder, stepped with ``collectives.MAX_PARTS`` at its default (sliced) and at 0 (moved),
-alternately, at several micro-batch sizes.  Each step starts after a barrier and is timed as the
-slower rank; the first steps' losses must be equal bit for bit (the same values travel and sum in
-the same order).  The table gives each side's median step and the median of the per-step ratios
-sliced / moved.  On gloo every call pays a host round trip that NCCL's launches do not, so CPU
-ratios bound the cost of the extra calls from above; the copies saved are device-memory traffic on
-a GPU.
+From micro-batch 2 on, autopar runs each as one coalesced call over the samples' contiguous
+slices, copying nothing (autopar/ops/collectives.py, "Copy-free slices"); the alternative moves
+the dim to the front and back around one call (``movedim(...).contiguous()``: a copy of the input
+and of the result).  Three sides run here on 2 gloo ranks, the same ``tp=2,sp`` program of the
+example decoder stepped under each of ``collectives.SLICED_OPS``'s choices for gloo: ``both``
+sliced (what NCCL runs), ``gloo`` (its default: gathers sliced, reduce-scatters moved) and
+``none`` (both moved), in rotating order, at several micro-batch sizes.  Each step starts after a
+barrier and is timed as the slower rank; the steps' losses must be equal bit for bit (the same
+values travel and sum in the same order).  The table gives each side's median step and the
+medians of the per-step ratios to ``none``.  These are gloo's costs: its coalesced calls pay a
+host-side fixed cost per slice that NCCL's grouped launch does not, and the copies saved are
+device-memory traffic on a GPU.
 
     .venv/bin/python benchmarks/sp_slices.py [--steps 10] [--micro-batches 1,2,8] [--hidden 256] [--seq 256]
 
@@ -32,7 +33,8 @@ if str(Path(__file__).resolve().parent.parent) not in sys.path:
 
 from benchmarks.gloo_ranks import run_ranks, slowest  # noqa: E402
 
-SIDES = ("sliced", "moved")
+SIDES = ("both", "gloo", "none")
+POLICY = {"both": frozenset({"all_gather", "reduce_scatter"}), "none": frozenset()}  # "gloo": the default
 
 
 def _worker(rank: int, world: int, args) -> dict:
@@ -40,7 +42,7 @@ def _worker(rank: int, world: int, args) -> dict:
     from autopar.ops import collectives
     from tests.support.models import example_model, lm_loss, make_batch
 
-    default, out = collectives.MAX_PARTS, {}
+    default, out = collectives.SLICED_OPS, {}
     for micro in args.micro_batches:
         model = example_model(0, vocab_size=args.vocab, hidden_size=args.hidden, num_layers=args.layers,
                               num_heads=8, num_kv_heads=4, intermediate_size=2 * args.hidden)
@@ -49,14 +51,14 @@ def _worker(rank: int, world: int, args) -> dict:
                                  optimizer=functools.partial(torch.optim.SGD, lr=0.0))  # lr 0: both sides see one model
         times, losses = {side: [] for side in SIDES}, {side: [] for side in SIDES}
         for i, (ids, target) in enumerate(batches):
-            for side in SIDES:
-                collectives.MAX_PARTS = default if side == "sliced" else 0
+            for side in SIDES[i % 3:] + SIDES[:i % 3]:  # each side first in turn
+                collectives.SLICED_OPS = {**default, "gloo": POLICY[side]} if side in POLICY else default
                 loss, seconds = slowest(pm.train_step, (ids,), target)
                 losses[side].append(float(loss))
                 if i >= args.warmup:
                     times[side].append(seconds)
-        collectives.MAX_PARTS = default
-        out[micro] = {"times": times, "equal": losses["sliced"] == losses["moved"]}
+        collectives.SLICED_OPS = default
+        out[micro] = {"times": times, "equal": losses["both"] == losses["gloo"] == losses["none"]}
     return out
 
 
@@ -73,12 +75,13 @@ def main(argv=None) -> int:
     print(f"tp=2,sp on 2 gloo ranks, example decoder hidden {args.hidden}, {args.layers} layers, seq {args.seq}; "
           f"{args.warmup} warm-up + {args.steps} timed steps per side", file=sys.stderr)
     report = run_ranks(_worker, 2, args)
-    print(f"{'micro-batch':>12}{'sliced ms':>11}{'moved ms':>10}{'sliced/moved':>14}{'losses equal':>14}")
+    print(f"{'micro-batch':>12}{'both ms':>9}{'gloo ms':>9}{'none ms':>9}{'both/none':>11}{'gloo/none':>11}"
+          f"{'losses equal':>14}")
     for micro, r in report.items():
-        sliced, moved = r["times"]["sliced"], r["times"]["moved"]
-        ratio = statistics.median(a / b for a, b in zip(sliced, moved))
-        print(f"{micro:>12}{statistics.median(sliced) * 1e3:>11.1f}{statistics.median(moved) * 1e3:>10.1f}"
-              f"{ratio:>14.2f}{str(r['equal']):>14}")
+        t = r["times"]
+        ratio = {side: statistics.median(a / b for a, b in zip(t[side], t["none"])) for side in ("both", "gloo")}
+        print(f"{micro:>12}" + "".join(f"{statistics.median(t[side]) * 1e3:>9.1f}" for side in SIDES)
+              + f"{ratio['both']:>11.2f}{ratio['gloo']:>11.2f}{str(r['equal']):>14}")
     return 0 if all(r["equal"] for r in report.values()) else 1
 
 

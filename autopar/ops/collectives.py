@@ -27,7 +27,8 @@ piece of the result is not one block but one per slice in front (per sample), so
 to the front would copy the input and the result.  Instead the collective runs on the slices in
 front (:func:`_sliced`): slice ``p`` of the contiguous input is exactly the rank's piece of slice
 ``p`` of the contiguous result, so one coalesced call over the slices copies nothing.  Past
-:data:`MAX_PARTS` slices (a gather along the last dim of every token) the dim is moved instead.
+:data:`MAX_PARTS` slices (a gather along the last dim of every token), and for the collectives a
+backend coalesces slowly (:data:`SLICED_OPS`: gloo's reduce-scatter), the dim is moved instead.
 """
 from __future__ import annotations
 
@@ -136,13 +137,24 @@ def record_p2p(op: str, axis: str, t: torch.Tensor, phase: str, tag: str) -> Non
 # Above this many slices in front of the dim, the dim is moved (copied) rather than sliced: a
 # coalesced call's cost grows with its number of tensors.
 MAX_PARTS = 64
+# Backend -> the collectives that run sliced on it; a backend not listed slices both.  Measured
+# (benchmarks/sp_slices.py, docs/performance.md): NCCL groups the slices' calls into one launch and
+# copies nothing; gloo's coalesced all-gather beats moving the dim, but its coalesced
+# reduce-scatter pays a fixed cost per slice, twice one call plus the two copies at 8 slices.
+SLICED_OPS: dict[str, frozenset] = {"gloo": frozenset({"all_gather"})}
+_BOTH = frozenset({"all_gather", "reduce_scatter"})
 
 
-def _num_parts(x: torch.Tensor, dim: int) -> int | None:
-    """How many slices a collective along ``dim`` of ``x`` runs on: one per slice in front of ``dim``
-    (1 where the dims in front are all 1), or None past :data:`MAX_PARTS` (the dim is moved)."""
+def _num_parts(x: torch.Tensor, dim: int, op: str, g: AxisGroup) -> int | None:
+    """How many slices collective ``op`` along ``dim`` of ``x`` runs on: one per slice in front of
+    ``dim`` (1 where the dims in front are all 1), or None where the dim is moved instead (past
+    :data:`MAX_PARTS` slices, or ``op`` not in the backend's :data:`SLICED_OPS`)."""
     num_slices = max(1, math.prod(x.shape[:dim]))
-    return num_slices if num_slices <= MAX_PARTS else None
+    if num_slices == 1:
+        return 1
+    if num_slices > MAX_PARTS or op not in SLICED_OPS.get(dist.get_backend(g.group), _BOTH):
+        return None
+    return num_slices
 
 
 def _sliced(op: str, out: torch.Tensor, src: torch.Tensor, parts: int, g: AxisGroup) -> None:
@@ -168,7 +180,7 @@ def _sliced(op: str, out: torch.Tensor, src: torch.Tensor, parts: int, g: AxisGr
 
 def _gather(x: torch.Tensor, dim: int, axis: str, phase: str, tag: str) -> torch.Tensor:
     g = _group(axis)
-    parts = _num_parts(x, dim)
+    parts = _num_parts(x, dim, "all_gather", g)
     record("all_gather", axis, x, phase, tag)
     if parts is not None:
         shape = list(x.shape)
@@ -189,7 +201,7 @@ def _scatter(x: torch.Tensor, dim: int, axis: str, phase: str, tag: str) -> torc
             f"autopar: reduce-scatter over '{axis}' needs dim {dim} of shape {tuple(x.shape)} divisible by "
             f"{g.size}; choose a sequence length divisible by the tp degree."
         )
-    parts = _num_parts(x, dim)
+    parts = _num_parts(x, dim, "reduce_scatter", g)
     record("reduce_scatter", axis, x, phase, tag)
     if parts is not None:
         shape = list(x.shape)

@@ -5,7 +5,7 @@ training step as it enters the dispatcher, forward and backward.  It counts the 
 (``clone``, ``copy_``, ``_to_copy``: what ``.contiguous()``, ``movedim(...).contiguous()`` and
 ``.to()`` turn into) and the ``c10d`` operators, both in the whole step and inside autopar's
 all-gather and reduce-scatter bodies (``_gather`` / ``_scatter`` of autopar/ops/collectives.py,
-wrapped for the step to mark where they run).
+wrapped for the step to mark where they run), with the body each is in.
 """
 from __future__ import annotations
 
@@ -37,9 +37,9 @@ class _CopyMeter(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.inside = 0
+        self.inside: list[str] = []  # the bodies running: "_gather" or "_scatter"
         self.copies, self.around, self.delivered = 0, [], 0
-        self.calls_inside: list[tuple[str, int]] = []  # (c10d operator, tensors it writes)
+        self.calls_inside: list[tuple[str, str, int]] = []  # (body, c10d operator, tensors it writes)
         self.elsewhere: list[str] = []  # the step's other copies
         self.outputs: set[int] = set()  # storages the current body's c10d calls write
 
@@ -49,12 +49,12 @@ class _CopyMeter(TorchDispatchMode):
             if self.inside and func.overloadpacket is torch.ops.aten.copy_ and _storage(args[0]) in self.outputs:
                 self.delivered += 1
             elif self.inside:
-                self.around.append(f"{func} of {tuple(args[0].shape)}")
+                self.around.append((self.inside[-1], f"{func} of {tuple(args[0].shape)}"))
             else:
                 self.elsewhere.append(f"{func} of {tuple(args[0].shape)}")
         elif func.namespace == "c10d" and self.inside:
             written = [t for t in pytree.tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
-            self.calls_inside.append((func.__name__, len(written)))
+            self.calls_inside.append((self.inside[-1], func.__name__, len(written)))
             self.outputs.update(_storage(t) for t in written)
         return func(*args, **(kwargs or {}))
 
@@ -64,18 +64,18 @@ def _marked(meter: _CopyMeter):
     """``collectives._gather`` and ``_scatter`` (looked up by name at each call) mark their bodies."""
     originals = {name: getattr(collectives, name) for name in ("_gather", "_scatter")}
 
-    def marking(fn):
+    def marking(name, fn):
         def run(*args, **kwargs):
-            meter.inside += 1
+            meter.inside.append(name)
             try:
                 return fn(*args, **kwargs)
             finally:
-                meter.inside -= 1
+                meter.inside.pop()
                 if not meter.inside:
                     meter.outputs.clear()
         return run
     for name, fn in originals.items():
-        setattr(collectives, name, marking(fn))
+        setattr(collectives, name, marking(name, fn))
     try:
         yield
     finally:
@@ -83,17 +83,23 @@ def _marked(meter: _CopyMeter):
             setattr(collectives, name, fn)
 
 
-def sp_copies_job(model_name: str, plan: str, batch: int, max_parts: int | None = None):
+# What ``sliced`` sets gloo's entry of ``collectives.SLICED_OPS`` to for a job.
+POLICIES = {"default": None, "both": frozenset({"all_gather", "reduce_scatter"}), "none": frozenset()}
+
+
+def sp_copies_job(model_name: str, plan: str, batch: int, sliced: str = "default"):
     """One training step of ``plan`` at global ``batch`` after a warm-up step: the copies counted in
-    the step and those inside the collectives' bodies, the ``c10d`` calls there (operator, how
-    many tensors it writes), and the step's tp records (op, phase, shape).  ``max_parts``: ``collectives.MAX_PARTS`` for the job
-    (0: every collective along a dim with slices in front moves that dim to the front, copying)."""
-    saved = collectives.MAX_PARTS
-    collectives.MAX_PARTS = saved if max_parts is None else max_parts
+    the step and those inside the collectives' bodies (body, operator), the ``c10d`` calls there
+    (body, operator, how many tensors it writes), and the step's tp records (op, phase, shape).
+    ``sliced``: which collectives run sliced on gloo for the job (:data:`POLICIES`; "both" is what
+    NCCL runs, "default" gloo's own choice)."""
+    saved = collectives.SLICED_OPS
+    if POLICIES[sliced] is not None:
+        collectives.SLICED_OPS = {**saved, "gloo": POLICIES[sliced]}
     try:
         return _step_copies(model_name, plan, batch)
     finally:
-        collectives.MAX_PARTS = saved
+        collectives.SLICED_OPS = saved
 
 
 def _step_copies(model_name: str, plan: str, batch: int):
