@@ -151,6 +151,46 @@ def korthikanti_layer_bytes():
     return layer * w / 2
 
 
+def _activation_parts(activation_formula: str):
+    """(per dense layer, per MoE layer, recompute working set, embedding stage, head stage) bytes."""
+    if activation_formula == "korthikanti":
+        per_layer = korthikanti_layer_bytes()
+        working = RFULL * per_layer.subs({RFULL: 0, RSEL: 0})
+        return per_layer, per_layer, working, sp.Integer(0), b * s / cp * Vt * (w + 4)  # logits: bf16 + fp32 softmax
+    if activation_formula == "derived":
+        per_dense, per_moe, working = derived_layer_bytes()
+        return (per_dense, per_moe, working, *derived_outside_bytes())
+    raise ValueError(f"autopar: unknown activation_formula {activation_formula!r}; "
+                     f"expected 'derived' or 'korthikanti'")
+
+
+def _zero_transients(dense, expert, n_dense):
+    """(zero_sync_buffer, zero3_buffer, zero3_layer_end): ZeRO's buffers alive at one moment.
+
+    ZeRO-1/2's gradient sync starts every unit's reduce-scatter in backward (the last one's under
+    ZeRO-1, runtime/zero_grads.py), so when backward ends each unit (the dp buckets,
+    cost/buckets.py: u = P_dense / n_ud) has in flight its rank-major padded copy, the collective's
+    working copy of it (gloo's) and the shard it receives, (2 + 1/n) P_dense in all, and one unit's
+    flattened gradients are being cut: + u; ZeRO-2 also holds the micro-batch's full gradients
+    beside the shards (P_dense - P_dense/n more than the grads term).  The after-step all-gathers
+    in flight (P w_p, runtime/zero_grads.py) are less than this, the gradients freed: no moment
+    of their own.
+
+    ZeRO-3's units (passes/zero.py): one per decoder layer (u3 elements) and one of the rest (the
+    embedding, the final norm, the head).  When backward begins the rest's unit is gathered and
+    the last layer's prefetched; at the end of a layer's backward, the layer's unit, the next one
+    prefetched and the rest's are gathered, and the layer's gradients are reduce-scattered: the
+    flattened gradients, the padded rank-major copy, the collective's working copy (gloo's) and
+    the shard (3 + 1/n) u3."""
+    u = dense / sp.Max(NUD, 1, evaluate=False)
+    sync = (Z1 - Z3) * ((2 + 1 / n_dense) * dense + u + Z2 * (dense - dense / n_dense)) * wg
+    rest = dense.subs({ld: 0, le: 0})
+    u3 = (dense + expert - rest) / sp.Max(ld + le, 1, evaluate=False)
+    zero3_buffer = Z3 * (rest + u3) * wp
+    zero3_layer_end = Z3 * ((rest + 2 * u3) * wp + (3 + 1 / n_dense) * u3 * wg)
+    return sync, zero3_buffer, zero3_layer_end
+
+
 def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
     """Bytes per GPU on the scored stage, by category."""
     dense, expert, _ = local_param_elems()
@@ -160,40 +200,11 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
     params = (dense + expert) * (1 - Z3) * wp + Z3 * (dense / n_dense + expert / n_exp) * wz
     grads = (shard(dense, n_dense, Z2) + shard(expert, n_exp, Z2)) * wg
     optimizer = (shard(dense, n_dense, Z1) + shard(expert, n_exp, Z1)) * wo
-    zero3_buffer = Z3 * 2 * (dense + expert) / (ld + le) * wp
-    if activation_formula == "korthikanti":
-        per_dense = per_moe = korthikanti_layer_bytes()
-        working = RFULL * korthikanti_layer_bytes().subs({RFULL: 0, RSEL: 0})
-        first, last = sp.Integer(0), b * s / cp * Vt * (w + 4)   # logits: bf16 + fp32 softmax
-    elif activation_formula == "derived":
-        per_dense, per_moe, working = derived_layer_bytes()
-        first, last = derived_outside_bytes()
-    else:
-        raise ValueError(f"autopar: unknown activation_formula {activation_formula!r}; "
-                         f"expected 'derived' or 'korthikanti'")
+    per_dense, per_moe, working, first, last = _activation_parts(activation_formula)
+    sync, zero3_buffer, zero3_layer_end = _zero_transients(dense, expert, n_dense)
     # Transients (the peak timeline below): backward of the loss holds the fp32 gradient of the
-    # logits and the log-softmax backward's temporary of the same size; ZeRO-1/2's gradient sync
-    # starts every unit's reduce-scatter in backward (the last one's under ZeRO-1, runtime/zero_grads.py),
-    # so when backward ends each unit (the dp buckets, cost/buckets.py: u = P_dense / n_ud) has in
-    # flight its rank-major padded copy, the collective's working copy of it (gloo's) and the shard
-    # it receives, (2 + 1/n) P_dense in all, and one unit's flattened gradients are being cut: + u;
-    # ZeRO-2 also holds the micro-batch's full gradients beside the shards (P_dense - P_dense/n more
-    # than the grads term).  The after-step all-gathers in flight (P w_p, runtime/zero_grads.py)
-    # are less than this, the gradients freed: no moment of their own.
-    # ZeRO-3 reduce-scatters in backward (zero3_buffer).
+    # logits and the log-softmax backward's temporary of the same size.
     T = b * s / cp
-    u = dense / sp.Max(NUD, 1, evaluate=False)
-    sync = (Z1 - Z3) * ((2 + 1 / n_dense) * dense + u + Z2 * (dense - dense / n_dense)) * wg
-    # ZeRO-3's units (passes/zero.py): one per decoder layer (u3 elements) and one of the rest (the
-    # embedding, the final norm, the head).  When backward begins the rest's unit is gathered and
-    # the last layer's prefetched; at the end of a layer's backward, the layer's unit, the next one
-    # prefetched and the rest's are gathered, and the layer's gradients are reduce-scattered: the
-    # flattened gradients, the padded rank-major copy, the collective's working copy (gloo's) and
-    # the shard (3 + 1/n) u3.
-    rest = dense.subs({ld: 0, le: 0})
-    u3 = (dense + expert - rest) / sp.Max(ld + le, 1, evaluate=False)
-    zero3_buffer = Z3 * (rest + u3) * wp
-    zero3_layer_end = Z3 * ((rest + 2 * u3) * wp + (3 + 1 / n_dense) * u3 * wg)
     return {
         "params": params,
         "master_params": Z1 * (1 - Z3) * (dense / n_dense + expert / n_exp) * wz,
