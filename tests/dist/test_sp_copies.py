@@ -13,6 +13,7 @@ forward and backward, and those inside the collectives' bodies.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.support.copy_jobs import sp_copies_job
 
@@ -63,8 +64,12 @@ def test_the_step_copies_no_more_at_micro_batch_2_than_at_1(runs):
 
 def test_the_meter_sees_the_copies_of_moved_dims(runs):
     """Control: with slicing off (every SP collective moves the sequence dim to the front) the same
-    meter counts a copy in and out of each call; the loss is the same bit for bit (each sample's
-    values travel and sum in the same order)."""
-    for sliced, moved in zip(runs(2), runs(2, "none")):
+    meter counts a copy in and out of each call; the losses and the trained state are the same bit
+    for bit under every choice (each sample's values travel and sum in the same order), and the
+    gloo choice is the program the equivalence tests prove equal to one device (test_equivalence.py)."""
+    for sliced, gloo, moved in zip(runs(2), runs(2, "default"), runs(2, "none")):
         assert len(moved["around"]) >= 2 * len(moved["records"]), (len(moved["around"]), len(moved["records"]))
-        assert moved["loss"] == sliced["loss"]
+        for other in (sliced, gloo):
+            assert other["loss"] == moved["loss"]
+            assert other["state"].keys() == moved["state"].keys()
+            assert all(torch.equal(other["state"][k], v) for k, v in moved["state"].items())

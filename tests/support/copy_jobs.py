@@ -113,5 +113,7 @@ def _step_copies(model_name: str, plan: str, batch: int):
         loss = pm.train_step(*batches[1])
     records = [(r["op"], r["phase"], r["shape"]) for r in pm.comm_stats()
                if r["op"] in ("all_gather", "reduce_scatter") and r["axis"] == "tp"]
-    return {"loss": float(loss), "copies": meter.copies, "around": meter.around, "delivered": meter.delivered, "elsewhere": meter.elsewhere,
-            "calls_inside": meter.calls_inside, "records": records}
+    state = {k: v.detach().cpu().clone() for k, v in pm.state_dict().items()}
+    return {"loss": float(loss), "state": state, "copies": meter.copies, "around": meter.around,
+            "delivered": meter.delivered, "elsewhere": meter.elsewhere, "calls_inside": meter.calls_inside,
+            "records": records}
