@@ -42,6 +42,9 @@ expand + reshape, no dropout; checked tensor by tensor against ``ParallelModule.
   unfused attention (flash_attention=False): + b*a*S^2/(tp*cp)*(2w + 1) (softmax
              output, dropout mask, dropped probabilities; recomputed by selective)
   CP allgather: the gathered K,V are kept, + (cp - 1)*T*2g*d*w/tp
+  MLA latents (multi-head latent attention, mla = 1): each latent's norm and its up-projection's
+             input, whole on every tp rank and on all T tokens,
+             + l_q*(T*r_q*(4 + 2w) + 4T) + T*r_kv*(4 + 2w) + 4T          (_latent_bytes)
 Selective recompute recomputes attention (drops its output and LSE) and the MLP
 activation function (drops silu(gate) and the product, or gelu(up)), plus, while backward
 recomputes one of them, the larger of the two (``recompute_buffer``). Full recompute keeps
@@ -66,7 +69,7 @@ import sympy as sp
 from .comm import local_param_elems
 from .flops import KV_REPLICATED
 from .symbols import (Vt, FIRST, FLASH, CPAG, INFL, LAST, NRECV, NSEND, NUD, RFULL, RSEL, SP, Z1, Z2, Z3, E, a, b, cp, d, dp, dv, ep, f,
-                      fe, g, gated, h, k, ld, le, m, nsh, rho, s, tp, w, wg, wo, wp, wz)
+                      fe, g, gated, h, k, ld, le, lq, m, mla, nsh, rho, rkv, rq, s, tp, w, wg, wo, wp, wz)
 
 __all__ = ["memory_terms", "derived_layer_bytes", "derived_outside_bytes", "korthikanti_layer_bytes",
            "precision_bytes", "peak_memory", "STATIC_TERMS", "BACKWARD_TERMS"]
@@ -87,9 +90,19 @@ def _at_least_two(x):
     return sp.Max(0, sp.Min(1, x - 1, evaluate=False), evaluate=False)
 
 
-def _norm_bytes(tokens):
-    """An eager fp32-computing RMSNorm: fp32 input, normalised input in w, fp32 rstd."""
-    return tokens * h * (4 + w) + 4 * tokens
+def _norm_bytes(tokens, width=h):
+    """An eager fp32-computing RMSNorm of ``width`` features: fp32 input, normalised input in w, fp32 rstd."""
+    return tokens * width * (4 + w) + 4 * tokens
+
+
+def _latent_bytes(tokens):
+    """Multi-head latent attention's latents (0 without MLA): each latent's RMSNorm and the normalised
+    latent its up-projection saves, whole on every tp rank (passes/tensor_parallel.py
+    ``_latent_projections``) and on all ``tokens`` (its down-projection follows SP's all-gather).
+    At w = 4 the kv norm's input is a view that shares its storage with the rope key (T*d_r*4 more
+    in the meter's count), left out."""
+    latent = lambda r: _norm_bytes(tokens, r) + tokens * r * w  # noqa: E731
+    return mla * (lq * latent(rq) + latent(rkv))
 
 
 def derived_layer_bytes():
@@ -107,6 +120,7 @@ def derived_layer_bytes():
     # KV-head replication (cp = 1): attention reads this rank's slice of the broadcast copies, a/tp heads
     kv_heads += KV_REPLICATED * (a - kv_heads)
     attn = T * (a * d + kv_heads * (d + dv)) * w / tp  # q, k, v (MLA's v is narrower)
+    attn += _latent_bytes(T)
     attn_out = T * a * dv * w / tp + 4 * T * a / tp
     # Unfused attention keeps softmax output, dropout mask and dropped probabilities.
     attn_out += (1 - FLASH) * b * a * s**2 / (tp * cp) * (2 * w + 1)

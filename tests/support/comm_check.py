@@ -89,15 +89,16 @@ def model_spec(model_name: str, overrides: dict, batch: int, seq: int = SEQ):
 
 
 def assert_memory_report_equals_cost_model(dist_pool, model_name: str, plan: str, overrides: dict, world: int,
-                                           batch: int, seq: int) -> None:
+                                           batch: int, seq: int, flash_attention: bool = True) -> None:
     """``memory_report()`` after two AdamW steps on every rank: parameters, gradients and optimizer
-    state equal the cost model's terms; saved activations within 10% of its activation terms."""
+    state equal the cost model's terms; saved activations within 10% of its activation terms
+    (``flash_attention``: the cost model's, False where SDPA's math kernel runs)."""
     from tests.support.zero_jobs import memory_plans_job
 
     reports = dist_pool(memory_plans_job, model_name, [plan], batch, overrides, seq, world=world)
     cost = autopar.estimate(model_spec(model_name, overrides, batch),
                             autopar.Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world), plan,
-                            seq_len=seq, global_batch=batch, dtype_bytes=4)
+                            seq_len=seq, global_batch=batch, dtype_bytes=4, flash_attention=flash_attention)
     predicted = cost.memory()
     activations = (predicted["activations"] + predicted["embedding_activations"]
                    + predicted["head_activations"] + predicted["recompute_buffer"])
