@@ -15,7 +15,8 @@ way); a mask that is 0 (or True) everywhere at both sizes is dropped with ``is_c
 ``attention_mask``) or is anything else stays as it is.
 
 Runs first after cleanup (passes/compile.py), for every plan.  The context-parallel pass
-(passes/context_parallel.py) uses :func:`is_causal_mask` for the masks that remain.
+(passes/context_parallel.py) uses :func:`is_causal_mask` and :func:`mask_window` (a causal sliding
+window, which CP attention applies from global positions) for the masks that remain.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from autopar.compat import sym_expr
 from autopar.frontend.op_sets import SDPA, sdpa_args
 from .context import PassContext, PassResult
 
-__all__ = ["causal_mask_pass", "is_causal_mask", "mask_kind", "evaluate_sizes_only", "check_sizes",
+__all__ = ["causal_mask_pass", "is_causal_mask", "mask_kind", "mask_window", "evaluate_sizes_only", "check_sizes",
            "mask_thresholds", "LARGEST_THRESHOLD"]
 
 
@@ -61,10 +62,12 @@ def evaluate_sizes_only(node: Node, sizes: dict[str, int], memo: dict):
     return memo[node]
 
 
-# The largest threshold a mask is checked past.  A mask with a larger integer constant (a
-# 4096-token window) would need an s x s evaluation beyond it; it is kept as a mask instead
-# (exact under every plan that can run it, not proven causal).
-LARGEST_THRESHOLD = 1024
+# The largest threshold a mask is checked past: Mistral's and Qwen2's 4096-token windows
+# (Gemma 3's 1024, GPT-OSS's 128).  Checking one means evaluating it at 8195 positions, an
+# s x s mask at batch 1 (about 0.6 s and 0.6 GiB on a CPU core, once per mask subgraph).  A mask
+# with a larger integer constant (Llama 4's 8192-token chunks) is kept as a mask instead (exact
+# under every plan that can run it, not proven causal or a window: refused under cp).
+LARGEST_THRESHOLD = 4096
 _SENTINEL = 2 ** 31  # larger integers are "to the end" markers (a slice's 2**63 - 1), not thresholds
 
 
@@ -98,20 +101,21 @@ def check_sizes(mask: Node) -> tuple[tuple[int, int], ...] | None:
     largest = mask_thresholds(mask)
     if largest > LARGEST_THRESHOLD:
         return None
-    return (2, 6), (3, 9), (1, largest + 2), (2, 2 * largest + 3)
+    # The batch varies at the small lengths; past the thresholds one row keeps the s x s cost down.
+    return (2, 6), (3, 9), (1, largest + 2), (1, 2 * largest + 3)
 
 
-def mask_kind(mask: Node, ctx: PassContext) -> str | None:
-    """``"causal"`` when ``mask`` depends only on sizes and equals the lower-triangular causal
-    mask at every size (:func:`check_sizes`), ``"full"`` when it allows every position (an
-    encoder's mask without padding), else None: the mask stays (exact, not rewritten)."""
+def _allowed_at_sizes(mask: Node, ctx: PassContext) -> list[torch.Tensor] | None:
+    """``mask`` evaluated at each of :func:`check_sizes`'s sizes as a boolean "may attend" tensor
+    ``[..., 1 or s, s]``; None when it depends on data, has a threshold past
+    :data:`LARGEST_THRESHOLD`, or is not a mask (an additive one must be 0 or below -1e30)."""
     if ctx.seq_symbol is None:
         return None
     sizes = check_sizes(mask)
     if sizes is None:
         return None
     batch, seq = str(ctx.batch_symbol), str(ctx.seq_symbol)
-    kinds = set()
+    out = []
     for b, s in sizes:
         try:
             value = evaluate_sizes_only(mask, {batch: b, seq: s}, {})
@@ -123,13 +127,52 @@ def mask_kind(mask: Node, ctx: PassContext) -> str | None:
         allowed = value if value.dtype == torch.bool else value == 0
         if value.dtype != torch.bool and not bool((value[~allowed] < -1e30).all()):
             return None
+        out.append(allowed)
+    return out
+
+
+def _band(s: int, window: int | None, device) -> torch.Tensor:
+    """The causal mask of length ``s``, limited to the last ``window`` keys when one is given."""
+    ones = torch.ones(s, s, dtype=torch.bool, device=device)
+    return ones.tril() if window is None else ones.tril() & ~ones.tril(-window)
+
+
+def mask_kind(mask: Node, ctx: PassContext) -> str | None:
+    """``"causal"`` when ``mask`` depends only on sizes and equals the lower-triangular causal
+    mask at every size (:func:`check_sizes`), ``"full"`` when it allows every position (an
+    encoder's mask without padding), else None: the mask stays (exact, not rewritten)."""
+    allowed_at = _allowed_at_sizes(mask, ctx)
+    if allowed_at is None:
+        return None
+    kinds = set()
+    for allowed in allowed_at:
+        s = allowed.shape[-1]
         if bool(allowed.all()):
             kinds.add("full")
-        elif value.shape[-2] == s and bool((allowed == torch.ones(s, s, dtype=torch.bool, device=value.device).tril()).all()):
+        elif allowed.shape[-2] == s and bool((allowed == _band(s, None, allowed.device)).all()):
             kinds.add("causal")
         else:
             return None
     return kinds.pop() if len(kinds) == 1 else None
+
+
+def mask_window(mask: Node, ctx: PassContext) -> int | None:
+    """``W`` when ``mask`` depends only on sizes and is the causal sliding window of ``W`` keys at
+    every size (:func:`check_sizes`): query ``i`` sees keys ``i - W + 1 .. i``, and at a length within
+    the window all earlier keys (the causal mask); else None.  ``W`` is read at the largest checked
+    length (past every threshold of the mask's subgraph, so past the window) and then checked at
+    every size; a mask that is causal at every size is not a window (:func:`mask_kind`)."""
+    allowed_at = _allowed_at_sizes(mask, ctx)
+    if allowed_at is None or any(a.shape[-2] != a.shape[-1] for a in allowed_at):
+        return None
+    last = allowed_at[-1].reshape(-1, *allowed_at[-1].shape[-2:])
+    window = int(last[0, -1].sum())
+    if window < 1 or window >= last.shape[-1]:
+        return None  # causal (or no key) at the largest length: not a window
+    for allowed in allowed_at:
+        if not bool((allowed == _band(allowed.shape[-1], window, allowed.device)).all()):
+            return None
+    return window
 
 
 def is_causal_mask(mask: Node, ctx: PassContext) -> bool:

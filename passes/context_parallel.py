@@ -7,9 +7,11 @@ already local.  What this pass rewrites is what depends on *where* a token sits:
 1. every ``scaled_dot_product_attention`` becomes the plan's CP variant from
    :mod:`autopar.ops.cp_attention` (ring, allgather or ulysses).  K/V are taken from before a
    GQA ``unsqueeze/expand/reshape`` so only the K/V heads travel.  An explicit mask is
-   accepted when it is provably the causal mask: its subgraph depends only on the batch
-   and sequence sizes, and evaluating it at two sizes gives the lower triangle; the CP
-   op then applies causality from global positions;
+   accepted when it is provably the causal mask or a causal sliding window: its subgraph
+   depends only on the batch and sequence sizes, and evaluating it at sizes past every
+   threshold of its subgraph gives the lower triangle, or the band of the last ``W`` keys
+   (:func:`passes.causal_mask.mask_window`); the CP op then applies causality and the
+   window from global positions, skipping the blocks out of every query's window;
 2. the mask subgraphs that became dead are removed;
 3. every ``arange`` over the sequence length (position ids for RoPE or learned
    positions) becomes :func:`autopar.ops.cp_attention.cp_positions`, this rank's global
@@ -42,7 +44,7 @@ from autopar.frontend.op_sets import SDPA, sdpa_args
 from autopar.ops import cp_attention
 from autopar.errors import AutoparError
 from autopar.plan import ulysses_heads_ok
-from .causal_mask import is_causal_mask
+from .causal_mask import is_causal_mask, mask_window
 from .context import COPIED_META, META_KEY, SOURCE_META, PassContext, PassResult, provenance
 from .op_sets import CP_ATTENTION_VARIANTS
 from .gradient_placement import requires_grad_nodes
@@ -186,14 +188,15 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
             raise AutoparError(f"autopar: context parallelism needs attention without dropout; {_where(node)} "
                                f"has dropout_p={bound['dropout_p']}. Set the model's attention dropout to 0 or drop cp.")
         mask = bound.get("attn_mask")
-        causal = bool(bound.get("is_causal", False))
+        causal, window = bool(bound.get("is_causal", False)), None
         if mask is not None:
-            if not is_causal_mask(mask, ctx):
+            window = None if is_causal_mask(mask, ctx) else mask_window(mask, ctx)
+            if window is None and not is_causal_mask(mask, ctx):
                 raise AutoparError(
-                    f"autopar: context parallelism supports causal attention (is_causal=True or an in-graph "
-                    f"causal mask); the mask of {_where(node)} depends on input data (e.g. a padding "
-                    f"attention_mask) or is not causal. Train without a padding mask (pack full sequences) "
-                    f"or drop cp.")
+                    f"autopar: context parallelism supports causal attention (is_causal=True, an in-graph "
+                    f"causal mask, or a causal sliding window); the mask of {_where(node)} depends on input "
+                    f"data (e.g. a padding attention_mask) or is neither. Train without a padding mask "
+                    f"(pack full sequences) or drop cp.")
             causal = True
         q = bound["query"]
         k, groups = strip_gqa(bound["key"])
@@ -202,10 +205,11 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         with graph.inserting_before(node):
             new = graph.call_function(fn, (q, k, v, "cp"), {
                 "scale": bound.get("scale"), "causal": causal, "num_kv_groups": groups,
-                "tag": f"cp {variant} {node.name}"})
+                "tag": f"cp {variant} {node.name}", "window": window})
         new.meta.update({k: node.meta[k] for k in COPIED_META if k in node.meta})
         provenance(new, "context_parallel_pass", "cp",
-                   f"{variant} attention over the cp-sharded sequence (causal={causal}, kv groups={groups})")
+                   f"{variant} attention over the cp-sharded sequence (causal={causal}, window={window}, "
+                   f"kv groups={groups})")
         new.meta[META_KEY].bytes = _predicted_bytes(variant, q, k, v, node, n, ctx)
         new.meta[META_KEY].calls = _CALLS[variant](n)
         node.replace_all_uses_with(new)

@@ -4,7 +4,8 @@ The sequence is sharded over the ``cp`` mesh axis with causal load balancing: th
 sequence is cut into ``2*cp`` chunks and rank ``i`` holds chunks ``i`` and ``2*cp-1-i``
 (:func:`cp_positions`; :mod:`autopar.runtime.batching` slices the batch the same way).  Every
 variant computes attention block by block over pairs (query chunk, key chunk) and skips
-the pairs the causal mask hides entirely, so the work per rank is balanced
+the pairs the causal mask hides entirely (and, under a sliding window, those out of every query's
+window), so the work per rank is balanced
 (the step counter ``cp_score_blocks`` counts the computed pairs).  Causality comes from *global* positions,
 never from the local order, so gathered K/V need not be reordered.
 
@@ -121,8 +122,15 @@ def _fold(dx: torch.Tensor, groups: int) -> torch.Tensor:
     return dx.view(b, h // groups, groups, s, d).sum(2)
 
 
-def _pairs(q_pos, k_pos, chunk, causal):
-    """(query slice, key slice, mask or None) for every chunk pair not hidden by the mask."""
+def _allowed(qp, kp, window):
+    """Causal (a key at or before its query), within ``window`` keys of it when a window is given."""
+    allowed = qp[:, None] >= kp[None, :]
+    return allowed if window is None else allowed & (qp[:, None] - kp[None, :] < window)
+
+
+def _pairs(q_pos, k_pos, chunk, causal, window=None):
+    """(query slice, key slice, mask or None) for every chunk pair not hidden by the mask: causal,
+    and with ``window`` (a sliding window, causal only) each query sees its last ``window`` keys."""
     out = []
     for i in range(q_pos.numel() // chunk):
         qs = slice(i * chunk, (i + 1) * chunk)
@@ -133,21 +141,30 @@ def _pairs(q_pos, k_pos, chunk, causal):
                 continue
             qp, kp = q_pos[qs], k_pos[ks]
             if qp.is_meta:  # a meta-device scale simulation has no positions to skip blocks by
-                out.append((qs, ks, qp[:, None] >= kp[None, :]))
+                out.append((qs, ks, _allowed(qp, kp, window)))
                 continue
-            if int(qp.max()) < int(kp.min()):
-                continue  # every key of this chunk lies after every query: skipped, not computed
-            out.append((qs, ks, None if int(qp.min()) >= int(kp.max()) else qp[:, None] >= kp[None, :]))
+            q_lo, q_hi, k_lo, k_hi = int(qp.min()), int(qp.max()), int(kp.min()), int(kp.max())
+            if q_hi < k_lo or (window is not None and q_lo - k_hi >= window):
+                continue  # every key lies after every query, or out of every query's window: skipped
+            whole = q_lo >= k_hi and (window is None or q_hi - k_lo < window)
+            out.append((qs, ks, None if whole else _allowed(qp, kp, window)))
     return out
 
 
-def _attend(q, k, v, q_pos, k_pos, scale, causal, groups, chunk, out=None, lse=None):
+def _sdpa_layout(bshd: torch.Tensor) -> torch.Tensor:
+    """``[b, s, heads, d]`` memory seen as ``[b, heads, s, d]``: the layout SDPA's fused kernels give
+    their output, which models rely on (``out.transpose(1, 2).view(b, s, -1)``, AFMoE's attention)."""
+    return bshd.transpose(1, 2)
+
+
+def _attend(q, k, v, q_pos, k_pos, scale, causal, groups, chunk, out=None, lse=None, window=None):
     """Merge attention of ``q`` over (``k``, ``v``) into ``(out, lse)``; returns them."""
     if out is None:
-        out = q.new_zeros(*q.shape[:-1], v.shape[-1])  # V's head dim (MLA's is narrower than K's)
+        b, heads, s_q, _ = q.shape  # V's head dim below (MLA's is narrower than K's)
+        out = _sdpa_layout(q.new_zeros(b, s_q, heads, v.shape[-1]))
         lse = torch.full(q.shape[:-1], -math.inf, dtype=_acc(q), device=q.device)
     k, v = _expand(k, groups), _expand(v, groups)
-    for qs, ks, mask in _pairs(q_pos, k_pos, chunk, causal):
+    for qs, ks, mask in _pairs(q_pos, k_pos, chunk, causal, window):
         _count_block()
         s = (q[:, :, qs] @ k[:, :, ks].transpose(-1, -2)).to(_acc(q)) * scale
         if mask is not None:
@@ -166,7 +183,7 @@ def _attend(q, k, v, q_pos, k_pos, scale, causal, groups, chunk, out=None, lse=N
 
 
 def _attend_backward(q, k, v, out, dout, lse, q_pos, k_pos, scale, causal, groups, chunk,
-                     dq=None, delta=None):
+                     dq=None, delta=None, window=None):
     """Gradients of the final attention output restricted to this (k, v) block, from the saved lse.
 
     Returns ``(dq, dk, dv)``; ``dq`` accumulates in place when given.
@@ -177,7 +194,7 @@ def _attend_backward(q, k, v, out, dout, lse, q_pos, k_pos, scale, causal, group
         delta = (dout.to(_acc(q)) * out.to(_acc(q))).sum(-1)
     ke, ve = _expand(k, groups), _expand(v, groups)
     dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
-    for qs, ks, mask in _pairs(q_pos, k_pos, chunk, causal):
+    for qs, ks, mask in _pairs(q_pos, k_pos, chunk, causal, window):
         s = (q[:, :, qs] @ ke[:, :, ks].transpose(-1, -2)).to(_acc(q)) * scale
         p = (s - lse[:, :, qs][..., None]).exp()
         if mask is not None:
@@ -195,17 +212,19 @@ class _LocalAttention(torch.autograd.Function):
     """Blockwise attention of local queries over given K,V with explicit positions."""
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_pos, scale, causal, groups, chunk):
-        out, lse = _attend(q, k, v, q_pos, k_pos, scale, causal, groups, chunk)
+    def forward(ctx, q, k, v, q_pos, k_pos, scale, causal, groups, chunk, window=None):
+        out, lse = _attend(q, k, v, q_pos, k_pos, scale, causal, groups, chunk, window=window)
         ctx.save_for_backward(q, k, v, out, lse, q_pos, k_pos)
         ctx.args = (scale, causal, groups, chunk)
+        ctx.window = window
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, q_pos, k_pos = ctx.saved_tensors
-        dq, dk, dv = _attend_backward(q, k, v, out, dout.contiguous(), lse, q_pos, k_pos, *ctx.args)
-        return dq, dk, dv, None, None, None, None, None, None
+        dq, dk, dv = _attend_backward(q, k, v, out, dout.contiguous(), lse, q_pos, k_pos, *ctx.args,
+                                      window=ctx.window)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _scale(q, scale):
@@ -216,8 +235,9 @@ def _scale(q, scale):
 
 
 def allgather_attention(q, k, v, axis: str, scale=None, causal: bool = True, num_kv_groups: int = 1,
-                        tag: str = "") -> torch.Tensor:
-    """All-gather packed K,V over ``axis``; local queries against the full K,V."""
+                        tag: str = "", window: int | None = None) -> torch.Tensor:
+    """All-gather packed K,V over ``axis``; local queries against the full K,V (``window``: each
+    query sees its last ``window`` keys, a causal sliding window)."""
     n, r = collectives.axis_size(axis), collectives.axis_rank(axis)
     local = q.shape[2]
     d_k = k.shape[-1]  # K and V packed along the head dim, which may differ (DeepSeek's MLA)
@@ -226,7 +246,7 @@ def allgather_attention(q, k, v, axis: str, scale=None, causal: bool = True, num
     q_pos = _positions(local, r, n, q.device)
     k_pos = torch.cat([_positions(local, j, n, q.device) for j in range(n)])
     return _LocalAttention.apply(q, k_full, v_full, q_pos, k_pos, _scale(q, scale), causal, num_kv_groups,
-                                 max(1, local // 2))
+                                 max(1, local // 2), window)
 
 
 # --- Ulysses ----------------------------------------------------------------------------
@@ -292,8 +312,9 @@ class _ToSeq(torch.autograd.Function):
 
 
 def ulysses_attention(q, k, v, axis: str, scale=None, causal: bool = True, num_kv_groups: int = 1,
-                      tag: str = "") -> torch.Tensor:
-    """All-to-all sequence shards -> head shards, full-sequence attention, and back."""
+                      tag: str = "", window: int | None = None) -> torch.Tensor:
+    """All-to-all sequence shards -> head shards, full-sequence attention (``window``: a causal
+    sliding window), and back."""
     n = collectives.axis_size(axis)
     local = q.shape[2]
     for name, t in (("query", q), ("key/value", k)):
@@ -302,8 +323,10 @@ def ulysses_attention(q, k, v, axis: str, scale=None, causal: bool = True, num_k
                                f"cp={n}; choose a cp degree that divides the heads per tp rank.")
     qh, kh, vh = _ToHeads.apply(q, k, v, axis, tag or "cp Ulysses q,k,v")
     pos = torch.cat([_positions(local, j, n, q.device) for j in range(n)])
-    oh = _LocalAttention.apply(qh, kh, vh, pos, pos, _scale(q, scale), causal, num_kv_groups, max(1, local // 2))
-    return _ToSeq.apply(oh, axis, tag or "cp Ulysses output")
+    oh = _LocalAttention.apply(qh, kh, vh, pos, pos, _scale(q, scale), causal, num_kv_groups, max(1, local // 2),
+                               window)
+    o = _ToSeq.apply(oh, axis, tag or "cp Ulysses output")
+    return _sdpa_layout(o.transpose(1, 2).contiguous())  # the all-to-all's result is head-major
 
 
 # --- ring -------------------------------------------------------------------------------
@@ -332,7 +355,7 @@ class _Exchange:
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, axis, scale, causal, groups, tag):
+    def forward(ctx, q, k, v, axis, scale, causal, groups, tag, window=None):
         n, r = collectives.axis_size(axis), collectives.axis_rank(axis)
         local = q.shape[2]
         chunk = max(1, local // 2)
@@ -344,11 +367,12 @@ class _RingAttention(torch.autograd.Function):
             hop = _Exchange(kv, axis, "fwd", tag) if step < n - 1 else None  # overlaps the block below
             src = (r - step) % n
             out, lse = _attend(q, kv[..., :d_k], kv[..., d_k:], q_pos, _positions(local, src, n, q.device),
-                               scale, causal, groups, chunk, out, lse)
+                               scale, causal, groups, chunk, out, lse, window)
             if hop is not None:
                 kv = hop.wait()
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (axis, scale, causal, groups, tag)
+        ctx.window = window
         return out
 
     @staticmethod
@@ -375,18 +399,19 @@ class _RingAttention(torch.autograd.Function):
             hop = _Exchange(kv, axis, "bwd", tag) if step < n - 2 else None
             _, dk, dv = _attend_backward(q, kv[..., :d_k], kv[..., d_k:], out, dout, lse, q_pos,
                                          _positions(local, src, n, q.device), scale, causal, groups, chunk,
-                                         dq=dq, delta=delta)
+                                         dq=dq, delta=delta, window=ctx.window)
             blk = torch.cat([dk, dv], dim=-1)
             dkv = blk if dkv is None else dkv + blk
             if step < n - 1:
                 dkv = _Exchange(dkv, axis, "bwd", tag, channel=1).wait()
             if hop is not None:
                 kv = hop.wait()
-        return dq, dkv[..., :d_k], dkv[..., d_k:], None, None, None, None, None
+        return dq, dkv[..., :d_k], dkv[..., d_k:], None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, axis: str, scale=None, causal: bool = True, num_kv_groups: int = 1,
-                   tag: str = "") -> torch.Tensor:
-    """Ring attention over ``axis``: K,V rotate by P2P, online-softmax merge, explicit backward."""
+                   tag: str = "", window: int | None = None) -> torch.Tensor:
+    """Ring attention over ``axis``: K,V rotate by P2P, online-softmax merge, explicit backward
+    (``window``: a causal sliding window; blocks out of every query's window are skipped)."""
     return _RingAttention.apply(q, k, v, axis, _scale(q, scale), causal, num_kv_groups,
-                                tag or "cp ring K,V / dK,dV")
+                                tag or "cp ring K,V / dK,dV", window)

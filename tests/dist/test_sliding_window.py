@@ -8,9 +8,10 @@ the small-size decision re-checked at larger sizes: tests/unit/test_passes.py), 
 stays a mask.  Each model has an 8-token window at sequence 16:
 
 - Mistral (``sliding_window`` on every layer) and Qwen2 (``use_sliding_window``: layer 0 full,
-  layer 1 windowed) through SDPA: equal under ``dp=2``, ``tp=2,sp``, ``pp=2,mb=2`` and
-  ``dp=2,zero=3``; every CP variant is refused, since the window is a mask CP cannot place
-  by position (ring attention over windows is not built);
+  layer 1 windowed) through SDPA: equal under ``dp=2``, ``tp=2,sp``, ``pp=2,mb=2``,
+  ``dp=2,zero=3`` and every CP variant: the window is proven a causal sliding window of 8 keys
+  (passes/causal_mask.py ``mask_window``) and CP attention applies it from global positions,
+  ring attention skipping the blocks out of every query's window (autopar/ops/cp_attention.py);
 - Gemma 2 (local and global layers alternating): transformers 5.25 refuses SDPA for it (its
   soft-capped scores), so it runs its eager attention, which keeps its mask: equal under the
   same plans; CP is refused for the missing SDPA op;
@@ -31,13 +32,12 @@ from tests.support.window_jobs import train_or_refuse_job  # noqa: E402
 
 RUNS = ("dp=2", "tp=2,sp", "pp=2,mb=2", "dp=2,zero=3")
 CP = ("cp=2:ring", "cp=2:allgather", "cp=2:ulysses")
-NOT_CAUSAL = "context parallelism supports causal attention"
 NO_SDPA = "found no scaled_dot_product_attention op"
 GPT_OSS = "in module 'model.model.layers.0.mlp.experts' (GptOssExperts)"
 # model -> {plan: None (equal to one device) or a phrase of its refusal}
 EXPECTED = {
-    "hf_mistral_window": {**dict.fromkeys(RUNS), **dict.fromkeys(CP, NOT_CAUSAL)},
-    "hf_qwen2_window": {**dict.fromkeys(RUNS), **dict.fromkeys(CP, NOT_CAUSAL)},
+    "hf_mistral_window": dict.fromkeys(RUNS + CP),
+    "hf_qwen2_window": dict.fromkeys(RUNS + CP),
     "hf_gemma2_window": {**dict.fromkeys(RUNS), **dict.fromkeys(CP, NO_SDPA)},
     "hf_gpt_oss_window": {**dict.fromkeys(RUNS, GPT_OSS), **dict.fromkeys(CP, NO_SDPA)},
 }

@@ -63,11 +63,13 @@ def test_data_dependent_mask_is_refused():
         compile_program(model, inputs, kwargs, "cp=2:ring", loss_fn, world_size=2)
 
 
-@pytest.mark.parametrize("causal,d_v", [(True, 8), (False, 8), (True, 5)])
-def test_blockwise_attention_matches_sdpa(causal, d_v):
+@pytest.mark.parametrize("causal,d_v,window", [(True, 8, None), (False, 8, None), (True, 5, None),
+                                                (True, 8, 3), (True, 8, 6)])
+def test_blockwise_attention_matches_sdpa(causal, d_v, window):
     """One process: the block attention with explicit backward, on tokens in load-balanced order
     (chunks 0,3 then 1,2) and GQA (2 query heads per K/V head), equals sdpa on the ordered sequence;
-    also with V narrower than K (DeepSeek's latent attention)."""
+    also with V narrower than K (DeepSeek's latent attention), and under a causal sliding window
+    shorter (3) and longer (6) than a block of 4, against sdpa with the band mask."""
     import torch
     import torch.nn.functional as F
 
@@ -81,9 +83,13 @@ def test_blockwise_attention_matches_sdpa(causal, d_v):
     order = torch.cat([cp_chunk_indices(seq, 0, 2), cp_chunk_indices(seq, 1, 2)])
     assert order.tolist() == [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11]
     out = _LocalAttention.apply(q[:, :, order], k[:, :, order], v[:, :, order], order, order,
-                                d ** -0.5, causal, heads // kv_heads, 4)
+                                d ** -0.5, causal, heads // kv_heads, 4, window)
+    band = torch.ones(seq, seq, dtype=torch.bool).tril()
+    if window is not None:
+        band &= ~torch.ones(seq, seq, dtype=torch.bool).tril(-window)
     ref = F.scaled_dot_product_attention(q, k.repeat_interleave(2, 1), v.repeat_interleave(2, 1),
-                                         is_causal=causal)
+                                         attn_mask=band if window is not None else None,
+                                         is_causal=causal and window is None)
     torch.testing.assert_close(out, ref[:, :, order])
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
@@ -146,3 +152,37 @@ def test_cp_table_rows_are_the_global_slice(monkeypatch, n):
         torch.testing.assert_close(got, table[:seq][CPA.cp_chunk_indices(seq, r, n)])
         (grad,) = torch.autograd.grad(got.sum(), table)
         assert grad[:seq][CPA.cp_chunk_indices(seq, r, n)].eq(1).all() and grad.sum() == got.numel()
+
+
+@pytest.mark.parametrize("window,skipped", [(3, 9), (6, 7), (None, 6)])
+def test_window_skips_blocks_out_of_every_query_window(window, skipped):
+    """Of the 16 (query chunk, key chunk) pairs of 4 tokens at sequence 16, causality hides the 6
+    above the diagonal; a window of 3 keys also the 3 pairs two or three chunks below it (their
+    nearest query and key are 5 and 9 apart), a window of 6 the one pair three chunks below."""
+    import torch
+
+    from autopar.ops.cp_attention import _pairs
+
+    order = torch.arange(16)
+    assert 16 - len(_pairs(order, order, 4, True, window)) == skipped
+
+
+@pytest.mark.parametrize("model_name,window,overrides", [
+    ("hf_mistral_window", 8, {}), ("hf_qwen2_window", 8, {}), ("hf_llama", None, {}),
+    # Mistral 7B's own window: proven at 8195 positions, past it
+    ("hf_mistral_window", 4096, {"sliding_window": 4096, "max_position_embeddings": 32768})])
+def test_sliding_window_mask_is_proven(model_name, window, overrides):
+    """The in-graph masks of the windowed test models are proven causal sliding windows of 8 keys
+    (past every threshold of their subgraphs), and Mistral's real 4096-token window too; Llama's
+    causal mask is not a window."""
+    from autopar.frontend.op_sets import SDPA, sdpa_args
+    from autopar.runtime import compile_program
+    from passes.causal_mask import mask_window
+
+    model, loss_fn, kwargs = build(model_name, overrides)
+    (inputs, _), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
+    traced, program = compile_program(model, inputs, kwargs, "none", loss_fn, world_size=1)
+    masks = {sdpa_args(n).get("attn_mask") for n in traced.gm.graph.nodes
+             if n.op == "call_function" and n.target is SDPA} - {None}
+    found = {mask_window(m, program) for m in masks}
+    assert found == ({window} if window else set()), found
