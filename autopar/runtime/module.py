@@ -298,10 +298,6 @@ class ParallelModule:
             self._count_valid_targets(target)
             self.memory.begin_step()
             out = self.executor.run(self, inputs, target, coords)
-            # The loss is reduced before the gradient sync: a collective issued after the step
-            # would queue behind ZeRO-1/2's after-step all-gathers on the same group (gloo runs
-            # them in order, NCCL on one stream) and wait for them, where the next forward should.
-            total = self._global_loss(out.loss)
             self.memory.before_sync(self.gm, self.grad_sync)
             self.grad_sync.sync()
             # Only when clipping: the norm costs an all-reduce the cost model does not list.
@@ -312,6 +308,11 @@ class ParallelModule:
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.memory.after_step(self.optimizer)
+            # After the step: the loss all-reduce then runs behind ZeRO-1/2's after-step all-gathers
+            # on the dp group (in practice train_step returns with them done).  Issued before the
+            # gradient sync, it let them run past the step, and a gloo rank of the test pool then
+            # crashed (SIGSEGV in test_memory_peak's many-unit ZeRO-2 job, once in CI; cause not found).
+            total = self._global_loss(out.loss)
         loss = float("nan") if total.is_meta else float(total)
         self._record_stats(inputs, time.perf_counter() - start)
         return loss
