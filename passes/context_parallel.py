@@ -180,6 +180,7 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         _check_ulysses(plan, ctx)
     fn = CP_ATTENTION_VARIANTS[variant]
     graph = gm.graph
+    windows: dict = {}  # mask node -> None (causal), its window W, or 0 (neither)
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target is not SDPA:
             continue
@@ -190,8 +191,10 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         mask = bound.get("attn_mask")
         causal, window = bool(bound.get("is_causal", False)), None
         if mask is not None:
-            window = None if is_causal_mask(mask, ctx) else mask_window(mask, ctx)
-            if window is None and not is_causal_mask(mask, ctx):
+            if mask not in windows:  # one mask usually feeds every layer: evaluated once (s x s at 8195)
+                windows[mask] = None if is_causal_mask(mask, ctx) else mask_window(mask, ctx) or 0
+            window = windows[mask]
+            if window == 0:
                 raise AutoparError(
                     f"autopar: context parallelism supports causal attention (is_causal=True, an in-graph "
                     f"causal mask, or a causal sliding window); the mask of {_where(node)} depends on input "

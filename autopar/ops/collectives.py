@@ -163,13 +163,10 @@ def _sliced(op: str, out: torch.Tensor, src: torch.Tensor, parts: int, g: AxisGr
     one launch, gloo into one work item), no copy on either side."""
     group = g.group if g.group is not None else dist.distributed_c10d._get_default_group()
     outs, srcs = list(out.view(parts, -1).unbind(0)), list(src.view(parts, -1).unbind(0))
-    if parts == 1:
-        single = dist.all_gather_single if op == "all_gather" else dist.reduce_scatter_single
-        single(outs[0], srcs[0], group=group)
-    elif out.device.type == "meta":
-        # The fake group of the scale simulation has no meta kernel for the coalesced operators;
-        # on meta tensors nothing moves, so one call per slice says the same.
-        single = dist.all_gather_single if op == "all_gather" else dist.reduce_scatter_single
+    single = dist.all_gather_single if op == "all_gather" else dist.reduce_scatter_single
+    if parts == 1 or out.device.type == "meta":
+        # On meta (the scale simulation's fake group has no meta kernel for the coalesced
+        # operators) nothing moves, so one call per slice says the same.
         for o, i in zip(outs, srcs):
             single(o, i, group=group)
     elif op == "all_gather":
