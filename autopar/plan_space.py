@@ -57,8 +57,8 @@ __all__ = [
     "supported_summary",
     # what the search prices, and enumeration
     "zero_meaningful", "interleaved_priced", "divisors", "STRUCTURE_FIELDS", "structures", "candidates",
-    # gradient buckets
-    "DEFAULT_BUCKET_BYTES", "pack_buckets",
+    # gradient buckets, and how the runtime holds gradients
+    "DEFAULT_BUCKET_BYTES", "pack_buckets", "grads_kept", "ZERO_SCATTERS_IN_FLIGHT",
 ]
 
 # ---- names and their integer codes ----------------------------------------------------------
@@ -483,6 +483,24 @@ def pack_buckets(sizes: Sequence[int], cap: int) -> list[range]:
     if len(sizes) > start:
         out.append(range(start, len(sizes)))
     return out
+
+
+def grads_kept(zero, dp, cp):
+    """Whether a rank keeps its whole gradients all step, the forward before the first backward
+    included: plain data parallelism (``dp*cp >= 2``) accumulates into persistent bucket buffers of
+    which the gradients are views (DDP's ``gradient_as_bucket_view``; runtime/grad_sync.py).
+    Otherwise backward makes the gradients and the step frees them (one rank, tp or pp alone;
+    ZeRO-1's flat buffers are made at each unit's first gradient, runtime/zero_grads.py ``KeptGrads``;
+    ZeRO-2/3 keep only their shards').  The cost model's peak timeline (cost/memory.py) and the
+    runtime's flat optimizer (runtime/grad_sync.py, runtime/fused_step.py) ask it."""
+    return (zero == 0) & (dp * cp >= 2)
+
+
+ZERO_SCATTERS_IN_FLIGHT = 2
+"""ZeRO-1/2: gradient reduce-scatters in flight at once; starting another first waits for the
+oldest (runtime/zero_grads.py), so backward holds at most that many units' buffers beyond the one
+being filled (ZeRO-2), and a backend that copies a collective's buffer (gloo) that many copies
+(cost/memory.py ``zero_sync_buffer``, ``collective_copies``)."""
 
 
 # ---- enumeration ------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ The packing rule has one home, :func:`autopar.plan_space.pack_buckets`; this mod
 on the tensors a :class:`~autopar.cost.spec.ModelSpec` describes and gives comm.py, per pipeline
 rank, the four counts its DP / ZeRO rows use (symbols.py): ``n_bd`` and ``n_be``, the buckets of
 dense and of routed-expert gradients with a tensor on the rank, and ``n_ud`` and ``n_ue``, the
-same buckets cut at pipeline-chunk borders (ZeRO-2's units under pp).  A greedy packing has no
+same buckets cut at pipeline-chunk borders (ZeRO-2's units under pp); and for memory.py the
+elements of its largest dense bucket ``u_max`` (ZeRO-1/2's units in flight at the start of
+backward are the largest ones: a matrix bigger than the cap is a bucket of its own).  A greedy packing has no
 closed form, so these are numbers, like the stage views of pipeline.py, not formulas.
 
 Tensors (:func:`param_tensors`), in the parameter order of a transformers Llama or Mixtral
@@ -60,9 +62,11 @@ class BucketCounts:
     dense_units: int     # the same, cut at chunk borders (ZeRO-2 under pp)
     expert: int          # buckets of routed-expert gradients with a tensor on the rank
     expert_units: int
+    dense_largest: float = 0.0  # elements of the rank's largest dense bucket (its tensors on the rank)
 
 
-BUCKET_FIELDS = {"nbd": "dense", "nud": "dense_units", "nbe": "expert", "nue": "expert_units"}
+BUCKET_FIELDS = {"nbd": "dense", "nud": "dense_units", "nbe": "expert", "nue": "expert_units",
+                 "umx": "dense_largest"}
 """Plan-array column (``model.plan_values``) -> :class:`BucketCounts` attribute."""
 
 
@@ -152,6 +156,7 @@ def bucket_counts(spec, *, tp: int, ep: int, pp: int, schedule: str, vpp: int, h
             ranks.add(rank_of(nchunks - 1))  # the tied table is the head's too
         tensors.append((elems * param_bytes, chunk, ranks, expert))
     counts = {}
+    largest = [0.0] * pp
     for expert in (False, True):
         order = [t for t in reversed(tensors) if t[3] == expert]
         buckets, units = [0] * pp, [0] * pp
@@ -159,8 +164,11 @@ def bucket_counts(spec, *, tp: int, ep: int, pp: int, schedule: str, vpp: int, h
             pairs = {(r, order[i][1]) for i in run for r in order[i][2]}
             for r in {r for r, _ in pairs}:
                 buckets[r] += 1
+                if not expert:
+                    held = sum(order[i][0] for i in run if r in order[i][2]) / param_bytes
+                    largest[r] = max(largest[r], held)
             for r, _ in pairs:
                 units[r] += 1
         counts[expert] = (buckets, units if pp > 1 else buckets)
     (bd, ud), (be, ue) = counts[False], counts[True]
-    return tuple(BucketCounts(bd[r], ud[r], be[r], ue[r]) for r in range(pp))
+    return tuple(BucketCounts(bd[r], ud[r], be[r], ue[r], largest[r]) for r in range(pp))

@@ -91,7 +91,10 @@ class Cluster:
     node), ``attention_factor`` (the attention kernel's seconds over its price as a GEMM) and
     ``comm_overlap`` (the share of an asynchronous collective that compute hides, time.py's phi) are
     measured figures of a profile (:data:`autopar.cost.profile.OPTIONAL_FIGURES`); ``None``:
-    ``hbm_bandwidth``, ``intra_node_bandwidth``, 1 and the calibrated phi.
+    ``hbm_bandwidth``, ``intra_node_bandwidth``, 1 and the calibrated phi.  ``collective_copies``:
+    whether the collective backend copies the buffer of each reduce-scatter and all-gather it runs
+    (gloo does, NCCL does not: the memory term ``collective_copies``); ``None``: gloo's for the CPU
+    (the ``cpu`` preset and CPU profiles), NCCL's otherwise (:attr:`backend_copies`).
     """
 
     gpu: str = "h100"
@@ -112,6 +115,7 @@ class Cluster:
     reduce_scatter_bandwidth: float | None = None
     attention_factor: float | None = None
     comm_overlap: float | None = None
+    collective_copies: bool | None = None
     usable_memory_fraction: float = 0.9
     profile: str | None = dataclasses.field(default=None, compare=False)
 
@@ -147,6 +151,13 @@ class Cluster:
             raise AutoparError(f"autopar: Cluster.comm_overlap must be in [0, 1] or None, got {self.comm_overlap!r}")
         if not 0 < self.usable_memory_fraction <= 1:
             raise AutoparError("autopar: usable_memory_fraction must be in (0, 1]")
+
+    @property
+    def backend_copies(self) -> bool:
+        """Whether the collective backend copies each reduce-scatter's and all-gather's buffer (see the class)."""
+        if self.collective_copies is not None:
+            return bool(self.collective_copies)
+        return self.gpu.startswith("cpu")
 
     @property
     def world_size(self) -> int:

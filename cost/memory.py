@@ -66,10 +66,12 @@ from __future__ import annotations
 
 import sympy as sp
 
+from autopar.plan_space import ZERO_SCATTERS_IN_FLIGHT
+
 from .comm import local_param_elems
 from .flops import KV_REPLICATED
-from .symbols import (Vt, FIRST, FLASH, CPAG, INFL, LAST, NRECV, NSEND, NUD, RFULL, RSEL, SP, Z1, Z2, Z3, E, a, b, cp, d, dp, dv, ep, f,
-                      fe, g, gated, h, k, ld, le, lq, m, mla, nsh, rho, rkv, rq, s, tp, w, wg, wo, wp, wz)
+from .symbols import (CBK, KEEP, UMX, Vt, FIRST, FLASH, CPAG, INFL, LAST, NRECV, NSEND, NUD, RFULL, RSEL, SP, Z1, Z2, Z3, E, a, b, cp, d, dp, dv, ep, f,
+                      fe, g, gated, h, k, ld, le, lq, m, mla, nsh, rho, rkv, rq, s, tp, w, wg, wgc, wo, wp, wz)
 
 __all__ = ["memory_terms", "derived_layer_bytes", "derived_outside_bytes", "korthikanti_layer_bytes",
            "precision_bytes", "peak_memory", "STATIC_TERMS", "BACKWARD_TERMS"]
@@ -179,30 +181,55 @@ def _activation_parts(activation_formula: str):
 
 
 def _zero_transients(dense, expert, n_dense):
-    """(zero_sync_buffer, zero3_buffer, zero3_layer_end): ZeRO's buffers alive at one moment.
+    """(zero_unit_buffer, zero_sync_buffer, collective_copies, zero3_buffer, zero3_layer_end): ZeRO's
+    buffers beyond the model states, each alive in one phase of the step (:func:`peak_memory`).
 
-    ZeRO-1/2's gradient sync starts every unit's reduce-scatter in backward (the last one's under
-    ZeRO-1, runtime/zero_grads.py), so when backward ends each unit (the dp buckets,
-    cost/buckets.py: u = P_dense / n_ud) has in flight its rank-major padded copy, the collective's
-    working copy of it (gloo's) and the shard it receives, (2 + 1/n) P_dense in all, and one unit's
-    flattened gradients are being cut: + u; ZeRO-2 also holds the micro-batch's full gradients
-    beside the shards (P_dense - P_dense/n more than the grads term).  The after-step all-gathers
-    in flight (P w_p, runtime/zero_grads.py) are less than this, the gradients freed: no moment
-    of their own.
+    ZeRO-1/2 (runtime/zero_grads.py): a unit is a dp bucket, of u = min(u_max, P_dense) elements, the
+    rank's largest (backward begins with the head's and the last layer's matrices, each a bucket
+    of its own when it passes the cap; a model whose gradients fill one bucket has u = P_dense).
+    ZeRO-1 holds its gradients whole in flat per-unit buffers (the ``grads`` term), each made at its
+    unit's first gradient of the step and reduce-scattered in place: nothing more.  ZeRO-2 copies
+    each gradient into its unit's buffer as backward makes it and frees the buffer once the unit's
+    reduce-scatter is done.  When backward begins, the first unit's buffer is made beside the LM
+    head's gradient, which autograd made and the hook adds into it (``zero_unit_buffer``); once the
+    head's backward is done, with at most F = ``ZERO_SCATTERS_IN_FLIGHT`` reduce-scatters in flight,
+    the next min(n_ud, F + 1) units' buffers are alive (one filling, F in flight; ZeRO-1 keeps them,
+    ZeRO-2 frees each as its reduce-scatter ends):
 
-    ZeRO-3's units (passes/zero.py): one per decoder layer (u3 elements) and one of the rest (the
+        zero_unit_buffer = (z_1 - z_3) * u * w_gc
+        zero_sync_buffer = (z_1 - z_3) * min(n_ud, F + 1) * u * w_gc
+
+    A backend that copies the buffer of each collective it has been handed (gloo; c_bk = 1, 0 for
+    NCCL) holds a copy per reduce-scatter in flight: under ZeRO-1/2 min(n_ud, F) units at the end
+    of backward (ZeRO-1's last ones are started at the sync), ZeRO-3's one unit at a layer's end:
+
+        collective_copies = c_bk * w_gc * ((z_1 - z_3) * min(n_ud, F) * u + z_3 * u_3)
+
+    (in backward's window the unit being filled has not started: min(n_ud - 1, F) of them,
+    :func:`peak_memory`).
+
+    ZeRO-3's units (passes/zero.py): one per decoder layer (u_3 elements) and one of the rest (the
     embedding, the final norm, the head).  When backward begins the rest's unit is gathered and
-    the last layer's prefetched; at the end of a layer's backward, the layer's unit, the next one
-    prefetched and the rest's are gathered, and the layer's gradients are reduce-scattered: the
-    flattened gradients, the padded rank-major copy, the collective's working copy (gloo's) and
-    the shard (3 + 1/n) u3."""
-    u = dense / sp.Max(NUD, 1, evaluate=False)
-    sync = (Z1 - Z3) * ((2 + 1 / n_dense) * dense + u + Z2 * (dense - dense / n_dense)) * wg
+    the last layer's prefetched (zero3_buffer = (rest + u_3) w_p); at the end of a layer's backward,
+    the layer's unit, the next one prefetched and the rest's are gathered, and the layer's gradient
+    is reduce-scattered: autograd's per-parameter gradients (w_p per element) are joined into the
+    gradient of the gathered buffer (the ``cat`` of the views' backward, already laid out for the
+    reduce-scatter; FSDP2 copies its gradients into its reduce-scatter input the same way), which
+    where the reduction is wider than the parameters (mixed precision: [w_gc > w_p]) is then cast
+    to an fp32 copy -- two of the three alive at once -- and the shard it receives:
+
+        zero3_layer_end = z_3 * ((rest + 2 u_3) * w_p + u_3 * (w_p + max(w_p, [w_gc > w_p] * w_gc) + w_gc / n))"""
+    in_flight = ZERO_SCATTERS_IN_FLIGHT
+    u = sp.Min(UMX, dense, evaluate=False)
+    sync = (Z1 - Z3) * sp.Min(NUD, in_flight + 1, evaluate=False) * u * wgc
     rest = dense.subs({ld: 0, le: 0})
     u3 = (dense + expert - rest) / sp.Max(ld + le, 1, evaluate=False)
+    copies = CBK * wgc * ((Z1 - Z3) * sp.Min(NUD, in_flight, evaluate=False) * u + Z3 * u3)
     zero3_buffer = Z3 * (rest + u3) * wp
-    zero3_layer_end = Z3 * ((rest + 2 * u3) * wp + (3 + 1 / n_dense) * u3 * wg)
-    return sync, zero3_buffer, zero3_layer_end
+    widened = sp.Min(1, sp.Max(0, wgc - wp, evaluate=False), evaluate=False)  # 1 when w_gc > w_p
+    joined = sp.Max(wp, widened * wgc, evaluate=False)  # the joined gradient, or its fp32 copy
+    zero3_layer_end = Z3 * ((rest + 2 * u3) * wp + u3 * (wp + joined + wgc / n_dense))
+    return (Z1 - Z3) * u * wgc, sync, copies, zero3_buffer, zero3_layer_end
 
 
 def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
@@ -215,13 +242,12 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
     grads = (shard(dense, n_dense, Z2) + shard(expert, n_exp, Z2)) * wg
     optimizer = (shard(dense, n_dense, Z1) + shard(expert, n_exp, Z1)) * wo
     per_dense, per_moe, working, first, last = _activation_parts(activation_formula)
-    sync, zero3_buffer, zero3_layer_end = _zero_transients(dense, expert, n_dense)
+    unit_buffer, sync, copies, zero3_buffer, zero3_layer_end = _zero_transients(dense, expert, n_dense)
     # Transients (the peak timeline below): backward of the loss holds the fp32 gradient of the
     # logits and the log-softmax backward's temporary of the same size.
     T = b * s / cp
     return {
         "params": params,
-        "master_params": Z1 * (1 - Z3) * (dense / n_dense + expert / n_exp) * wz,
         "grads": grads,
         "optimizer": optimizer,
         "zero3_buffer": zero3_buffer,
@@ -233,7 +259,9 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
         "head_weight_grad": LAST * Vt * h * wg,   # backward's first gradient (peak_memory)
         # One layer's backward working set: its largest matrix's weight gradient and input gradient.
         "layer_backward": sp.Max(f, h, evaluate=False) * h / tp * wg + T * sp.Max(f, h, evaluate=False) / tp * w,
+        "zero_unit_buffer": unit_buffer,
         "zero_sync_buffer": sync,
+        "collective_copies": copies,
         "zero3_layer_end": zero3_layer_end,
         # torch.distributed.pipelining keeps a receive buffer per micro-batch across steps for each
         # P2P receive (PipelineStage's args_recv_info / grad_recv_info): the rank's forward receives
@@ -243,45 +271,72 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
 
 
 # Terms alive at every point of the step; the rest peak in one phase or the other (peak_memory).
-STATIC_TERMS = ("params", "master_params", "optimizer", "pipeline_buffers")
+STATIC_TERMS = ("params", "optimizer", "pipeline_buffers")
 BACKWARD_TERMS = ("zero3_buffer", "activations", "recompute_buffer", "embedding_activations", "head_activations",
                   "head_backward")
 
 
 def peak_memory(terms: dict[str, sp.Expr]) -> sp.Expr:
-    """The step's peak bytes on the scored rank: what is always alive plus the largest of three moments.
+    """The step's peak bytes on the scored rank: what is always alive plus the largest of five moments.
 
-        peak = params + master_params + optimizer + pipeline_buffers + max(B_1, B_2, S, B_3)
-        B_1 = A + g_1 * (grads + layer_backward) + (1 - g_1) * head_weight_grad
+        peak = params + optimizer + pipeline_buffers + max(B_1, B_w, B_2, S, B_3)
+        B_1 = A + g_1 * (grads + layer_backward) + (1 - g_1) * head_weight_grad + zero_unit_buffer
                                                                  (a backward begins with every
-                                                                  micro-batch in flight)
+                                                                  micro-batch in flight; ZeRO-1/2:
+                                                                  the first unit's buffer)
+        B_w = A - head_activations - head_backward + g_1 * (grads + layer_backward)
+              + (z_2 - z_3 + (1 - g_1) (z_1 - z_2)) * zero_sync_buffer + (z_1 - z_3) * c_w * collective_copies
+                                                                 (ZeRO-1/2: the head's backward done,
+                                                                  the next units' buffers and
+                                                                  reduce-scatters in flight)
         B_2 = A - activations / n_inflight + g_2 * grads + layer_backward
+              + (z_2 - z_3) * (zero_sync_buffer + c_w * collective_copies)
                                                                  (a later backward: one micro-batch
-                                                                  fewer, earlier backwards' gradients)
-        S   = grads + zero_sync_buffer                           (backward done: the gradient sync)
+                                                                  fewer, earlier backwards' gradients,
+                                                                  ZeRO-2's units in flight)
+        S   = grads + (z_1 - z_3) * collective_copies + (z_2 - z_3) * c_s * zero_sync_buffer
+                                                                 (backward done: the gradient sync;
+                                                                  ZeRO-2's last units in flight)
         B_3 = activations - activations / (n_inflight (l_d + l_e)) + embedding_activations
-              + recompute_buffer + g_2 * grads + zero3_layer_end  (ZeRO-3: the last layer's
+              + recompute_buffer + g_2 * grads + zero3_layer_end + z_3 * collective_copies
+                                                                 (ZeRO-3: the last layer's
                                                                   backward ends; 0 without ZeRO-3)
         A   = zero3_buffer + activations + recompute_buffer + embedding_activations
               + head_activations + head_backward
         g_1 = keep + (1 - keep) * [m > n_inflight],   g_2 = keep + (1 - keep) * [m >= 2]
-        keep = (1 - z_1) * [dp*cp >= 2]
+        c_w = min(n_ud - 1, F) / min(n_ud, F)                    (in backward's window the unit
+                                                                  being filled has not started)
+        c_s = min(n_ud, F) / min(n_ud, F + 1)                    (at its end none is being filled)
 
-    ``keep``: plain data parallelism accumulates into persistent bucket buffers (runtime/grad_sync.py),
-    alive all step; otherwise gradients are made by backward and freed after the step.  Without a
+    ``keep`` (:func:`autopar.plan_space.grads_kept`, a plan value): plain data parallelism
+    accumulates into persistent bucket buffers (runtime/grad_sync.py), alive all step; otherwise
+    gradients are made by backward and freed after the step (ZeRO-1's flat buffers too).  Without a
     pipeline (n_inflight = 1) B_1 is the last micro-batch's backward, with the gradients of those
     before it; a 1F1B stage holding n_inflight micro-batches has no gradients at its first backward
     (B_1, with the LM head's weight gradient, the first one made) unless the steady state follows
     (m > n_inflight), and then runs later backwards with a micro-batch fewer and every gradient
-    (B_2, plus one layer's backward working set: the largest matrix's weight and input gradients)."""
-    keep = (1 - Z1) * _at_least_two(dp * cp)
-    g_1 = keep + (1 - keep) * _at_least_two(m - INFL + 1)
-    g_2 = keep + (1 - keep) * _at_least_two(m)
+    (B_2, plus one layer's backward working set: the largest matrix's weight and input gradients).
+    ZeRO-1's buffers of earlier micro-batches are its ``grads`` (g_1 = 1 under accumulation), so B_w
+    adds its window only when they are new.  ``collective_copies`` is alive while its stage's
+    reduce-scatters run: in backward and after it (ZeRO-1's last micro-batch, ZeRO-2), at a layer's
+    end (ZeRO-3)."""
+    g_1 = KEEP + (1 - KEEP) * _at_least_two(m - INFL + 1)
+    g_2 = KEEP + (1 - KEEP) * _at_least_two(m)
     alive = sum(terms[x] for x in BACKWARD_TERMS)
-    first = alive + g_1 * (terms["grads"] + terms["layer_backward"]) + (1 - g_1) * terms["head_weight_grad"]
-    later = alive - terms["activations"] / INFL + g_2 * terms["grads"] + terms["layer_backward"]
-    sync = terms["grads"] + terms["zero_sync_buffer"]
+    copies, window = terms["collective_copies"], terms["zero_sync_buffer"]
+    in_flight = ZERO_SCATTERS_IN_FLIGHT
+    started = sp.Max(sp.Min(NUD, in_flight, evaluate=False), 1, evaluate=False)
+    c_w = sp.Min(sp.Max(NUD - 1, 0, evaluate=False), in_flight, evaluate=False) / started
+    c_s = started / sp.Max(sp.Min(NUD, in_flight + 1, evaluate=False), 1, evaluate=False)
+    first = (alive + g_1 * (terms["grads"] + terms["layer_backward"]) + (1 - g_1) * terms["head_weight_grad"]
+             + terms["zero_unit_buffer"])
+    after_head = (alive - terms["head_activations"] - terms["head_backward"]
+                  + g_1 * (terms["grads"] + terms["layer_backward"])
+                  + (Z2 - Z3 + (1 - g_1) * (Z1 - Z2)) * window + (Z1 - Z3) * c_w * copies)
+    later = (alive - terms["activations"] / INFL + g_2 * terms["grads"] + terms["layer_backward"]
+             + (Z2 - Z3) * (window + c_w * copies))
+    sync = terms["grads"] + (Z1 - Z3) * copies + (Z2 - Z3) * c_s * window
     one_layer = terms["activations"] / (INFL * sp.Max(ld + le, 1, evaluate=False))
     zero3 = (terms["activations"] - one_layer + terms["embedding_activations"] + terms["recompute_buffer"]
-             + g_2 * terms["grads"] + terms["zero3_layer_end"])
-    return sum(terms[x] for x in STATIC_TERMS) + sp.Max(first, later, sync, zero3, evaluate=False)
+             + g_2 * terms["grads"] + terms["zero3_layer_end"] + Z3 * copies)
+    return sum(terms[x] for x in STATIC_TERMS) + sp.Max(first, after_head, later, sync, zero3, evaluate=False)

@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 import sympy as sp
 
-from autopar.plan_space import GROUP_AXES, SCHEDULES, among
+from autopar.plan_space import GROUP_AXES, SCHEDULES, among, grads_kept
 
 from . import cache as _cache
 from . import symbols
@@ -208,7 +208,7 @@ def plan_values(cluster: Cluster, arrays: dict[str, np.ndarray], *, constants: d
 
     ``arrays`` keys: the encoded plan (:data:`autopar.plan_space.PLAN_COLUMNS`), ``b`` (the
     micro-batch size), the view: ld le first last nsend nrecv infl, and the rank's gradient
-    buckets (``buckets.py``): nbd nud nbe nue.
+    buckets (``buckets.py``): nbd nud nbe nue umx.
     """
     A = arrays
     zero, rec, cpv, sched = A["zero"], A["recompute"], A["cp_variant"], A["schedule"]
@@ -223,7 +223,9 @@ def plan_values(cluster: Cluster, arrays: dict[str, np.ndarray], *, constants: d
         "cp_ul": among(cpv, "cp_variant", ("ulysses",)) * 1.0,
         "first": A["first"], "last": A["last"], "n_inflight": A["infl"],
         "n_send": A["nsend"], "n_recv": A["nrecv"], "l_d": A["ld"], "l_e": A["le"],
-        "n_bd": A["nbd"], "n_ud": A["nud"], "n_be": A["nbe"], "n_ue": A["nue"],
+        "n_bd": A["nbd"], "n_ud": A["nud"], "n_be": A["nbe"], "n_ue": A["nue"], "u_max": A["umx"],
+        "keep": grads_kept(zero, A["dp"], A["cp"]) * 1.0,
+        "c_bk": 1.0 if cluster.backend_copies else 0.0,
         "tp_overlap": 1.0 if tp_comm_overlap else 0.0,
         "zero_overlap": 1.0 if zero_overlap else 0.0,
         "dualpipe": among(sched, "schedule", ("dualpipev",)) * 1.0,

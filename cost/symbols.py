@@ -17,8 +17,10 @@ Groups:
   * plan: degrees ``tp, dp, cp, pp, ep, vpp, m`` (micro-batches per step) and 0/1
     indicators (``sp``, recompute, ZeRO stage, CP variant, stage role) so that every
     formula is a rational function without ``Piecewise`` (fast to evaluate on arrays), and the
-    scored rank's gradient-bucket counts ``n_bd``, ``n_ud``, ``n_be``, ``n_ue`` (buckets.py);
-  * options of the run: ``tp_overlap`` (TPOV), ``zero_overlap`` (ZOV) and ``dualpipe`` (DPV);
+    scored rank's gradient-bucket counts ``n_bd``, ``n_ud``, ``n_be``, ``n_ue`` (buckets.py) and
+    whether it keeps whole gradients all step (``keep``);
+  * options of the run: ``tp_overlap`` (TPOV), ``zero_overlap`` (ZOV) and ``dualpipe`` (DPV), and of
+    the backend: ``c_bk`` (CBK, it copies each collective's buffer);
   * hardware and calibration constants (``peak``, ``hbm_bw``, ``ew_bw``, ``opt_bw``, link bandwidths
     and latencies per axis and kind, ring collectives' factors ``x_ar``, ``x_ag``, ``x_rs``, the
     attention kernel's ``x_attn``, :func:`link_symbols`; ``eta_max``, ``kappa``, ``eps``, ``phi``).
@@ -33,7 +35,7 @@ __all__ = [
     "ld", "le", "L", "Le", "Vt",
     "tp", "dp", "cp", "pp", "ep", "vpp", "m", "SP", "RSEL", "RFULL",
     "Z1", "Z2", "Z3", "CPRING", "CPAG", "CPUL", "FIRST", "LAST", "INFL", "NSEND", "NRECV", "NBD", "NUD", "NBE", "NUE",
-    "rho", "FLASH", "TIED", "TPOV", "ZOV", "DPV", "wg", "wgc", "wo", "wp", "wz",
+    "UMX", "KEEP", "rho", "FLASH", "TIED", "TPOV", "ZOV", "DPV", "CBK", "wg", "wgc", "wo", "wp", "wz",
     "peak", "hbm_bw", "ew_bw", "opt_bw", "x_ar", "x_ag", "x_rs", "RING_FACTORS", "x_attn", "eta_max", "kappa", "eps",
     "phi",
     "MODEL_SYMBOLS", "PLAN_SYMBOLS", "ALL_SYMBOLS", "link_symbols",
@@ -87,6 +89,10 @@ NSEND, NRECV = sp.symbols("n_send n_recv", nonnegative=True)  # P2P sends / rece
 # Gradient buckets with a tensor on the scored rank (buckets.py): dense and routed-expert gradients,
 # and the same cut at pipeline-chunk borders (ZeRO-2's units under pp).
 NBD, NUD, NBE, NUE = sp.symbols("n_bd n_ud n_be n_ue", nonnegative=True)
+UMX = sp.Symbol("u_max", nonnegative=True)              # elements of the rank's largest dense bucket
+# 1 if the scored rank keeps its whole gradients all step (plain dp's buckets, ZeRO-1's flat
+# buffers): autopar.plan_space.grads_kept, evaluated per plan (model.plan_values).
+KEEP = sp.Symbol("keep", nonnegative=True)
 rho = sp.Symbol("rho", positive=True)                   # EP routing imbalance (or capacity factor)
 FLASH = sp.Symbol("flash", nonnegative=True)            # 1: fused (flash) attention, 0: scores materialised
 
@@ -96,6 +102,9 @@ DPV = sp.Symbol("dualpipe", nonnegative=True)           # 1 under the dualpipev 
 # 1 if ZeRO-1/2's reduce-scatters and parameter all-gathers overlap compute (Megatron's distributed
 # optimizer, calibration set A); autopar's runtime runs them blocking: 0.
 ZOV = sp.Symbol("zero_overlap", nonnegative=True)
+# 1 if the collective backend copies the buffer of every reduce-scatter and all-gather it runs
+# (gloo, measured: benchmarks/zero_memory.py, cost/memory.py ``collective_copies``); 0 for NCCL.
+CBK = sp.Symbol("c_bk", nonnegative=True)
 
 # ---- precision (bytes per element)
 wp = sp.Symbol("w_p", **_pos)    # parameter
@@ -128,6 +137,6 @@ def link_symbols(axis: str, kind: str):
 MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, sgate, nn, qb, qkn, qkh, aux, gated, mla, lq, rq, rkv, dr,
                  dv, nl, pb, Pe, en, Ph, hb, lg, ncs, ccs, gc, L, Le, TIED)
 PLAN_SYMBOLS = (tp, dp, cp, pp, ep, vpp, m, SP, RSEL, RFULL, Z1, Z2, Z3, CPRING, CPAG, CPUL,
-                FIRST, LAST, INFL, NSEND, NRECV, NBD, NUD, NBE, NUE, ld, le, rho, FLASH)
-ALL_SYMBOLS = MODEL_SYMBOLS + PLAN_SYMBOLS + (wp, wg, wgc, wo, wz, peak, hbm_bw, ew_bw, opt_bw, x_ar, x_ag, x_rs,
+                FIRST, LAST, INFL, NSEND, NRECV, NBD, NUD, NBE, NUE, UMX, KEEP, ld, le, rho, FLASH)
+ALL_SYMBOLS = MODEL_SYMBOLS + PLAN_SYMBOLS + (CBK, wp, wg, wgc, wo, wz, peak, hbm_bw, ew_bw, opt_bw, x_ar, x_ag, x_rs,
                                                x_attn, eta_max, kappa, eps, phi)

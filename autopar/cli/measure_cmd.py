@@ -110,7 +110,8 @@ def memory_comparison(cost, reports: list[dict]) -> list[dict]:
 
     Measured is the largest value over those ranks (ranks ``pp_rank * world_size/pp ...`` of the
     (pp, dp, cp, tp) mesh); ``diff`` is (measured - predicted) / predicted, ``None`` when
-    nothing is predicted.  ``master_params`` (ZeRO-1/2's fp32 shards) has no cost-model term.
+    nothing is predicted.  ``master_params`` (the fp32 masters of mixed precision, which the cost
+    model counts in its optimizer term) has no cost-model term of its own.
     """
     plan = cost.plan
     pp_rank = cost.memory_pp_rank

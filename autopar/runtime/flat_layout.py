@@ -1,11 +1,17 @@
-"""The flat ``[A | B]`` buffer of one ZeRO unit and its ``dp`` shards.
+"""One segment of a ZeRO unit: its parameters in one padded flat buffer, and each rank's shard of it.
 
-:class:`FlatLayout` says where each parameter of a unit sits in the unit's flat buffer and
-in each rank's shard: segment ``A`` holds the ordinary parameters, ``B`` those whose
-gradients are partial sums over another axis; each segment is zero-padded to a multiple of
-the shard count and rank ``r`` owns ``[A_r, B_r]``, so one reduce-scatter / all-gather of the
-rank-major buffer ``[A_0 B_0 | A_1 B_1 | ...]`` moves exactly the padded sizes.  Used by
-:class:`autopar.runtime.zero.ZeroSync` (the strategy) and its unit tests.
+:class:`FlatSegment` says where each parameter of a segment sits in the segment's flat buffer
+and in each rank's shard.  The buffer holds the parameters one after the other, then zeros up to
+``n * shard_numel`` elements (``shard_numel = ceil(numel / n)``); rank ``r``'s shard is the
+``r``-th run of ``shard_numel`` elements.  So the buffer *is* rank-major: a reduce-scatter of it
+over the ``n`` ranks leaves rank ``r``'s reduced shard exactly where its piece of the buffer
+is (in place), and an all-gather of the shards into it leaves every parameter whole where its
+view reads it -- no flattening copy and no rank-major copy per step.
+
+A ZeRO unit (:mod:`autopar.runtime.zero_layout`) has one segment, or two under ZeRO-2/3 when
+some of its gradients are partial sums over another axis (norm weights under SP): those form a
+second segment, so that every rank holds an equal part of them and sums it over that axis once
+per step.  The unit's collectives then run coalesced over its segments: one call.
 """
 from __future__ import annotations
 
@@ -13,98 +19,75 @@ import math
 
 import torch
 
-__all__ = ["FlatLayout"]
+__all__ = ["FlatSegment"]
 
 
-class FlatLayout:
-    """Where each parameter of a unit sits in the flat ``[A | B]`` buffer and in the shards."""
+class FlatSegment:
+    """Where each parameter of one segment sits in its padded flat buffer and in the shards.
 
-    def __init__(self, names: list[str], shapes: dict[str, torch.Size], partial: set[str], n: int):
+    ``partial``: the segment holds gradients that are partial sums over another mesh axis."""
+
+    def __init__(self, names: list[str], shapes: dict[str, torch.Size], n: int, partial: bool = False):
         self.names = list(names)
-        self.a_names = [x for x in names if x not in partial]
-        self.b_names = [x for x in names if x in partial]
-        self.shapes = {x: shapes[x] for x in names}
+        self.shapes = {x: torch.Size(shapes[x]) for x in names}
         self.n = n
-        self.na = sum(math.prod(self.shapes[x]) for x in self.a_names)
-        self.nb = sum(math.prod(self.shapes[x]) for x in self.b_names)
-        self.sa = -(-self.na // n)
-        self.sb = -(-self.nb // n)
+        self.partial = partial
+        self.sizes = [math.prod(self.shapes[x]) for x in self.names]
+        self.numel = sum(self.sizes)
+        self.shard_numel = -(-self.numel // n)
         self.offsets: dict[str, int] = {}
         offset = 0
-        for x in self.a_names + self.b_names:
+        for x, size in zip(self.names, self.sizes):
             self.offsets[x] = offset
-            offset += math.prod(self.shapes[x])
+            offset += size
 
     @property
-    def shard_numel(self) -> int:
-        return self.sa + self.sb
+    def padded_numel(self) -> int:
+        """Elements of the flat buffer: ``n`` shards."""
+        return self.n * self.shard_numel
 
-    @property
-    def numel(self) -> int:
-        return self.na + self.nb
+    def new_buffer(self, dtype: torch.dtype, device: torch.device, zero: bool = False) -> torch.Tensor:
+        """An uninitialised (or zeroed) flat buffer of the segment."""
+        make = torch.zeros if zero else torch.empty
+        return make(self.padded_numel, dtype=dtype, device=device)
 
-    def flatten(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``[A | B]`` (unpadded) from per-parameter tensors."""
-        return torch.cat([tensors[x].reshape(-1) for x in self.a_names + self.b_names])
+    def write(self, buffer: torch.Tensor, values: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Every parameter's value from ``values`` into ``buffer``, zeros in the padding."""
+        for x, view in self.views(buffer).items():
+            view.copy_(values[x])
+        buffer[self.numel:].zero_()
+        return buffer
 
-    def rank_major(self, flat: torch.Tensor) -> torch.Tensor:
-        """``[A | B]`` -> the padded buffer ``[A_0 B_0 | A_1 B_1 | ...]`` of ``n * shard`` elements.
+    def views(self, buffer: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Name -> the parameter's view of the flat ``buffer``.
 
-        A new buffer, written by one copy of ``flat`` and zeros where padding goes: every step's
-        gradients pass here, and padding by ``nn.functional.pad`` then ``torch.cat`` cost two
-        more passes over the unit (a few percent of a ZeRO-1 step on CPU).  The buffer is never
-        ``flat`` itself, which would hold one buffer less than the cost model's
-        ``zero_sync_buffer`` (cost/memory.py) and let a one-rank reduce-scatter, which averages
-        its buffer in place, write into the caller's tensor."""
-        buf = flat.new_empty(self.n * self.shard_numel)
-        rows = buf.view(self.n, self.shard_numel)
-        _place(rows[:, :self.sa], flat[:self.na])
-        _place(rows[:, self.sa:], flat[self.na:])
-        return buf
+        One ``torch.split`` that includes the padding as a last piece, not a slice per parameter:
+        the backward of a split is one ``cat`` (zeros where a piece has no gradient), which gives
+        the gradient of the whole padded buffer -- the reduce-scatter's input -- in one tensor."""
+        pieces = torch.split(buffer, self.sizes + [self.padded_numel - self.numel])
+        return {x: piece.view(self.shapes[x]) for x, piece in zip(self.names, pieces)}
 
-    def from_rank_major(self, buf: torch.Tensor) -> torch.Tensor:
-        """Inverse of :meth:`rank_major`: the unpadded ``[A | B]``."""
-        rows = buf.view(self.n, self.sa + self.sb)
-        if self.sb == 0:
-            return buf[:self.na]
-        return torch.cat([rows[:, :self.sa].reshape(-1)[:self.na], rows[:, self.sa:].reshape(-1)[:self.nb]])
-
-    def shard_segments(self, rank: int) -> list[tuple[str, int, int]]:
-        """``(name, start, stop)``: the pieces of each parameter inside rank ``rank``'s shard
-        ``[A_r | B_r]`` (offsets into the shard; padding belongs to no parameter)."""
-        return [(x, start, stop) for x, start, stop, _ in self.shard_pieces(rank)]
+    def rank_piece(self, buffer: torch.Tensor, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s shard of the flat ``buffer`` (a view)."""
+        return buffer[rank * self.shard_numel:(rank + 1) * self.shard_numel]
 
     def shard_pieces(self, rank: int) -> list[tuple[str, int, int, int]]:
-        """``(name, start, stop, offset)``: as :meth:`shard_segments`, with where the piece
-        starts in the parameter's own flattened elements (to write one parameter into a shard)."""
+        """``(name, start, stop, offset)``: the pieces of each parameter inside rank ``rank``'s shard
+        (``start:stop`` in the shard; ``offset``: where the piece starts in the parameter's own
+        flattened elements).  Padding belongs to no parameter."""
+        lo, hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         out = []
-        for names, base, size, shard_off in ((self.a_names, 0, self.sa, 0), (self.b_names, self.na, self.sb, self.sa)):
-            lo, hi = rank * size, (rank + 1) * size  # this rank's window of the segment
-            for x in names:
-                start = self.offsets[x] - base
-                stop = start + math.prod(self.shapes[x])
-                a, b = max(start, lo), min(stop, hi)
-                if a < b:
-                    out.append((x, shard_off + a - lo, shard_off + b - lo, a - start))
+        for x, size in zip(self.names, self.sizes):
+            start = self.offsets[x]
+            a, b = max(start, lo), min(start + size, hi)
+            if a < b:
+                out.append((x, a - lo, b - lo, a - start))
         return out
 
-    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Name -> the parameter's view of the unpadded ``[A | B]`` buffer ``flat``.
-
-        One ``torch.split``, not a slice per parameter: a slice's backward is a zero-filled
-        gradient of the whole buffer per parameter (summed by autograd), split's is one cat."""
-        names = list(self.offsets)  # in offset order: A's parameters, then B's
-        pieces = torch.split(flat, [math.prod(self.shapes[x]) for x in names])
-        return {x: piece.view(self.shapes[x]) for x, piece in zip(names, pieces)}
-
-
-def _place(rows: torch.Tensor, segment: torch.Tensor) -> None:
-    """Write ``segment`` row-major into ``rows`` (one column block of a rank-major buffer: rank
-    ``r``'s row), zeros after its end."""
-    width = rows.shape[1]
-    full, rest = divmod(segment.numel(), width) if width else (0, 0)
-    rows[:full].copy_(segment[:full * width].reshape(full, width))
-    if full < rows.shape[0]:
-        rows[full, :rest].copy_(segment[full * width:])
-        rows[full, rest:].zero_()
-        rows[full + 1:].zero_()
+    def cut(self, values: dict[str, torch.Tensor], rank: int, out: torch.Tensor) -> torch.Tensor:
+        """Rank ``rank``'s shard of whole parameter ``values`` written into ``out`` (zeros in the
+        padding), without building the whole buffer."""
+        out.zero_()
+        for x, start, stop, offset in self.shard_pieces(rank):
+            out[start:stop].copy_(values[x].reshape(-1)[offset:offset + stop - start])
+        return out

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.ops import collectives
+from autopar.plan_space import grads_kept
 from autopar.runtime import fused_step
 from autopar.runtime.precision import MainGrads
 
@@ -82,9 +83,11 @@ class GradSync:
         return fused_step.flat_optimizer(probe, per_group), flat
 
     def _keeps_grads(self) -> bool:
-        """Whether data-parallel buckets keep the gradients all step (persistent bucket views):
-        only then are they made flat, which keeps them so (the cost model's ``keep``, cost/memory.py)."""
-        return any(b.average and b.axis in self.groups and self.groups[b.axis].size > 1 for b in self.buckets)
+        """Whether data-parallel buckets keep the gradients all step (persistent bucket views): only
+        then are they made flat, which keeps them so (the rule's one home: :func:`autopar.plan_space.grads_kept`,
+        which the cost model's peak asks too)."""
+        size = {axis: g.size for axis, g in self.groups.items()}
+        return bool(grads_kept(0, size.get("dp", 1), size.get("cp", 1))) and any(b.average for b in self.buckets)
 
     def _bucket_views(self) -> dict[int, tuple[torch.Tensor, list[torch.Tensor]]]:
         """Bucket index -> (its flat buffer, each parameter's gradient as a view of it).

@@ -5,11 +5,10 @@ around each micro-batch and around the optimizer step; ``ParallelModule.memory_r
 returns :meth:`MemoryMeter.report` for the last step.  Definitions (bytes on this rank):
 
   * ``params``: the parameters the program holds (under ZeRO-3 only the ``dp`` shards);
-  * ``master_params``: the fp32 master weights the optimizer steps on: ZeRO-1/2's flat
-    shards (in fp32 training a copy that the cost model does not list separately), and
-    under mixed precision every master (plain tensors, or the ZeRO shards at any ZeRO stage),
-    which the cost model's 12 B optimizer term includes -- so with mixed precision they are
-    also counted in ``optimizer``;
+  * ``master_params``: the fp32 master weights the optimizer steps on under mixed precision
+    (plain tensors, or the ZeRO shards at any ZeRO stage), which the cost model's 12 B optimizer
+    term includes -- so they are also counted in ``optimizer``; none in fp32 training (ZeRO-1/2
+    step this rank's piece of the parameters' own flat buffer, ZeRO-3's shards are the parameters);
   * ``grads``: gradients held when backward of the last micro-batch has finished, before
     the gradient sync (full without ZeRO and under ZeRO-1, the ``dp`` shards under ZeRO-2/3);
   * ``optimizer``: the optimizer's state tensors after the step (scalar ``step`` counters
@@ -23,7 +22,7 @@ returns :meth:`MemoryMeter.report` for the last step.  Definitions (bytes on thi
     ``recompute=full``), the cost model's ``recompute_buffer``.
 
 Saved tensors are seen by a ``saved_tensors_hooks`` pack hook; under ZeRO-3 the inner hooks
-of :mod:`autopar.runtime.zero` forward every non-parameter tensor to :func:`autopar.ops.step.observe_saved`.
+of :mod:`autopar.runtime.zero_fsdp` forward every non-parameter tensor to :func:`autopar.ops.step.observe_saved`.
 """
 from __future__ import annotations
 

@@ -53,7 +53,7 @@ from autopar.runtime.pipelined import PipelineExecutor
 from autopar.runtime.precision import cast_inputs
 from autopar.runtime.sync_protocol import GradientSynchronizer
 from autopar.runtime.pretrained import CheckpointNames, load_pretrained
-from autopar.runtime.zero import ZeroSync
+from autopar.runtime.zero import zero_sync
 from autopar.views.program import format_program
 
 __all__ = ["ParallelModule"]
@@ -114,9 +114,9 @@ class ParallelModule:
                                          tied.numel() * tied.element_size()))
         self.grad_sync: GradientSynchronizer
         if plan.zero > 0:
-            self.grad_sync = ZeroSync(self.gm, program, buckets, self.groups,
-                                      fused_step.flat_factory(make_optimizer, fused_optimizer),
-                                      zero_stage=plan.zero, originals=originals)
+            self.grad_sync = zero_sync(self.gm, program, buckets, self.groups,
+                                       fused_step.flat_factory(make_optimizer, fused_optimizer),
+                                       zero_stage=plan.zero, originals=originals)
         else:
             self.grad_sync = GradSync(self.gm, buckets, self.groups, make_optimizer, originals,
                                       fused_optimizer=fused_optimizer)

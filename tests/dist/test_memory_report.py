@@ -41,7 +41,7 @@ def test_static_memory_equals_cost_model(dist_pool, model_name, plan, world, bat
             assert r["params"] == (full // dp if zero == 3 else full)
             assert r["grads"] == (full // dp if zero >= 2 else full)
             assert r["optimizer"] == (2 * full // dp if zero >= 1 else 2 * full)
-            assert r["master_params"] == (full // dp if zero in (1, 2) else 0)
+            assert r["master_params"] == 0  # ZeRO-1/2 step their pieces of the parameters' own buffers
         activations = (predicted["activations"] + predicted["embedding_activations"]
                        + predicted["head_activations"] + predicted["recompute_buffer"])
         assert abs(r["activations"] - activations) <= 0.10 * activations, (r["activations"], activations)

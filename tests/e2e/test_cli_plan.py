@@ -120,8 +120,8 @@ def test_explain_measures_memory_on_local_processes(capsys):
     full = 4 * (v * h + 2 * layer + h + v * h)                   # fp32 bytes of every parameter
     ranks = data["measured_memory"]["ranks"]
     assert len(ranks) == 2
-    for r in ranks:   # zero=1 over dp=2: full params and grads, AdamW m, v and fp32 master halved
-        assert (r["params"], r["grads"], r["optimizer"], r["master_params"]) == (full, full, full, full // 2)
+    for r in ranks:   # zero=1 over dp=2: full params and grads, AdamW m, v halved, no master copy
+        assert (r["params"], r["grads"], r["optimizer"], r["master_params"]) == (full, full, full, 0)
         assert r["activations"] > 0
     rows = {row["category"]: row for row in data["measured_memory"]["comparison"]}
     assert set(rows) == {"params", "grads", "optimizer", "activations", "master_params"}

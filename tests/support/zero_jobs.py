@@ -82,11 +82,11 @@ def zero2_overlap_job(model_name: str, bucket_bytes: int):
     pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan="dp=2,zero=2",
                              loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"], bucket_bytes=bucket_bytes)
     zero, seen = pm.grad_sync, []
-    started = zero._started  # the hook holds this dict, not the program (a C++-held cycle would leak it)
-    for p in zero.gm.parameters():
-        p.register_post_accumulate_grad_hook(lambda _p: seen.append(len(started)))
+    events = zero.events = []  # the hook holds this list, not the program (a C++-held cycle would leak it)
+    for p in pm.gm.parameters():
+        p.register_post_accumulate_grad_hook(lambda _p: seen.append(sum(e[0] == "reduce_scatter" for e in events)))
     pm.train_step(*batches[0])
-    return {"seen": seen, "units": len(zero.units), "left": len(zero._started)}
+    return {"seen": seen, "units": len(zero.units), "left": zero.scatters_in_flight()}
 
 
 class _LayerReads(TorchFunctionMode):
@@ -134,12 +134,12 @@ def zero_overlap_job(model_name: str, plan: str, batch: int, bucket_bytes: int, 
         events.append(("step", i))
         with _LayerReads(events, layer_of):
             losses.append(pm.train_step(inputs, target))
-    in_flight_after = len(zero._gathering)
+    in_flight_after = zero.gathers_in_flight()
     state = pm.state_dict()  # a reader outside the forward: waits for every gather
     return {
         "losses": losses, "events": events, "in_flight_after_step": in_flight_after,
-        "in_flight_after_state_dict": len(zero._gathering),
+        "in_flight_after_state_dict": zero.gathers_in_flight(),
         "unit_layers": [sorted({layer_of_name.get(x, -1) for x in names}) for names in zero.units],
-        "early": list(zero._early),
+        "early": zero.early_units(),
         "state": {k: v.detach().cpu().clone() for k, v in state.items()} if dist.get_rank() == 0 else None,
     }

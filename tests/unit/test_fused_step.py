@@ -127,6 +127,15 @@ def test_flat_factory_fuses_flat_shards_and_keeps_explicit_choices():
     assert explicit.param_groups[0]["foreach"] is True and not explicit.param_groups[0]["fused"]
 
 
+# (loss rel, state atol) of the flat step against the per-tensor one.  torch's fused CPU AdamW orders
+# its fp32 arithmetic differently from the per-tensor step (a few ulps of a master, by the CPU's
+# vector width): in fp32 that stays within 1e-6.  Under bf16 a master an ulp apart can round to the
+# neighbouring bf16 value, and Adam turns the gradients' resulting tiny differences into steps of
+# +-lr: measured on an AVX-512 EPYC, 3.3e-5 of the third loss and 3.7e-3 (three steps of lr) on a few
+# embedding entries; tests/dist/test_precision.py bounds the bf16 recipe the same way (1e-2).
+_TOLERANCE = {None: (1e-6, 1e-6), "bf16": (1e-4, 1e-2)}
+
+
 def _program(fused: bool, mixed_precision=None, scheduler=None):
     model, loss_fn, kwargs = build("example", {})
     batches = make_batches(VOCAB, BATCH, SEQ, 3, seed=1)
@@ -151,16 +160,17 @@ def test_one_rank_program_equals_the_per_tensor_step(mixed_precision):
     assert len(flat.optimizer.param_groups[0]["params"]) > 1 and flat.optimizer.param_groups[0]["fused"]
     assert not plain.optimizer.param_groups[0]["fused"]
     assert flat.optimizer.param_groups[0]["lr"] == plain.optimizer.param_groups[0]["lr"] == 1e-2 / 8
-    assert flat_losses == pytest.approx(plain_losses, rel=1e-6)
+    loss_rel, state_atol = _TOLERANCE[mixed_precision]
+    assert flat_losses == pytest.approx(plain_losses, rel=loss_rel)
     a, b = flat.state_dict(), plain.state_dict()
     assert a.keys() == b.keys()
     for key in a:
-        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
+        torch.testing.assert_close(a[key], b[key], atol=state_atol, rtol=0)
     ca, cb = flat.checkpoint_state(), plain.checkpoint_state()
     assert ca.keys() == cb.keys() and any(k.startswith("optim.") for k in ca)
     for key in ca:
         if key != "sched.state":
-            torch.testing.assert_close(ca[key].float(), cb[key].float(), atol=1e-6, rtol=0)
+            torch.testing.assert_close(ca[key].float(), cb[key].float(), atol=state_atol, rtol=0)
     assert flat.memory_report() == plain.memory_report()
 
 
@@ -196,17 +206,18 @@ def test_flat_layout_with_param_groups_equals_the_per_tensor_step(monkeypatch, m
     assert flat.grad_sync.flat is not None and len(flat.optimizer.param_groups) == 2
     assert [len(g["params"]) for g in flat.optimizer.param_groups] == [1, 1]
     assert [g["weight_decay"] for g in flat.optimizer.param_groups] == [0.1, 0.0]
+    loss_rel, state_atol = _TOLERANCE[mixed_precision]
     for b in batches:
-        assert flat.train_step(*b) == pytest.approx(plain.train_step(*b), rel=1e-6)
+        assert flat.train_step(*b) == pytest.approx(plain.train_step(*b), rel=loss_rel)
     a, b = flat.state_dict(), plain.state_dict()
     for key in b:
-        torch.testing.assert_close(a[key], b[key], atol=1e-6, rtol=0)
+        torch.testing.assert_close(a[key], b[key], atol=state_atol, rtol=0)
     saved = flat.checkpoint_state()
     other = plain.checkpoint_state()
     assert saved.keys() == other.keys()
     for key in saved:
         if key != "sched.state":
-            torch.testing.assert_close(saved[key].float(), other[key].float(), atol=1e-6, rtol=0)
+            torch.testing.assert_close(saved[key].float(), other[key].float(), atol=state_atol, rtol=0)
     for fused in (True, False):
         fresh = program(fused, seed=5)
         module_state.load_checkpoint_state(fresh, saved)

@@ -12,14 +12,16 @@ from autopar.runtime.executors import Executor, FlatExecutor
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.pipelined import PipelineExecutor
 from autopar.runtime.sync_protocol import GradientSynchronizer
-from autopar.runtime.zero import ZeroSync
+from autopar.runtime.zero_fsdp import FullyShardedSync
+from autopar.runtime.zero_optimizer import DistributedOptimizer
 
 
 def _methods(protocol) -> list[str]:
     return [name for name, value in vars(protocol).items() if inspect.isfunction(value) and not name.startswith("_")]
 
 
-@pytest.mark.parametrize("protocol, cls", [(GradientSynchronizer, GradSync), (GradientSynchronizer, ZeroSync),
+@pytest.mark.parametrize("protocol, cls", [(GradientSynchronizer, GradSync), (GradientSynchronizer, DistributedOptimizer),
+                                           (GradientSynchronizer, FullyShardedSync),
                                            (Executor, FlatExecutor), (Executor, PipelineExecutor)])
 def test_class_implements_protocol(protocol, cls):
     for name in _methods(protocol):

@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from autopar.runtime.flat_layout import FlatLayout
+from autopar.runtime.flat_layout import FlatSegment
 from tests.support.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
 from tests.support.jobs import build
 from tests.support.zero_jobs import SEQ, VOCAB
@@ -25,38 +25,39 @@ def _reference(model_name: str, opt_name: str, batch: int):
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_flat_layout_pads_and_round_trips(n):
-    shapes = {"w": torch.Size([3, 5]), "norm": torch.Size([7]), "b": torch.Size([2])}
-    lay = FlatLayout(["w", "norm", "b"], shapes, {"norm"}, n)
+def test_flat_segment_pads_and_round_trips(n):
+    """A segment's buffer is its parameters back to back, then zeros to ``n`` equal shards: rank
+    ``r``'s shard is the ``r``-th run of the buffer (what a reduce-scatter leaves in place)."""
+    shapes = {"w": torch.Size([3, 5]), "b": torch.Size([2])}
+    seg = FlatSegment(["w", "b"], shapes, n)
     tensors = {k: torch.arange(s.numel(), dtype=torch.float32).view(s) + 100 * i
                for i, (k, s) in enumerate(shapes.items())}
-    flat = lay.flatten(tensors)
-    # A segment: w (15) then b (2) = 17 elements; B segment: norm (7), each padded to a multiple of n.
-    sa, sb = -(-17 // n), -(-7 // n)
-    assert (lay.sa, lay.sb) == (sa, sb)
-    buf = lay.rank_major(flat)
-    assert buf.numel() == n * (sa + sb)
-    rows = buf.view(n, sa + sb)
-    a_full = torch.cat([tensors["w"].reshape(-1), tensors["b"]])
-    assert torch.equal(rows[:, :sa].reshape(-1)[:17], a_full)
-    assert torch.equal(rows[:, sa:].reshape(-1)[:7], tensors["norm"])
-    assert not rows[:, :sa].reshape(-1)[17:].any() and not rows[:, sa:].reshape(-1)[7:].any()  # zero padding
-    assert torch.equal(lay.from_rank_major(buf), flat)
-    views = lay.views(flat)
+    assert seg.shard_numel == -(-17 // n) and seg.padded_numel == n * seg.shard_numel
+    buf = seg.write(torch.full((seg.padded_numel,), 7.0), tensors)
+    whole = torch.cat([tensors["w"].reshape(-1), tensors["b"]])
+    assert torch.equal(buf[:17], whole) and not buf[17:].any()  # zero padding
+    views = seg.views(buf)
     assert all(torch.equal(views[k], tensors[k]) for k in shapes)
+    assert all(v.data_ptr() >= buf.data_ptr() and v.untyped_storage().data_ptr() == buf.untyped_storage().data_ptr()
+               for v in views.values())  # views, no copy
+    for r in range(n):
+        piece = seg.rank_piece(buf, r)
+        assert torch.equal(piece, buf[r * seg.shard_numel:(r + 1) * seg.shard_numel])
+        cut = seg.cut(tensors, r, torch.full((seg.shard_numel,), 9.0))
+        assert torch.equal(cut, piece)
+        for name, start, stop, offset in seg.shard_pieces(r):
+            assert torch.equal(cut[start:stop], tensors[name].reshape(-1)[offset:offset + stop - start])
 
 
-@pytest.mark.parametrize("n,numel", [(1, 17), (2, 16), (2, 17), (3, 17), (4, 16)])
-def test_flat_layout_without_partial_segment(n, numel):
-    """No ``B`` segment: the rank-major buffer is ``A`` then zeros, in a buffer of its own even
-    when nothing is padded (the cost model counts it; a one-rank reduce-scatter averages it in place)."""
-    lay = FlatLayout(["w", "b"], {"w": torch.Size([numel - 2]), "b": torch.Size([2])}, set(), n)
-    flat = torch.arange(1, numel + 1, dtype=torch.float32)
-    buf = lay.rank_major(flat)
-    assert buf.numel() == n * lay.sa and lay.sb == 0
-    assert torch.equal(buf[:numel], flat) and torch.equal(buf[numel:], torch.zeros(n * lay.sa - numel))
-    assert buf.data_ptr() != flat.data_ptr()
-    assert torch.equal(lay.from_rank_major(buf), flat)
+def test_flat_segment_views_give_the_padded_gradient_in_one_buffer():
+    """The views' backward is the gradient of the whole padded buffer (zeros in the padding and for
+    a parameter without gradient): the reduce-scatter's input, with no flattening copy."""
+    seg = FlatSegment(["w", "b"], {"w": torch.Size([2, 3]), "b": torch.Size([3])}, 4)
+    buf = torch.zeros(seg.padded_numel, requires_grad=True)
+    views = seg.views(buf)
+    (views["w"] * 2).sum().backward()
+    assert buf.grad.shape == (12,)
+    assert torch.equal(buf.grad, torch.tensor([2.0] * 6 + [0.0] * 6))
 
 
 @pytest.mark.parametrize("plan", ["zero=1", "zero=2", "zero=3"])
