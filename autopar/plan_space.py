@@ -496,11 +496,14 @@ def grads_kept(zero, dp, cp):
     return (zero == 0) & (dp * cp >= 2)
 
 
-ZERO_SCATTERS_IN_FLIGHT = 2
+ZERO_SCATTERS_IN_FLIGHT = 1
 """ZeRO-1/2: gradient reduce-scatters in flight at once; starting another first waits for the
 oldest (runtime/zero_grads.py), so backward holds at most that many units' buffers beyond the one
 being filled (ZeRO-2), and a backend that copies a collective's buffer (gloo) that many copies
-(cost/memory.py ``zero_sync_buffer``, ``collective_copies``)."""
+(cost/memory.py ``zero_sync_buffer``, ``collective_copies``).  One, as FSDP2 (which waits for a
+reduce-scatter before it issues the next): the one in flight runs while backward computes the
+next unit's gradients, and a second would hold another unit's buffer for no more overlap once
+the collective takes less than a unit's backward."""
 
 
 # ---- enumeration ------------------------------------------------------------------------------

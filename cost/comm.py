@@ -199,15 +199,10 @@ def routed_all_to_all_rows(expert_counts, *, ep_rank: int, hidden: int, dtype_by
     return rows
 
 
-# 1 under pp: the embedding and the head are ZeRO-3 units of their own chunks (passes/zero.py),
-# two units on a rank holding both (the V schedules); 0 without pp, where they share one unit.
-SPLIT_REST = sp.Min(pp - 1, 1, evaluate=False)
-
-
 def zero3_units():
-    """ZeRO-3 gather units on the scored stage: its layers, plus the embedding and head's (one
-    unit for both without pp, one each under pp)."""
-    return ld + le + FIRST + LAST - FIRST * LAST * (1 - SPLIT_REST)
+    """ZeRO-3 gather units on the scored stage: its layers, plus the embedding's and the head's
+    (passes/zero.py: one each, the head's released after its backward)."""
+    return ld + le + FIRST + LAST
 
 
 def row_specs() -> list[RowSpec]:
@@ -398,10 +393,10 @@ def _data_parallel_rows() -> list[RowSpec]:
     rows, add = _row_collector()
     # Experts are whole on every TP rank (Megatron-Core's expert-tensor-parallel size 1), so an
     # expert's replicas are the tp * dp*cp/ep ranks of a stage that hold the same expert index.
-    # Backward re-gathers every unit but a first stage's embedding unit under pp (the lookup's
-    # backward reads only the indices; without pp the embedding shares a unit with the head).
-    # (An embedding norm's backward reads its weight, so then the unit is re-gathered.)
-    emb_only = FIRST * SPLIT_REST * (1 - en)
+    # Backward re-gathers every unit but a first stage's embedding unit (the lookup's backward
+    # reads only the indices).  (An embedding norm's backward reads its weight, so then the unit is
+    # re-gathered.)
+    emb_only = FIRST * (1 - en)
     for label, P, axis, n, u, P_bwd, u_bwd, nb, nu in (
             ("dense", dense, "dp_cp", dp * cp, units, dense - emb_only * (Vt * h + Pe), units - emb_only,
              NBD, NUD),

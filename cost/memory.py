@@ -70,7 +70,7 @@ from autopar.plan_space import ZERO_SCATTERS_IN_FLIGHT
 
 from .comm import local_param_elems
 from .flops import KV_REPLICATED
-from .symbols import (CBK, KEEP, UMX, Vt, FIRST, FLASH, CPAG, INFL, LAST, NRECV, NSEND, NUD, RFULL, RSEL, SP, Z1, Z2, Z3, E, a, b, cp, d, dp, dv, ep, f,
+from .symbols import (CBK, KEEP, TIED, UMX, Pe, en, nn, Vt, FIRST, FLASH, CPAG, INFL, LAST, NRECV, NSEND, NUD, RFULL, RSEL, SP, Z1, Z2, Z3, E, a, b, cp, d, dp, dv, ep, f,
                       fe, g, gated, h, k, ld, le, lq, m, mla, nsh, rho, rkv, rq, s, tp, w, wg, wgc, wo, wp, wz)
 
 __all__ = ["memory_terms", "derived_layer_bytes", "derived_outside_bytes", "korthikanti_layer_bytes",
@@ -208,27 +208,35 @@ def _zero_transients(dense, expert, n_dense):
     (in backward's window the unit being filled has not started: min(n_ud - 1, F) of them,
     :func:`peak_memory`).
 
-    ZeRO-3's units (passes/zero.py): one per decoder layer (u_3 elements) and one of the rest (the
-    embedding, the final norm, the head).  When backward begins the rest's unit is gathered and
-    the last layer's prefetched (zero3_buffer = (rest + u_3) w_p); at the end of a layer's backward,
-    the layer's unit, the next one prefetched and the rest's are gathered, and the layer's gradient
-    is reduce-scattered: autograd's per-parameter gradients (w_p per element) are joined into the
+    ZeRO-3's units (passes/zero.py): one per decoder layer (u_3 elements), the embedding's and the
+    head's (the final norm and the LM head, P_head_unit).  When backward begins the head's unit is
+    gathered and the last layer's prefetched; the head's is released once its gradient is
+    reduce-scattered, and the embedding's is never re-gathered in backward (the lookup's backward
+    reads only the indices) -- but where the head shares the embedding's table on this rank, that
+    unit stays gathered from the head's backward to the embedding's (t = tied*first*last*V/tp*h):
+
+        zero3_buffer = z_3 * (P_head_unit + t + u_3) * w_p
+
+    At the end of a layer's backward the layer's unit and the next one prefetched are gathered, and
+    the layer's gradient is reduce-scattered: autograd's per-parameter gradients (w_p per element) are joined into the
     gradient of the gathered buffer (the ``cat`` of the views' backward, already laid out for the
     reduce-scatter; FSDP2 copies its gradients into its reduce-scatter input the same way), which
     where the reduction is wider than the parameters (mixed precision: [w_gc > w_p]) is then cast
     to an fp32 copy -- two of the three alive at once -- and the shard it receives:
 
-        zero3_layer_end = z_3 * ((rest + 2 u_3) * w_p + u_3 * (w_p + max(w_p, [w_gc > w_p] * w_gc) + w_gc / n))"""
+        zero3_layer_end = z_3 * ((t + 2 u_3) * w_p + u_3 * (w_p + max(w_p, [w_gc > w_p] * w_gc) + w_gc / n))"""
     in_flight = ZERO_SCATTERS_IN_FLIGHT
     u = sp.Min(UMX, dense, evaluate=False)
     sync = (Z1 - Z3) * sp.Min(NUD, in_flight + 1, evaluate=False) * u * wgc
     rest = dense.subs({ld: 0, le: 0})
     u3 = (dense + expert - rest) / sp.Max(ld + le, 1, evaluate=False)
     copies = CBK * wgc * ((Z1 - Z3) * sp.Min(NUD, in_flight, evaluate=False) * u + Z3 * u3)
-    zero3_buffer = Z3 * (rest + u3) * wp
+    embedding_unit = FIRST * (Vt * h + Pe + en * h * nn)
+    tied_table = TIED * FIRST * LAST * Vt * h
+    zero3_buffer = Z3 * (rest - embedding_unit + tied_table + u3) * wp
     widened = sp.Min(1, sp.Max(0, wgc - wp, evaluate=False), evaluate=False)  # 1 when w_gc > w_p
     joined = sp.Max(wp, widened * wgc, evaluate=False)  # the joined gradient, or its fp32 copy
-    zero3_layer_end = Z3 * ((rest + 2 * u3) * wp + u3 * (wp + joined + wgc / n_dense))
+    zero3_layer_end = Z3 * ((tied_table + 2 * u3) * wp + u3 * (wp + joined + wgc / n_dense))
     return (Z1 - Z3) * u * wgc, sync, copies, zero3_buffer, zero3_layer_end
 
 

@@ -3,15 +3,18 @@
 Runs last (after shard propagation and the data-parallel pass), only for ``zero=3``.  The
 trainable parameters are grouped into units: one per decoder layer (``structure.layers``
 prefixes; a MoE layer's experts form a second unit, sharded over the ranks holding the same
-experts) and one for the rest of the model (embedding, final norm, LM head); under pp the
-rest is two units, the parameters first read before the first layer's (the embedding, chunk
-0) and the others (final norm and head, the last chunk), so each unit belongs to one
-pipeline chunk (``passes/pipeline.py`` copies a gather into the chunk that uses it).  For each
+experts) and two for the rest of the model: the parameters first read before the first layer's
+(the embedding) and the others (final norm and LM head).  So under pp each unit belongs to one
+pipeline chunk (``passes/pipeline.py`` copies a gather into the chunk that uses it), and without
+pp the head's unit is released once the head's backward has reduce-scattered it, while the
+embedding's is never re-gathered in backward (the lookup's backward reads only the indices):
+one unit of both would stay gathered from the head's backward to the embedding's, the whole
+backward.  For each
 unit the pass inserts ``autopar.ops.zero_gather.zero_gather(unit)`` right before the first node that
 reads one of its parameters, and a ``getitem`` per parameter that replaces the parameter's
 ``get_attr``.  The parameter attributes stay in the module (the runtime keeps their
 names and layouts for state dicts) but the program no longer reads them: at run time
-:class:`autopar.runtime.zero.ZeroSync` holds the parameters only as ``dp`` shards.
+:class:`autopar.runtime.zero_fsdp.FullyShardedSync` holds the parameters only as ``dp`` shards.
 
 The unit's parameter names are recorded in the gather node's provenance
 (``node.meta["autopar"].params``), which is where the runtime reads the units from.
@@ -34,12 +37,11 @@ __all__ = ["zero3_pass", "zero_units"]
 def zero_units(gm: GraphModule, ctx: PassContext) -> list[list[str]]:
     """Trainable parameter names grouped by decoder layer (a MoE layer's experts in a unit of
     their own: they shard over other ranks, see ``passes/data_parallel.py``), then the rest, in
-    parameter order (under pp the rest is split into what is first read before the first
-    layer and the others)."""
+    parameter order, split into what is first read before the first layer and the others."""
     layers = list(ctx.structure.layers)
     experts = set(ctx.expert_params)
     groups: dict[tuple[int, bool], list[str]] = {}
-    before = _read_before_layers(gm, layers) if ctx.plan.pp > 1 else set()
+    before = _read_before_layers(gm, layers)
     for name, p in gm.named_parameters():
         if not p.requires_grad:
             continue

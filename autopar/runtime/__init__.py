@@ -14,10 +14,11 @@ group) lives in :mod:`autopar.passes.compile` and is re-exported here.  The modu
   (``BatchSlice``, ``DistributedBatchSampler``: loading only this rank's data);
 - parameters and gradients: ``layout`` (cutting full tensors into shards and back),
   ``sync_protocol`` (``GradientSynchronizer``, what a gradient-sync strategy provides),
-  ``grad_sync`` (plain data-parallel sync and the optimizer step) and ``zero`` (ZeRO-1/2/3),
-  built from ``zero_units`` (the units, their shards and collectives), ``zero_grads``
-  (ZeRO-1/2's sharded gradients), ``zero_params`` (ZeRO-3's gathered parameters) and
-  ``flat_layout`` (a unit's flat buffer), ``precision`` (bf16 mixed precision), ``clipping``
+  ``grad_sync`` (plain data-parallel sync and the optimizer step) and ``zero`` (which ZeRO
+  strategy a plan gets), composed of ``zero_layout`` (the units, their flat segments and
+  collectives), ``flat_layout`` (one segment's padded buffer and shards), ``zero_state`` (whole
+  values and optimizer state over shards), ``zero_optimizer`` (ZeRO-1/2, with ``zero_grads``'
+  gradient policies) and ``zero_fsdp`` (ZeRO-3), ``precision`` (bf16 mixed precision), ``clipping``
   (the global gradient norm), ``memory`` (the meter);
 - state and weights: ``state`` (state dicts and checkpoint state), ``checkpoint`` (DCP save
   and load), ``export`` (``pm.export_weights``), ``pretrained`` (``pm.load_pretrained``),

@@ -11,7 +11,7 @@ but still walks lists of hundreds of tensors); on a GPU AdamW took a quarter of 
   it, so accumulation, bucketed all-reduce (a bucket's buffer is a slice of the flat
   gradient where its parameters are contiguous), clipping and state dicts see the same
   tensors as before;
-* under ZeRO the shards are flat already (:mod:`autopar.runtime.zero_units`).
+* under ZeRO the shards are flat already (:mod:`autopar.runtime.zero_layout`).
 
 Flat only where the gradients are kept all step anyway: with data-parallel gradient buckets
 (``dp*cp >= 2``; the buckets are views of persistent buffers, DDP's ``gradient_as_bucket_view``),

@@ -11,7 +11,7 @@ gradients are views of flat buffers stepped in one fused update (:mod:`autopar.r
 and a bucket is a slice of the flat gradient.
 
 :class:`GradSync` is the gradient-sync strategy :class:`autopar.runtime.module.ParallelModule`
-uses without ZeRO; ZeRO stages replace it with :class:`autopar.runtime.zero.ZeroSync`.  Both
+uses without ZeRO; ZeRO stages replace it with a strategy of :mod:`autopar.runtime.zero`.  All
 implement :class:`autopar.runtime.sync_protocol.GradientSynchronizer`, which is all that the
 module, the executors, state dicts and checkpoints (:mod:`autopar.runtime.state`), clipping and
 the memory meter (:mod:`autopar.runtime.memory`) use; its docstrings say what each method does.
@@ -132,7 +132,7 @@ class GradSync:
 
     def after_backward(self, chunk: int | None = None, kind: str = "full") -> None:
         """Mixed precision: this backward's bf16 gradients into the fp32 main gradients
-        (``chunk``, ``kind``: the pipeline action that ran, see :class:`autopar.runtime.zero.ZeroSync`)."""
+        (``chunk``, ``kind``: the pipeline action that ran, see :class:`autopar.runtime.sync_protocol.GradientSynchronizer`)."""
         if self.main is not None and kind != "inference":
             self.main.accumulate()
 

@@ -129,6 +129,6 @@ def _eager_calls(gm: torch.fx.GraphModule, options: dict) -> torch.fx.GraphModul
 
 def torch_compiled_program(gm: torch.nn.Module, options: dict) -> torch.nn.Module:
     """``torch.compile`` of a copy of ``gm`` whose autopar calls run eagerly (module docstring)."""
-    for hook in (MemoryMeter._pack, FullyShardedSync._pack, SavedGathers.pack):  # run inside compiled forwards
+    for hook in (MemoryMeter._pack, FullyShardedSync.pack, SavedGathers.pack):  # run inside compiled forwards
         never_traced(hook)
     return torch.compile(_eager_calls(gm, options), **options)

@@ -1,8 +1,10 @@
 """The interface of a gradient-synchronisation strategy: :class:`GradientSynchronizer`.
 
-Two strategies implement it: :class:`autopar.runtime.grad_sync.GradSync` (bucketed
-all-reduce, then a plain optimizer step; ``zero=0``) and :class:`autopar.runtime.zero.ZeroSync`
-(ZeRO-1/2/3: the optimizer steps ``dp`` shards).  :class:`autopar.runtime.module.ParallelModule`
+Three strategies implement it: :class:`autopar.runtime.grad_sync.GradSync` (bucketed
+all-reduce, then a plain optimizer step; ``zero=0``),
+:class:`autopar.runtime.zero_optimizer.DistributedOptimizer` (ZeRO-1/2: the optimizer steps ``dp``
+shards of the parameters' flat buffers) and :class:`autopar.runtime.zero_fsdp.FullyShardedSync`
+(ZeRO-3: the parameters live as ``dp`` shards).  :class:`autopar.runtime.module.ParallelModule`
 picks one from the plan and then calls only what this protocol lists, as do the executors
 (:mod:`autopar.runtime.executors`, :mod:`autopar.runtime.pipelined`), the state dicts and
 checkpoints (:mod:`autopar.runtime.state`), gradient clipping (:mod:`autopar.runtime.clipping`)

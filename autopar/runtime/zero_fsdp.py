@@ -12,7 +12,7 @@ optimizer state over the shards are :mod:`autopar.runtime.zero_state`.
   into fresh flat buffers of which the parameters are views; the next unit of the same pipeline
   chunk is prefetched (its gather started then, waited for at its own first use): at most two
   gathered units live, the cost model's double buffer;
-* backward: saved-tensor hooks (:meth:`FullyShardedSync._pack` / ``_unpack``) keep no gathered
+* backward: saved-tensor hooks (:meth:`FullyShardedSync.pack` / ``unpack``) keep no gathered
   parameter for backward but re-gather the unit when backward first needs it (phase ``bwd``;
   the re-gather of the unit backward reaches next is started then, prefetched like forward's)
   and drop it when the unit's gradient is reduce-scattered (phase ``grad``), once per unit and
@@ -183,7 +183,7 @@ class FullyShardedSync:
 
     # --- saved-tensor hooks: no gathered parameter is kept for backward ------------------------
 
-    def _pack(self, t: torch.Tensor):
+    def pack(self, t: torch.Tensor):
         entry = self._live.get(storage_key(t))
         if entry is not None and entry[0]() is not None:
             self._saved_at[entry[1]] = next(self._clock)
@@ -191,7 +191,7 @@ class FullyShardedSync:
         observe_saved(t)  # these hooks shadow the memory meter's
         return t.detach()  # never ``t``: see autopar/ops/regather.py SavedGathers.pack
 
-    def _unpack(self, packed):
+    def unpack(self, packed):
         if not (isinstance(packed, tuple) and packed and packed[0] is _HANDLE):
             return packed
         _, index, segment, size, stride, offset = packed
@@ -224,7 +224,7 @@ class FullyShardedSync:
         the program's gathers and the saved-tensor hooks; ``defer_scatter``: reduce-scatters overlap backward."""
         self._defer_scatter = defer_scatter
         try:
-            with activate(current(), zero=self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with activate(current(), zero=self), torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield
         finally:
             self._finish_deferred()

@@ -25,6 +25,10 @@ holds one (``zero=1`` or ``zero=2``); the units and their segments are
   ``dp`` reduce-scatter per micro-batch) and summed in the shards.  Partial gradients (their own
   segment) are summed over their axis once per step, on the shards.
 
+Where a unit is one parameter whose gradient autograd made laid out as the buffer would be (a
+matrix past the bucket cap: at scale, most units), that gradient *is* the buffer (:func:`_adopted`):
+nothing is made or copied.
+
 Both start at most :data:`autopar.plan_space.ZERO_SCATTERS_IN_FLIGHT` reduce-scatters before waiting
 for the oldest: ZeRO-2's backward then holds at most that many units' buffers beyond the one being
 filled, and a backend that copies a collective's buffer (gloo does, for every reduce-scatter it has
@@ -62,6 +66,18 @@ def _register_hooks(policy, layout: ZeroLayout, params: dict) -> None:
         for x in unit.names:
             if params[x].requires_grad:
                 params[x].register_post_accumulate_grad_hook(functools.partial(_hook, me, unit, x))
+
+
+def _adopted(unit: ZeroUnit, grad: torch.Tensor | None, dtype: torch.dtype) -> list[torch.Tensor] | None:
+    """The unit's buffers made of autograd's own gradient, where the unit is that one parameter and
+    the gradient is laid out as its buffer would be (contiguous, unpadded, of the buffer's dtype):
+    a matrix past the bucket cap is such a unit, so at scale most are.  Then nothing is copied."""
+    seg = unit.segments[0]
+    if (grad is None or len(unit.segments) > 1 or len(seg.names) > 1 or seg.padded_numel != seg.numel
+            or grad.dtype != dtype or not grad.is_contiguous() or grad.storage_offset() != 0
+            or grad.untyped_storage().nbytes() != grad.numel() * grad.element_size()):
+        return None
+    return [grad.view(-1)]
 
 
 def _finish(unit: ZeroUnit, outs: list[torch.Tensor], work) -> list[torch.Tensor]:
@@ -104,6 +120,11 @@ class KeptGrads:
         if bufs is None:
             device = self.params[unit.names[0]].device
             dtype = torch.float32 if self.mixed else unit.dtype  # mixed precision: fp32 main gradients
+            bufs = _adopted(unit, self.params[unit.names[0]].grad, dtype)
+            if bufs is not None:  # the parameter's gradient is the buffer
+                self.bufs[unit.index] = bufs
+                self.views[unit.names[0]] = self.params[unit.names[0]].grad
+                return bufs
             bufs = self.bufs[unit.index] = [seg.new_buffer(dtype, device, zero=True) for seg in unit.segments]
             for seg, b in zip(unit.segments, bufs):
                 for x, view in seg.views(b).items():
@@ -248,6 +269,13 @@ class ScatteredGrads:
     def grad_ready(self, unit: ZeroUnit, name: str, param: torch.Tensor) -> None:
         if param.grad is None:
             return
+        if unit.index not in self._filling:
+            adopted = _adopted(unit, param.grad, torch.float32 if self.mixed else unit.dtype)
+            if adopted is not None:  # the parameter's gradient is the unit's buffer: scattered as it is
+                param.grad = None
+                self._filling[unit.index] = (adopted, {}, 0)
+                self._start(unit)
+                return
         bufs, views, left = self._filling.get(unit.index) or self._new_buffers(unit)
         views[name].copy_(param.grad)
         param.grad = None

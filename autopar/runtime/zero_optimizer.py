@@ -202,6 +202,13 @@ class DistributedOptimizer:
         for index in sorted(self._gathering):
             self._await_unit(index)
 
+    def await_read(self, t: torch.Tensor) -> None:
+        """Before a call reads ``t``: if it is a parameter whose unit's after-step all-gather is in
+        flight, wait for that unit (:class:`_FirstUse`)."""
+        index = self._gathering_params.get(id(t))
+        if index is not None:
+            self._await_unit(index)
+
     def gathers_in_flight(self) -> int:
         """How many after-step all-gathers are in flight."""
         return len(self._gathering)
@@ -310,11 +317,9 @@ class _FirstUse(TorchFunctionMode):
         self.sync = sync
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        pending = self.sync._gathering_params
-        if pending and _reads_values(func):
+        if self.sync.gathers_in_flight() and _reads_values(func):
             for arg in (*args, *(kwargs or {}).values()):
                 for t in arg if isinstance(arg, (list, tuple)) else (arg,):
-                    unit = pending.get(id(t)) if isinstance(t, torch.Tensor) else None
-                    if unit is not None:
-                        self.sync._await_unit(unit)
+                    if isinstance(t, torch.Tensor):
+                        self.sync.await_read(t)
         return func(*args, **(kwargs or {}))

@@ -2,7 +2,7 @@
 equality with one device.
 
 Each case trains 3 AdamW steps with small buckets (several ZeRO units) and records the strategy's
-events (``ZeroSync.events``, autopar/runtime/zero_grads.py) beside the job's own marks
+events (``DistributedOptimizer.events``, autopar/runtime/zero_optimizer.py) beside the job's own marks
 (tests/support/zero_jobs.py ``zero_overlap_job``): when a call first reads a decoder layer's
 parameters and when backward reaches a layer's gradients.  Checked on the steps after the first:
 
