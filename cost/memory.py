@@ -68,11 +68,12 @@ import sympy as sp
 
 from .comm import local_param_elems
 from .flops import KV_REPLICATED
-from .symbols import (Vt, FIRST, FLASH, CPAG, INFL, LAST, NRECV, NSEND, NUD, RFULL, RSEL, SP, Z1, Z2, Z3, E, a, b, cp, d, dp, dv, ep, f,
-                      fe, g, gated, h, k, ld, le, lq, m, mla, nsh, rho, rkv, rq, s, tp, w, wg, wo, wp, wz)
+from .symbols import (Vt, FIRST, FLASH, CPAG, CPUL, INFL, LAST, NRECV, NSEND, NUD, RFULL, RSEL, SP, Z1, Z2, Z3, E, a, b, cp,
+                      d, dp, dr, dv, ep, f, fe, g, gated, h, k, ld, le, lg, lq, m, mla, nsh, rho, rkv, rq, s, tp, vpp, w,
+                      wg, wo, wp, wz)
 
 __all__ = ["memory_terms", "derived_layer_bytes", "derived_outside_bytes", "korthikanti_layer_bytes",
-           "precision_bytes", "peak_memory", "STATIC_TERMS", "BACKWARD_TERMS"]
+           "precision_bytes", "peak_memory", "peak_parts", "MOMENTS", "STATIC_TERMS", "HELD_TERMS"]
 
 
 def precision_bytes(dtype_bytes: int, grad_bytes: int | None = None) -> dict[str, float]:
@@ -205,6 +206,69 @@ def _zero_transients(dense, expert, n_dense):
     return sync, zero3_buffer, zero3_layer_end
 
 
+def _low_precision():
+    """1 when the working dtype is narrower than fp32 (w = 2: bf16 mixed precision), else 0."""
+    return sp.Max(0, sp.Min(1, 3 - w, evaluate=False), evaluate=False)
+
+
+def _head_backward():
+    """The LM head and loss beyond ``head_activations``, at the largest of three moments (E = T*V/tp
+    logits on the rank, ``vp`` = 1 where tp > 1 runs autopar's vocabulary-parallel cross-entropy,
+    else aten's log-softmax and nll; L = 1 at w = 2):
+
+        forward's end  E*w + (1 - vp)*L*E*4         the logits; aten's loss also upcasts them to fp32
+                                                    (vocabulary-parallel: the upcast becomes the exp in place)
+        loss backward  vp*(E*4 + L*E*w) + (1 - vp)*2*E*4
+                                                    the fp32 logits gradient made in place (and its cast
+                                                    to w); aten: nll's gradient and log-softmax's
+        head GEMM      E*w - E*4 + V/tp*h*w + T*h*w*(1 + sp)
+                                                    the exp (log-softmax) freed; the logits gradient in w,
+                                                    the weight's gradient, the input's gradient and under
+                                                    SP the input all-gathered again for the weight's
+    (autopar/ops/collectives.py ``_VocabParallelCrossEntropy``, measured by MemTracker at full width,
+    tests/e2e/test_full_width.py)."""
+    T = b * s / cp
+    logits = T * Vt
+    low = _low_precision()
+    vp = _at_least_two(tp) * (1 - lg)
+    forward_end = logits * w + (1 - vp) * low * logits * 4
+    loss_backward = vp * (logits * 4 + low * logits * w) + (1 - vp) * 2 * logits * 4
+    head_gemm = logits * w - logits * 4 + Vt * h * w + T * h * w * (1 + SP)
+    return LAST * sp.Max(forward_end, loss_backward, head_gemm, evaluate=False)
+
+
+def _layer_backward():
+    """A layer's backward working set as its first GEMM (the MLP's row projection, down_proj) runs,
+    every activation of the layer still alive: the gradient carried down the residual stream
+    (T_sp*h*w), under SP all-gathered for the GEMM (T*h*w), the GEMM's input gradient
+    (T*max(F, h)/tp*w) and its weight gradient (max(F, h)*h/tp*w, the parameters' dtype: added into
+    the kept gradients, or kept itself)."""
+    T = b * s / cp
+    t_sp = T * (1 - SP + SP / tp)
+    widest = sp.Max(f, h, evaluate=False)
+    return t_sp * h * w + SP * T * h * w + T * widest / tp * w + widest * h / tp * w
+
+
+def _stage_terms():
+    """(rope_tables, stage_outputs): per micro-batch in flight on each of the rank's ``v`` chunks.
+
+    rope_tables: the rotary cos and sin tables the q and k rotations save, 2*(S/cp)*d_rope*w
+    (computed once per chunk's forward, shared by its layers).  stage_outputs: torch's
+    ``PipelineStage`` keeps each chunk's output until its backward (``fwd_cache``), T_sp*h*w for
+    a chunk that is not the model's last; and a chunk's input, a receive buffer or the previous
+    chunk's output counted there, is also what its first layer saves where that layer keeps its
+    input itself (w = 4: the first norm's fp32 input; full recompute: the region's input), so it
+    is taken off once for a chunk that is not the model's first.  The in-flight micro-batches are
+    taken as spread evenly over the chunks."""
+    T = b * s / cp
+    t_sp = T * (1 - SP + SP / tp)
+    held = INFL * vpp  # (chunk, micro-batch) pairs in flight
+    rope = held * 2 * (s / cp) * ((1 - mla) * d + mla * dr) * w
+    input_saved = RFULL + (1 - RFULL) * (1 - _low_precision())
+    outputs = held * t_sp * h * (w * (1 - LAST / vpp) - w * input_saved * (1 - FIRST / vpp))
+    return rope, outputs
+
+
 def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
     """Bytes per GPU on the scored stage, by category."""
     dense, expert, _ = local_param_elems()
@@ -216,6 +280,7 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
     optimizer = (shard(dense, n_dense, Z1) + shard(expert, n_exp, Z1)) * wo
     per_dense, per_moe, working, first, last = _activation_parts(activation_formula)
     sync, zero3_buffer, zero3_layer_end = _zero_transients(dense, expert, n_dense)
+    rope, outputs = _stage_terms()
     # Transients (the peak timeline below): backward of the loss holds the fp32 gradient of the
     # logits and the log-softmax backward's temporary of the same size.
     T = b * s / cp
@@ -229,10 +294,15 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
         "recompute_buffer": working,
         "embedding_activations": FIRST * first,
         "head_activations": LAST * last,
-        "head_backward": LAST * 2 * T * Vt * 4,
-        "head_weight_grad": LAST * Vt * h * wg,   # backward's first gradient (peak_memory)
-        # One layer's backward working set: its largest matrix's weight gradient and input gradient.
-        "layer_backward": sp.Max(f, h, evaluate=False) * h / tp * wg + T * sp.Max(f, h, evaluate=False) / tp * w,
+        "head_backward": _head_backward(),
+        "head_weight_grad": LAST * Vt * h * w,   # backward's first gradient, in the parameters' dtype (peak_memory)
+        "layer_backward": _layer_backward(),
+        "rope_tables": rope,
+        "stage_outputs": outputs,
+        # Mixed precision without ZeRO: the micro-batch's bf16 gradients, left on the parameters until
+        # backward ends (a pipeline: each chunk's backward) and they are folded into the fp32 main
+        # gradients (runtime/precision.py MainGrads.accumulate).
+        "low_precision_grads": (1 - Z1) * _low_precision() * (dense + expert) * w / vpp,
         "zero_sync_buffer": sync,
         "zero3_layer_end": zero3_layer_end,
         # torch.distributed.pipelining keeps a receive buffer per micro-batch across steps for each
@@ -244,44 +314,85 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
 
 # Terms alive at every point of the step; the rest peak in one phase or the other (peak_memory).
 STATIC_TERMS = ("params", "master_params", "optimizer", "pipeline_buffers")
-BACKWARD_TERMS = ("zero3_buffer", "activations", "recompute_buffer", "embedding_activations", "head_activations",
-                  "head_backward")
+# What each micro-batch in flight holds until its backward.
+HELD_TERMS = ("activations", "rope_tables", "stage_outputs")
 
 
-def peak_memory(terms: dict[str, sp.Expr]) -> sp.Expr:
-    """The step's peak bytes on the scored rank: what is always alive plus the largest of three moments.
+# The moments of a step whose largest is its peak (peak_parts), and what each is.
+MOMENTS = {
+    "B1_head": "the first backward, every micro-batch in flight: the loss and LM head's backward",
+    "B1_layer": "the first backward, every micro-batch in flight: its first layer's backward",
+    "B2_head": "a later backward (one micro-batch fewer in flight): the loss and LM head's backward",
+    "B2_layer": "a later backward (one micro-batch fewer in flight): its first layer's backward",
+    "E": "a backward's end, its bf16 gradients not yet folded into the fp32 main gradients",
+    "S": "backward done: the gradient sync",
+    "B3": "ZeRO-3: the last layer's backward ends",
+}
 
-        peak = params + master_params + optimizer + pipeline_buffers + max(B_1, B_2, S, B_3)
-        B_1 = A + g_1 * (grads + layer_backward) + (1 - g_1) * head_weight_grad
-                                                                 (a backward begins with every
-                                                                  micro-batch in flight)
-        B_2 = A - activations / n_inflight + g_2 * grads + layer_backward
-                                                                 (a later backward: one micro-batch
-                                                                  fewer, earlier backwards' gradients)
-        S   = grads + zero_sync_buffer                           (backward done: the gradient sync)
-        B_3 = activations - activations / (n_inflight (l_d + l_e)) + embedding_activations
-              + recompute_buffer + g_2 * grads + zero3_layer_end  (ZeRO-3: the last layer's
-                                                                  backward ends; 0 without ZeRO-3)
-        A   = zero3_buffer + activations + recompute_buffer + embedding_activations
-              + head_activations + head_backward
-        g_1 = keep + (1 - keep) * [m > n_inflight],   g_2 = keep + (1 - keep) * [m >= 2]
-        keep = (1 - z_1) * [dp*cp >= 2]
 
-    ``keep``: plain data parallelism accumulates into persistent bucket buffers (runtime/grad_sync.py),
-    alive all step; otherwise gradients are made by backward and freed after the step.  Without a
-    pipeline (n_inflight = 1) B_1 is the last micro-batch's backward, with the gradients of those
-    before it; a 1F1B stage holding n_inflight micro-batches has no gradients at its first backward
-    (B_1, with the LM head's weight gradient, the first one made) unless the steady state follows
-    (m > n_inflight), and then runs later backwards with a micro-batch fewer and every gradient
-    (B_2, plus one layer's backward working set: the largest matrix's weight and input gradients)."""
+def peak_parts(terms: dict[str, sp.Expr]) -> dict[str, dict[str, sp.Expr]]:
+    """Moment (:data:`MOMENTS`) -> term -> the bytes of that term alive then, beyond the static
+    terms (:func:`peak_memory` has the formulas)."""
     keep = (1 - Z1) * _at_least_two(dp * cp)
     g_1 = keep + (1 - keep) * _at_least_two(m - INFL + 1)
     g_2 = keep + (1 - keep) * _at_least_two(m)
-    alive = sum(terms[x] for x in BACKWARD_TERMS)
-    first = alive + g_1 * (terms["grads"] + terms["layer_backward"]) + (1 - g_1) * terms["head_weight_grad"]
-    later = alive - terms["activations"] / INFL + g_2 * terms["grads"] + terms["layer_backward"]
-    sync = terms["grads"] + terms["zero_sync_buffer"]
-    one_layer = terms["activations"] / (INFL * sp.Max(ld + le, 1, evaluate=False))
-    zero3 = (terms["activations"] - one_layer + terms["embedding_activations"] + terms["recompute_buffer"]
-             + g_2 * terms["grads"] + terms["zero3_layer_end"])
-    return sum(terms[x] for x in STATIC_TERMS) + sp.Max(first, later, sync, zero3, evaluate=False)
+    low = _low_precision()
+    first = {"zero3_buffer": 1, "embedding_activations": 1, **{x: 1 for x in HELD_TERMS}}
+    later = {"zero3_buffer": 1, "embedding_activations": 1, **{x: 1 - 1 / INFL for x in HELD_TERMS}}
+    head = {"head_activations": 1, "head_backward": 1}
+    layer = {"recompute_buffer": 1, "layer_backward": 1}
+    one_layer = 1 / (INFL * sp.Max(ld + le, 1, evaluate=False))
+    coefficients = {
+        # The head's weight gradient, made first, is still held at the first layer's backward where
+        # gradients are not kept (fp32), and as a bf16 gradient until backward ends (mixed precision).
+        "B1_head": {**first, "grads": g_1, **head},
+        "B1_layer": {**first, "grads": g_1, **layer, "head_weight_grad": (1 - g_1) * (1 - low) + low},
+        "B2_head": {**later, "grads": g_2, **head},
+        "B2_layer": {**later, "grads": g_2, **layer, "head_weight_grad": low},
+        "E": {**{x: 1 - 1 / INFL for x in HELD_TERMS}, "grads": g_2, "low_precision_grads": 1},
+        "S": {"grads": 1, "zero_sync_buffer": 1},
+        "B3": {"activations": 1 - one_layer, "embedding_activations": 1, "recompute_buffer": 1, "grads": g_2,
+               "zero3_layer_end": 1},
+    }
+    return {moment: {name: c * terms[name] for name, c in parts.items()} for moment, parts in coefficients.items()}
+
+
+def peak_memory(terms: dict[str, sp.Expr]) -> sp.Expr:
+    """The step's peak bytes on the scored rank: what is always alive plus the largest moment.
+
+        peak = params + master_params + optimizer + pipeline_buffers
+               + max(B1_head, B1_layer, B2_head, B2_layer, E, S, B3)
+        B1_head  = base + g_1 * grads + H      (the first backward, every micro-batch in flight:
+        B1_layer = base + g_1 * grads + R        the loss and LM head's backward, or after them the
+                   + h_g                         first layer's, the head's activations freed)
+        B2_head  = base' + g_2 * grads + H     (a later backward: one micro-batch fewer,
+        B2_layer = base' + g_2 * grads + R       earlier backwards' gradients)
+                   + L * head_weight_grad
+        E   = held (1 - 1/n_inflight) + g_2 * grads + low_precision_grads
+                        (a backward's end under mixed precision: its bf16 gradients not yet folded)
+        S   = grads + zero_sync_buffer                 (backward done: the gradient sync)
+        B3  = activations (1 - 1/(n_inflight (l_d + l_e))) + embedding_activations
+              + recompute_buffer + g_2 * grads + zero3_layer_end  (ZeRO-3: the last layer's
+                                                                  backward ends; 0 without ZeRO-3)
+        held  = activations + rope_tables + stage_outputs     (what each micro-batch in flight holds)
+        base  = zero3_buffer + embedding_activations + held,  base' = the same with held (1 - 1/n_inflight)
+        H     = head_activations + head_backward    (0 but on the last stage)
+        R     = recompute_buffer + layer_backward
+        h_g   = head_weight_grad ((1 - g_1)(1 - L) + L),   L = 1 under mixed precision (w = 2)
+        g_1   = keep + (1 - keep) [m > n_inflight],   g_2 = keep + (1 - keep) [m >= 2]
+        keep  = (1 - z_1) [dp*cp >= 2]
+
+    ``keep``: plain data parallelism accumulates into persistent bucket buffers (runtime/grad_sync.py),
+    alive all step; otherwise gradients are made by backward and freed after the step.  Without a
+    pipeline (n_inflight = 1) B1 is the last micro-batch's backward, with the gradients of those
+    before it; a 1F1B stage holding n_inflight micro-batches has no gradients at its first backward
+    (B1, with the LM head's weight gradient, the first one made) unless the steady state follows
+    (m > n_inflight), and then runs later backwards with a micro-batch fewer and every gradient
+    (B2).  A backward's largest moment is the loss and LM head's (``head_backward``) or, after
+    them, its first layer's, with that layer's recomputed activations (``recompute_buffer``) and
+    its first GEMM's working set (``layer_backward``).  Each moment term by term is
+    :func:`peak_parts` (``Cost.peak_breakdown``).  Measured at full width by torch's MemTracker
+    (tests/e2e/test_full_width.py) and on small models by the CPU allocator (tests/dist/test_memory_peak.py)."""
+    moments = (sum(parts.values()) for parts in peak_parts(terms).values())
+    return sum(terms[x] for x in STATIC_TERMS) + sp.Max(*moments, evaluate=False)
+
