@@ -214,13 +214,14 @@ def _low_precision():
 def _head_backward():
     """The LM head and loss beyond ``head_activations``, at the largest of three moments (E = T*V/tp
     logits on the rank, ``vp`` = 1 where tp > 1 runs autopar's vocabulary-parallel cross-entropy,
-    else aten's log-softmax and nll; L = 1 at w = 2):
+    else aten's log-softmax and nll):
 
-        forward's end  E*w + (1 - vp)*L*E*4         the logits; aten's loss also upcasts them to fp32
-                                                    (vocabulary-parallel: the upcast becomes the exp in place)
-        loss backward  vp*(E*4 + L*E*w) + (1 - vp)*2*E*4
-                                                    the fp32 logits gradient made in place (and its cast
-                                                    to w); aten: nll's gradient and log-softmax's
+        forward's end  E*4                          the logits in fp32 (under mixed precision the
+                                                    program upcasts them before the loss, the bf16 ones
+                                                    freed), besides the exp (log-softmax) made from them
+        loss backward  vp*E*4 + (1 - vp)*2*E*4      the fp32 logits gradient, made in place; aten: nll's
+                                                    gradient and log-softmax's (their cast to w comes
+                                                    after the loss frees its exp: less)
         head GEMM      E*w - E*4 + V/tp*h*w + T*h*w*(1 + sp)
                                                     the exp (log-softmax) freed; the logits gradient in w,
                                                     the weight's gradient, the input's gradient and under
@@ -229,10 +230,9 @@ def _head_backward():
     tests/e2e/test_full_width.py)."""
     T = b * s / cp
     logits = T * Vt
-    low = _low_precision()
     vp = _at_least_two(tp) * (1 - lg)
-    forward_end = logits * w + (1 - vp) * low * logits * 4
-    loss_backward = vp * (logits * 4 + low * logits * w) + (1 - vp) * 2 * logits * 4
+    forward_end = logits * 4
+    loss_backward = vp * logits * 4 + (1 - vp) * 2 * logits * 4
     head_gemm = logits * w - logits * 4 + Vt * h * w + T * h * w * (1 + SP)
     return LAST * sp.Max(forward_end, loss_backward, head_gemm, evaluate=False)
 
