@@ -55,12 +55,26 @@ embedding saves (8*T); the last stage the final norm (as above), the LM head's i
 (T_sp*h*w: the shard under SP, re-gathered in backward) and the loss buffers: fp32 log-softmax of the logits (a loss
 on upcast logits; under TP the fp32 ``exp`` of the vocabulary-parallel cross-entropy)
 T*V/tp*4 and the int64 target 8*T (not modelled: the vocabulary-parallel loss's 6*T bytes of per-token sums and masks,
-RoPE cos/sin tables, a materialised attention mask).
+a materialised attention mask).
 ``korthikanti_layer_bytes`` is the GPT-layer formula of Korthikanti et al. (set C):
 sbh(10 + 24/t + 5as/(ht)), (sbh/t)(34 + 5as/h) with SP, the 5as/h term dropped by
 selective recompute, 2sbh with full recompute (written for 2-byte activations); with it
 the last stage adds the logits ``T*V/tp*(w + 4)`` (bf16 logits + fp32 softmax).
 The stage multiplies its layers' bytes by the micro-batches in flight (pipeline.py).
+
+Beside them, for each micro-batch in flight on each of the rank's v chunks (``_stage_terms``):
+  rope_tables    2*(S/cp)*d_rope*w      the rotary cos, sin the q and k rotations save
+  stage_outputs  T_sp*h*w*((1 - last/v) - i*(1 - first/v))
+                                        torch's stages keep a chunk's output until its backward; a
+                                        chunk's input counted twice (i = 1 at w = 4 or full recompute)
+and the moments of the step (``peak_memory``, ``peak_parts``: which terms are alive when):
+  head_backward       the loss and LM head beyond head_activations, at the largest of forward's end,
+                      the loss backward and the head GEMM's backward      (_head_backward)
+  layer_backward      a layer's first GEMM's working set in backward       (_layer_backward)
+  low_precision_grads the bf16 gradients before they are folded into fp32  (mixed precision, ZeRO-0)
+  ZeRO's sync and gather buffers                                            (_zero_transients)
+Measured by torch's MemTracker at full width (tests/e2e/test_full_width.py) and by the CPU
+allocator on small models (tests/dist/test_memory_peak.py); docs/cost-model.md has both tables.
 """
 from __future__ import annotations
 
