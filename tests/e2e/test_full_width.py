@@ -60,9 +60,10 @@ def _check(r: dict) -> None:
                                       f"measured ({flops_error:+.1%}) {r['flops_by_op']}: {what}")
 
 
-# The README job's plan at three pp ranks: its ZeRO-1 form on pp rank 0 (the fullest: the most micro-batches
-# in flight, the embedding), its ZeRO-0 form on pp rank 2 in bf16 and on pp rank 3 (the LM head and loss).
-README_CASES = [(README_ZERO1, 32, 0, {}), (README, 32, 700, {"mixed_precision": "bf16"}), (README, 32, 1023, {})]
+# The README job's plan at two pp ranks (a README step costs 40-90 s here; docs/cost-model.md has pp rank 2
+# and both forms at every rank): its ZeRO-1 form on pp rank 0 (the fullest: the most micro-batches in flight,
+# the embedding) in fp32, its ZeRO-0 form on pp rank 3 (the LM head and loss) in bf16.
+README_CASES = [(README_ZERO1, 32, 0, {}), (README, 32, 1023, {"mixed_precision": "bf16"})]
 # Two layers: recompute (full, with gradient accumulation, and selective), CP besides the README's ring,
 # Mixtral 8x7B's experts over ep=8 (balanced routing on meta), in fp32 and bf16.
 SMALL_CASES = {
@@ -75,7 +76,7 @@ SMALL_CASES = {
 }
 
 
-@pytest.mark.parametrize("case", README_CASES, ids=["zero1-pp0", "bf16-pp2", "pp3"])
+@pytest.mark.parametrize("case", README_CASES, ids=["zero1-pp0", "bf16-pp3"])
 def test_readme_plan_rank_at_full_width(case):
     (r,) = _run([case])
     assert r["pp_rank"] == case[2] // 256                   # 256 ranks per pipeline stage of 1,024
