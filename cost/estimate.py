@@ -25,7 +25,7 @@ from .model import DEFAULT_CONSTANTS, evaluate, model_formulas, model_values, pl
 from .pipeline import inflight, stage_views
 from .spec import ModelSpec
 
-__all__ = ["Term", "Cost", "estimate", "head_layers"]
+__all__ = ["Term", "PeakBreakdown", "Cost", "estimate", "head_layers"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,24 @@ class Term:
     def __str__(self) -> str:
         unit = _fmt_bytes(self.value) if self.category == "memory" else _fmt_time(self.value)
         return f"{self.name:<38} {unit:>12}   {self.formula}"
+
+
+@dataclass(frozen=True)
+class PeakBreakdown:
+    """One pp rank's peak, term by term (:meth:`Cost.peak_breakdown`): ``terms`` maps each memory
+    term to ``(bytes, bytes alive at the peak)``; ``moment`` is the moment of the step that peaks
+    (cost/memory.py ``MOMENTS``, described by ``what``); ``peak`` is the sum of the second column."""
+
+    pp_rank: int
+    moment: str
+    what: str
+    terms: dict[str, tuple[float, float]]
+    peak: float
+
+    @property
+    def sum_of_terms(self) -> float:
+        """Every term added up: more than the peak, the terms are never all alive at once."""
+        return sum(total for total, _ in self.terms.values())
 
 
 def _fmt_time(t: float) -> str:
@@ -100,6 +118,33 @@ class Cost:
         cost/memory.py's ``peak_memory`` timeline over the terms of :meth:`memory`, which are
         not all alive at once (their sum over-counts)."""
         return self._value("memory", self.memory_pp_rank if pp_rank is None else pp_rank)
+
+    def peak_breakdown(self, pp_rank: int | None = None) -> PeakBreakdown:
+        """Pipeline rank ``pp_rank``'s (default: the fullest) memory terms with the part of each alive at
+        its peak: the static terms whole, the others as the moment that peaks holds them
+        (cost/memory.py ``peak_parts``); the second column sums to :meth:`peak_memory`."""
+        from .memory import MOMENTS, STATIC_TERMS
+
+        r = self.memory_pp_rank if pp_rank is None else pp_rank
+        totals = self.memory(r)
+        moments = {mo: sum(self._value(f"peak.{mo}.{t}", r) for t in totals if f"peak.{mo}.{t}" in self._out)
+                   for mo in MOMENTS}
+        moment = max(moments, key=moments.get)
+        alive = {t: (v if t in STATIC_TERMS else self._value(f"peak.{moment}.{t}", r) if f"peak.{moment}.{t}" in self._out
+                     else 0.0) for t, v in totals.items()}
+        return PeakBreakdown(r, moment, MOMENTS[moment], {t: (totals[t], alive[t]) for t in totals},
+                             sum(alive.values()))
+
+    def flops(self, pp_rank: int | None = None) -> float:
+        """FLOPs of one optimizer step on pipeline rank ``pp_rank`` (default: the slowest), counted
+        as torch's ``FlopCounterMode`` counts them: matmuls and attention, forward, backward and
+        recompute (cost/flops.py ``counted_flops``; :meth:`flops_terms` has them term by term)."""
+        return self._value("flops", self.bottleneck_pp_rank if pp_rank is None else pp_rank)
+
+    def flops_terms(self, pp_rank: int | None = None) -> dict[str, float]:
+        """:meth:`flops` term by term (matmul and attention, forward and backward, recompute)."""
+        r = self.bottleneck_pp_rank if pp_rank is None else pp_rank
+        return {n.split(".", 1)[1]: self._value(n, r) for n in self._out if n.startswith("flops.")}
 
     def breakdown(self, *, formulas: bool = True) -> list[Term]:
         """Each term: per-step time on the slowest rank, bubble, and memory on the fullest.
@@ -172,19 +217,24 @@ class Cost:
             f"  step time     {_fmt_time(self.step_time)}   (bubble {_fmt_time(self.bubble)}, "
             f"slowest pp rank {self.bottleneck_pp_rank})",
             f"  throughput    {self.tokens_per_s:,.0f} tokens/s   MFU {self.mfu * 100:.1f}%",
-            f"  memory/GPU    {_fmt_bytes(self.memory_per_gpu)} peak of {_fmt_bytes(cap)} usable "
-            f"({'fits' if self.fits else 'DOES NOT FIT'}; pp rank {self.memory_pp_rank})",
+            f"  memory/GPU    {_fmt_bytes(self.memory_per_gpu)}: the peak of pp rank {self.memory_pp_rank}, the "
+            f"fullest, of {_fmt_bytes(cap)} usable ({'fits' if self.fits else 'DOES NOT FIT'})",
         ]
         terms = self.breakdown()
         lines.append("  time per step (slowest rank):")
         for t in sorted((t for t in terms if t.category != "memory"), key=lambda t: -t.value):
             if t.value > 0 and (verbose or t.value >= 1e-3 * self.step_time):
                 lines.append("    " + (str(t) if verbose else f"{t.name:<38} {_fmt_time(t.value):>12}"))
-        lines.append("  memory per GPU (terms; the peak takes the always-alive ones and the larger phase, "
-                     "cost/memory.py peak_memory):")
-        for t in terms:
-            if t.category == "memory" and t.value > 0:
-                lines.append("    " + (str(t) if verbose else f"{t.name:<38} {_fmt_bytes(t.value):>12}"))
+        peak = self.peak_breakdown()
+        lines.append(f"  memory per GPU, pp rank {peak.pp_rank} (term, its part alive at the peak: * ; "
+                     f"the peak is {peak.what}, cost/memory.py peak_memory):")
+        formulas = {t.name: t for t in terms if t.category == "memory"}
+        for name, (total, alive) in peak.terms.items():
+            if total > 0:
+                line = f"memory.{name:<31} {_fmt_bytes(total):>12} {_fmt_bytes(alive):>12} {'*' if alive > 0 else ' '}"
+                lines.append("    " + line + (f"   {formulas['memory.' + name].formula}" if verbose else ""))
+        lines.append(f"    {'peak':<38} {'':>12} {_fmt_bytes(peak.peak):>12}")
+        lines.append(f"    {'sum of all terms (never all alive)':<38} {_fmt_bytes(peak.sum_of_terms):>12}")
         return "\n".join(lines)
 
     def __str__(self) -> str:

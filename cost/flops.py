@@ -21,6 +21,22 @@ layers, * = 2 for matmul multiply-adds):
 Backward is 2x forward for GEMMs and 2.5x for flash attention (it recomputes the
 scores; unfused attention, as in Megatron before 2023, computes the full masked score
 matrix and its backward is 2x); recomputation adds a forward of the layers (full) or of attention (selective).
+
+``counted_flops`` is what torch's ``FlopCounterMode`` counts for one optimizer step of the rank
+(``Cost.flops(pp_rank)``), per micro-batch times m, with h_l = a/tp heads on the rank:
+  matmul forward        the GEMM classes above but attention (2*M*K*N each; experts: the grouped
+                        GEMM's rows, which FlopCounterMode counts given a formula for it)
+  matmul backward       2x matmul forward (an input and a weight gradient per GEMM)
+  attention forward     (l_d + l_e) * 2*b*h_l*A*(d + d_v)
+  attention backward    (l_d + l_e) * 2*b*h_l*A*(3d + 2d_v)   (FlopCounterMode's fused-backward
+                        formula: the scores recomputed, dV, dP, dQ, dK; CP's blockwise backward alike)
+  recompute             full: the layers' matmul forward but down_proj (torch's early stop ends the
+                        region at its last saved tensor), and attention forward; selective: attention
+                        forward
+where A is the score area a rank computes: S^2 for the fused kernel (cp = 1; FlopCounterMode counts
+the whole matrix, causal or not), and under CP the (2cp + 1) blocks of (S/2cp)^2 that the causal
+load-balanced split leaves a rank (autopar/ops/cp_attention.py: its two chunks against every chunk
+at or before them; Ulysses computes the same area over a/(tp*cp) heads and the whole sequence).
 """
 from __future__ import annotations
 
@@ -29,10 +45,10 @@ from dataclasses import dataclass
 import sympy as sp
 
 from .symbols import (Vt, FLASH, LAST, RFULL, RSEL, E, a, b, cp, d, dr, dv, ep, f, fe, g, gated, h, k, ld, le,
-                      lq, mla, nsh, rho, rkv, rq, s, tp)
+                      lq, m, mla, nsh, rho, rkv, rq, s, tp)
 
 __all__ = ["Gemm", "KV_REPLICATED", "attention_weights", "kv_weights", "latent_down_weights", "gemm_classes", "model_flops",
-           "megatron_flops", "per_token_layer_flops"]
+           "megatron_flops", "per_token_layer_flops", "counted_flops"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +120,28 @@ def gemm_classes() -> list[Gemm]:
         Gemm("shared_experts", le * 2 * Te * nsh * mlp_mult * h * fe, _n(Te, h, fe), 2, RFULL),
         Gemm("lm_head", LAST * 2 * T * h * Vt, _n(T, h, Vt), 2, sp.Integer(0)),
     ]
+
+
+_MATMULS = ("qkv_proj", "o_proj", "mlp", "router", "experts", "shared_experts", "lm_head")
+
+
+def counted_flops() -> dict[str, sp.Expr]:
+    """One optimizer step's FLOPs on the scored pp rank, term by term, as torch's FlopCounterMode
+    counts them (the module docstring's table; their sum is ``Cost.flops(pp_rank)``)."""
+    classes = {gemm.name: gemm.fwd for gemm in gemm_classes()}
+    matmul = sum(classes[name] for name in _MATMULS)
+    cp_blocks = sp.Max(0, sp.Min(1, cp - 1, evaluate=False), evaluate=False)  # 1 under CP
+    area = (1 - cp_blocks) * s**2 + cp_blocks * (2 * cp + 1) * (s / (2 * cp))**2
+    per_score = (ld + le) * 2 * b * (a / tp) * area
+    attention = per_score * (d + dv)
+    down_proj = ld * 2 * (b * s / cp) * h * f / tp
+    return {
+        "matmul_forward": m * matmul,
+        "matmul_backward": m * 2 * matmul,
+        "attention_forward": m * attention,
+        "attention_backward": m * per_score * (3 * d + 2 * dv),
+        "recompute": m * (RFULL * (matmul - classes["lm_head"] - down_proj) + (RSEL + RFULL) * attention),
+    }
 
 
 def per_token_layer_flops(spec, seq_len: int) -> tuple[float, float, float]:

@@ -55,12 +55,26 @@ embedding saves (8*T); the last stage the final norm (as above), the LM head's i
 (T_sp*h*w: the shard under SP, re-gathered in backward) and the loss buffers: fp32 log-softmax of the logits (a loss
 on upcast logits; under TP the fp32 ``exp`` of the vocabulary-parallel cross-entropy)
 T*V/tp*4 and the int64 target 8*T (not modelled: the vocabulary-parallel loss's 6*T bytes of per-token sums and masks,
-RoPE cos/sin tables, a materialised attention mask).
+a materialised attention mask).
 ``korthikanti_layer_bytes`` is the GPT-layer formula of Korthikanti et al. (set C):
 sbh(10 + 24/t + 5as/(ht)), (sbh/t)(34 + 5as/h) with SP, the 5as/h term dropped by
 selective recompute, 2sbh with full recompute (written for 2-byte activations); with it
 the last stage adds the logits ``T*V/tp*(w + 4)`` (bf16 logits + fp32 softmax).
 The stage multiplies its layers' bytes by the micro-batches in flight (pipeline.py).
+
+Beside them, for each micro-batch in flight on each of the rank's v chunks (``_stage_terms``):
+  rope_tables    2*(S/cp)*d_rope*w      the rotary cos, sin the q and k rotations save
+  stage_outputs  T_sp*h*w*((1 - last/v) - i*(1 - first/v))
+                                        torch's stages keep a chunk's output until its backward; a
+                                        chunk's input counted twice (i = 1 at w = 4 or full recompute)
+and the moments of the step (``peak_memory``, ``peak_parts``: which terms are alive when):
+  head_backward       the loss and LM head beyond head_activations, at the largest of forward's end,
+                      the loss backward and the head GEMM's backward      (_head_backward)
+  layer_backward      a layer's first GEMM's working set in backward       (_layer_backward)
+  low_precision_grads the bf16 gradients before they are folded into fp32  (mixed precision, ZeRO-0)
+  ZeRO's sync and gather buffers                                            (_zero_transients)
+Measured by torch's MemTracker at full width (tests/e2e/test_full_width.py) and by the CPU
+allocator on small models (tests/dist/test_memory_peak.py); docs/cost-model.md has both tables.
 """
 from __future__ import annotations
 
@@ -70,11 +84,12 @@ from autopar.plan_space import ZERO_SCATTERS_IN_FLIGHT
 
 from .comm import local_param_elems
 from .flops import KV_REPLICATED
-from .symbols import (CBK, KEEP, TIED, UMX, Pe, en, nn, Vt, FIRST, FLASH, CPAG, INFL, LAST, NRECV, NSEND, NUD, RFULL, RSEL, SP, Z1, Z2, Z3, E, a, b, cp, d, dp, dv, ep, f,
-                      fe, g, gated, h, k, ld, le, lq, m, mla, nsh, rho, rkv, rq, s, tp, w, wg, wgc, wo, wp, wz)
+from .symbols import (CBK, KEEP, TIED, UMX, Pe, en, nn, Vt, FIRST, FLASH, CPAG, INFL, LAST, NRECV, NSEND, NUD,
+                      RFULL, RSEL, SP, Z1, Z2, Z3, E, a, b, cp, d, dp, dr, dv, ep, f, fe, g, gated, h, k, ld, le, lg, lq,
+                      m, mla, nsh, rho, rkv, rq, s, tp, vpp, w, wg, wgc, wo, wp, wz)
 
 __all__ = ["memory_terms", "derived_layer_bytes", "derived_outside_bytes", "korthikanti_layer_bytes",
-           "precision_bytes", "peak_memory", "STATIC_TERMS", "BACKWARD_TERMS"]
+           "precision_bytes", "peak_memory", "peak_parts", "MOMENTS", "STATIC_TERMS", "HELD_TERMS"]
 
 
 def precision_bytes(dtype_bytes: int, grad_bytes: int | None = None) -> dict[str, float]:
@@ -240,6 +255,69 @@ def _zero_transients(dense, expert, n_dense):
     return (Z1 - Z3) * u * wgc, sync, copies, zero3_buffer, zero3_layer_end
 
 
+def _low_precision():
+    """1 when the working dtype is narrower than fp32 (w = 2: bf16 mixed precision), else 0."""
+    return sp.Max(0, sp.Min(1, 3 - w, evaluate=False), evaluate=False)
+
+
+def _head_backward():
+    """The LM head and loss beyond ``head_activations``, at the largest of three moments (E = T*V/tp
+    logits on the rank, ``vp`` = 1 where tp > 1 runs autopar's vocabulary-parallel cross-entropy,
+    else aten's log-softmax and nll):
+
+        forward's end  E*4                          the logits in fp32 (under mixed precision the
+                                                    program upcasts them before the loss, the bf16 ones
+                                                    freed), besides the exp (log-softmax) made from them
+        loss backward  vp*E*4 + (1 - vp)*2*E*4      the fp32 logits gradient, made in place; aten: nll's
+                                                    gradient and log-softmax's (their cast to w comes
+                                                    after the loss frees its exp: less)
+        head GEMM      E*w - E*4 + V/tp*h*w + T*h*w*(1 + sp)
+                                                    the exp (log-softmax) freed; the logits gradient in w,
+                                                    the weight's gradient, the input's gradient and under
+                                                    SP the input all-gathered again for the weight's
+    (autopar/ops/collectives.py ``_VocabParallelCrossEntropy``, measured by MemTracker at full width,
+    tests/e2e/test_full_width.py)."""
+    T = b * s / cp
+    logits = T * Vt
+    vp = _at_least_two(tp) * (1 - lg)
+    forward_end = logits * 4
+    loss_backward = vp * logits * 4 + (1 - vp) * 2 * logits * 4
+    head_gemm = logits * w - logits * 4 + Vt * h * w + T * h * w * (1 + SP)
+    return LAST * sp.Max(forward_end, loss_backward, head_gemm, evaluate=False)
+
+
+def _layer_backward():
+    """A layer's backward working set as its first GEMM (the MLP's row projection, down_proj) runs,
+    every activation of the layer still alive: the gradient carried down the residual stream
+    (T_sp*h*w), under SP all-gathered for the GEMM (T*h*w), the GEMM's input gradient
+    (T*max(F, h)/tp*w) and its weight gradient (max(F, h)*h/tp*w, the parameters' dtype: added into
+    the kept gradients, or kept itself)."""
+    T = b * s / cp
+    t_sp = T * (1 - SP + SP / tp)
+    widest = sp.Max(f, h, evaluate=False)
+    return t_sp * h * w + SP * T * h * w + T * widest / tp * w + widest * h / tp * w
+
+
+def _stage_terms():
+    """(rope_tables, stage_outputs): per micro-batch in flight on each of the rank's ``v`` chunks.
+
+    rope_tables: the rotary cos and sin tables the q and k rotations save, 2*(S/cp)*d_rope*w
+    (computed once per chunk's forward, shared by its layers).  stage_outputs: torch's
+    ``PipelineStage`` keeps each chunk's output until its backward (``fwd_cache``), T_sp*h*w for
+    a chunk that is not the model's last; and a chunk's input, a receive buffer or the previous
+    chunk's output counted there, is also what its first layer saves where that layer keeps its
+    input itself (w = 4: the first norm's fp32 input; full recompute: the region's input), so it
+    is taken off once for a chunk that is not the model's first.  The in-flight micro-batches are
+    taken as spread evenly over the chunks."""
+    T = b * s / cp
+    t_sp = T * (1 - SP + SP / tp)
+    held = INFL * vpp  # (chunk, micro-batch) pairs in flight
+    rope = held * 2 * (s / cp) * ((1 - mla) * d + mla * dr) * w
+    input_saved = RFULL + (1 - RFULL) * (1 - _low_precision())
+    outputs = held * t_sp * h * (w * (1 - LAST / vpp) - w * input_saved * (1 - FIRST / vpp))
+    return rope, outputs
+
+
 def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
     """Bytes per GPU on the scored stage, by category."""
     dense, expert, _ = local_param_elems()
@@ -251,6 +329,7 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
     optimizer = (shard(dense, n_dense, Z1) + shard(expert, n_exp, Z1)) * wo
     per_dense, per_moe, working, first, last = _activation_parts(activation_formula)
     unit_buffer, sync, copies, zero3_buffer, zero3_layer_end = _zero_transients(dense, expert, n_dense)
+    rope, outputs = _stage_terms()
     # Transients (the peak timeline below): backward of the loss holds the fp32 gradient of the
     # logits and the log-softmax backward's temporary of the same size.
     T = b * s / cp
@@ -263,10 +342,15 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
         "recompute_buffer": working,
         "embedding_activations": FIRST * first,
         "head_activations": LAST * last,
-        "head_backward": LAST * 2 * T * Vt * 4,
-        "head_weight_grad": LAST * Vt * h * wg,   # backward's first gradient (peak_memory)
-        # One layer's backward working set: its largest matrix's weight gradient and input gradient.
-        "layer_backward": sp.Max(f, h, evaluate=False) * h / tp * wg + T * sp.Max(f, h, evaluate=False) / tp * w,
+        "head_backward": _head_backward(),
+        "head_weight_grad": LAST * Vt * h * w,   # backward's first gradient, in the parameters' dtype (peak_memory)
+        "layer_backward": _layer_backward(),
+        "rope_tables": rope,
+        "stage_outputs": outputs,
+        # Mixed precision without ZeRO: the micro-batch's bf16 gradients, left on the parameters until
+        # backward ends (a pipeline: each chunk's backward) and they are folded into the fp32 main
+        # gradients (runtime/precision.py MainGrads.accumulate).  ZeRO-1/2 fold each in its hook.
+        "low_precision_grads": (1 - Z1) * _low_precision() * (dense + expert) * w / vpp,
         "zero_unit_buffer": unit_buffer,
         "zero_sync_buffer": sync,
         "collective_copies": copies,
@@ -280,71 +364,112 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
 
 # Terms alive at every point of the step; the rest peak in one phase or the other (peak_memory).
 STATIC_TERMS = ("params", "optimizer", "pipeline_buffers")
-BACKWARD_TERMS = ("zero3_buffer", "activations", "recompute_buffer", "embedding_activations", "head_activations",
-                  "head_backward")
+# What each micro-batch in flight holds until its backward.
+HELD_TERMS = ("activations", "rope_tables", "stage_outputs")
 
 
-def peak_memory(terms: dict[str, sp.Expr]) -> sp.Expr:
-    """The step's peak bytes on the scored rank: what is always alive plus the largest of five moments.
+# The moments of a step whose largest is its peak (peak_parts), and what each is.
+MOMENTS = {
+    "B1_head": "the first backward, every micro-batch in flight: the loss and LM head's backward",
+    "B1_layer": "the first backward, every micro-batch in flight: its first layer's backward "
+                "(ZeRO-1/2: the next units' buffers and reduce-scatters in flight)",
+    "B2_head": "a later backward (one micro-batch fewer in flight): the loss and LM head's backward",
+    "B2_layer": "a later backward (one micro-batch fewer in flight): its first layer's backward",
+    "E": "a backward's end, its bf16 gradients not yet folded into the fp32 main gradients",
+    "S": "backward done: the gradient sync",
+    "B3": "ZeRO-3: the last layer's backward ends",
+}
 
-        peak = params + optimizer + pipeline_buffers + max(B_1, B_w, B_2, S, B_3)
-        B_1 = A + g_1 * (grads + layer_backward) + (1 - g_1) * head_weight_grad + zero_unit_buffer
-                                                                 (a backward begins with every
-                                                                  micro-batch in flight; ZeRO-1/2:
-                                                                  the first unit's buffer)
-        B_w = A - head_activations - head_backward + g_1 * (grads + layer_backward)
-              + (z_2 - z_3 + (1 - g_1) (z_1 - z_2)) * zero_sync_buffer + (z_1 - z_3) * c_w * collective_copies
-                                                                 (ZeRO-1/2: the head's backward done,
-                                                                  the next units' buffers and
-                                                                  reduce-scatters in flight)
-        B_2 = A - activations / n_inflight + g_2 * grads + layer_backward
-              + (z_2 - z_3) * (zero_sync_buffer + c_w * collective_copies)
-                                                                 (a later backward: one micro-batch
-                                                                  fewer, earlier backwards' gradients,
-                                                                  ZeRO-2's units in flight)
-        S   = grads + (z_1 - z_3) * collective_copies + (z_2 - z_3) * c_s * zero_sync_buffer
-                                                                 (backward done: the gradient sync;
-                                                                  ZeRO-2's last units in flight)
-        B_3 = activations - activations / (n_inflight (l_d + l_e)) + embedding_activations
-              + recompute_buffer + g_2 * grads + zero3_layer_end + z_3 * collective_copies
-                                                                 (ZeRO-3: the last layer's
-                                                                  backward ends; 0 without ZeRO-3)
-        A   = zero3_buffer + activations + recompute_buffer + embedding_activations
-              + head_activations + head_backward
-        g_1 = keep + (1 - keep) * [m > n_inflight],   g_2 = keep + (1 - keep) * [m >= 2]
-        c_w = min(n_ud - 1, F) / min(n_ud, F)                    (in backward's window the unit
-                                                                  being filled has not started)
-        c_s = min(n_ud, F) / min(n_ud, F + 1)                    (at its end none is being filled)
 
-    ``keep`` (:func:`autopar.plan_space.grads_kept`, a plan value): plain data parallelism
-    accumulates into persistent bucket buffers (runtime/grad_sync.py), alive all step; otherwise
-    gradients are made by backward and freed after the step (ZeRO-1's flat buffers too).  Without a
-    pipeline (n_inflight = 1) B_1 is the last micro-batch's backward, with the gradients of those
-    before it; a 1F1B stage holding n_inflight micro-batches has no gradients at its first backward
-    (B_1, with the LM head's weight gradient, the first one made) unless the steady state follows
-    (m > n_inflight), and then runs later backwards with a micro-batch fewer and every gradient
-    (B_2, plus one layer's backward working set: the largest matrix's weight and input gradients).
-    ZeRO-1's buffers of earlier micro-batches are its ``grads`` (g_1 = 1 under accumulation), so B_w
-    adds its window only when they are new.  ``collective_copies`` is alive while its stage's
-    reduce-scatters run: in backward and after it (ZeRO-1's last micro-batch, ZeRO-2), at a layer's
-    end (ZeRO-3)."""
-    g_1 = KEEP + (1 - KEEP) * _at_least_two(m - INFL + 1)
-    g_2 = KEEP + (1 - KEEP) * _at_least_two(m)
-    alive = sum(terms[x] for x in BACKWARD_TERMS)
-    copies, window = terms["collective_copies"], terms["zero_sync_buffer"]
+def _zero_window_factors():
+    """(c_w, c_s): the share of ``collective_copies`` alive in backward's window (the unit being
+    filled has not started) and of ``zero_sync_buffer`` at backward's end (none is being filled)."""
     in_flight = ZERO_SCATTERS_IN_FLIGHT
     started = sp.Max(sp.Min(NUD, in_flight, evaluate=False), 1, evaluate=False)
     c_w = sp.Min(sp.Max(NUD - 1, 0, evaluate=False), in_flight, evaluate=False) / started
     c_s = started / sp.Max(sp.Min(NUD, in_flight + 1, evaluate=False), 1, evaluate=False)
-    first = (alive + g_1 * (terms["grads"] + terms["layer_backward"]) + (1 - g_1) * terms["head_weight_grad"]
-             + terms["zero_unit_buffer"])
-    after_head = (alive - terms["head_activations"] - terms["head_backward"]
-                  + g_1 * (terms["grads"] + terms["layer_backward"])
-                  + (Z2 - Z3 + (1 - g_1) * (Z1 - Z2)) * window + (Z1 - Z3) * c_w * copies)
-    later = (alive - terms["activations"] / INFL + g_2 * terms["grads"] + terms["layer_backward"]
-             + (Z2 - Z3) * (window + c_w * copies))
-    sync = terms["grads"] + (Z1 - Z3) * copies + (Z2 - Z3) * c_s * window
-    one_layer = terms["activations"] / (INFL * sp.Max(ld + le, 1, evaluate=False))
-    zero3 = (terms["activations"] - one_layer + terms["embedding_activations"] + terms["recompute_buffer"]
-             + g_2 * terms["grads"] + terms["zero3_layer_end"] + Z3 * copies)
-    return sum(terms[x] for x in STATIC_TERMS) + sp.Max(first, after_head, later, sync, zero3, evaluate=False)
+    return c_w, c_s
+
+
+def peak_parts(terms: dict[str, sp.Expr]) -> dict[str, dict[str, sp.Expr]]:
+    """Moment (:data:`MOMENTS`) -> term -> the bytes of that term alive then, beyond the static
+    terms (:func:`peak_memory` has the formulas)."""
+    g_1 = KEEP + (1 - KEEP) * _at_least_two(m - INFL + 1)
+    g_2 = KEEP + (1 - KEEP) * _at_least_two(m)
+    low = _low_precision()
+    c_w, c_s = _zero_window_factors()
+    zero12 = Z1 - Z3  # ZeRO-1 or 2: gradients go into unit buffers as they are made (hooks fold bf16 ones)
+    first = {"zero3_buffer": 1, "embedding_activations": 1, **{x: 1 for x in HELD_TERMS}}
+    later = {"zero3_buffer": 1, "embedding_activations": 1, **{x: 1 - 1 / INFL for x in HELD_TERMS}}
+    head = {"head_activations": 1, "head_backward": 1}
+    layer = {"recompute_buffer": 1, "layer_backward": 1}
+    one_layer = 1 / (INFL * sp.Max(ld + le, 1, evaluate=False))
+    coefficients = {
+        # The head's weight gradient, made first, is still held at the first layer's backward where
+        # gradients are not kept (fp32), and as a bf16 gradient until backward ends (mixed precision);
+        # under ZeRO-1/2 it is in its unit's buffer, the window's first.
+        "B1_head": {**first, "grads": g_1, **head, "zero_unit_buffer": 1},
+        "B1_layer": {**first, "grads": g_1, **layer,
+                     "head_weight_grad": (1 - zero12) * ((1 - g_1) * (1 - low) + low),
+                     "zero_sync_buffer": Z2 - Z3 + (1 - g_1) * (Z1 - Z2), "collective_copies": zero12 * c_w},
+        "B2_head": {**later, "grads": g_2, **head},
+        "B2_layer": {**later, "grads": g_2, **layer, "head_weight_grad": (1 - zero12) * low,
+                     "zero_sync_buffer": Z2 - Z3, "collective_copies": (Z2 - Z3) * c_w},
+        "E": {**{x: 1 - 1 / INFL for x in HELD_TERMS}, "grads": g_2, "low_precision_grads": 1},
+        "S": {"grads": 1, "collective_copies": zero12, "zero_sync_buffer": (Z2 - Z3) * c_s},
+        "B3": {"activations": 1 - one_layer, "embedding_activations": 1, "recompute_buffer": 1, "grads": g_2,
+               "zero3_layer_end": 1, "collective_copies": Z3},
+    }
+    return {moment: {name: c * terms[name] for name, c in parts.items()} for moment, parts in coefficients.items()}
+
+
+def peak_memory(terms: dict[str, sp.Expr]) -> sp.Expr:
+    """The step's peak bytes on the scored rank: what is always alive plus the largest moment.
+
+        peak = params + optimizer + pipeline_buffers + max(B1_head, B1_layer, B2_head, B2_layer, E, S, B3)
+        B1_head  = base + g_1 * grads + H + zero_unit_buffer
+                                               (the first backward, every micro-batch in flight: the
+                                                loss and LM head's backward; ZeRO-1/2: the first
+                                                unit's gradient buffer)
+        B1_layer = base + g_1 * grads + R + (1 - z_12) * h_g
+                   + (z_2 - z_3 + (1 - g_1)(z_1 - z_2)) * zero_sync_buffer + z_12 * c_w * collective_copies
+                                               (after the head, the first layer's: the head's
+                                                activations freed; ZeRO-1/2: the next units' buffers,
+                                                one filling, F reduce-scattering)
+        B2_head  = base' + g_2 * grads + H     (a later backward: one micro-batch fewer,
+        B2_layer = base' + g_2 * grads + R       earlier backwards' gradients)
+                   + (1 - z_12) * L * head_weight_grad + (z_2 - z_3) * (zero_sync_buffer + c_w * collective_copies)
+        E   = held (1 - 1/n_inflight) + g_2 * grads + low_precision_grads
+                        (a backward's end under mixed precision: its bf16 gradients not yet folded)
+        S   = grads + z_12 * collective_copies + (z_2 - z_3) * c_s * zero_sync_buffer
+                        (backward done: the gradient sync; ZeRO-2's last units in flight)
+        B3  = activations (1 - 1/(n_inflight (l_d + l_e))) + embedding_activations + recompute_buffer
+              + g_2 * grads + zero3_layer_end + z_3 * collective_copies
+                        (ZeRO-3: the last layer's backward ends; 0 without ZeRO-3)
+        held  = activations + rope_tables + stage_outputs     (what each micro-batch in flight holds)
+        base  = zero3_buffer + embedding_activations + held,  base' = the same with held (1 - 1/n_inflight)
+        H     = head_activations + head_backward    (0 but on the last stage)
+        R     = recompute_buffer + layer_backward
+        h_g   = head_weight_grad ((1 - g_1)(1 - L) + L),   L = 1 under mixed precision (w = 2)
+        g_1   = keep + (1 - keep) [m > n_inflight],   g_2 = keep + (1 - keep) [m >= 2]
+        z_12  = z_1 - z_3 (ZeRO-1 or 2),   F = ZERO_SCATTERS_IN_FLIGHT
+        c_w   = min(n_ud - 1, F) / min(n_ud, F),   c_s = min(n_ud, F) / min(n_ud, F + 1)
+
+    ``keep`` (:func:`autopar.plan_space.grads_kept`, a plan value): plain data parallelism
+    accumulates into persistent bucket buffers (runtime/grad_sync.py), alive all step; otherwise
+    gradients are made by backward and freed after the step (ZeRO-1's flat buffers too, made at each
+    unit's first gradient).  Without a pipeline (n_inflight = 1) B1 is the last micro-batch's
+    backward, with the gradients of those before it; a 1F1B stage holding n_inflight micro-batches
+    has no gradients at its first backward (B1, with the LM head's weight gradient, the first one
+    made) unless the steady state follows (m > n_inflight), and then runs later backwards with a
+    micro-batch fewer and every gradient (B2).  A backward's largest moment is the loss and LM
+    head's (``head_backward``) or, after them, its first layer's, with that layer's recomputed
+    activations (``recompute_buffer``) and its first GEMM's working set (``layer_backward``).
+    ZeRO-1's buffers of earlier micro-batches are its ``grads`` (g_1 = 1 under accumulation), so
+    B1_layer adds its window only when they are new; ``collective_copies`` is alive while its
+    stage's reduce-scatters run: in backward and after it (ZeRO-1's last micro-batch, ZeRO-2), at a
+    layer's end (ZeRO-3).  Each moment term by term is :func:`peak_parts` (``Cost.peak_breakdown``).
+    Measured at full width by torch's MemTracker (tests/e2e/test_full_width.py) and on small models
+    by the CPU allocator (tests/dist/test_memory_peak.py)."""
+    moments = (sum(parts.values()) for parts in peak_parts(terms).values())
+    return sum(terms[x] for x in STATIC_TERMS) + sp.Max(*moments, evaluate=False)

@@ -7,7 +7,8 @@ generated numpy source, keyed by a hash of the cost model's sources and the symp
 numpy versions, so that a warm process neither builds nor lambdifies a formula).
 ``evaluate`` fills the symbols with numbers -- model and hardware as scalars, plans (and
 the pipeline rank being scored) as arrays -- and returns one array per output.
-``estimate.py`` scores one plan on every pipeline rank, :mod:`autopar.planning.search` millions
+``estimate.py`` scores one plan on every pipeline rank (with ``full``: every memory term, the
+step's FLOPs as torch's FlopCounterMode counts them, flops.py ``counted_flops``, and every row), :mod:`autopar.planning.search` millions
 of (plan, rank) pairs in a few calls; sympy is never called per candidate.  Plans arrive encoded
 (:func:`autopar.plan_space.encode`); :func:`plan_values` turns the codes into the formulas' 0/1
 indicators, and link figures come per axis of :data:`autopar.plan_space.GROUP_AXES`.
@@ -28,7 +29,8 @@ from . import cache as _cache
 from . import symbols
 from .comm import RowSpec, row_specs
 from .hardware import Cluster, axis_link_arrays
-from .memory import memory_terms, peak_memory, precision_bytes
+from .flops import counted_flops
+from .memory import memory_terms, peak_memory, peak_parts, precision_bytes
 from .pipeline import T_b, T_f, T_w, bubble_expr
 from .time import CALIBRATED, compute_terms, exposure, optimizer_time, row_time
 
@@ -156,6 +158,10 @@ def _model_outputs(activation_formula: str, full: bool) -> Outputs:
         outputs += [(name, expr) for name, expr in comp.items()]
         outputs += [("exposed.fwd", exposed["fwd"]), ("exposed.bwd", exposed["bwd"])]
         outputs += [(f"memory.{name}", expr) for name, expr in mem.items()]
+        outputs += [(f"peak.{moment}.{name}", expr) for moment, parts in peak_parts(mem).items()
+                    for name, expr in parts.items()]
+        flops = counted_flops()
+        outputs += [("flops", sum(flops.values()))] + [(f"flops.{name}", expr) for name, expr in flops.items()]
         outputs += row_outputs
     return rows, [n for n, _ in outputs], [sp.sympify(e) for _, e in outputs]
 

@@ -227,6 +227,7 @@ def plan_record(rank: int, plan, cost, terms=None) -> dict:
         "step_time_s": cost.step_time,
         "mfu": cost.mfu,
         "memory_per_gpu_bytes": cost.memory_per_gpu,
+        "memory_pp_rank": cost.memory_pp_rank,
         "tokens_per_s": cost.tokens_per_s,
         "bubble_s": cost.bubble,
         "dominant_terms": [
@@ -240,7 +241,8 @@ def format_plan_table(records: list[dict]) -> str:
     width = max([len("plan")] + [len(r["plan"]) for r in records])
     head = (f"{'#':>3}  {'plan':<{width}}  {'step':>9}  {'MFU':>6}  {'mem/GPU':>9}  "
             f"{'tokens/s':>11}  dominant terms (share of step)")
-    lines = [head, "-" * len(head)]
+    lines = ["mem/GPU: the step's peak on the fullest pp rank (`autopar explain --plan P` shows it term by term)",
+             head, "-" * len(head)]
     for r in records:
         dom = ", ".join(f"{d['term']} {d['share'] * 100:.0f}%" for d in r["dominant_terms"])
         lines.append(
@@ -339,6 +341,7 @@ def _time_entries(terms, formulas: bool) -> list[dict]:
 def explain_record(cost, *, pp_rank: int | None = None, formulas: bool = False) -> dict:
     """The full breakdown of one scored plan as a JSON-ready dict."""
     plan = cost.plan
+    requested = pp_rank
     pp_rank = cost.bottleneck_pp_rank if pp_rank is None else pp_rank
     if not 0 <= pp_rank < plan.pp:
         raise AutoparError(
@@ -346,7 +349,8 @@ def explain_record(cost, *, pp_rank: int | None = None, formulas: bool = False) 
             f"0..{plan.pp - 1}"
         )
     terms = _time_terms(cost, formulas)
-    memory = cost.memory(pp_rank)
+    # The memory breakdown is the fullest pp rank's (whose peak is the header's figure) unless one is asked for.
+    peak = cost.peak_breakdown(cost.memory_pp_rank if requested is None else pp_rank)
     mem_formulas = {t.name.split(".", 1)[1]: str(t.formula) for t in terms
                     if t.category == "memory"} if formulas else {}
     rows = cost.comm_table(pp_rank)
@@ -365,8 +369,11 @@ def explain_record(cost, *, pp_rank: int | None = None, formulas: bool = False) 
         "pp_rank": pp_rank,
         "comm": [_row_dict(r) for r in rows],
         "comm_bytes_sent_per_step_by_dimension": by_dim,
-        "memory": {name: {"bytes": value, **({"formula": mem_formulas[name]} if name in mem_formulas else {})}
-                   for name, value in memory.items()},
+        "memory": {name: {"bytes": total, "at_peak_bytes": alive,
+                          **({"formula": mem_formulas[name]} if name in mem_formulas else {})}
+                   for name, (total, alive) in peak.terms.items()},
+        "memory_peak": {"pp_rank": peak.pp_rank, "moment": peak.moment, "what": peak.what,
+                        "peak_bytes": peak.peak, "sum_of_terms_bytes": peak.sum_of_terms},
         "time": _time_entries(terms, formulas),
         "dominant_terms": [{"term": n, "seconds": s, "share": s / cost.step_time}
                            for n, s in dominant_terms(cost, terms, top=5)],
@@ -383,9 +390,9 @@ def format_explain(rec: dict) -> str:
         f"({rec['microbatches']} micro-batches of {rec['microbatch_size']} per replica)",
         f"  step time {_fmt_time(rec['step_time_s'])}   MFU {rec['mfu'] * 100:.1f}%   "
         f"{rec['tokens_per_s']:,.0f} tokens/s",
-        f"  memory/GPU {_fmt_bytes(rec['memory_per_gpu_bytes'])} of "
-        f"{_fmt_bytes(rec['usable_memory_bytes'])} usable "
-        f"({'fits' if rec['fits'] else 'DOES NOT FIT'}, fullest pp rank {rec['memory_pp_rank']})",
+        f"  memory/GPU {_fmt_bytes(rec['memory_per_gpu_bytes'])}: the peak of pp rank {rec['memory_pp_rank']}, "
+        f"the fullest, of {_fmt_bytes(rec['usable_memory_bytes'])} usable "
+        f"({'fits' if rec['fits'] else 'DOES NOT FIT'})",
         "",
         f"Collectives of one rank of pp rank {rec['pp_rank']} per optimizer step "
         f"(bytes sent/received per call, ring convention)",
@@ -407,11 +414,7 @@ def format_explain(rec: dict) -> str:
         out.append("  sent per step by dimension: " + ", ".join(
             f"{d} {_fmt_bytes(v)}" for d, v in sorted(
                 rec["comm_bytes_sent_per_step_by_dimension"].items(), key=lambda kv: -kv[1])))
-    out += ["", f"Memory per GPU, pp rank {rec['pp_rank']}"]
-    for name, m in rec["memory"].items():
-        line = f"  {name:<18} {_fmt_bytes(m['bytes']):>11}"
-        out.append(line + (f"   = {m['formula']}" if "formula" in m else ""))
-    out.append(f"  {'total':<18} {_fmt_bytes(sum(m['bytes'] for m in rec['memory'].values())):>11}")
+    out += ["", *_format_memory(rec)]
     out += ["", "Time per step on the slowest pp rank (exposed = on the critical path; "
             "the rest of a transfer hides behind compute)"]
     for t in sorted(rec["time"], key=lambda t: (-t["seconds"], -t.get("transfer_seconds", 0))):
@@ -432,6 +435,28 @@ def format_explain(rec: dict) -> str:
     else:
         out.append("  none (no pipeline parallelism)")
     return "\n".join(out)
+
+
+def _format_memory(rec: dict) -> list[str]:
+    """The memory breakdown of :func:`explain_record`: each term and its part alive at the rank's
+    peak (marked ``*``), the ``peak`` line (their sum: the header's figure for the fullest rank)
+    and the sum of every term, labelled as one."""
+    peak = rec["memory_peak"]
+    fullest = peak["pp_rank"] == rec["memory_pp_rank"]
+    out = [f"Memory per GPU, pp rank {peak['pp_rank']}"
+           + (" (the fullest: its peak is the header's memory/GPU)" if fullest else "")
+           + f"; * = alive at the peak, {peak['what']}",
+           f"  {'term':<22} {'bytes':>11} {'at the peak':>12}"]
+    for name, m in rec["memory"].items():
+        if m["bytes"] <= 0:
+            continue
+        mark = "*" if m["at_peak_bytes"] > 0 else " "
+        line = f"  {name:<22} {_fmt_bytes(m['bytes']):>11} {_fmt_bytes(m['at_peak_bytes']):>12} {mark}"
+        out.append(line + (f"   = {m['formula']}" if "formula" in m else ""))
+    out.append(f"  {'peak':<22} {_fmt_bytes(peak['peak_bytes']):>11}   (the terms' parts alive at the peak)")
+    out.append(f"  {'sum of all terms':<22} {_fmt_bytes(peak['sum_of_terms_bytes']):>11}   "
+               "(a sum, not a peak: the terms are never all alive at once)")
+    return out
 
 
 def run_explain(args) -> int:

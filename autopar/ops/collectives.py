@@ -393,13 +393,15 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
             x = x.masked_fill(torch.arange(start, start + num_local, device=x.device) >= vocab, float("-inf"))
         local_max = x.amax(dim=-1)
         global_max = _reduce(local_max, axis, "fwd", tag + " (max)", op=dist.ReduceOp.MAX)
-        shifted = x - global_max.unsqueeze(-1)
-        exp = shifted.exp()
-        sum_exp = _reduce(exp.sum(dim=-1), axis, "fwd", tag + " (sum exp)")
+        # One fp32 logits-sized tensor besides the logits: x - max, then its exp, in place (on x itself
+        # where x is a copy of ours: bf16 logits upcast, or the padding masked).
+        shifted = x.sub_(global_max.unsqueeze(-1)) if x is not logits else x - global_max.unsqueeze(-1)
         valid = target != ignore_index
         mine = valid & (target >= start) & (target < start + num_local)
         local_target = (target - start).masked_fill(~mine, 0)
         picked = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * mine
+        exp = shifted.exp_()
+        sum_exp = _reduce(exp.sum(dim=-1), axis, "fwd", tag + " (sum exp)")
         picked = _reduce(picked, axis, "fwd", tag + " (target logit)")
         per_token = (sum_exp.log() - picked) * valid
         num_valid = valid.sum()
@@ -412,16 +414,19 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        # One logits-sized tensor: the softmax, made the gradient in place (the one-hot of this
+        # rank's targets subtracted, ignored tokens and the loss's scale multiplied in), the same
+        # operations in the same order as softmax - onehot, * valid, * scale, without their copies.
         exp, sum_exp, local_target, mine, valid, num_valid = ctx.saved_tensors
-        softmax = exp / sum_exp.unsqueeze(-1)
-        onehot = torch.zeros_like(softmax).scatter_(-1, local_target.unsqueeze(-1), 1.0) * mine.unsqueeze(-1)
-        g = (softmax - onehot) * valid.unsqueeze(-1)
+        g = exp / sum_exp.unsqueeze(-1)
+        g.scatter_add_(-1, local_target.unsqueeze(-1), mine.unsqueeze(-1).to(g.dtype).neg())
+        g.mul_(valid.unsqueeze(-1))
         if ctx.reduction == 0:
-            g = g * grad.float().unsqueeze(-1)
+            g.mul_(grad.float().unsqueeze(-1))
         elif ctx.reduction == 1:
-            g = g * (grad.float() / num_valid)
+            g.mul_(grad.float() / num_valid)
         else:
-            g = g * grad.float()
+            g.mul_(grad.float())
         return g.to(ctx.in_dtype), None, None, None, None, None, None
 
 

@@ -128,9 +128,13 @@ def _allowed(qp, kp, window):
     return allowed if window is None else allowed & (qp[:, None] - kp[None, :] < window)
 
 
-def _pairs(q_pos, k_pos, chunk, causal, window=None):
+def _pairs(q_pos, k_pos, chunk, causal, window=None, device=None):
     """(query slice, key slice, mask or None) for every chunk pair not hidden by the mask: causal,
-    and with ``window`` (a sliding window, causal only) each query sees its last ``window`` keys."""
+    and with ``window`` (a sliding window, causal only) each query sees its last ``window`` keys.
+
+    The positions are host tensors (:func:`_positions` without a device): which blocks run is
+    decided on the host, with no device synchronisation and on the meta device too (the scale
+    simulation, whose tensors have no values); a partial block's mask is made on ``device``."""
     out = []
     for i in range(q_pos.numel() // chunk):
         qs = slice(i * chunk, (i + 1) * chunk)
@@ -140,14 +144,11 @@ def _pairs(q_pos, k_pos, chunk, causal, window=None):
                 out.append((qs, ks, None))
                 continue
             qp, kp = q_pos[qs], k_pos[ks]
-            if qp.is_meta:  # a meta-device scale simulation has no positions to skip blocks by
-                out.append((qs, ks, _allowed(qp, kp, window)))
-                continue
             q_lo, q_hi, k_lo, k_hi = int(qp.min()), int(qp.max()), int(kp.min()), int(kp.max())
             if q_hi < k_lo or (window is not None and q_lo - k_hi >= window):
                 continue  # every key lies after every query, or out of every query's window: skipped
             whole = q_lo >= k_hi and (window is None or q_hi - k_lo < window)
-            out.append((qs, ks, None if whole else _allowed(qp, kp, window)))
+            out.append((qs, ks, None if whole else _allowed(qp.to(device), kp.to(device), window)))
     return out
 
 
@@ -164,14 +165,16 @@ def _attend(q, k, v, q_pos, k_pos, scale, causal, groups, chunk, out=None, lse=N
         out = _sdpa_layout(q.new_zeros(b, s_q, heads, v.shape[-1]))
         lse = torch.full(q.shape[:-1], -math.inf, dtype=_acc(q), device=q.device)
     k, v = _expand(k, groups), _expand(v, groups)
-    for qs, ks, mask in _pairs(q_pos, k_pos, chunk, causal, window):
+    for qs, ks, mask in _pairs(q_pos, k_pos, chunk, causal, window, q.device):
         _count_block()
-        s = (q[:, :, qs] @ k[:, :, ks].transpose(-1, -2)).to(_acc(q)) * scale
+        # One score block at a time, updated in place (the same operations as out of place).
+        s = (q[:, :, qs] @ k[:, :, ks].transpose(-1, -2)).to(_acc(q)).mul_(scale)
         if mask is not None:
-            s = s.masked_fill(~mask, -math.inf)
+            s.masked_fill_(~mask, -math.inf)
         blk_lse = torch.logsumexp(s, dim=-1)
         safe = torch.where(torch.isinf(blk_lse), torch.zeros_like(blk_lse), blk_lse)
-        blk_out = (s - safe[..., None]).exp().to(q.dtype) @ v[:, :, ks]
+        blk_out = s.sub_(safe[..., None]).exp_().to(q.dtype) @ v[:, :, ks]
+        del s
         old = lse[:, :, qs]
         new = torch.logaddexp(old, blk_lse)
         new_safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
@@ -194,17 +197,21 @@ def _attend_backward(q, k, v, out, dout, lse, q_pos, k_pos, scale, causal, group
         delta = (dout.to(_acc(q)) * out.to(_acc(q))).sum(-1)
     ke, ve = _expand(k, groups), _expand(v, groups)
     dk, dv = torch.zeros_like(ke), torch.zeros_like(ve)
-    for qs, ks, mask in _pairs(q_pos, k_pos, chunk, causal, window):
-        s = (q[:, :, qs] @ ke[:, :, ks].transpose(-1, -2)).to(_acc(q)) * scale
-        p = (s - lse[:, :, qs][..., None]).exp()
+    for qs, ks, mask in _pairs(q_pos, k_pos, chunk, causal, window, q.device):
+        # Two score-sized blocks alive: the probabilities and dP, each made in place from its
+        # product (the same operations as out of place: p * (dp - delta) * scale, commuted).
+        p = (q[:, :, qs] @ ke[:, :, ks].transpose(-1, -2)).to(_acc(q)).mul_(scale)
+        p.sub_(lse[:, :, qs][..., None]).exp_()
         if mask is not None:
-            p = p.masked_fill(~mask, 0.0)
+            p.masked_fill_(~mask, 0.0)
         do = dout[:, :, qs]
         dv[:, :, ks] += p.to(q.dtype).transpose(-1, -2) @ do
         dp = (do @ ve[:, :, ks].transpose(-1, -2)).to(_acc(q))
-        ds = (p * (dp - delta[:, :, qs][..., None]) * scale).to(q.dtype)
+        ds = dp.sub_(delta[:, :, qs][..., None]).mul_(p).mul_(scale).to(q.dtype)
+        del p, dp
         dq[:, :, qs] += ds @ ke[:, :, ks]
         dk[:, :, ks] += ds.transpose(-1, -2) @ q[:, :, qs]
+        del ds
     return dq, _fold(dk, groups), _fold(dv, groups)
 
 
@@ -243,8 +250,8 @@ def allgather_attention(q, k, v, axis: str, scale=None, causal: bool = True, num
     d_k = k.shape[-1]  # K and V packed along the head dim, which may differ (DeepSeek's MLA)
     kv = collectives.all_gather(torch.cat([k, v], dim=-1), 2, axis, tag or "cp all-gather K,V")
     k_full, v_full = kv[..., :d_k], kv[..., d_k:]
-    q_pos = _positions(local, r, n, q.device)
-    k_pos = torch.cat([_positions(local, j, n, q.device) for j in range(n)])
+    q_pos = _positions(local, r, n)  # on the host: the blocks to run are decided there (_pairs)
+    k_pos = torch.cat([_positions(local, j, n) for j in range(n)])
     return _LocalAttention.apply(q, k_full, v_full, q_pos, k_pos, _scale(q, scale), causal, num_kv_groups,
                                  max(1, local // 2), window)
 
@@ -322,7 +329,7 @@ def ulysses_attention(q, k, v, axis: str, scale=None, causal: bool = True, num_k
             raise RuntimeError(f"autopar: Ulysses needs the {t.shape[1]} local {name} heads divisible by "
                                f"cp={n}; choose a cp degree that divides the heads per tp rank.")
     qh, kh, vh = _ToHeads.apply(q, k, v, axis, tag or "cp Ulysses q,k,v")
-    pos = torch.cat([_positions(local, j, n, q.device) for j in range(n)])
+    pos = torch.cat([_positions(local, j, n) for j in range(n)])  # on the host (_pairs)
     oh = _LocalAttention.apply(qh, kh, vh, pos, pos, _scale(q, scale), causal, num_kv_groups, max(1, local // 2),
                                window)
     o = _ToSeq.apply(oh, axis, tag or "cp Ulysses output")
@@ -360,13 +367,13 @@ class _RingAttention(torch.autograd.Function):
         local = q.shape[2]
         chunk = max(1, local // 2)
         d_k = k.shape[-1]  # K and V packed along the head dim (MLA's differ)
-        q_pos = _positions(local, r, n, q.device)
+        q_pos = _positions(local, r, n)  # on the host (_pairs)
         kv = torch.cat([k, v], dim=-1).contiguous()
         out = lse = None
         for step in range(n):
             hop = _Exchange(kv, axis, "fwd", tag) if step < n - 1 else None  # overlaps the block below
             src = (r - step) % n
-            out, lse = _attend(q, kv[..., :d_k], kv[..., d_k:], q_pos, _positions(local, src, n, q.device),
+            out, lse = _attend(q, kv[..., :d_k], kv[..., d_k:], q_pos, _positions(local, src, n),
                                scale, causal, groups, chunk, out, lse, window)
             if hop is not None:
                 kv = hop.wait()
@@ -386,7 +393,7 @@ class _RingAttention(torch.autograd.Function):
         chunk = max(1, local // 2)
         d_k = k.shape[-1]
         dout = dout.contiguous()
-        q_pos = _positions(local, r, n, q.device)
+        q_pos = _positions(local, r, n)
         delta = (dout.to(_acc(q)) * out.to(_acc(q))).sum(-1)
         dq = torch.zeros_like(q)
         kv_local = torch.cat([k, v], dim=-1).contiguous()
@@ -398,7 +405,7 @@ class _RingAttention(torch.autograd.Function):
                 kv = kv_local
             hop = _Exchange(kv, axis, "bwd", tag) if step < n - 2 else None
             _, dk, dv = _attend_backward(q, kv[..., :d_k], kv[..., d_k:], out, dout, lse, q_pos,
-                                         _positions(local, src, n, q.device), scale, causal, groups, chunk,
+                                         _positions(local, src, n), scale, causal, groups, chunk,
                                          dq=dq, delta=delta, window=ctx.window)
             blk = torch.cat([dk, dv], dim=-1)
             dkv = blk if dkv is None else dkv + blk

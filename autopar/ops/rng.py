@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from autopar.ops.fused_attention import fused_sdpa
 from autopar.ops.step import StepContext, find_current
 
 __all__ = ["REPLICATED", "TP", "STREAMS", "KINDS", "OFFSET", "stream_seed", "generator", "dropout", "attention",
@@ -137,13 +138,14 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
               enable_gqa: bool = False, stream: str = REPLICATED) -> torch.Tensor:
     """``scaled_dot_product_attention`` whose dropout on the attention probabilities draws from
     ``stream``'s generator (the fused kernels take none, so the device's default generator
-    holds the stream's state for the call)."""
+    holds the stream's state for the call); on the meta device the fused kernel a GPU would run
+    (:func:`autopar.ops.fused_attention.fused_sdpa`)."""
     extra = {"scale": scale}
     if enable_gqa:
         extra["enable_gqa"] = True
     step = find_current()
     if step is None or query.device.type == "meta":
-        return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p, is_causal, **extra)
+        return fused_sdpa(query, key, value, attn_mask, dropout_p, is_causal, **extra)
     if not step.training or dropout_p == 0.0:
         return F.scaled_dot_product_attention(query, key, value, attn_mask, 0.0, is_causal, **extra)
     with _default_generator_is(generator(step, stream, query.device), query.device):

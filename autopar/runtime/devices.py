@@ -15,7 +15,9 @@ moves all of them, so no pass and no runtime part needs to know where the model 
   the traced one (a model that explicitly computes something on the CPU) is left as it is.
 
 The scale simulation is the one exception: a model on the meta device under a fake process
-group stays on meta and never holds values (:func:`is_simulation`).
+group stays on meta and never holds values (:func:`is_simulation`).  Its program runs the
+attention kernel a GPU would (:func:`use_fused_attention`), so that what it allocates and
+computes is the GPU's.
 """
 from __future__ import annotations
 
@@ -24,9 +26,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.errors import AutoparError
+from autopar.frontend.op_sets import SDPA
+from autopar.ops.fused_attention import fused_sdpa
 from autopar.runtime.mesh import local_device
 
-__all__ = ["run_device", "is_simulation", "retarget_devices", "move_constants", "move_to"]
+__all__ = ["run_device", "is_simulation", "retarget_devices", "use_fused_attention", "move_constants", "move_to"]
 
 
 def run_device(traced: torch.device) -> torch.device:
@@ -83,6 +87,23 @@ def retarget_devices(gm: torch.fx.GraphModule, src: torch.device, dst: torch.dev
                 changed += 1
         if touched:
             module.recompile()
+    return changed
+
+
+def use_fused_attention(gm: torch.fx.GraphModule) -> int:
+    """Every SDPA node of ``gm`` and its sub-graphs calls :func:`autopar.ops.fused_attention.fused_sdpa`
+    (same arguments), which on the meta device runs the fused kernel a CUDA GPU would pick where
+    torch's dispatcher would run the math path and materialise the scores; returns how many changed."""
+    changed = 0
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        nodes = [n for n in module.graph.nodes if n.op == "call_function" and n.target is SDPA]
+        for node in nodes:
+            node.target = fused_sdpa
+        if nodes:
+            module.recompile()
+            changed += len(nodes)
     return changed
 
 

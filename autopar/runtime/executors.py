@@ -12,10 +12,14 @@ gives the program of a pipeline stage that ``pm.code()`` prints (``describe_stag
 
 Everything else -- parameters, state dicts, gradient sync, the loss, checkpoints -- is
 the same code in :class:`autopar.runtime.module.ParallelModule` for both.
+
+Each micro-batch's call of a program goes through a :class:`MicrobatchScope`, so that torch's
+``MemTracker`` (whose module tracker refuses a module called twice at the top level of one
+tracked step, taking it for a second iteration) can meter a step of several micro-batches.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -23,7 +27,25 @@ from autopar.errors import AutoparError
 from autopar.ops.regather import keeping_shards, regathers
 from autopar.runtime.inductor import torch_compiled_program
 
-__all__ = ["Executor", "FlatExecutor", "StepOutput", "weighted_loss"]
+__all__ = ["Executor", "FlatExecutor", "StepOutput", "weighted_loss", "MicrobatchScope"]
+
+
+class MicrobatchScope(torch.nn.Module):
+    """A module made for one micro-batch's call of a program (the program not a submodule: it
+    adds no parameters), held until that micro-batch's backward is done.
+
+    torch's ModTracker, which MemTracker drives, takes a module called again at the top level
+    within one tracked step for the next iteration and raises; called inside a fresh scope, the
+    program is a nested module, which it allows.  The tracker's backward hooks look the scope up,
+    so it lives through the micro-batch's backward; it is dropped then, which keeps the tracker's
+    table of modules (walked at every op) to the micro-batches in flight."""
+
+    def __init__(self, program: Callable):
+        super().__init__()
+        self.__dict__["program"] = program
+
+    def forward(self, *args, **kwargs):
+        return self.program(*args, **kwargs)
 
 
 def weighted_loss(loss: torch.Tensor, weight: float) -> torch.Tensor:
@@ -106,7 +128,8 @@ class FlatExecutor:
             # bucket all-reduces; the meter counts saved activations.
             with (pm.memory.microbatch(self.gm), pm.grad_sync.microbatch(last=i == len(pieces) - 1),
                   keeping_shards(self._regathers)):  # innermost: SP's gathered inputs saved as shards (ops/regather.py)
-                loss = weighted_loss(self._forward(*mb_inputs, mb_target), weight)
+                scope = MicrobatchScope(self._forward)  # see its docstring: torch's MemTracker
+                loss = weighted_loss(scope(*mb_inputs, mb_target), weight)
                 (loss / self.plan.mb).backward()
             total += loss.detach().float() / self.plan.mb
         return StepOutput(total)
@@ -115,7 +138,8 @@ class FlatExecutor:
         """Forward only (the caller holds ``torch.no_grad`` and eval mode): the mean loss."""
         total = torch.zeros((), device=pm.device)
         for mb_inputs, mb_target in pm.microbatches(inputs, target, coords):
-            loss = weighted_loss(self._forward(*mb_inputs, mb_target), pm.loss_weight(mb_target))
+            scope = MicrobatchScope(self._forward)
+            loss = weighted_loss(scope(*mb_inputs, mb_target), pm.loss_weight(mb_target))
             total += loss.detach().float() / self.plan.mb
         return StepOutput(total)
 

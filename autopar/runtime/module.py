@@ -42,7 +42,8 @@ from autopar.planning.autoplan import estimate_step, step_prediction
 from autopar.runtime.batching import global_sizes, local_microbatches, split_microbatches
 from autopar.runtime.clipping import clip_gradients, norm_weights
 from autopar.runtime.data import BatchSlice
-from autopar.runtime.devices import is_simulation, move_constants, retarget_devices, run_device
+from autopar.runtime.devices import (is_simulation, move_constants, retarget_devices, run_device,
+                                     use_fused_attention)
 from autopar.runtime.executors import Executor, FlatExecutor
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.initialize import check_initialized, initialize, initialize_buffers
@@ -169,11 +170,15 @@ class ParallelModule:
     def _materialize(self) -> None:
         """This rank's parameters and buffers on its device, and the graph moved there
         (devices.py); a meta tensor outside the scale simulation becomes uninitialised memory of
-        its local shape, listed in ``_unset`` until weights are loaded or initialised."""
-        retarget_devices(self.gm, self._traced_device, self.device)
-        for chunk in (self.program.pipeline.chunks if self.program.pipeline is not None else ()):
-            retarget_devices(chunk.gm, self._traced_device, self.device)  # the pipeline's own graphs
-            _release_tensors(chunk.gm, self.gm)
+        its local shape, listed in ``_unset`` until weights are loaded or initialised.  On the meta
+        device (the scale simulation) attention runs the fused kernel a GPU would (devices.py)."""
+        graphs = [self.gm] + [c.gm for c in (self.program.pipeline.chunks if self.program.pipeline is not None else ())]
+        for graph in graphs:  # the program and the pipeline's own graphs
+            retarget_devices(graph, self._traced_device, self.device)
+            if self.device.type == "meta":
+                use_fused_attention(graph)
+        for chunk in graphs[1:]:
+            _release_tensors(chunk, self.gm)
         move_constants(self.gm, self.device)
         coords = self.coords()
         for name, p in list(self.gm.named_parameters()):

@@ -74,6 +74,9 @@ class PipelineExecutor:
         owner = self.pipeline.param_chunk()
         self._owner = {p: self.pipeline.chunk_rank(c) for p, c in owner.items()}
         self._chunks: dict[int, torch.fx.GraphModule] = {}
+        # The scale simulation's receive buffers, held from a step's start to the next step as torch's
+        # stages hold theirs ((chunk, micro-batch, "fwd" | "bwd") -> tensors; runtime/simulated.py).
+        self.recv_buffers: dict[tuple[int, int, str], list[torch.Tensor]] | None = None
         self._schedule = None
         self._fold = False
         self._tied_copy: tuple[torch.nn.Parameter, torch.nn.Parameter] | None = None  # (embedding, head's)

@@ -11,7 +11,10 @@ and out of a forward, the gradients in and out of a backward, and nothing betwee
 of the same rank -- exactly as the recording stage does on a real group.  The boundary
 activations come in as meta tensors shaped by the chunk's placeholders (their symbolic batch
 and sequence sizes evaluated at this micro-batch), since the chunk that produces them lives
-on another rank.  Collectives inside the chunks record themselves as they run.
+on another rank; they and the gradients received in backward are receive buffers held from the
+step's start to the next step, as torch's stages hold theirs (:func:`receive_buffers`), so that what
+the step holds is what a GPU rank holds (torch's ``MemTracker`` around ``train_step`` measures
+it).  Collectives inside the chunks record themselves as they run.
 """
 from __future__ import annotations
 
@@ -23,8 +26,9 @@ import torch
 from autopar.compat import sym_expr
 from autopar.ops import collectives
 from autopar.ops.schedules import rank_orders
+from autopar.runtime.executors import MicrobatchScope
 
-__all__ = ["simulate_step"]
+__all__ = ["simulate_step", "receive_buffers"]
 
 
 def _shape(node: torch.fx.Node, sizes: dict, axis_sizes: dict[str, int]) -> list[int]:
@@ -40,56 +44,112 @@ def _shape(node: torch.fx.Node, sizes: dict, axis_sizes: dict[str, int]) -> list
     return out
 
 
-def _boundary_inputs(chunk, spec, sizes: dict, axis_sizes: dict[str, int], device) -> list[torch.Tensor]:
+def _boundary_inputs(chunk, spec, sizes: dict, axis_sizes: dict[str, int], device,
+                     requires_grad: bool = True) -> list[torch.Tensor]:
     """Meta tensors standing for the activations chunk ``spec`` receives (its first placeholders)."""
     holders = [n for n in chunk.graph.nodes if n.op == "placeholder"][:spec.num_act_inputs]
     return [torch.empty(_shape(n, sizes, axis_sizes), dtype=n.meta["val"].dtype, device=device,
-                        requires_grad=True) for n in holders]
+                        requires_grad=requires_grad) for n in holders]
+
+
+def receive_buffers(pipeline, pm, pieces: list, me: int) -> dict[tuple[int, int, str], list[torch.Tensor]]:
+    """Every receive buffer torch's stages of pp rank ``me`` hold: per micro-batch, the activations
+    of each chunk whose previous chunk is on another rank (``"fwd"``) and the gradients of the
+    outputs of each chunk whose next chunk is (``"bwd"``: shaped as that chunk's inputs)."""
+    axis_sizes = {a: g.size for a, g in pm.groups.items()}
+    last = len(pipeline.chunks) - 1
+    out = {}
+    for c in pipeline.rank_chunks(me):
+        for mb, (mb_inputs, _) in enumerate(pieces):
+            sizes = _sizes(pm, mb_inputs)
+            if c > 0 and pipeline.chunk_rank(c - 1) != me:
+                out[(c, mb, "fwd")] = _boundary_inputs(pipeline.chunks[c].gm, pipeline.chunks[c], sizes, axis_sizes,
+                                                       pm.device)
+            if c < last and pipeline.chunk_rank(c + 1) != me:
+                out[(c, mb, "bwd")] = _boundary_inputs(pipeline.chunks[c + 1].gm, pipeline.chunks[c + 1], sizes,
+                                                       axis_sizes, pm.device, requires_grad=False)
+    return out
 
 
 def simulate_step(executor, pm, inputs: tuple, target: Any, coords: dict[str, int]):
     """Forward and backward of every micro-batch of this rank's chunks, in schedule order;
-    returns the last stage's losses (meta tensors) or an empty list."""
+    returns the last stage's losses (meta tensors) or an empty list.
+
+    What it holds is what torch's ``PipelineStage`` holds: a receive buffer per micro-batch for
+    each remote input (activations in forward, the outputs' gradients in backward), which torch
+    makes at the first step and keeps; here they are made at the start of each step, the previous
+    step's dropped first (``executor.recv_buffers``, :func:`receive_buffers`), so that a meter
+    entered around the step sees them from its start.  Each forward's inputs and outputs are
+    kept until its backward (the stage's ``fwd_cache``), a chunk's input gradient until it is
+    sent (its receiving buffer's ``.grad``, dropped as torch's ``stage_backward`` does).  Between
+    two chunks of one rank the output itself is the next chunk's input (detached) and the input
+    gradient the previous chunk's output gradient, with no buffer, as torch hands them over."""
     pipeline, plan = executor.pipeline, executor.plan
     me = coords.get("pp", 0)
     last = len(pipeline.chunks) - 1
     pieces = pm.microbatches(inputs, target, coords)
-    saved: dict[tuple[int, int], tuple[list, Any]] = {}
+    executor.recv_buffers = None
+    buffers = executor.recv_buffers = receive_buffers(pipeline, pm, pieces, me)
+    saved: dict[tuple[int, int], tuple] = {}   # (chunk, micro-batch) -> (inputs, outputs, scope)
+    handed: dict[tuple[int, int], list] = {}   # output gradients from this rank's next chunk
     losses = []
     for slot in rank_orders(plan.schedule, plan.pp, plan.mb, plan.vpp)[me]:
         for act in slot:
-            stage_index = act.stage_index
-            spec, chunk = pipeline.chunks[stage_index], executor._chunks[stage_index]
+            stage_index, mb = act.stage_index, act.microbatch_index
+            chunk = executor._chunks[stage_index]
             remote_prev = stage_index > 0 and pipeline.chunk_rank(stage_index - 1) != me
             remote_next = stage_index < last and pipeline.chunk_rank(stage_index + 1) != me
             if act.kind == "F":
-                mb_inputs, mb_target = pieces[act.microbatch_index]
-                ids = mb_inputs[0]
-                batch_symbol, seq_symbol = pm.size_symbols
-                sizes = {batch_symbol: ids.shape[0]} if batch_symbol is not None else {}
-                if ids.dim() > 1 and seq_symbol is not None:
-                    sizes[seq_symbol] = ids.shape[1]
-                boundary = _boundary_inputs(chunk, spec, sizes, {a: g.size for a, g in pm.groups.items()}, pm.device)
-                for t in boundary if remote_prev else ():
-                    collectives.record_p2p("recv", "pp", t, "fwd", f"stage {stage_index} activation recv")
+                mb_inputs, mb_target = pieces[mb]
+                if remote_prev:
+                    boundary = buffers[(stage_index, mb, "fwd")]
+                    for t in boundary:
+                        collectives.record_p2p("recv", "pp", t, "fwd", f"stage {stage_index} activation recv")
+                elif stage_index > 0:  # the previous chunk is this rank's: its outputs, detached
+                    boundary = [t.detach().requires_grad_(t.requires_grad) for t in saved[(stage_index - 1, mb)][1]]
+                else:
+                    boundary = []
                 kwargs = dict(zip(pipeline.kwarg_names, list(mb_inputs) + [mb_target]))
-                out = chunk(*boundary, **kwargs)
+                scope = MicrobatchScope(chunk)  # kept until its backward (executors.py)
+                out = scope(*boundary, **kwargs)
                 outs = [out] if stage_index == last else list(out if isinstance(out, (tuple, list)) else (out,))
                 for t in outs if remote_next else ():
                     collectives.record_p2p("send", "pp", t, "fwd", f"stage {stage_index} activation send")
                 if stage_index == last:
-                    losses.append(out)
-                saved[(stage_index, act.microbatch_index)] = (boundary, outs)
+                    losses.append(out.detach())
+                saved[(stage_index, mb)] = (boundary, outs, scope)
             elif act.kind == "B":
-                boundary, outs = saved.pop((stage_index, act.microbatch_index))
-                grads = [torch.ones_like(t) if stage_index == last else torch.empty_like(t) for t in outs]
-                for g in grads if remote_next else ():
-                    collectives.record_p2p("recv", "pp", g, "bwd", f"stage {stage_index} input grad recv")
+                boundary, outs, scope = saved.pop((stage_index, mb))
+                if stage_index == last:
+                    grads = [torch.ones_like(t) for t in outs]
+                elif remote_next:
+                    grads = buffers[(stage_index, mb, "bwd")]
+                    for g in grads:
+                        collectives.record_p2p("recv", "pp", g, "bwd", f"stage {stage_index} input grad recv")
+                else:
+                    grads = handed.pop((stage_index, mb))
                 torch.autograd.backward([t for t in outs if t.requires_grad],
                                         [g for t, g in zip(outs, grads) if t.requires_grad])
+                del outs, grads
                 pm.grad_sync.after_backward(stage_index, "full")  # weights included (see "W" below)
-                for t in boundary if remote_prev else ():
-                    collectives.record_p2p("send", "pp", torch.empty_like(t), "bwd",
-                                           f"stage {stage_index} input grad send")
+                input_grads = [t.grad for t in boundary]
+                for t in boundary:
+                    t.grad = None
+                if remote_prev:
+                    for g in input_grads:
+                        collectives.record_p2p("send", "pp", g, "bwd", f"stage {stage_index} input grad send")
+                elif stage_index > 0:
+                    handed[(stage_index - 1, mb)] = input_grads
+                del boundary, input_grads, scope
             # "W" (the weight half of a split backward): computed with its "B" here; no transfer.
     return losses
+
+
+def _sizes(pm, mb_inputs) -> dict:
+    """The graph's symbolic batch and sequence sizes at this micro-batch (from its token ids)."""
+    ids = mb_inputs[0]
+    batch_symbol, seq_symbol = pm.size_symbols
+    sizes = {batch_symbol: ids.shape[0]} if batch_symbol is not None else {}
+    if ids.dim() > 1 and seq_symbol is not None:
+        sizes[seq_symbol] = ids.shape[1]
+    return sizes

@@ -91,6 +91,35 @@ def test_explain_json_with_formulas(capsys):
     assert 0 < data["bubble"]["fraction_of_step"] < 1
 
 
+def test_explain_header_and_breakdown_give_one_memory_figure(capsys):
+    """Issue 38 item 5: the header's memory/GPU is the fullest pp rank's peak, the breakdown shown is
+    that rank's, its ``peak`` line repeats the header's figure and is the sum of the parts marked
+    alive at the peak, and the sum of every term is labelled as a sum (it is more than the peak)."""
+    argv = ["--model", "llama3-70b", "--gpus", "1024", "--seq", "8192", "--global-batch", "512",
+            "--plan", "tp=8,sp,pp=4,dp=32,zero=1,mb=8"]
+    rc, out, _ = run(capsys, "explain", *argv)
+    assert rc == 0
+    header = next(line for line in out.splitlines() if "memory/GPU" in line)
+    figure = header.split("memory/GPU", 1)[1].split(":")[0].strip()          # e.g. "74.98 GiB"
+    fullest = int(header.split("pp rank", 1)[1].split(",")[0])
+    section = out.split("Memory per GPU, pp rank ", 1)[1].split("\n\n", 1)[0].splitlines()
+    assert int(section[0].split()[0]) == fullest and "the fullest" in section[0]
+    peak_line = next(line for line in section if line.split()[:1] == ["peak"])
+    assert peak_line.split()[1] + " " + peak_line.split()[2] == figure
+    assert any(line.split()[:4] == ["sum", "of", "all", "terms"] and "a sum" in line for line in section)
+    marked = [line for line in section[2:] if line.rstrip().endswith("*")]
+    assert marked and all(line.split()[0] not in ("peak", "sum") for line in marked)
+
+    rc, out, _ = run(capsys, "explain", *argv, "--json")
+    data = json.loads(out)
+    peak = data["memory_peak"]
+    assert peak["pp_rank"] == data["memory_pp_rank"]
+    assert peak["peak_bytes"] == pytest.approx(data["memory_per_gpu_bytes"], rel=1e-12)
+    assert sum(m["at_peak_bytes"] for m in data["memory"].values()) == pytest.approx(peak["peak_bytes"], rel=1e-12)
+    assert peak["sum_of_terms_bytes"] > peak["peak_bytes"]
+    assert all(0 <= m["at_peak_bytes"] <= m["bytes"] * (1 + 1e-12) for m in data["memory"].values())
+
+
 def test_explain_reads_a_config_json(tmp_path, capsys):
     config = {"model_type": "llama", "num_hidden_layers": 4, "hidden_size": 512,
               "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 1408,

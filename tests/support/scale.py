@@ -10,11 +10,13 @@ rank's parameter bytes both ways.  :func:`compare` prints them side by side and 
 everything is equal.  MoE routing on meta is balanced (:func:`autopar.ops.moe.balanced_counts`).
 
 Its users: ``benchmarks/scale_simulation.py`` (the command line), tests/e2e/test_scale.py and
-tests/e2e/test_search_compiles.py.
+tests/e2e/test_search_compiles.py; :func:`fake_world` and :func:`compile_rank` also
+tests/support/full_width.py (the rank's memory and FLOPs under torch's meters).
 """
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 
 import torch
@@ -24,14 +26,15 @@ import torch.nn.functional as F
 import autopar
 from autopar.plan_space import DEFAULT_BUCKET_BYTES
 
-__all__ = ["simulate", "measured_and_predicted", "compare"]
+__all__ = ["simulate", "measured_and_predicted", "compare", "fake_world", "compile_rank", "model_spec"]
 
 
 def _loss(out, target):
     return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
 
 
-def _spec(model: str, layers: int | None) -> "autopar.ModelSpec":
+def model_spec(model: str, layers: int | None) -> "autopar.ModelSpec":
+    """The preset ``model`` (dense, or MoE in every layer), with ``layers`` layers if given."""
     import dataclasses
 
     spec = autopar.ModelSpec.preset(model)
@@ -57,27 +60,46 @@ def _model(spec, seq: int):
     return LlamaForCausalLM(LlamaConfig(intermediate_size=spec.ffn, **common))
 
 
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int):
+    """This process as rank ``rank`` of torch's fake process group of ``world_size`` ranks (every
+    collective a no-op), destroyed on the way out."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if not 0 <= rank < world_size:
+        raise SystemExit(f"scale_simulation: --rank {rank} is outside the plan's world of {world_size} ranks")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def compile_rank(spec, plan: str, seq: int, microbatch: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                 mixed_precision: str | None = None):
+    """``spec`` built on the meta device and compiled by ``autopar.parallelize`` for ``plan`` as this
+    rank of the fake world (:func:`fake_world`); returns ``(pm, ids)``, ``ids`` the global batch of
+    ``microbatch * dp * mb`` sequences of ``seq`` tokens (meta)."""
+    p = autopar.Plan.parse(plan)
+    with torch.device("meta"):
+        net = _model(spec, seq)
+    ids = torch.zeros(microbatch * p.dp * p.mb, seq, dtype=torch.long, device="meta")
+    pm = autopar.parallelize(net, (ids,), example_kwargs={"use_cache": False}, plan=plan, loss_fn=_loss,
+                             bucket_bytes=bucket_bytes, mixed_precision=mixed_precision)
+    return pm, ids
+
+
 def simulate(layers: int | None, plan: str, seq: int, microbatch: int, *, rank: int = 0,
              model: str = "llama3-70b", bucket_bytes: int = DEFAULT_BUCKET_BYTES, log=print) -> dict:
     """Compile and step rank ``rank`` under a fake world; what it measured and what the cost model says
     (``bucket_bytes``: the gradient buckets' cap, given to both)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     p = autopar.Plan.parse(plan)
-    if not 0 <= rank < p.world_size:
-        raise SystemExit(f"scale_simulation: --rank {rank} is outside the plan's world of {p.world_size} ranks")
-    spec = _spec(model, layers)
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=p.world_size)
-    try:
-        with torch.device("meta"):
-            net = _model(spec, seq)
-        batch = microbatch * p.dp * p.mb
-        ids = torch.zeros(batch, seq, dtype=torch.long, device="meta")
+    spec = model_spec(model, layers)
+    with fake_world(p.world_size, rank):
         log(f"[1/3] compiling {spec.num_layers}-layer {model} (hidden {spec.hidden}) for '{plan}' as rank {rank} "
             f"of a fake world of {p.world_size}")
         start = time.perf_counter()
-        pm = autopar.parallelize(net, (ids,), example_kwargs={"use_cache": False}, plan=plan, loss_fn=_loss,
-                                 bucket_bytes=bucket_bytes)
+        pm, ids = compile_rank(spec, plan, seq, microbatch, bucket_bytes=bucket_bytes)
         seconds = time.perf_counter() - start
         for line in pm.program.log:
             log(f"      {line}")
@@ -87,10 +109,8 @@ def simulate(layers: int | None, plan: str, seq: int, microbatch: int, *, rank: 
         log("[3/3] comparing with the cost model")
         pp_rank = pm.coords().get("pp", (0, 1))[0]
         cost = autopar.estimate(spec, autopar.Cluster.for_world("h100", p.world_size), plan, seq_len=seq,
-                                global_batch=batch, dtype_bytes=4, bucket_bytes=bucket_bytes)
+                                global_batch=ids.shape[0], dtype_bytes=4, bucket_bytes=bucket_bytes)
         return measured_and_predicted(pm, cost, pp_rank, seconds)
-    finally:
-        dist.destroy_process_group()
 
 
 def measured_and_predicted(pm, cost, pp_rank: int, seconds: float = 0.0) -> dict:
