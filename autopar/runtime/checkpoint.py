@@ -2,10 +2,11 @@
 
 What is stored: the model's parameters and buffers under the original model's names
 (``model.<name>``) and the optimizer state per original parameter (``optim.<name>.<key>``,
-e.g. ``exp_avg``), all as full, unsharded tensors.  Each rank contributes what it holds
-(``ParallelModule.checkpoint_state``, :mod:`autopar.runtime.state`: TP, EP and ZeRO shards gathered; under pp only its
-stage's parameters), and DCP's save planner deduplicates identical entries so each tensor
-is written once, by one rank, with the writes spread over the ranks.  On load each rank
+e.g. ``exp_avg``), all as full, unsharded tensors.  Every rank gathers what it holds (TP, EP
+and ZeRO shards; under pp only its stage's parameters) and stages its share of the entries
+(``ParallelModule.checkpoint_state``, :func:`autopar.runtime.state.writes`: one rank per entry,
+chosen from its name), so each tensor is written once, the writes spread over the ranks, and a
+rank's host copy is its share, not the whole model (what DCP's deduplication would keep).  On load each rank
 reads the entries it holds (``checkpoint_wants``) and cuts its own shards.  This module
 does the I/O only and reads nothing private of the module.  Full tensors under plan-independent names are what
 make a checkpoint load under any other plan (each rank cuts its own shards on load) and

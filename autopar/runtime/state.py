@@ -21,6 +21,7 @@ back through the same strategy.  ``ParallelModule.state_dict``, ``load_state_dic
 from __future__ import annotations
 
 import functools
+import zlib
 from typing import Any
 
 import torch
@@ -31,7 +32,8 @@ from autopar.errors import AutoparError
 from autopar.runtime.layout import gather_full, shard_local
 from autopar.runtime.train_state import load_train_entries, pickled, train_entries, train_wants, unpickled
 
-__all__ = ["state_dict", "load_state_dict", "checkpoint_state", "checkpoint_wants", "load_checkpoint_state", "model_shapes",
+__all__ = ["state_dict", "load_state_dict", "checkpoint_state", "writes", "checkpoint_wants", "load_checkpoint_state",
+           "model_shapes",
            "graph_to_original", "tensor_value", "get_attr", "MODEL_PREFIX", "OPTIM_PREFIX", "SCHEDULER_KEY"]
 
 # Entry names: ``model.<original name>``, ``optim.<original name>.<state key>``, and the
@@ -129,24 +131,44 @@ def _load_model_entries(pm, state_dict: dict[str, torch.Tensor]) -> None:
 
 # --- checkpoint state (autopar/runtime/checkpoint.py does the I/O) -----------------------
 
+def writes(pm, key: str, name: str) -> bool:
+    """Whether this rank is the one that stages and writes checkpoint entry ``key`` of graph tensor
+    ``name``.  Every rank of the pipeline stages holding ``name`` has its full value (gathered over
+    tp, ep and, under ZeRO, dp), so one of them, chosen from the key alone (the same choice on every
+    rank, no message), copies and writes it: a rank's staged copy is its share of the checkpoint,
+    not the whole model, and the writes spread over the ranks."""
+    if not dist.is_initialized() or pm.plan.world_size == 1:
+        return True
+    per_stage = pm.plan.world_size // pm.plan.pp
+    stages = pm.executor.holders(name)
+    stages = range(pm.plan.pp) if stages is None else sorted(stages)
+    candidates = [p * per_stage + i for p in stages for i in range(per_stage)]
+    return candidates[zlib.crc32(key.encode()) % len(candidates)] == dist.get_rank()
+
+
 def checkpoint_state(pm, data: Any = None) -> dict[str, torch.Tensor]:
-    """What this rank holds, as full tensors copied to host memory, under plan-independent keys:
-    ``model.<name>`` for parameters and buffers, ``optim.<name>.<key>`` for optimizer state,
-    ``sched.state`` for the learning-rate scheduler, and the step, dropout's RNG and ``data``'s
-    position (:mod:`autopar.runtime.train_state`).  Collective: call on every rank, in the
-    training thread (ZeRO's reads are collectives every rank issues in the same order); the
-    result shares no memory with the program, so training may go on while it is written."""
+    """The entries this rank writes (:func:`writes`), as full tensors copied to host memory, under
+    plan-independent keys: ``model.<name>`` for parameters and buffers, ``optim.<name>.<key>`` for
+    optimizer state, ``sched.state`` for the learning-rate scheduler, and the step, dropout's RNG
+    and ``data``'s position (:mod:`autopar.runtime.train_state`); the union over the ranks is the
+    checkpoint.  Collective: call on every rank, in the training thread (the gathers, and ZeRO's
+    reads, are collectives every rank issues in the same order); the result shares no memory with
+    the program, so training may go on while it is written."""
     state = {}
     with pm.grad_sync.full_parameters() as values:
         for orig, name in pm._aliases.items():
             if pm.holds(name):
                 full = _full(pm, name, tensor_value(pm, values, name).detach(), copy=False)
-                state[MODEL_PREFIX + orig] = _host_copy(full, pm._orig_dtypes[orig])
+                if writes(pm, MODEL_PREFIX + orig, name):
+                    state[MODEL_PREFIX + orig] = _host_copy(full, pm._orig_dtypes[orig])
     to_orig = graph_to_original(pm)
     for name, entries in sorted(pm.grad_sync.optimizer_state().items()):
         for key, value in sorted(entries.items()):
             value = value if torch.is_tensor(value) else torch.tensor(value)
-            state[f"{OPTIM_PREFIX}{to_orig[name]}.{key}"] = _host_copy(_full(pm, name, value.detach(), copy=False))
+            full = _full(pm, name, value.detach(), copy=False)
+            entry = f"{OPTIM_PREFIX}{to_orig[name]}.{key}"
+            if writes(pm, entry, name):
+                state[entry] = _host_copy(full)
     if pm.lr_scheduler is not None:  # the same on every rank; stored as its pickled state dict
         state[SCHEDULER_KEY] = pickled(pm.lr_scheduler.state_dict())
     state.update(train_entries(pm, data))
