@@ -2,8 +2,8 @@
 
 The example decoder (examples/model.py) at >= 100M parameters (default: vocab 32000, hidden 768,
 10 layers: 112M), AdamW (so the checkpoint holds three fp32 copies of the parameters: 1.35 GB),
-``plan="none"`` in one process, or ``--world 2`` gloo ranks under ``dp=2,zero=1`` (ZeRO's reads are
-collectives: the staging gathers).  Round by round, side by side on the same program and state:
+``plan="none"`` in one process, or ``--world 2`` gloo ranks under ``dp=2`` (``--plan dp=2,zero=1``:
+ZeRO's reads are collectives, so the staging gathers the optimizer state over dp).  Round by round, side by side on the same program and state:
 
 * the **blocking stall**: the wall time ``pm.save(path)`` takes (stage, write, switch in);
 * the **background stall**: the wall time ``pm.save(path, blocking=False)`` takes before training
@@ -16,7 +16,7 @@ ratio background / blocking stall (issue 41 asks at most 0.25), the step time wi
 background write, and the checkpoint size.  The machine's load changes the figures: run it
 alone where possible.
 
-    .venv/bin/python benchmarks/checkpoint_stall.py [--rounds 3] [--world 1] [--layers 10] [--dir /tmp/x]
+    .venv/bin/python benchmarks/checkpoint_stall.py [--rounds 3] [--world 1] [--plan dp=2,zero=1] [--layers 10]
 
 Figures: docs/performance.md ("Checkpoint stall").
 """
@@ -71,7 +71,7 @@ def measure(rank: int, world: int, args) -> dict:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=gen)
     batch = ((ids[:, :-1],), ids[:, 1:])
-    plan = "none" if world == 1 else f"dp={world},zero=1"
+    plan = args.plan or ("none" if world == 1 else f"dp={world}")
     pm = autopar.parallelize(model, example_inputs=batch[0], plan=plan, loss_fn=ex.lm_loss,
                              optimizer=functools.partial(torch.optim.AdamW, lr=1e-4))
     del model
@@ -123,7 +123,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=2, help="steps timed alone, and during each background write")
-    p.add_argument("--world", type=int, default=1, help="1: one process; N: N gloo ranks under dp=N,zero=1")
+    p.add_argument("--world", type=int, default=1, help="1: one process; N: N gloo ranks")
+    p.add_argument("--plan", default=None, help="default: none (one process), dp=N (N ranks)")
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--layers", type=int, default=10)

@@ -62,7 +62,9 @@ def save(pm, path: str | os.PathLike, *, blocking: bool = True, keep: int | None
                            "or None to keep them all.")
     writer = pm.checkpoint_writer
     writer.wait()  # one save in flight: the previous one finishes (and may raise) first
-    state = pm.checkpoint_state(data=data)
+    # A background save stages into the writer's buffers, kept from one save to the next (the
+    # previous save is complete: waited for above); a blocking one into memory freed after it.
+    state = pm.checkpoint_state(data=data, into=None if blocking else writer.staging)
     data_dir, tmp_dir = data_dir_of(path, shared_token())
     info = {"step": pm.num_steps_taken, "plan": str(pm.plan), "world_size": pm.plan.world_size, "format": 2}
     writer.write(state, path, tmp_dir, data_dir, info, blocking=blocking, keep=keep)

@@ -14,8 +14,9 @@ into the temporary directory and, once every rank's part is written, has rank 0 
 What DCP cannot do, and why it is done here:
 
 * **Staging.** ``async_save``'s default stager copies the state dict again; ours is already a
-  copy in host memory that shares nothing with the program, so :class:`_AlreadyStaged` hands it
-  over as it is (one copy per save, not two).
+  copy in host memory that shares nothing with the program (into :attr:`CheckpointWriter.staging`,
+  buffers kept from one background save to the next), so :class:`_AlreadyStaged` hands it over as
+  it is (one copy per save, not two).
 * **The switch.** DCP writes a directory; making it *the* checkpoint only once complete, and
   never leaving a half-written one under the user's name, is the link switch of
   :mod:`autopar.runtime.checkpoint_files`.  DCP's future completes on rank 0 after its finish
@@ -80,6 +81,10 @@ class CheckpointWriter:
     def __init__(self) -> None:
         self._pending: _Save | None = None
         self._group = None
+        # Host buffers a background save stages into, by entry name, reused by the next one once
+        # this one is written (as DCP's cache_staged_state_dict): copying into pages already
+        # mapped costs a quarter of copying into fresh ones (benchmarks/checkpoint_stall.py).
+        self.staging: dict = {}
 
     def _checkpoint_group(self):
         """The gloo group every save runs on, made at the first save (collective: every rank saves)."""

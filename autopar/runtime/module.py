@@ -258,12 +258,13 @@ class ParallelModule:
 
     # --- checkpoints (autopar/runtime/checkpoint.py does the I/O) --------------------------
 
-    def checkpoint_state(self, data: Any = None) -> dict[str, torch.Tensor]:
-        """What this rank holds, as full tensors copied to host memory under plan-independent keys:
-        ``model.<name>`` for parameters and buffers, ``optim.<name>.<key>`` for optimizer state,
-        ``sched.state`` for the learning-rate scheduler, the step, dropout's RNG and ``data``'s
-        position (collective: call on every rank)."""
-        return module_state.checkpoint_state(self, data)
+    def checkpoint_state(self, data: Any = None, into: dict | None = None) -> dict[str, torch.Tensor]:
+        """The checkpoint entries this rank writes, as full tensors copied to host memory (into the
+        buffers of ``into`` when given) under plan-independent keys: ``model.<name>`` for parameters
+        and buffers, ``optim.<name>.<key>`` for optimizer state, ``sched.state`` for the
+        learning-rate scheduler, the step, dropout's RNG and ``data``'s position (collective: call
+        on every rank; :func:`autopar.runtime.state.checkpoint_state`)."""
+        return module_state.checkpoint_state(self, data, into)
 
     def checkpoint_wants(self, key: str, data: Any = None) -> bool:
         """Whether this rank loads checkpoint entry ``key`` (its own parameters' entries, the training state)."""

@@ -69,9 +69,18 @@ def _full(pm, name: str, local: torch.Tensor, copy: bool = True) -> torch.Tensor
     return full.clone() if copy else full
 
 
-def _host_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A copy of ``t`` in host memory, one copy whatever the device (a checkpoint's staged value)."""
-    return t.to(device="cpu", dtype=dtype or t.dtype, copy=True)
+def _host_copy(t: torch.Tensor, dtype: torch.dtype | None = None, into: dict | None = None,
+               key: str = "") -> torch.Tensor:
+    """A copy of ``t`` in host memory, one copy whatever the device (a checkpoint's staged value);
+    with ``into``, in its buffer ``key`` when it has one of that shape and dtype (kept there for
+    the next save: copying into memory already mapped is ~4x faster than into fresh pages)."""
+    dtype = dtype or t.dtype
+    if into is None:
+        return t.to(device="cpu", dtype=dtype, copy=True)
+    buffer = into.get(key)
+    if buffer is None or buffer.shape != t.shape or buffer.dtype != dtype:
+        buffer = into[key] = torch.empty(t.shape, dtype=dtype, device="cpu")
+    return buffer.copy_(t)
 
 
 def _local(pm, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -146,21 +155,22 @@ def writes(pm, key: str, name: str) -> bool:
     return candidates[zlib.crc32(key.encode()) % len(candidates)] == dist.get_rank()
 
 
-def checkpoint_state(pm, data: Any = None) -> dict[str, torch.Tensor]:
+def checkpoint_state(pm, data: Any = None, into: dict | None = None) -> dict[str, torch.Tensor]:
     """The entries this rank writes (:func:`writes`), as full tensors copied to host memory, under
     plan-independent keys: ``model.<name>`` for parameters and buffers, ``optim.<name>.<key>`` for
     optimizer state, ``sched.state`` for the learning-rate scheduler, and the step, dropout's RNG
     and ``data``'s position (:mod:`autopar.runtime.train_state`); the union over the ranks is the
     checkpoint.  Collective: call on every rank, in the training thread (the gathers, and ZeRO's
     reads, are collectives every rank issues in the same order); the result shares no memory with
-    the program, so training may go on while it is written."""
+    the program, so training may go on while it is written.  ``into``: host buffers by entry name,
+    reused and refilled (a background save's staging memory, kept from one save to the next)."""
     state = {}
     with pm.grad_sync.full_parameters() as values:
         for orig, name in pm._aliases.items():
             if pm.holds(name):
                 full = _full(pm, name, tensor_value(pm, values, name).detach(), copy=False)
                 if writes(pm, MODEL_PREFIX + orig, name):
-                    state[MODEL_PREFIX + orig] = _host_copy(full, pm._orig_dtypes[orig])
+                    state[MODEL_PREFIX + orig] = _host_copy(full, pm._orig_dtypes[orig], into, MODEL_PREFIX + orig)
     to_orig = graph_to_original(pm)
     for name, entries in sorted(pm.grad_sync.optimizer_state().items()):
         for key, value in sorted(entries.items()):
@@ -168,7 +178,7 @@ def checkpoint_state(pm, data: Any = None) -> dict[str, torch.Tensor]:
             full = _full(pm, name, value.detach(), copy=False)
             entry = f"{OPTIM_PREFIX}{to_orig[name]}.{key}"
             if writes(pm, entry, name):
-                state[entry] = _host_copy(full)
+                state[entry] = _host_copy(full, None, into, entry)
     if pm.lr_scheduler is not None:  # the same on every rank; stored as its pickled state dict
         state[SCHEDULER_KEY] = pickled(pm.lr_scheduler.state_dict())
     state.update(train_entries(pm, data))

@@ -56,11 +56,17 @@ def _program():
 def test_retention_keeps_the_newest_and_removes_only_after_a_newer_is_complete(tmp_path, monkeypatch):
     pm = _program()
     (inputs, target), = [((torch.randint(0, 128, (4, 16)),), torch.randint(0, 128, (4, 16)))]
+    states = []
     for n in range(3):
         pm.train_step(inputs, target)
-        pm.save(tmp_path / f"step-{n + 1}", blocking=False, keep=2)
+        pm.save(tmp_path / f"step-{n + 1}", blocking=False, keep=2)  # each stages into the last one's buffers
+        states.append(pm.state_dict())
     pm.wait_checkpoint()
     assert [os.path.basename(c.path) for c in list_checkpoints(tmp_path)] == ["step-2", "step-3"]
+    for n in (2, 3):  # each holds its own step's weights, though they were staged in the same memory
+        saved = read_checkpoint(str(tmp_path / f"step-{n}"))
+        assert all(torch.equal(saved["model." + k], v) for k, v in states[n - 1].items())
+    assert not torch.equal(states[1]["embed_tokens.weight"], states[2]["embed_tokens.weight"])
     assert sorted(p.name for p in tmp_path.iterdir() if ".data-" in p.name and p.name.startswith("step-1")) == []
     assert autopar.latest_checkpoint(tmp_path) == str(tmp_path / "step-3")
     assert [c.step for c in list_checkpoints(tmp_path)] == [2, 3]
