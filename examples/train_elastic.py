@@ -20,15 +20,16 @@ save failed, runs the same code (docs/fault-tolerance.md):
    the same ones from ``--seed``); a ``DistributedBatchSampler`` gives each rank its rows of each
    global batch of ``--batch``, in the same global order whatever the dp size, so the resumed run
    sees the samples the uninterrupted one would.  Every ``--save-every`` steps
-   ``pm.save(<ckpt-dir>/step-<n>, blocking=False, keep=--keep, data=sampler)`` stages the state and
-   writes it while training goes on; ``--write-steps`` steps later the loop waits for the write,
-   so at most ``--save-every + --write-steps - 1`` steps are lost to a failure (``--save-every``
-   with the default 1).  The last step is saved too.
+   ``pm.save(<ckpt-dir>/step-<n>, blocking=False, keep=--keep, data=sampler, overlap_steps=1)``
+   stages the state and writes it while the next step's forward and backward run; that step's
+   update waits for the write, so a failure loses at most ``--save-every`` steps, as with blocking
+   saves (``--overlap-steps k`` lets a slow write overlap k steps: at most ``--save-every + k - 1``).
+   The last step is saved too.
 
 Output (rank 0; ``time`` is the wall clock, for measuring recovery)::
 
     plan dp=4 on 4 ranks
-    resumed from ckpt/run1/step-00000008 at step 8 (saved under tp=2,dp=4 on 8 ranks)
+    resumed from ckpt/run1/step-00000008 at step 8
     step 9 loss 4.123456 time 1733461234.567
     done at step 16
 
@@ -84,15 +85,21 @@ def _lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, total - warmup))))
 
 
-def _say(*parts) -> None:
+def _line(text: str) -> None:
+    """``text`` as one line of output in one write: the ranks share torchrun's stdout, and a line
+    printed in two writes (text, then newline) can have another rank's line land in between."""
+    os.write(sys.stdout.fileno(), (text + "\n").encode())
+
+
+def _say(text: str) -> None:
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*parts, flush=True)
+        _line(text)
 
 
 def _setup(args):
-    """The program for this world, its sampler, and the checkpoint it resumed from (or None)."""
+    """The program for this world (resumed from the newest checkpoint, if any), its sampler, the data."""
     import autopar
 
     model = build_model(args.config, args.dropout)
@@ -107,15 +114,13 @@ def _setup(args):
     sampler = autopar.DistributedBatchSampler(args.samples, args.batch, pm, shuffle=True, seed=args.seed)
     _say(f"plan {pm.plan} on {pm.plan.world_size} ranks")
     if latest:
-        pm.load(latest, data=sampler)
-        info = next(c for c in autopar.runtime.checkpoint_files.list_checkpoints(args.ckpt_dir) if c.path == latest)
-        _say(f"resumed from {latest} at step {pm.num_steps_taken} (saved under {info.plan} on {info.world_size} ranks)")
+        pm.load(latest, data=sampler)  # saved under any plan, on any number of ranks
+        _say(f"resumed from {latest} at step {pm.num_steps_taken}")
     return pm, sampler, tokens
 
 
 def _train(args, pm, sampler, tokens) -> None:
     slc = pm.batch_slice(args.batch, seq_len=args.seq)
-    written_at = None  # the step after which the write in flight is waited for
     saved = pm.num_steps_taken
     epoch = sampler.epoch
     while pm.num_steps_taken < args.steps:
@@ -125,13 +130,10 @@ def _train(args, pm, sampler, tokens) -> None:
             loss = pm.train_step((slc.take_positions(ids),), slc.take_positions(target), local=True)
             n = pm.num_steps_taken
             _say(f"step {n} loss {loss:.6f} time {time.time():.3f}")
-            if written_at is not None and n >= written_at:
-                pm.wait_checkpoint()  # bounds the steps a failure loses (the module docstring)
-                written_at = None
             if n % args.save_every == 0 or n == args.steps:
-                pm.save(os.path.join(args.ckpt_dir, f"step-{n:08d}"), blocking=False,
-                        keep=args.keep or None, data=sampler)
-                written_at, saved = n + args.write_steps, n
+                pm.save(os.path.join(args.ckpt_dir, f"step-{n:08d}"), blocking=False, keep=args.keep or None,
+                        data=sampler, overlap_steps=args.overlap_steps)  # bounds the steps a failure loses
+                saved = n
             if n >= args.steps:
                 break
         epoch += 1
@@ -146,7 +148,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=100, help="optimizer steps in all (a resumed run continues to it)")
     p.add_argument("--save-every", type=int, default=10)
     p.add_argument("--keep", type=int, default=3, help="checkpoints kept (0: all)")
-    p.add_argument("--write-steps", type=int, default=1, help="steps a background write may overlap")
+    p.add_argument("--overlap-steps", type=int, default=1, help="steps a background write may overlap")
     p.add_argument("--plan", default="auto", help="'auto': the plan the search picks for the world at each start")
     p.add_argument("--config", default=None, help="a Hugging Face config.json (or its directory); default: tiny")
     p.add_argument("--dropout", type=float, default=0.1, help="attention dropout of the default tiny model")
@@ -167,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     autopar.init_distributed(timeout=args.timeout)
-    print(f"worker rank {dist.get_rank()} pid {os.getpid()} world {dist.get_world_size()}", flush=True)
+    _line(f"worker rank {dist.get_rank()} pid {os.getpid()} world {dist.get_world_size()}")
     torch.manual_seed(args.seed)  # every rank alike: the initial weights and dropout's base seed
     pm, sampler, tokens = _setup(args)
     _train(args, pm, sampler, tokens)

@@ -25,8 +25,9 @@ what a run needs to resume: the step, dropout's RNG and the data position
 (:mod:`autopar.runtime.train_state`).
 
 Neighbours: :mod:`autopar.runtime.module` (``ParallelModule.save`` / ``load`` /
-``wait_checkpoint`` call :func:`save`, :func:`load` and :func:`wait`), :mod:`autopar.runtime.state` (the state it holds), the gradient-sync strategies
-(:mod:`autopar.runtime.grad_sync`, :mod:`autopar.runtime.zero`: optimizer state per parameter).
+``wait_checkpoint`` call :func:`save`, :func:`load` and :func:`wait`), :mod:`autopar.runtime.state`
+(the state it holds), the gradient-sync strategies (:mod:`autopar.runtime.grad_sync`,
+:mod:`autopar.runtime.zero`: optimizer state per parameter).
 """
 from __future__ import annotations
 
@@ -50,16 +51,20 @@ __all__ = ["save", "wait", "load", "load_model_state_dict", "latest_checkpoint",
 # key>``, and the learning-rate scheduler's pickled state dict as one uint8 tensor.
 
 
-def save(pm, path: str | os.PathLike, *, blocking: bool = True, keep: int | None = None, data=None) -> None:
+def save(pm, path: str | os.PathLike, *, blocking: bool = True, keep: int | None = None, data=None,
+         overlap_steps: int | None = None) -> None:
     """Write ``pm``'s state (model, optimizer, schedule, step, dropout RNG, ``data``'s position) as
     the checkpoint ``path`` (collective: call on every rank).  ``blocking=False`` returns once the
-    state is staged in host memory and writes in the background (:func:`wait` joins it); ``keep``:
-    then remove the complete checkpoints of ``path``'s directory beyond the ``keep`` newest."""
+    state is staged in host memory and writes in the background (:func:`wait` joins it);
+    ``overlap_steps=k``: the write may overlap the forward and backward of the next ``k`` steps,
+    and the ``k``-th step's update waits for it (so a failure loses at most the steps since the
+    previous save, as with blocking saves; None: no bound).  ``keep``: then remove the complete
+    checkpoints of ``path``'s directory beyond the ``keep`` newest."""
     path = os.path.abspath(os.fspath(path))
     check_writable(path)
-    if keep is not None and (not isinstance(keep, int) or keep < 1):
-        raise AutoparError(f"autopar: pm.save(keep={keep!r}); expected a number of checkpoints >= 1 to keep, "
-                           "or None to keep them all.")
+    for name, value in (("keep", keep), ("overlap_steps", overlap_steps)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise AutoparError(f"autopar: pm.save({name}={value!r}); expected a whole number >= 1, or None (no limit).")
     writer = pm.checkpoint_writer
     writer.wait()  # one save in flight: the previous one finishes (and may raise) first
     # A background save stages into the writer's buffers, kept from one save to the next (the
@@ -67,7 +72,7 @@ def save(pm, path: str | os.PathLike, *, blocking: bool = True, keep: int | None
     state = pm.checkpoint_state(data=data, into=None if blocking else writer.staging)
     data_dir, tmp_dir = data_dir_of(path, shared_token())
     info = {"step": pm.num_steps_taken, "plan": str(pm.plan), "world_size": pm.plan.world_size, "format": 2}
-    writer.write(state, path, tmp_dir, data_dir, info, blocking=blocking, keep=keep)
+    writer.write(state, path, tmp_dir, data_dir, info, blocking=blocking, keep=keep, overlap_steps=overlap_steps)
 
 
 def wait(pm) -> None:
@@ -92,9 +97,10 @@ def _read(path: str, metadata, wanted) -> dict[str, torch.Tensor]:
             raise
         failures = getattr(exc, "failures", None) or {}
         first = next(iter(failures.values()), (exc, None))[0]
-        raise AutoparError(f"autopar: reading checkpoint {path} failed{' on rank(s) ' + str(sorted(failures)) if failures else ''}"
-                           f" ({type(first).__name__}: {first}); expected intact files; nothing was loaded; load an "
-                           "earlier checkpoint (autopar.latest_checkpoint(dir)).") from None
+        where = f" on rank(s) {sorted(failures)}" if failures else ""
+        raise AutoparError(f"autopar: reading checkpoint {path} failed{where} ({type(first).__name__}: {first}); "
+                           "expected intact files; nothing was loaded; load an earlier checkpoint "
+                           "(autopar.latest_checkpoint(dir)).") from None
     return state
 
 

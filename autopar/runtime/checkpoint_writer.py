@@ -67,6 +67,9 @@ class _Save:
     data_dir: str
     info: dict
     keep: int | None
+    # Optimizer steps whose forward and backward the write may overlap: the last one's update
+    # waits for it (None: no bound; the next save or wait_checkpoint waits).
+    overlap_steps: int | None = None
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
     error: BaseException | None = None
 
@@ -93,10 +96,10 @@ class CheckpointWriter:
         return self._group
 
     def write(self, state: dict, path: str, tmp_dir: str, data_dir: str, info: dict, *,
-              blocking: bool, keep: int | None) -> None:
+              blocking: bool, keep: int | None, overlap_steps: int | None = None) -> None:
         """Write the staged ``state`` as the checkpoint ``path`` (collective: every rank calls it)."""
         self.wait()
-        save = _Save(path, tmp_dir, data_dir, info, keep)
+        save = _Save(path, tmp_dir, data_dir, info, keep, overlap_steps)
         group = self._checkpoint_group()
         no_dist = not _distributed()
         if blocking:
@@ -118,6 +121,18 @@ class CheckpointWriter:
         if save is not None:
             save.done.wait()
             self._raise(save)
+
+    def before_update(self) -> None:
+        """Before an optimizer step (``train_step`` calls it): count the step against the save in
+        flight's ``overlap_steps`` and, at the last one, wait until it is written and switched in, so
+        the step it was saved at is durable before this one's update lands.  What went wrong is
+        kept for :meth:`wait` to raise: the step itself goes on."""
+        save = self._pending
+        if save is None or save.overlap_steps is None:
+            return
+        save.overlap_steps -= 1
+        if save.overlap_steps <= 0:
+            save.done.wait()
 
     def _written(self, save: _Save, group, future: Future) -> None:
         """DCP's future completed (in its thread, or at once in the caller): switch the checkpoint in."""

@@ -259,11 +259,8 @@ class ParallelModule:
     # --- checkpoints (autopar/runtime/checkpoint.py does the I/O) --------------------------
 
     def checkpoint_state(self, data: Any = None, into: dict | None = None) -> dict[str, torch.Tensor]:
-        """The checkpoint entries this rank writes, as full tensors copied to host memory (into the
-        buffers of ``into`` when given) under plan-independent keys: ``model.<name>`` for parameters
-        and buffers, ``optim.<name>.<key>`` for optimizer state, ``sched.state`` for the
-        learning-rate scheduler, the step, dropout's RNG and ``data``'s position (collective: call
-        on every rank; :func:`autopar.runtime.state.checkpoint_state`)."""
+        """The checkpoint entries this rank writes, copied to host memory, under plan-independent
+        keys (collective; :func:`autopar.runtime.state.checkpoint_state`)."""
         return module_state.checkpoint_state(self, data, into)
 
     def checkpoint_wants(self, key: str, data: Any = None) -> bool:
@@ -274,28 +271,23 @@ class ParallelModule:
         """Load what :meth:`checkpoint_state` wrote (under any plan) into this rank (collective)."""
         module_state.load_checkpoint_state(self, state, data)
 
-    def save(self, path, blocking: bool = True, *, keep: int | None = None, data: Any = None) -> None:
-        """Write a checkpoint of everything needed to resume to ``path`` (every rank): model,
-        optimizer, LR schedule, the step (:attr:`num_steps_taken`), dropout's RNG streams and,
-        with ``data`` (a :class:`autopar.DistributedBatchSampler`, or anything with
-        ``state_dict``/``load_state_dict``), the data position.  ``blocking=False`` returns once the
-        state is staged in host memory and writes in the background (:meth:`wait_checkpoint`
-        joins it; a later save waits for it).  ``keep``: afterwards remove the complete checkpoints
-        of ``path``'s directory beyond the ``keep`` newest (:mod:`autopar.runtime.checkpoint`)."""
+    def save(self, path, blocking: bool = True, *, keep: int | None = None, data: Any = None,
+             overlap_steps: int | None = None) -> None:
+        """Checkpoint everything needed to resume at ``path`` (every rank; :mod:`autopar.runtime.checkpoint`):
+        ``blocking=False`` returns once staged in host memory and writes in the background (for at
+        most ``overlap_steps`` steps' forward and backward); ``keep``: then keep the ``keep`` newest
+        of ``path``'s directory; ``data``: its position too."""
         with named_failures(self, "save"):
-            checkpoint.save(self, path, blocking=blocking, keep=keep, data=data)
+            checkpoint.save(self, path, blocking=blocking, keep=keep, data=data, overlap_steps=overlap_steps)
 
     def wait_checkpoint(self) -> None:
-        """Wait for the save in flight (``save(..., blocking=False)``) to be written and switched in;
-        raise what made it fail (the previous checkpoint is then unchanged)."""
+        """Wait for the save in flight to be written and switched in; raise what made it fail."""
         with named_failures(self, "save"):
             checkpoint.wait(self)
 
     def load(self, path, *, data: Any = None) -> None:
-        """Read a checkpoint written by :meth:`save` under any plan on any world size (every rank),
-        and ``data``'s position into ``data``; a damaged checkpoint, or one of another model, is
-        refused by name before anything is loaded (``autopar.latest_checkpoint(dir)`` finds the
-        newest complete one)."""
+        """Read a checkpoint saved under any plan on any world size (every rank), and ``data``'s
+        position; a damaged one, or one of another model, is refused by name before anything loads."""
         with named_failures(self, "load"):
             checkpoint.load(self, path, data=data)
 
@@ -335,6 +327,7 @@ class ParallelModule:
             if self.max_grad_norm is not None and self.device.type != "meta":  # meta: no values
                 self.last_grad_norm = clip_gradients(self.grad_sync, self._norm_weights, self.max_grad_norm,
                                                      self.groups, self.device)
+            self.checkpoint_writer.before_update()  # a background save's overlap_steps end here
             self.grad_sync.step()
             self.num_steps_taken += 1
             if self.lr_scheduler is not None:

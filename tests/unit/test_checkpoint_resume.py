@@ -87,6 +87,27 @@ def test_retention_keeps_the_newest_and_removes_only_after_a_newer_is_complete(t
     assert read_checkpoint(str(tmp_path / "step-4"))["train.step"].item() == 4
 
 
+def test_overlap_steps_makes_the_save_durable_before_that_steps_update(tmp_path, monkeypatch):
+    """``overlap_steps=1``: the next step's update waits for the write (the steps a failure loses are
+    bounded as with blocking saves); without it, training runs ahead of a slow write."""
+    pm = _program()
+    inputs, target = (torch.randint(0, 128, (4, 16)),), torch.randint(0, 128, (4, 16))
+    finish = dcp_fs.FileSystemWriter.finish
+
+    def slow_finish(self, metadata, results):
+        time.sleep(1.0)
+        return finish(self, metadata, results)
+
+    monkeypatch.setattr(dcp_fs.FileSystemWriter, "finish", slow_finish)
+    for overlap, durable in ((1, True), (None, False)):
+        path = tmp_path / f"overlap-{overlap}"
+        pm.save(path, blocking=False, overlap_steps=overlap)
+        pm.train_step(inputs, target)
+        assert (autopar.latest_checkpoint(tmp_path) == str(path)) == durable
+        pm.wait_checkpoint()
+        assert autopar.latest_checkpoint(tmp_path) == str(path)
+
+
 def test_a_save_waits_for_the_one_in_flight(tmp_path, monkeypatch):
     pm = _program()
     order = []
