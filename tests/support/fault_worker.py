@@ -4,6 +4,8 @@
         init the default group (autopar's init_distributed, or torch's own init_process_group), build
         a mesh of the world's ranks, all-reduce, then fail on every rank in the first attempt; the restarted workers
         print ``attempt 1 connected`` (torch's own init cannot: they read the dead workers' addresses).
+        (with torch's own init the restarted ranks other than 0 wait until rank 0's init is over: it
+        can only find the dead workers' keys, whatever the timing)
     ... fault_worker.py hang
         2 ranks under dp=2 with init_distributed(timeout=5); rank 1 stops answering before step 3, rank 0
         must raise within the timeout, naming itself and the collective.
@@ -14,6 +16,7 @@
 """
 from __future__ import annotations
 
+import datetime
 import importlib.util
 import os
 import sys
@@ -28,16 +31,36 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
+def _line(text: str) -> None:
+    """One line in one write (the ranks share torchrun's stdout; see examples/train_elastic.py)."""
+    os.write(sys.stdout.fileno(), (text + "\n").encode())
+
+
 def _restart(which: str) -> int:
     from torch.distributed.device_mesh import init_device_mesh
 
     import autopar
 
-    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    attempt, rank = int(os.environ["TORCHELASTIC_RESTART_COUNT"]), int(os.environ["RANK"])
     if which == "autopar":
+        if attempt > 0 and rank > 0:
+            time.sleep(2)  # the restarted rank 0 comes first: it must not take an earlier attempt's keys
         autopar.init_distributed(timeout=60)
+    elif attempt > 0 and rank > 0:
+        # torch's own init, restarted: the other ranks hold back until rank 0's init is over, so that
+        # rank 0 finds only what the dead workers left in torchrun's store (deterministically; in a
+        # race the live ranks may overwrite the dead ones' addresses in time, or not).
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=120))
+        store.wait([f"control/rank0-done/{attempt}"])
+        return 1
     else:
-        dist.init_process_group("gloo")
+        try:  # bounded: a dead worker's port may have been taken by another listener, and then it waits
+            dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+        finally:
+            if attempt > 0:
+                store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+                store.set(f"control/rank0-done/{attempt}", "1")
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     t = torch.ones(4)
@@ -47,7 +70,7 @@ def _restart(which: str) -> int:
     if attempt == 0:
         time.sleep(0.5)
         return 1  # every worker fails: torchrun restarts them all
-    print(f"attempt {attempt} connected", flush=True)
+    _line(f"attempt {attempt} connected")
     dist.destroy_process_group()
     return 0
 
@@ -64,10 +87,10 @@ def _hang() -> int:
                              loss_fn=loss_fn, optimizer=OPTIMIZERS["sgd"])
     for step, batch in enumerate(batches):
         if step == 2 and dist.get_rank() == 1:
-            print("rank 1 stops answering", flush=True)
+            _line("rank 1 stops answering")
             time.sleep(300)
         if dist.get_rank() == 0:
-            print(f"step {step + 1} starts at {time.time():.3f}", flush=True)
+            _line(f"step {step + 1} starts at {time.time():.3f}")
         pm.train_step(*batch)
     return 0
 
@@ -82,7 +105,7 @@ def _stall_save(step: int, rank: int, argv: list[str]) -> int:
         if (f"step-{step:08d}" in str(self.path) and dist.get_rank() == rank
                 and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0"):
             future.wait()  # this rank's files are written; its results are not reported: the save hangs
-            print(f"stalled in the save of step {step}", flush=True)
+            _line(f"stalled in the save of step {step}")
             time.sleep(600)
         return future
 

@@ -23,7 +23,8 @@ from pathlib import Path
 __all__ = ["REPO", "Agent", "free_port", "run_torchrun"]
 
 REPO = Path(__file__).resolve().parents[2]
-_WORKER = re.compile(r"^worker rank (\d+) pid (\d+) world (\d+)$")
+# Searched, not matched: another process's unfinished line may stand in front of it.
+_WORKER = re.compile(r"worker rank (\d+) pid (\d+) world (\d+)")
 
 
 def free_port() -> int:
@@ -82,7 +83,7 @@ class Agent:
         """Rank -> pid of the workers of the latest start seen so far."""
         out: dict[int, int] = {}
         for _, line in self.lines:
-            m = _WORKER.match(line)
+            m = _WORKER.search(line)
             if m:
                 out[int(m.group(1))] = int(m.group(2))
         return out
@@ -94,7 +95,7 @@ class Agent:
 
     def kill_node(self) -> float:
         """SIGKILL this agent and each worker it started: the node is gone."""
-        pids = set(self.workers().values())
+        pids = set(self.workers().values()) | self._children()
         sent = time.time()
         self.proc.kill()
         for pid in pids:
@@ -114,9 +115,23 @@ class Agent:
         self._reader.join(10)
         return self.proc.returncode
 
+    def _children(self) -> set[int]:
+        """The ids of the agent's live child processes (its workers, whatever they printed)."""
+        out = set()
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as f:
+                        fields = f.read().rpartition(")")[2].split()
+                except OSError:
+                    continue
+                if int(fields[1]) == self.proc.pid:  # the field after the state: the parent's id
+                    out.add(int(entry))
+        return out
+
     def stop(self) -> None:
-        """Kill whatever is left of this agent: it, its session, and its workers (by their ids)."""
-        for pid in set(self.workers().values()):
+        """Kill whatever is left of this agent: its workers (by their ids), it and its session."""
+        for pid in set(self.workers().values()) | (self._children() if self.proc.poll() is None else set()):
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
