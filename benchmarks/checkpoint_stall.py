@@ -3,7 +3,8 @@
 The example decoder (examples/model.py) at >= 100M parameters (default: vocab 32000, hidden 768,
 10 layers: 112M), AdamW (so the checkpoint holds three fp32 copies of the parameters: 1.35 GB),
 ``plan="none"`` in one process, or ``--world 2`` gloo ranks under ``dp=2`` (``--plan dp=2,zero=1``:
-ZeRO's reads are collectives, so the staging gathers the optimizer state over dp).  Round by round, side by side on the same program and state:
+ZeRO's reads are collectives, so the staging gathers the optimizer state over dp).  Round by round,
+side by side on the same program and state:
 
 * the **blocking stall**: the wall time ``pm.save(path)`` takes (stage, write, switch in);
 * the **background stall**: the wall time ``pm.save(path, blocking=False)`` takes before training

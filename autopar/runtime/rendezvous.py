@@ -32,10 +32,11 @@ fresh nonce, which no earlier attempt can have written; it then counts itself in
 and torch's own ``env://`` rendezvous runs.  Launching torchrun with
 ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` avoids the stale store too (a new store each round).
 
-**Timeout**: every collective of the default group and of the groups made after it raises after ``timeout`` instead of waiting forever on a dead or
-stuck peer (``new_group`` would not inherit it: :func:`autopar.compat.set_default_group_timeout`
-makes it the default of the groups made later); :mod:`autopar.runtime.faults` turns that into an ``autopar:`` error naming the
-rank and the collective.
+**Timeout**: every collective of the default group and of the groups made after it raises
+after ``timeout`` instead of waiting forever on a dead or stuck peer (``new_group`` would not
+inherit it: :func:`autopar.compat.set_default_group_timeout` makes it the default of the groups
+made later); :mod:`autopar.runtime.faults` turns that into an ``autopar:`` error naming the rank
+and the collective.
 """
 from __future__ import annotations
 
