@@ -125,11 +125,16 @@ def latest_checkpoint(directory: str | os.PathLike) -> str | None:
 def retain(path: str, keep: int) -> None:
     """Remove the complete checkpoints of ``path``'s directory beyond the ``keep`` newest, never
     ``path`` itself, just committed (link first, then data: a reader never finds a link to a
-    half-removed directory)."""
-    others = [c for c in list_checkpoints(os.path.dirname(path)) if c.path != path]
+    half-removed directory), and what killed saves left there (one save runs at a time, and this
+    one is complete)."""
+    directory = os.path.dirname(path)
+    others = [c for c in list_checkpoints(directory) if c.path != path]
     for old in others[:max(0, len(others) - (keep - 1))]:
         os.unlink(old.path)
         shutil.rmtree(old.data_dir, ignore_errors=True)
+    for name in os.listdir(directory):
+        if _DATA in name and name.endswith(_TMP):
+            shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 
 def check_files(path: str, metadata_reader) -> tuple[str, object]:
