@@ -39,6 +39,7 @@ __all__ = [
     "BatchSlice",
     "DistributedBatchSampler",
     "load_model_state_dict",
+    "latest_checkpoint",
     "verify",
     "VerifyResult",
     "AutoparError",
@@ -57,6 +58,7 @@ _LAZY = {
     "BatchSlice": ("autopar.runtime.data", "BatchSlice"),
     "DistributedBatchSampler": ("autopar.runtime.data", "DistributedBatchSampler"),
     "load_model_state_dict": ("autopar.runtime.checkpoint", "load_model_state_dict"),
+    "latest_checkpoint": ("autopar.runtime.checkpoint_files", "latest_checkpoint"),
     "verify": ("autopar.verification", "verify"),
     "VerifyResult": ("autopar.verification", "VerifyResult"),
     "AutoparError": ("autopar.errors", "AutoparError"),
@@ -70,6 +72,7 @@ if TYPE_CHECKING:  # the names of _LAZY, for type checkers and IDEs (never impor
     from autopar.planning.search import search
     from autopar.runtime import ParallelModule, init_distributed, parallelize
     from autopar.runtime.checkpoint import load_model_state_dict
+    from autopar.runtime.checkpoint_files import latest_checkpoint
     from autopar.runtime.data import BatchSlice, DistributedBatchSampler
     from autopar.verification import VerifyResult, verify
 

@@ -13,7 +13,7 @@ import torch
 
 __all__ = ["sym_expr", "sym_hint", "flatten_mesh", "rename_node", "tensor_base", "set_buffer",
            "ASSERT_METADATA_OPS", "is_guards_call", "recording_stage_class", "compute_kinds", "pipeline_order",
-           "top_saved_tensors_hooks", "retained_compiled_backward"]
+           "top_saved_tensors_hooks", "retained_compiled_backward", "set_default_group_timeout"]
 
 
 def sym_expr(size: Any):
@@ -203,3 +203,17 @@ def top_saved_tensors_hooks():
     (:mod:`autopar.ops.recompute`) pushes hooks inside torch checkpoint's own and must
     delegate to them; hooks do not chain, and no public API returns the active pair."""
     return torch._C._autograd._top_saved_tensors_default_hooks(True)
+
+
+def set_default_group_timeout(timeout) -> None:
+    """Make ``timeout`` (a timedelta) the timeout of every process group created from now on
+    whose creator passes none (``distributed_c10d.default_pg_timeout`` and
+    ``default_pg_nccl_timeout``, which ``new_group`` reads through ``_get_default_timeout``).
+    ``init_process_group(timeout=...)`` sets only the default group's: the groups
+    ``init_device_mesh``, ``new_subgroups_by_enumeration`` and ``DeviceMesh._flatten`` make
+    would wait 30 minutes (gloo) or 10 (NCCL) on a dead peer, and ``init_device_mesh`` takes no
+    timeout to pass.  (:mod:`autopar.runtime.rendezvous`.)"""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout

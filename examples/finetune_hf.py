@@ -8,6 +8,11 @@
         --plan auto --seq 2048 --batch 64 --steps 1000 --lr 2e-5 --warmup 50 --bf16 \\
         --max-grad-norm 1.0 --eval-every 100 --save-every 200 --ckpt ckpt/run1 --out finetuned/
 
+    # restarted after a failure, on the ranks that are left, from the newest checkpoint:
+    torchrun --nnodes 1:2 --nproc-per-node 8 --max-restarts 3 --rdzv-backend c10d --rdzv-endpoint $HEAD:29400 \
+        examples/finetune_hf.py --model path/to/hf_dir --data train.jsonl --plan auto --steps 1000 \
+        --save-every 100 --ckpt ckpt/run1/ --resume auto --keep 3
+
 What it does, on every rank:
 
 1. **Model**: ``AutoConfig.from_pretrained(--model)`` and the model built from it on the meta
@@ -16,8 +21,13 @@ What it does, on every rank:
    this world size), then ``pm.load_pretrained(--model)``: each rank reads only the slices of the
    safetensors files it keeps.  ``--from-scratch`` initialises the weights with the model's own
    ``_init_weights`` instead (``parallelize(..., init_weights=...)``).  With ``--ckpt`` pointing
-   at an existing checkpoint, training resumes from it (``pm.load``: weights, optimizer and LR
-   schedule, written under any plan); the step count is the schedule's.
+   at an existing checkpoint, training resumes from it (``pm.load``: weights, optimizer, LR
+   schedule and step count, written under any plan).  With ``--resume auto``, ``--ckpt`` is a
+   directory of checkpoints instead: training resumes from the newest complete one
+   (``autopar.latest_checkpoint``), and saves go to ``<ckpt>/step-<n>`` in the background
+   (``pm.save(..., blocking=False, keep=--keep)``), so a job restarted by ``torchrun
+   --max-restarts`` after a failure, on as many ranks as are left, goes on where it stopped
+   (docs/fault-tolerance.md).
 2. **Data** (``--data``): a ``.jsonl`` file of ``{"text": ...}`` records, or of
    ``{"prompt": ..., "completion": ...}`` records (the loss is on the completion only: the
    prompt's targets are -100), or a plain text file (documents separated by blank lines).
@@ -319,7 +329,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, default=0, help="evaluate the held-out split every N steps (0: never)")
     p.add_argument("--eval-batches", type=int, default=4, help="at most this many held-out batches per evaluation")
     p.add_argument("--save-every", type=int, default=0, help="pm.save(--ckpt) every N steps (and at the end)")
-    p.add_argument("--ckpt", default=None, help="checkpoint path: resumed from when it exists, written by --save-every")
+    p.add_argument("--ckpt", default=None, help="checkpoint path: resumed from when it exists, written by --save-every "
+                   "(with --resume auto: a directory of checkpoints)")
+    p.add_argument("--resume", choices=("auto",), default=None,
+                   help="auto: resume from the newest complete checkpoint in the --ckpt directory, save there "
+                        "in the background as step-<n>")
+    p.add_argument("--keep", type=int, default=2, help="with --resume auto: checkpoints kept")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds a collective waits for a dead or stuck peer (default: autopar's, 10 min)")
     p.add_argument("--out", default=None, help="export the trained weights here as a Hugging Face directory")
     p.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard of --out")
     p.add_argument("--from-scratch", action="store_true",
@@ -336,6 +353,10 @@ def _check_args(args) -> None:
         raise UsageError(f"autopar: --steps {args.steps}; expected 0 or more.")
     if args.save_every and not args.ckpt:
         raise UsageError("autopar: --save-every needs --ckpt PATH to save to.")
+    if args.resume and not args.ckpt:
+        raise UsageError("autopar: --resume auto needs --ckpt DIR, the directory of checkpoints.")
+    if args.keep < 1:
+        raise UsageError(f"autopar: --keep {args.keep}; expected 1 or more checkpoints to keep.")
     if not 0 <= args.eval_frac < 1:
         raise UsageError(f"autopar: --eval-frac {args.eval_frac}; expected a fraction in [0, 1).")
     if not os.path.isfile(os.path.join(args.model, "config.json")):
@@ -343,13 +364,13 @@ def _check_args(args) -> None:
                          "model directory (as written by save_pretrained).")
 
 
-def _init_process_group() -> _Run:
+def _init_process_group(timeout: float | None) -> _Run:
     """torchrun sets WORLD_SIZE: then NCCL on GPUs, gloo on CPUs; else one process, no process group."""
     import autopar
     import torch.distributed as dist
 
     if "WORLD_SIZE" in os.environ:
-        autopar.init_distributed()
+        autopar.init_distributed(timeout=timeout)
     if dist.is_initialized():
         return _Run(dist.get_rank(), dist.get_world_size())
     return _Run(0, 1)
@@ -409,17 +430,37 @@ def _parallelize(args, model, example, run):
     return pm
 
 
+def _resume_from(args) -> str | None:
+    """The checkpoint to resume from: the newest in the --ckpt directory (--resume auto), or --ckpt."""
+    import autopar
+
+    if args.resume == "auto":
+        return autopar.latest_checkpoint(args.ckpt)
+    return args.ckpt if args.ckpt and os.path.lexists(args.ckpt) else None
+
+
+def _save(args, pm, step: int) -> str:
+    """Save step ``step``: in the background into the --ckpt directory (--resume auto), else to --ckpt."""
+    if args.resume == "auto":
+        path = os.path.join(args.ckpt, f"step-{step:08d}")
+        pm.save(path, blocking=False, keep=args.keep)
+        return path
+    pm.save(args.ckpt)
+    return args.ckpt
+
+
 def _restore(args, pm, run) -> int:
-    """Resume from --ckpt, or load the pretrained weights; the step to start at."""
+    """Resume from a checkpoint, or load the pretrained weights; the step to start at."""
     start = 0
-    if args.ckpt and os.path.lexists(args.ckpt):
-        pm.load(args.ckpt)  # weights, optimizer and schedule, saved under any plan
-        start = pm.lr_scheduler.last_epoch  # the schedule counts the steps taken
+    checkpoint = _resume_from(args)
+    if checkpoint:
+        pm.load(checkpoint)  # weights, optimizer, schedule and step, saved under any plan
+        start = pm.num_steps_taken
         # The checkpoint's next rate followed the saved run's --steps; a run resumed with a longer
         # --steps continues on its own cosine (the same rate when --steps is unchanged).
         for group, base in zip(pm.optimizer.param_groups, pm.lr_scheduler.base_lrs):
             group["lr"] = base * lr_factor(start, warmup=args.warmup, total=args.steps, min_ratio=args.min_lr_ratio)
-        run.say(f"resumed from {args.ckpt} at step {start}")
+        run.say(f"resumed from {checkpoint} at step {start}")
     elif not args.from_scratch:
         pm.load_pretrained(args.model)
         run.say(f"loaded {args.model}")
@@ -461,12 +502,11 @@ def _train_loop(args, pm, run, start, train_ids, train_targets, eval_batches) ->
         if eval_batches and n % args.eval_every == 0:
             evaluate(n)
         if args.save_every and n % args.save_every == 0:
-            pm.save(args.ckpt)
             saved_at = n
-            run.say(f"saved {args.ckpt} at step {n}")
+            run.say(f"saved {_save(args, pm, n)} at step {n}")
     if args.ckpt and saved_at < max(start, args.steps):
-        pm.save(args.ckpt)
-        run.say(f"saved {args.ckpt} at step {args.steps}")
+        run.say(f"saved {_save(args, pm, args.steps)} at step {args.steps}")
+    pm.wait_checkpoint()  # a background save is complete (and switched in) before the run ends
 
 
 def _export(args, pm, run, tokenizer) -> None:
@@ -481,7 +521,7 @@ def _export(args, pm, run, tokenizer) -> None:
 
 
 def train(args) -> int:
-    run = _init_process_group()
+    run = _init_process_group(args.timeout)
     torch.manual_seed(args.seed)  # every rank alike (dropout streams derive from it)
     config, model = _build_model(args)
     tokenizer = load_tokenizer(args.model, config, announce=run.say)

@@ -19,7 +19,9 @@ and, for the ``"tp"`` stream only, its tp rank:
     tp:          seed + OFFSET + pp*dp*cp + d * tp + tp_rank
 
 so no two streams of a step share a seed.  The generators live in the step context (one
-per stream and device) and advance with every draw, step after step.  Outside a step (no
+per stream and device) and advance with every draw, step after step; a checkpoint saves their
+states by stream index (:func:`stream_states`, :func:`restore_streams`), so a resumed run draws
+the masks the uninterrupted one would.  Outside a step (no
 context) the operators are plain torch dropout; in ``pm.eval_step`` (``step.training`` is
 False) they are the identity.  Masks are drawn on the values each rank holds, so they are
 independent across shards, not slices of one global mask (Megatron's rule too).
@@ -40,8 +42,8 @@ import torch.nn.functional as F
 from autopar.ops.fused_attention import fused_sdpa
 from autopar.ops.step import StepContext, find_current
 
-__all__ = ["REPLICATED", "TP", "STREAMS", "KINDS", "OFFSET", "stream_seed", "generator", "dropout", "attention",
-           "common_seed"]
+__all__ = ["REPLICATED", "TP", "STREAMS", "KINDS", "OFFSET", "stream_index", "stream_seed", "stream_states",
+           "restore_streams", "generator", "dropout", "attention", "common_seed"]
 
 REPLICATED, TP = "replicated", "tp"
 STREAMS = (REPLICATED, TP)
@@ -56,14 +58,42 @@ def _rank_size(step: StepContext, axis: str) -> tuple[int, int]:
     return (g.rank, g.size) if g is not None else (0, 1)
 
 
-def stream_seed(step: StepContext, stream: str) -> int:
-    """The seed of ``stream`` on this rank (the formula of the module docstring)."""
+def stream_index(step: StepContext, stream: str) -> int:
+    """This rank's index of ``stream`` (the offset from the base seed, the module docstring's formula)."""
     if stream not in STREAMS:
         raise ValueError(f"autopar: unknown dropout stream {stream!r}; expected one of {STREAMS}")
     (pp_r, pp), (dp_r, dp), (cp_r, cp), (tp_r, tp) = (_rank_size(step, a) for a in ("pp", "dp", "cp", "tp"))
     data = (pp_r * dp + dp_r) * cp + cp_r
-    index = data if stream == REPLICATED else pp * dp * cp + data * tp + tp_r
-    return (step.seed + OFFSET + index) % 2 ** 64
+    return data if stream == REPLICATED else pp * dp * cp + data * tp + tp_r
+
+
+def stream_seed(step: StepContext, stream: str) -> int:
+    """The seed of ``stream`` on this rank (the formula of the module docstring)."""
+    return (step.seed + OFFSET + stream_index(step, stream)) % 2 ** 64
+
+
+def stream_states(step: StepContext) -> dict[tuple[str, int, str], torch.Tensor]:
+    """``(stream, its index on this rank, device type) -> generator state`` of every stream this
+    rank has drawn from (a checkpoint's dropout state; a stream never drawn from needs none)."""
+    out = {}
+    for (stream, device, seed), gen in step.generators.items():
+        if seed == step.seed:
+            out[(stream, stream_index(step, stream), torch.device(device).type)] = gen.get_state()
+    return out
+
+
+def restore_streams(step: StepContext, seed: int, states: dict[tuple[str, int, str], torch.Tensor],
+                    device: torch.device) -> None:
+    """Continue the streams a checkpoint saved: base seed ``seed``, and each stream of this rank
+    whose ``(stream, index, device type)`` is in ``states`` at its saved state; the others start
+    afresh from the seed, as they would have (:func:`stream_states`)."""
+    device = torch.device(device)
+    step.seed = seed
+    step.generators.clear()
+    for stream in STREAMS:
+        state = states.get((stream, stream_index(step, stream), device.type))
+        if state is not None:
+            generator(step, stream, device).set_state(state)
 
 
 def generator(step: StepContext, stream: str, device: torch.device) -> torch.Generator:

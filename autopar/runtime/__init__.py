@@ -4,6 +4,8 @@ Public: :func:`init_distributed`, :func:`parallelize`, :class:`ParallelModule`, 
 :data:`MESH_AXES`.  ``compile_program`` (the front half of ``parallelize``, no process
 group) lives in :mod:`autopar.passes.compile` and is re-exported here.  The modules:
 
+- failures: ``rendezvous`` (``init_distributed``'s process group, fresh at every torchrun restart,
+  with a timeout), ``faults`` (a dead or hung peer named in the step's error);
 - entry points and the program: ``api`` (``init_distributed``, ``parallelize``), ``module``
   (``ParallelModule``), ``executors`` / ``pipelined`` (how a step runs: flat, or the chunks
   under ``torch.distributed.pipelining``), ``simulated`` (a pipelined step on the meta
@@ -20,8 +22,10 @@ group) lives in :mod:`autopar.passes.compile` and is re-exported here.  The modu
   values and optimizer state over shards), ``zero_optimizer`` (ZeRO-1/2, with ``zero_grads``'
   gradient policies) and ``zero_fsdp`` (ZeRO-3), ``precision`` (bf16 mixed precision), ``clipping``
   (the global gradient norm), ``memory`` (the meter);
-- state and weights: ``state`` (state dicts and checkpoint state), ``checkpoint`` (DCP save
-  and load), ``export`` (``pm.export_weights``), ``pretrained`` (``pm.load_pretrained``),
+- state and weights: ``state`` (state dicts and checkpoint state), ``train_state`` (the step,
+  dropout's RNG and the data position in a checkpoint), ``checkpoint`` (DCP save and load),
+  ``checkpoint_files`` (the layout on disk, retention, ``latest_checkpoint``, the checks of a
+  damaged checkpoint), ``checkpoint_writer`` (background writes), ``export`` (``pm.export_weights``), ``pretrained`` (``pm.load_pretrained``),
   ``safetensors_io`` (slice reads and piecewise writes of safetensors files), ``initialize``
   (``init_weights`` on a model built on the meta device).
 """

@@ -8,6 +8,7 @@ device mesh and cuts this rank's parameters out of the user's full tensors.
 """
 from __future__ import annotations
 
+import datetime
 import os
 from typing import Any, Callable, Sequence
 
@@ -25,19 +26,29 @@ from autopar.runtime.inductor import torch_compile_options
 from autopar.runtime.mesh import world
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.precision import cast_inputs, low_precision_copy, mixed_precision_dtype
+from autopar.runtime.rendezvous import as_timedelta, init_process_group
 
 __all__ = ["init_distributed", "parallelize"]
 
 
-def init_distributed(backend: str | None = None) -> None:
-    """Initialise the default process group from torchrun's environment (NCCL on GPUs, else gloo)."""
+def init_distributed(backend: str | None = None, *,
+                     timeout: float | datetime.timedelta | None = None) -> None:
+    """Initialise the default process group from torchrun's environment (NCCL on GPUs, else gloo).
+
+    ``timeout`` (seconds or a ``timedelta``; default :data:`autopar.runtime.rendezvous.DEFAULT_TIMEOUT`,
+    10 minutes): a collective whose peer died or hangs raises after this long instead of waiting
+    forever, and the step's error names the rank and the collective (:mod:`autopar.runtime.faults`).
+    Under torchrun's restarts (``--max-restarts``, c10d rendezvous) every start of the workers
+    gets a fresh namespace in torchrun's store (:mod:`autopar.runtime.rendezvous`), so restarted
+    ranks never read a dead rank's address."""
     if dist.is_initialized():
         return
+    timeout = as_timedelta(timeout)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group(backend)
+    init_process_group(backend, timeout)
 
 
 def parallelize(

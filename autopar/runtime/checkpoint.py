@@ -2,10 +2,11 @@
 
 What is stored: the model's parameters and buffers under the original model's names
 (``model.<name>``) and the optimizer state per original parameter (``optim.<name>.<key>``,
-e.g. ``exp_avg``), all as full, unsharded tensors.  Each rank contributes what it holds
-(``ParallelModule.checkpoint_state``, :mod:`autopar.runtime.state`: TP, EP and ZeRO shards gathered; under pp only its
-stage's parameters), and DCP's save planner deduplicates identical entries so each tensor
-is written once, by one rank, with the writes spread over the ranks.  On load each rank
+e.g. ``exp_avg``), all as full, unsharded tensors.  Every rank gathers what it holds (TP, EP
+and ZeRO shards; under pp only its stage's parameters) and stages its share of the entries
+(``ParallelModule.checkpoint_state``, :func:`autopar.runtime.state.writes`: one rank per entry,
+chosen from its name), so each tensor is written once, the writes spread over the ranks, and a
+rank's host copy is its share, not the whole model (what DCP's deduplication would keep).  On load each rank
 reads the entries it holds (``checkpoint_wants``) and cuts its own shards.  This module
 does the I/O only and reads nothing private of the module.  Full tensors under plan-independent names are what
 make a checkpoint load under any other plan (each rank cuts its own shards on load) and
@@ -15,83 +16,135 @@ Export: :func:`export_safetensors` (``pm.export_weights``) writes the full weigh
 a Hugging Face directory (sharded safetensors, ``config.json``) or one safetensors file, each
 rank writing its own pieces without gathering the model (:mod:`autopar.runtime.export`).
 
-Crash safety: the data go to a fresh directory ``<path>.data-<token>.tmp``; only after
-every rank finished writing is it renamed to ``<path>.data-<token>``, and ``<path>`` (a
-symbolic link) is switched to it with one atomic ``os.replace``; the previous data
-directory is deleted last.  A save killed at any point leaves ``<path>`` pointing at the
-last complete checkpoint.
+Crash safety, asynchronous writes and retention: :mod:`autopar.runtime.checkpoint_files` (the
+layout: a link switched atomically to a complete data directory; the newest complete checkpoint;
+the checks that refuse a damaged one by name before anything is loaded) and
+:mod:`autopar.runtime.checkpoint_writer` (``blocking=False``: DCP's ``async_save`` after the state
+is staged in host memory; one save in flight).  Besides model and optimizer, a checkpoint holds
+what a run needs to resume: the step, dropout's RNG and the data position
+(:mod:`autopar.runtime.train_state`).
 
-Neighbours: :mod:`autopar.runtime.module` (``ParallelModule.save`` / ``load`` call
-:func:`save` and :func:`load`), :mod:`autopar.runtime.state` (the state it holds), the gradient-sync strategies
-(:mod:`autopar.runtime.grad_sync`, :mod:`autopar.runtime.zero`: optimizer state per parameter).
+Neighbours: :mod:`autopar.runtime.module` (``ParallelModule.save`` / ``load`` /
+``wait_checkpoint`` call :func:`save`, :func:`load` and :func:`wait`), :mod:`autopar.runtime.state`
+(the state it holds), the gradient-sync strategies (:mod:`autopar.runtime.grad_sync`,
+:mod:`autopar.runtime.zero`: optimizer state per parameter).
 """
 from __future__ import annotations
 
 import os
-import shutil
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.errors import AutoparError
+from autopar.runtime.checkpoint_files import check_files, check_writable, data_dir_of, latest_checkpoint
 from autopar.runtime.export import distributed, export_weights, shared_token
 from autopar.runtime.safetensors_io import WEIGHTS_NAME
-from autopar.runtime.state import MODEL_PREFIX, OPTIM_PREFIX, SCHEDULER_KEY
+from autopar.runtime.state import MODEL_PREFIX, OPTIM_PREFIX, SCHEDULER_KEY, model_shapes
+from autopar.runtime.train_state import DATA_KEY
 
-__all__ = ["save", "load", "load_model_state_dict", "MODEL_PREFIX", "OPTIM_PREFIX", "SCHEDULER_KEY",
-           "export_safetensors", "SAFETENSORS_NAME"]
+__all__ = ["save", "wait", "load", "load_model_state_dict", "latest_checkpoint", "MODEL_PREFIX", "OPTIM_PREFIX",
+           "SCHEDULER_KEY", "export_safetensors", "SAFETENSORS_NAME"]
 
 # Entry names (autopar/runtime/state.py): ``model.<original name>``, ``optim.<original name>.<state
 # key>``, and the learning-rate scheduler's pickled state dict as one uint8 tensor.
 
 
-def save(pm, path: str | os.PathLike) -> None:
-    """Write ``pm``'s model and optimizer state to ``path`` (collective: call on every rank)."""
+def save(pm, path: str | os.PathLike, *, blocking: bool = True, keep: int | None = None, data=None,
+         overlap_steps: int | None = None) -> None:
+    """Write ``pm``'s state (model, optimizer, schedule, step, dropout RNG, ``data``'s position) as
+    the checkpoint ``path`` (collective: call on every rank).  ``blocking=False`` returns once the
+    state is staged in host memory and writes in the background (:func:`wait` joins it);
+    ``overlap_steps=k``: the write may overlap the forward and backward of the next ``k`` steps,
+    and the ``k``-th step's update waits for it (so a failure loses at most the steps since the
+    previous save, as with blocking saves; None: no bound).  ``keep``: then remove the complete
+    checkpoints of ``path``'s directory beyond the ``keep`` newest."""
     path = os.path.abspath(os.fspath(path))
-    if os.path.exists(path) and not os.path.islink(path):
-        raise AutoparError(f"autopar: checkpoint path {path} exists and is not an autopar checkpoint link; "
-                           "expected a new path or one written by ParallelModule.save; choose another path.")
-    state = pm.checkpoint_state()
-    token = shared_token()
-    data_dir = f"{path}.data-{token}"
-    tmp_dir = data_dir + ".tmp"
-    dcp.save(state, checkpoint_id=tmp_dir, no_dist=not distributed())
-    if distributed():
-        dist.barrier()
-    if not distributed() or dist.get_rank() == 0:
-        old = os.path.realpath(path) if os.path.islink(path) else None
-        os.rename(tmp_dir, data_dir)
-        link = f"{path}.link-{token}"
-        os.symlink(os.path.basename(data_dir), link)
-        os.replace(link, path)  # atomic: readers see the old or the new checkpoint, never a mix
-        if old and old != data_dir and os.path.isdir(old):
-            shutil.rmtree(old, ignore_errors=True)
-    if distributed():
-        dist.barrier()
+    check_writable(path)
+    for name, value in (("keep", keep), ("overlap_steps", overlap_steps)):
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise AutoparError(f"autopar: pm.save({name}={value!r}); expected a whole number >= 1, or None (no limit).")
+    writer = pm.checkpoint_writer
+    writer.wait()  # one save in flight: the previous one finishes (and may raise) first
+    # A background save stages into the writer's buffers, kept from one save to the next (the
+    # previous save is complete: waited for above); a blocking one into memory freed after it.
+    state = pm.checkpoint_state(data=data, into=None if blocking else writer.staging)
+    data_dir, tmp_dir = data_dir_of(path, shared_token())
+    info = {"step": pm.num_steps_taken, "plan": str(pm.plan), "world_size": pm.plan.world_size, "format": 2}
+    writer.write(state, path, tmp_dir, data_dir, info, blocking=blocking, keep=keep, overlap_steps=overlap_steps)
 
 
-def _read(path: str, wanted) -> dict[str, torch.Tensor]:
-    if not os.path.exists(path):
-        raise AutoparError(f"autopar: no checkpoint at {path}; expected a path written by ParallelModule.save.")
-    meta = dcp.FileSystemReader(path).read_metadata()
+def wait(pm) -> None:
+    """Join ``pm``'s save in flight (``blocking=False``), raising what made it fail."""
+    pm.checkpoint_writer.wait()
+
+
+def _metadata(data_dir: str):
+    return dcp.FileSystemReader(data_dir).read_metadata()
+
+
+def _read(path: str, metadata, wanted) -> dict[str, torch.Tensor]:
+    """The entries ``wanted(key)`` of the checked checkpoint ``path``, in fresh tensors (nothing is
+    loaded into a program until every rank has read all it needs)."""
     state = {k: torch.empty(m.size, dtype=m.properties.dtype)
-             for k, m in meta.state_dict_metadata.items()
+             for k, m in metadata.state_dict_metadata.items()
              if isinstance(m, TensorStorageMetadata) and wanted(k)}
-    dcp.load(state, checkpoint_id=path, no_dist=not distributed())
+    try:
+        dcp.load(state, checkpoint_id=os.path.realpath(path), no_dist=not distributed())
+    except BaseException as exc:  # DCP's CheckpointException (a BaseException), raised on every rank
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        failures = getattr(exc, "failures", None) or {}
+        first = next(iter(failures.values()), (exc, None))[0]
+        where = f" on rank(s) {sorted(failures)}" if failures else ""
+        raise AutoparError(f"autopar: reading checkpoint {path} failed{where} ({type(first).__name__}: {first}); "
+                           "expected intact files; nothing was loaded; load an earlier checkpoint "
+                           "(autopar.latest_checkpoint(dir)).") from None
     return state
+
+
+def _check_model(pm, path: str, metadata, data) -> None:
+    """Refuse a checkpoint of another model (its ``model.*`` entries and shapes), or one without
+    the data position asked for, on every rank alike (the index is the same everywhere)."""
+    saved = {k[len(MODEL_PREFIX):]: tuple(m.size) for k, m in metadata.state_dict_metadata.items()
+             if k.startswith(MODEL_PREFIX)}
+    model = model_shapes(pm)
+    missing = sorted(set(model) - set(saved))
+    unexpected = sorted(set(saved) - set(model))
+    shapes = [f"{name}: {saved[name]} in the checkpoint, {model[name]} in the model"
+              for name in sorted(set(saved) & set(model)) if saved[name] != model[name]]
+    if missing or unexpected or shapes:
+        parts = [f"{len(v)} {what} ({', '.join(v[:3])}{', ...' if len(v) > 3 else ''})"
+                 for v, what in ((missing, "of the model's tensors missing"), (unexpected, "tensors the model lacks"),
+                                 (shapes, "tensors of other shapes")) if v]
+        raise AutoparError(f"autopar: checkpoint {path} is not of this model: {'; '.join(parts)}; expected the "
+                           "tensors of this model's state_dict() with their shapes; nothing was loaded; load a "
+                           "checkpoint saved from this model.")
+    if data is not None and DATA_KEY not in metadata.state_dict_metadata:
+        raise AutoparError(f"autopar: checkpoint {path} holds no data position (saved without pm.save(..., data=...)); "
+                           "expected one for pm.load(..., data=...); load without data= and position the data "
+                           "yourself, or save with data=.")
 
 
 def load_model_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """The full model state dict stored at ``path``, for the unparallelized model's ``load_state_dict``."""
-    state = _read(os.path.abspath(os.fspath(path)), lambda k: k.startswith(MODEL_PREFIX))
+    path = os.path.abspath(os.fspath(path))
+    _, metadata = check_files(path, _metadata)
+    state = _read(path, metadata, lambda k: k.startswith(MODEL_PREFIX))
     return {k[len(MODEL_PREFIX):]: v for k, v in state.items()}
 
 
-def load(pm, path: str | os.PathLike) -> None:
-    """Load model and optimizer state saved under any plan into ``pm`` (collective)."""
-    pm.load_checkpoint_state(_read(os.path.abspath(os.fspath(path)), pm.checkpoint_wants))
+def load(pm, path: str | os.PathLike, *, data=None) -> None:
+    """Load a checkpoint saved under any plan into ``pm`` (and ``data``'s position into ``data``;
+    collective).  A damaged checkpoint, or one of another model, is refused by name on every
+    rank before anything is loaded."""
+    wait(pm)
+    path = os.path.abspath(os.fspath(path))
+    _, metadata = check_files(path, _metadata)
+    _check_model(pm, path, metadata, data)
+    state = _read(path, metadata, lambda k: pm.checkpoint_wants(k, data=data))
+    pm.load_checkpoint_state(state, data=data)
 
 
 # --- full-weights export (autopar/runtime/export.py) ----------------------------------------

@@ -127,6 +127,16 @@ class DistributedBatchSampler(Sampler[list[int]]):
     ``pm_or_slice`` is the ``ParallelModule`` or this rank's :class:`BatchSlice`.
     ``drop_last=True`` drops a last incomplete global batch; ``False`` completes it with indices
     from the start of the order (as ``DistributedSampler`` pads), so every batch is full.
+
+    Its position is resumable: :meth:`state_dict` is the epoch and how many global batches of it
+    this sampler has handed out, the same on every rank and under every plan (the order is
+    global; only the rows taken from each batch depend on the dp rank), and
+    :meth:`load_state_dict` makes the next iteration continue from there, so a run resumed on
+    any dp size sees the samples the uninterrupted run would have.  ``pm.save(path, data=sampler)``
+    and ``pm.load(path, data=sampler)`` keep it in the checkpoint.  The count is of batches handed
+    out: a ``DataLoader`` with worker processes asks for some ahead of the step
+    (``num_workers * prefetch_factor``), so save from a loader without workers, or use torchdata's
+    ``StatefulDataLoader``, which saves what it has delivered.
     """
 
     def __init__(self, dataset_len: int, global_batch_size: int, pm_or_slice: Any, shuffle: bool = False,
@@ -140,10 +150,35 @@ class DistributedBatchSampler(Sampler[list[int]]):
         self.rows = _rows_of(pm_or_slice, global_batch_size)
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.epoch = 0
+        self.position = 0  # global batches of this epoch handed out (the next iteration starts here)
+        self._loaded = False  # the position came from load_state_dict: continue it even at the epoch's end
 
     def set_epoch(self, epoch: int) -> None:
-        """The epoch whose order the next iteration yields (with ``shuffle``)."""
+        """The epoch whose order the next iteration yields (with ``shuffle``); another epoch starts
+        at its first batch, the current one where it stands."""
+        if epoch != self.epoch:
+            self.position = 0
         self.epoch = epoch
+
+    def state_dict(self) -> dict:
+        """The position (epoch, batches handed out) and what fixes the order, independent of the rank."""
+        return {"epoch": self.epoch, "position": self.position, "dataset_len": self.dataset_len,
+                "global_batch_size": self.global_batch_size, "shuffle": self.shuffle, "seed": self.seed,
+                "drop_last": self.drop_last}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Continue from ``state`` (of a sampler over the same data, under any plan): the next
+        iteration yields the epoch's batches from the saved position on."""
+        fixed = ("dataset_len", "global_batch_size", "shuffle", "seed", "drop_last")
+        differ = [f"{k}={state.get(k)!r} (this sampler: {getattr(self, k)!r})" for k in fixed
+                  if state.get(k) != getattr(self, k)]
+        if differ:
+            raise AutoparError(f"autopar: the saved data position is of another sampler: {', '.join(differ)}; "
+                               "expected the same dataset length, global batch, shuffle, seed and drop_last, "
+                               "since a position means nothing in another order; build the sampler as the "
+                               "saved run did.")
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._loaded = True
 
     def __len__(self) -> int:
         if self.drop_last:
@@ -165,6 +200,12 @@ class DistributedBatchSampler(Sampler[list[int]]):
     def __iter__(self) -> Iterator[list[int]]:
         order = self._order()
         size = self.global_batch_size
-        for b in range(len(self)):
+        # A finished epoch iterated again starts over (as it always did); a loaded position
+        # continues, even at the epoch's end (then nothing is left of it: the caller's next
+        # set_epoch starts the next one), as does an interrupted iteration.
+        start = self.position if self.position < len(self) or self._loaded else 0
+        self._loaded = False
+        for b in range(start, len(self)):
             batch = order[b * size:(b + 1) * size]
+            self.position = b + 1
             yield [batch[i] for i in self.rows]

@@ -13,8 +13,9 @@ this rank's part of it, see ``batch_slice`` and :mod:`autopar.runtime.data`), le
 executor slice and run what this rank computes, synchronises gradients, steps the
 optimizer and returns the global mean loss.  ``state_dict`` / ``load_state_dict`` speak full tensors under the
 original model's names on every rank; ``checkpoint_state`` / ``load_checkpoint_state`` are
-the same for the tensors this rank holds, with optimizer state, for
-:mod:`autopar.runtime.checkpoint`; both live in :mod:`autopar.runtime.state`.  The gradient-sync
+the same for the tensors this rank holds, with optimizer state and what a run needs to resume,
+for :mod:`autopar.runtime.checkpoint` (``save``, ``load``, ``wait_checkpoint``); both live in
+:mod:`autopar.runtime.state`.  The gradient-sync
 strategy and the executor are typed by their protocols,
 :class:`autopar.runtime.sync_protocol.GradientSynchronizer` and
 :class:`autopar.runtime.executors.Executor`.
@@ -44,7 +45,9 @@ from autopar.runtime.clipping import clip_gradients, norm_weights
 from autopar.runtime.data import BatchSlice
 from autopar.runtime.devices import (is_simulation, move_constants, retarget_devices, run_device,
                                      use_fused_attention)
+from autopar.runtime.checkpoint_writer import CheckpointWriter
 from autopar.runtime.executors import Executor, FlatExecutor
+from autopar.runtime.faults import named_failures
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.initialize import check_initialized, initialize, initialize_buffers
 from autopar.runtime.layout import shard_local
@@ -126,6 +129,9 @@ class ParallelModule:
         self.max_grad_norm = max_grad_norm
         self.last_grad_norm: float | None = None
         self.last_step_stats: dict[str, Any] = {}
+        # Optimizer steps taken (train_step calls), saved in checkpoints and restored by load.
+        self.num_steps_taken = 0
+        self.checkpoint_writer = CheckpointWriter()  # its saves, one in flight (blocking=False)
         self._prediction: dict[str, float] | None = None
         # The cost model's estimate of this plan on this machine (autopar.cost.Cost), made at the first
         # step from its batch; None without hardware figures (a CPU without a hardware profile).
@@ -257,27 +263,38 @@ class ParallelModule:
 
     # --- checkpoints (autopar/runtime/checkpoint.py does the I/O) --------------------------
 
-    def checkpoint_state(self) -> dict[str, torch.Tensor]:
-        """What this rank holds, as full tensors on the CPU under plan-independent keys:
-        ``model.<name>`` for parameters and buffers, ``optim.<name>.<key>`` for optimizer state,
-        ``sched.state`` for the learning-rate scheduler (collective: call on every rank)."""
-        return module_state.checkpoint_state(self)
+    def checkpoint_state(self, data: Any = None, into: dict | None = None) -> dict[str, torch.Tensor]:
+        """The checkpoint entries this rank writes, copied to host memory, under plan-independent
+        keys (collective; :func:`autopar.runtime.state.checkpoint_state`)."""
+        return module_state.checkpoint_state(self, data, into)
 
-    def checkpoint_wants(self, key: str) -> bool:
-        """Whether this rank loads checkpoint entry ``key`` (its own parameters' entries)."""
-        return module_state.checkpoint_wants(self, key)
+    def checkpoint_wants(self, key: str, data: Any = None) -> bool:
+        """Whether this rank loads checkpoint entry ``key`` (its own parameters' entries, the training state)."""
+        return module_state.checkpoint_wants(self, key, data)
 
-    def load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
+    def load_checkpoint_state(self, state: dict[str, torch.Tensor], data: Any = None) -> None:
         """Load what :meth:`checkpoint_state` wrote (under any plan) into this rank (collective)."""
-        module_state.load_checkpoint_state(self, state)
+        module_state.load_checkpoint_state(self, state, data)
 
-    def save(self, path) -> None:
-        """Write model and optimizer state to ``path`` with torch.distributed.checkpoint (every rank)."""
-        checkpoint.save(self, path)
+    def save(self, path, blocking: bool = True, *, keep: int | None = None, data: Any = None,
+             overlap_steps: int | None = None) -> None:
+        """Checkpoint everything needed to resume at ``path`` (every rank; :mod:`autopar.runtime.checkpoint`):
+        ``blocking=False`` returns once staged in host memory and writes in the background (for at
+        most ``overlap_steps`` steps' forward and backward); ``keep``: then keep the ``keep`` newest
+        of ``path``'s directory; ``data``: its position too."""
+        with named_failures(self, "save"):
+            checkpoint.save(self, path, blocking=blocking, keep=keep, data=data, overlap_steps=overlap_steps)
 
-    def load(self, path) -> None:
-        """Read a checkpoint written by :meth:`save` under any plan (every rank)."""
-        checkpoint.load(self, path)
+    def wait_checkpoint(self) -> None:
+        """Wait for the save in flight to be written and switched in; raise what made it fail."""
+        with named_failures(self, "save"):
+            checkpoint.wait(self)
+
+    def load(self, path, *, data: Any = None) -> None:
+        """Read a checkpoint saved under any plan on any world size (every rank), and ``data``'s
+        position; a damaged one, or one of another model, is refused by name before anything loads."""
+        with named_failures(self, "load"):
+            checkpoint.load(self, path, data=data)
 
     def export_weights(self, path, *, max_shard_size: int | str = "5GB") -> str:
         """Write the full weights under the original names as a Hugging Face directory (``config.json``,
@@ -292,7 +309,13 @@ class ParallelModule:
         """One optimizer step on the global batch; returns the global mean loss.
 
         ``local=True``: ``inputs`` and ``target`` are this rank's part of the global batch
-        (``self.batch_slice(...).take``), not the whole of it; the step is the same."""
+        (``self.batch_slice(...).take``), not the whole of it; the step is the same.  A peer that
+        died or hangs raises an ``autopar:`` error naming this rank and the collective
+        (:mod:`autopar.runtime.faults`)."""
+        with named_failures(self, "train_step"):
+            return self._train_step(inputs, target, local)
+
+    def _train_step(self, inputs: Sequence[Any], target: Any, local: bool) -> float:
         check_initialized(self)
         inputs = self._check_inputs(inputs)
         self._local_batch = local
@@ -309,7 +332,9 @@ class ParallelModule:
             if self.max_grad_norm is not None and self.device.type != "meta":  # meta: no values
                 self.last_grad_norm = clip_gradients(self.grad_sync, self._norm_weights, self.max_grad_norm,
                                                      self.groups, self.device)
+            self.checkpoint_writer.before_update()  # a background save's overlap_steps end here
             self.grad_sync.step()
+            self.num_steps_taken += 1
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step()
             self.memory.after_step(self.optimizer)
@@ -325,6 +350,10 @@ class ParallelModule:
     def eval_step(self, inputs: Sequence[Any], target: Any, *, local: bool = False) -> float:
         """The global mean loss of ``inputs`` in eval mode: no gradients kept, no update
         (``local``: this rank's part of the batch, as in :meth:`train_step`)."""
+        with named_failures(self, "eval_step"):
+            return self._eval_step(inputs, target, local)
+
+    def _eval_step(self, inputs: Sequence[Any], target: Any, local: bool) -> float:
         check_initialized(self)
         inputs = self._check_inputs(inputs)
         self._local_batch = local

@@ -7,7 +7,8 @@ Two forms, both under the original model's names and plan-independent:
 * :func:`checkpoint_state` / :func:`checkpoint_wants` / :func:`load_checkpoint_state`: what
   this rank holds, as full tensors on the CPU, with the optimizer state per parameter and the
   learning-rate scheduler, under the entry names ``model.<name>``, ``optim.<name>.<key>`` and
-  ``sched.state`` (:data:`MODEL_PREFIX`, :data:`OPTIM_PREFIX`, :data:`SCHEDULER_KEY`);
+  ``sched.state`` (:data:`MODEL_PREFIX`, :data:`OPTIM_PREFIX`, :data:`SCHEDULER_KEY`), with
+  the step, dropout's RNG and the data position of :mod:`autopar.runtime.train_state`;
   :mod:`autopar.runtime.checkpoint` does the I/O.
 
 A tensor's whole value is gathered over the axes that cut it (tp, ep:
@@ -20,7 +21,8 @@ back through the same strategy.  ``ParallelModule.state_dict``, ``load_state_dic
 from __future__ import annotations
 
 import functools
-import pickle
+import zlib
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -28,8 +30,10 @@ import torch.nn as nn
 
 from autopar.errors import AutoparError
 from autopar.runtime.layout import gather_full, shard_local
+from autopar.runtime.train_state import load_train_entries, pickled, train_entries, train_wants, unpickled
 
-__all__ = ["state_dict", "load_state_dict", "checkpoint_state", "checkpoint_wants", "load_checkpoint_state",
+__all__ = ["state_dict", "load_state_dict", "checkpoint_state", "writes", "checkpoint_wants", "load_checkpoint_state",
+           "model_shapes",
            "graph_to_original", "tensor_value", "get_attr", "MODEL_PREFIX", "OPTIM_PREFIX", "SCHEDULER_KEY"]
 
 # Entry names: ``model.<original name>``, ``optim.<original name>.<state key>``, and the
@@ -55,12 +59,28 @@ def tensor_value(pm, values: dict[str, torch.Tensor], name: str) -> torch.Tensor
     return values[name] if name in values else get_attr(pm.gm, name)
 
 
-def _full(pm, name: str, local: torch.Tensor) -> torch.Tensor:
-    """The full tensor of graph parameter ``name`` from this rank's piece of it (collective over tp/ep)."""
+def _full(pm, name: str, local: torch.Tensor, copy: bool = True) -> torch.Tensor:
+    """The full tensor of graph parameter ``name`` from this rank's piece of it (collective over tp/ep);
+    ``copy=False``: it may be ``local`` itself (the caller copies)."""
     shards = pm.program.param_shards.get(name, {})
     if not shards or local.dim() == 0:
-        return local.clone()
-    return gather_full(local.contiguous(), shards, pm.groups, pm.coords(), pm._full_meta[name][0]).clone()
+        return local.clone() if copy else local
+    full = gather_full(local.contiguous(), shards, pm.groups, pm.coords(), pm._full_meta[name][0])
+    return full.clone() if copy else full
+
+
+def _host_copy(t: torch.Tensor, dtype: torch.dtype | None = None, into: dict | None = None,
+               key: str = "") -> torch.Tensor:
+    """A copy of ``t`` in host memory, one copy whatever the device (a checkpoint's staged value);
+    with ``into``, in its buffer ``key`` when it has one of that shape and dtype (kept there for
+    the next save: copying into memory already mapped is ~4x faster than into fresh pages)."""
+    dtype = dtype or t.dtype
+    if into is None:
+        return t.to(device="cpu", dtype=dtype, copy=True)
+    buffer = into.get(key)
+    if buffer is None or buffer.shape != t.shape or buffer.dtype != dtype:
+        buffer = into[key] = torch.empty(t.shape, dtype=dtype, device="cpu")
+    return buffer.copy_(t)
 
 
 def _local(pm, name: str, full: torch.Tensor) -> torch.Tensor:
@@ -120,29 +140,64 @@ def _load_model_entries(pm, state_dict: dict[str, torch.Tensor]) -> None:
 
 # --- checkpoint state (autopar/runtime/checkpoint.py does the I/O) -----------------------
 
-def checkpoint_state(pm) -> dict[str, torch.Tensor]:
-    """What this rank holds, as full tensors on the CPU under plan-independent keys:
-    ``model.<name>`` for parameters and buffers, ``optim.<name>.<key>`` for optimizer state,
-    ``sched.state`` for the learning-rate scheduler (collective: call on every rank)."""
+def writes(pm, key: str, name: str) -> bool:
+    """Whether this rank is the one that stages and writes checkpoint entry ``key`` of graph tensor
+    ``name``.  Every rank of the pipeline stages holding ``name`` has its full value (gathered over
+    tp, ep and, under ZeRO, dp), so one of them, chosen from the key alone (the same choice on every
+    rank, no message), copies and writes it: a rank's staged copy is its share of the checkpoint,
+    not the whole model, and the writes spread over the ranks."""
+    if not dist.is_initialized() or pm.plan.world_size == 1:
+        return True
+    per_stage = pm.plan.world_size // pm.plan.pp
+    stages = pm.executor.holders(name)
+    stages = range(pm.plan.pp) if stages is None else sorted(stages)
+    candidates = [p * per_stage + i for p in stages for i in range(per_stage)]
+    return candidates[zlib.crc32(key.encode()) % len(candidates)] == dist.get_rank()
+
+
+def checkpoint_state(pm, data: Any = None, into: dict | None = None) -> dict[str, torch.Tensor]:
+    """The entries this rank writes (:func:`writes`), as full tensors copied to host memory, under
+    plan-independent keys: ``model.<name>`` for parameters and buffers, ``optim.<name>.<key>`` for
+    optimizer state, ``sched.state`` for the learning-rate scheduler, and the step, dropout's RNG
+    and ``data``'s position (:mod:`autopar.runtime.train_state`); the union over the ranks is the
+    checkpoint.  Collective: call on every rank, in the training thread (the gathers, and ZeRO's
+    reads, are collectives every rank issues in the same order); the result shares no memory with
+    the program, so training may go on while it is written.  ``into``: host buffers by entry name,
+    reused and refilled (a background save's staging memory, kept from one save to the next)."""
     state = {}
     with pm.grad_sync.full_parameters() as values:
         for orig, name in pm._aliases.items():
             if pm.holds(name):
-                full = _full(pm, name, tensor_value(pm, values, name).detach())
-                state[MODEL_PREFIX + orig] = full.to(pm._orig_dtypes[orig]).cpu()
+                full = _full(pm, name, tensor_value(pm, values, name).detach(), copy=False)
+                if writes(pm, MODEL_PREFIX + orig, name):
+                    state[MODEL_PREFIX + orig] = _host_copy(full, pm._orig_dtypes[orig], into, MODEL_PREFIX + orig)
     to_orig = graph_to_original(pm)
     for name, entries in sorted(pm.grad_sync.optimizer_state().items()):
         for key, value in sorted(entries.items()):
             value = value if torch.is_tensor(value) else torch.tensor(value)
-            state[f"{OPTIM_PREFIX}{to_orig[name]}.{key}"] = _full(pm, name, value.detach()).cpu()
+            full = _full(pm, name, value.detach(), copy=False)
+            entry = f"{OPTIM_PREFIX}{to_orig[name]}.{key}"
+            if writes(pm, entry, name):
+                state[entry] = _host_copy(full, None, into, entry)
     if pm.lr_scheduler is not None:  # the same on every rank; stored as its pickled state dict
-        blob = pickle.dumps(pm.lr_scheduler.state_dict())
-        state[SCHEDULER_KEY] = torch.frombuffer(bytearray(blob), dtype=torch.uint8).clone()
+        state[SCHEDULER_KEY] = pickled(pm.lr_scheduler.state_dict())
+    state.update(train_entries(pm, data))
     return state
 
 
-def checkpoint_wants(pm, key: str) -> bool:
-    """Whether this rank loads checkpoint entry ``key`` (its own parameters' entries)."""
+def model_shapes(pm) -> dict[str, tuple[int, ...]]:
+    """Original name -> full shape of every tensor of the model's state dict (what a checkpoint of
+    this model holds under ``model.<name>``, whatever rank holds it)."""
+    return {orig: tuple(pm._full_meta[name][0]) if name in pm._full_meta else tuple(get_attr(pm.gm, name).shape)
+            for orig, name in pm._aliases.items()}
+
+
+def checkpoint_wants(pm, key: str, data: Any = None) -> bool:
+    """Whether this rank loads checkpoint entry ``key`` (its own parameters' entries, the
+    training state; ``data.state`` only with ``data``)."""
+    train = train_wants(pm, key, data)
+    if train is not None:
+        return train
     if key == SCHEDULER_KEY:
         return pm.lr_scheduler is not None
     if key.startswith(MODEL_PREFIX):
@@ -155,7 +210,7 @@ def checkpoint_wants(pm, key: str) -> bool:
     return False
 
 
-def load_checkpoint_state(pm, state: dict[str, torch.Tensor]) -> None:
+def load_checkpoint_state(pm, state: dict[str, torch.Tensor], data: Any = None) -> None:
     """Load what :func:`checkpoint_state` wrote (under any plan) into this rank (collective)."""
     model = {k[len(MODEL_PREFIX):]: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
     _check_keys(pm, model, [o for o, n in pm._aliases.items() if pm.holds(n)])
@@ -168,7 +223,8 @@ def load_checkpoint_state(pm, state: dict[str, torch.Tensor]) -> None:
             entries[name] = {key: _local(pm, name, v) for key, v in found.items()}
     pm.grad_sync.load_optimizer_state(entries)
     if pm.lr_scheduler is not None and SCHEDULER_KEY in state:
-        pm.lr_scheduler.load_state_dict(pickle.loads(state[SCHEDULER_KEY].numpy().tobytes()))
+        pm.lr_scheduler.load_state_dict(unpickled(state[SCHEDULER_KEY]))
         # The next step runs at the restored rate (a scheduler sets it only when it steps).
         for group, lr in zip(pm.optimizer.param_groups, pm.lr_scheduler.get_last_lr()):
             group["lr"] = lr
+    load_train_entries(pm, state, data)

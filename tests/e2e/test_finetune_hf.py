@@ -6,6 +6,8 @@ and a small prompt/completion JSONL; then four runs of the script:
 * ``tp=2,sp`` on 2 ranks: load_pretrained, steps 1-2, checkpoint;
 * ``dp=2,zero=3`` on 2 ranks: resumes that checkpoint (another plan), steps 3-4, exports;
 * ``--plan none`` in one process: steps 1-4 from the same directory, exports;
+* ``--resume auto`` (a directory of checkpoints, saved in the background, the newest kept): 2 ranks
+  under ``dp=2`` for steps 1-2, then one process for steps 3-4, resumed from the newest;
 * ``dp=2,zero=3`` on 2 ranks with 0 steps on the directory without a tokenizer (byte-level
   fallback, packed rows): load_pretrained then export_weights at once.
 
@@ -127,7 +129,14 @@ COMMON = ["--seq", "16", "--batch", "4", "--lr", "1e-3", "--warmup", "1", "--max
           "--eval-every", "2", "--eval-frac", "0.2", "--eval-batches", "1", "--max-shard-size", "100KB"]
 
 
-def test_finetune_under_two_plans_resumed_equals_one_process(setup):
+@pytest.fixture(scope="module")
+def single(setup):
+    """One process, steps 1-4 from the directory with a tokenizer, exported: the reference run."""
+    common = COMMON + ["--model", str(setup["tok"]), "--data", str(setup["data"])]
+    return _run(common + ["--plan", "none", "--steps", "4", "--out", str(setup["root"] / "out_single")])
+
+
+def test_finetune_under_two_plans_resumed_equals_one_process(setup, single):
     from transformers import AutoModelForCausalLM
 
     root, common = setup["root"], COMMON + ["--model", str(setup["tok"]), "--data", str(setup["data"])]
@@ -135,7 +144,6 @@ def test_finetune_under_two_plans_resumed_equals_one_process(setup):
     first = _run(common + ["--plan", "tp=2,sp", "--steps", "2", "--ckpt", str(ckpt), "--save-every", "2"], ranks=2)
     second = _run(common + ["--plan", "dp=2,zero=3", "--steps", "4", "--ckpt", str(ckpt),
                             "--out", str(out_parallel)], ranks=2)
-    single = _run(common + ["--plan", "none", "--steps", "4", "--out", str(out_single)])
     assert "resumed from" in second and "byte-level" not in single
 
     parallel = {**_losses(first), **_losses(second)}
@@ -157,6 +165,24 @@ def test_finetune_under_two_plans_resumed_equals_one_process(setup):
     loaded = AutoModelForCausalLM.from_pretrained(out_parallel)
     for k, v in loaded.state_dict().items():
         assert torch.equal(v, a[k]), k
+
+
+def test_resume_auto_goes_on_from_the_newest_checkpoint(setup, single):
+    """``--resume auto``: background saves into a directory, keeping one; a second run (another plan,
+    one process) resumes from the newest, and the four losses are the uninterrupted run's."""
+    common = COMMON + ["--model", str(setup["tok"]), "--data", str(setup["data"])]
+    ckpt = setup["root"] / "ckpts"
+    # (--steps 2 then 4, as above: the cosine's rates of steps 1-2 do not depend on --steps)
+    first = _run(common + ["--plan", "dp=2", "--steps", "2", "--ckpt", str(ckpt), "--resume", "auto",
+                           "--save-every", "1", "--keep", "1"], ranks=2)
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_symlink()) == ["step-00000002"]  # keep 1
+    second = _run(common + ["--plan", "none", "--steps", "4", "--ckpt", str(ckpt), "--resume", "auto",
+                            "--save-every", "1"])
+    assert f"resumed from {ckpt / 'step-00000002'} at step 2" in second
+    losses, reference = {**_losses(first), **_losses(second)}, _losses(single)
+    assert sorted(losses) == [1, 2, 3, 4]
+    assert all(abs(losses[k] - reference[k]) <= 1e-5 for k in reference), (losses, reference)
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_symlink()) == ["step-00000003", "step-00000004"]  # keep 2
 
 
 def test_load_then_export_is_exact(setup):

@@ -89,3 +89,17 @@ def test_retained_compiled_backward_turns_buffer_donation_off():
     with compat.retained_compiled_backward():
         assert functorch_config.donated_buffer is False
     assert functorch_config.donated_buffer == before
+
+
+def test_set_default_group_timeout_is_what_new_groups_get():
+    import datetime
+
+    from torch.distributed import distributed_c10d as c10d
+
+    saved = c10d.default_pg_timeout, c10d.default_pg_nccl_timeout
+    try:
+        compat.set_default_group_timeout(datetime.timedelta(seconds=7))
+        assert c10d._get_default_timeout(c10d.Backend("gloo")) == datetime.timedelta(seconds=7)
+        assert c10d.default_pg_nccl_timeout == datetime.timedelta(seconds=7)
+    finally:
+        c10d.default_pg_timeout, c10d.default_pg_nccl_timeout = saved

@@ -157,3 +157,59 @@ def test_errors():
     with pytest.raises(AutoparError, match=r"^autopar: .*mb must divide 3.*local=True this rank was given 3 rows"):
         split_microbatches((torch.zeros(3, 4, dtype=torch.long),), torch.zeros(3, 4), Plan.parse("dp=2,mb=2"),
                             torch.device("cpu"))
+
+
+def _global_batches(samplers) -> list[list[int]]:
+    """The global batches that ``samplers`` (one per dp rank, in dp order) hand out together."""
+    per_rank = [list(s) for s in samplers]
+    return [[i for rank in per_rank for i in rank[b]] for b in range(len(per_rank[0]))]
+
+
+def _samplers(dp: int, n: int = 40, size: int = 4):
+    plan = Plan.parse(f"dp={dp}")
+    return [DistributedBatchSampler(n, size, BatchSlice.for_rank(plan, {"dp": r}, size), shuffle=True, seed=5)
+            for r in range(dp)]
+
+
+def test_sampler_resumes_where_it_stood_on_any_dp_size():
+    """Interrupted after 3 global batches of epoch 1 under dp=2, resumed under dp=4 and under one
+    rank: the batches that follow are the uninterrupted run's, sample for sample."""
+    uninterrupted = _samplers(1)[0]
+    uninterrupted.set_epoch(1)
+    expected = [list(b) for b in uninterrupted]  # dp=1: the global batches themselves
+    assert len(expected) == 10 and sorted(i for b in expected for i in b) == list(range(40))
+    first = _samplers(2)
+    for s in first:
+        s.set_epoch(1)
+        for _, __ in zip(range(3), iter(s)):
+            pass
+    states = [s.state_dict() for s in first]
+    assert states[0] == states[1] and states[0]["epoch"] == 1 and states[0]["position"] == 3
+    for dp in (4, 1):
+        resumed = _samplers(dp)
+        for s in resumed:
+            s.load_state_dict(states[0])
+            s.set_epoch(1)  # a training loop's own call for the epoch it resumes: the position stays
+        assert _global_batches(resumed) == expected[3:]
+
+
+def test_sampler_resumed_at_the_end_of_an_epoch_goes_to_the_next():
+    sampler = _samplers(1)[0]
+    assert len(list(sampler)) == 10
+    state = sampler.state_dict()
+    assert list(sampler) != []  # iterated again without a checkpoint: the epoch starts over
+    resumed = _samplers(1)[0]
+    resumed.load_state_dict(state)
+    assert list(resumed) == []  # nothing left of epoch 0
+    resumed.set_epoch(1)
+    fresh = _samplers(1)[0]
+    fresh.set_epoch(1)
+    assert list(resumed) == list(fresh)
+
+
+def test_sampler_refuses_the_position_of_another_order():
+    state = _samplers(1)[0].state_dict()
+    other = DistributedBatchSampler(40, 4, BatchSlice.for_rank(Plan.parse("dp=1"), {}, 4), shuffle=True, seed=6)
+    with pytest.raises(AutoparError, match=r"^autopar: the saved data position is of another sampler: seed=5 "
+                                           r"\(this sampler: 6\)"):
+        other.load_state_dict(state)
