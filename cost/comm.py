@@ -61,7 +61,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
-from .symbols import (CPAG, CPRING, CPUL, E, FIRST, TIED, Vt, LAST, NBD, NBE, NRECV, NSEND, NUD, NUE, RFULL, RSEL, SP, Z1, Z2, Z3, Pe, Ph, a, en,
+from .symbols import (CPAG, CPRING, CPUL, E, FIRST, NOFF, TIED, Vt, LAST, NBD, NBE, NRECV, NSEND, NUD, NUE, RFULL, RSEL, SP, Z1, Z2, Z3, Pe, Ph, a, en,
                       b, ccs, cp, d, dp, dv, ep, f, fe, g, gated, gc, h, hb, k, ld, le, lg, lq, m, mla, ncs, nl, nn,
                       nsh, pb, pp, qb, qkn, qkh, rho, rkv, rq, s, sgate, tp, aux, vpp, w, wgc, wp)
 from .flops import KV_REPLICATED, attention_weights, kv_weights, latent_down_weights
@@ -395,10 +395,14 @@ def _data_parallel_rows() -> list[RowSpec]:
     # expert's replicas are the tp * dp*cp/ep ranks of a stage that hold the same expert index.
     # Backward re-gathers every unit but a first stage's embedding unit (the lookup's backward
     # reads only the indices).  (An embedding norm's backward reads its weight, so then the unit is
-    # re-gathered.)
-    emb_only = FIRST * (1 - en)
+    # re-gathered; so does a tied head on the same stage: its backward reads the table.)
+    emb_only = FIRST * (1 - en) * (1 - TIED * LAST)
+    # Nor is the head's unit where it is the final norm (and the head's bias) alone, the table being
+    # the embedding's, and that norm's backward reads 1 + weight, never the weight (Gemma).
+    head_unread = FIRST * LAST * TIED * NOFF * (1 - sp.Min(Ph, 1, evaluate=False))
+    not_regathered = emb_only * (Vt * h + Pe) + head_unread * (h * nn + hb * Vt)
     for label, P, axis, n, u, P_bwd, u_bwd, nb, nu in (
-            ("dense", dense, "dp_cp", dp * cp, units, dense - emb_only * (Vt * h + Pe), units - emb_only,
+            ("dense", dense, "dp_cp", dp * cp, units, dense - not_regathered, units - emb_only - head_unread,
              NBD, NUD),
             ("expert", expert, "edp", tp * dp * cp / ep, sp.Max(le, 1, evaluate=False), expert, le, NBE, NUE)):
         # Stages 0-2 call once per gradient bucket (buckets.py); ZeRO-1/2's units are the buckets,

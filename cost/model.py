@@ -186,7 +186,7 @@ def model_values(spec, *, dtype_bytes: int, grad_bytes: int | None, routing_imba
         "mla": int(spec.kv_lora_rank > 0), "l_q": int(spec.q_lora_rank > 0), "r_q": spec.q_lora_rank,
         "r_kv": spec.kv_lora_rank, "d_r": spec.qk_rope_head_dim, "d_v": spec.v_dim,
         "gated": int(spec.gated_mlp), "L": spec.num_layers, "L_e": max(spec.num_moe_layers, 1),
-        "tied": int(spec.tied_embeddings), "rho": routing_imbalance, "flash": int(flash_attention),
+        "tied": int(spec.tied_embeddings), "norm_offset": int(spec.norm_weight_offset), "rho": routing_imbalance, "flash": int(flash_attention),
         "n_ln": spec.layer_norms, "p_b": int(spec.proj_bias), "P_emb": spec.embedding_extra_params,
         "emb_norm": int(spec.embedding_norm), "P_head": spec.head_extra_params, "head_bias": int(spec.lm_head_bias),
         "gathered_logits": int(spec.gathered_logits), "n_cs": spec.seq_cumsums,

@@ -44,7 +44,9 @@ class ModelSpec:
     vocabulary-parallel cross-entropy; ``seq_cumsums`` cumulative sums along the sequence, which cp
     makes global by all-gathering chunk totals of ``seq_cumsum_bytes`` per sample (summed over
     them); ``cp_kv_heads``: the K/V heads the attention op receives when the GQA broadcast is not
-    right before it (RoPE after the broadcast), which the CP collectives then move.
+    right before it (RoPE after the broadcast), which the CP collectives then move;
+    ``norm_weight_offset``: the final norm scales by 1 + weight (Gemma), so its backward never
+    reads the weight and ZeRO-3 does not re-gather a unit of that norm alone.
     """
 
     name: str = "custom"
@@ -82,6 +84,7 @@ class ModelSpec:
     gathered_logits: bool = False  # the logits reach the loss through other ops (a soft cap): tp gathers them
     seq_cumsums: int = 0  # cumulative sums along the sequence kept by the program (OPT's mask-derived positions)
     seq_cumsum_bytes: int = 0  # their bytes per sample and position slice, summed over them
+    norm_weight_offset: bool = False  # norms scale by 1 + weight (Gemma): backward reads the sum, never the weight
     cp_kv_heads: int | None = None  # K/V heads CP moves (default num_kv_heads; Falcon's before transformers 5.25: num_heads)
 
     def __post_init__(self):
@@ -330,6 +333,8 @@ _ENCODERS = ("bert", "roberta")
 _LEARNED_POSITIONS = {"gpt2": 0, "gpt_bigcode": 0, "opt": 2}
 # Norms per layer where the attention and MLP outputs are normalised again (Gemma 2 and 3).
 _SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text")
+# Norms that scale by 1 + weight (Gemma's RMSNorm).
+_OFFSET_NORMS = ("gemma", "gemma2", "gemma3", "gemma3_text")
 
 
 def _beyond_decoder_fields(cfg: dict, model_type: str, hidden: int, gpt_style: bool) -> dict:
@@ -339,7 +344,8 @@ def _beyond_decoder_fields(cfg: dict, model_type: str, hidden: int, gpt_style: b
     encoder = model_type in _ENCODERS
     out: dict = {"proj_bias": gpt_style or encoder,
                  "gathered_logits": cfg.get("final_logit_softcapping") is not None,
-                 "layer_norms": 4 if model_type in _SANDWICH_NORMS else 2}
+                 "layer_norms": 4 if model_type in _SANDWICH_NORMS else 2,
+                 "norm_weight_offset": model_type in _OFFSET_NORMS}
     if model_type in _LEARNED_POSITIONS or encoder:
         rows = int(_get(cfg, "n_positions", "max_position_embeddings", default=0)) + _LEARNED_POSITIONS.get(model_type, 0)
         rows += int(cfg.get("type_vocab_size") or 0) if encoder else 0

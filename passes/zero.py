@@ -7,7 +7,8 @@ experts) and two for the rest of the model: the parameters first read before the
 (the embedding) and the others (final norm and LM head).  So under pp each unit belongs to one
 pipeline chunk (``passes/pipeline.py`` copies a gather into the chunk that uses it), and without
 pp the head's unit is released once the head's backward has reduce-scattered it, while the
-embedding's is never re-gathered in backward (the lookup's backward reads only the indices):
+embedding's is not re-gathered in backward (the lookup's backward reads only the indices;
+a tied head's backward, or an embedding norm's, does read it, and then it is):
 one unit of both would stay gathered from the head's backward to the embedding's, the whole
 backward.  For each
 unit the pass inserts ``autopar.ops.zero_gather.zero_gather(unit)`` right before the first node that

@@ -14,6 +14,8 @@ terms (ops, shapes and parameters, never names) for ``ModelSpec.from_module``
 - ``head_extra_params``: the other parameters outside the layers, besides the token table, the
   final norm and the LM head (BERT's MLM transform: a dense layer and a LayerNorm);
 - ``lm_head_bias``: the LM head has a bias (sharded over the vocabulary with it);
+- ``norm_weight_offset``: the final norm's weight reaches the program only as ``weight + c``
+  (Gemma's ``x * (1 + w)``), so its backward never reads the weight;
 - ``gathered_logits``: the logits reach the loss through other ops than views (a soft cap), so
   under tp they are all-gathered, not given to a vocabulary-parallel cross-entropy
   (``autopar.frontend.loss.logits_loss``);
@@ -94,8 +96,35 @@ def _outside_params(gm: GraphModule, s, params: dict, dims: dict) -> dict:
     before = _read_before_layers(gm, s, set(outside))
     embedding_norm = bool(before) and sum(outside[n].numel() for n in before) == norm
     rest = sum(p.numel() for n, p in outside.items() if not (embedding_norm and n in before))
+    final_norm = [n for n in s.norm_weights if n in outside and n not in before]
     return {"embedding_extra_params": sum(gm.get_parameter(t).numel() for t in tables),
-            "embedding_norm": embedding_norm, "head_extra_params": max(0, rest - norm)}
+            "embedding_norm": embedding_norm, "head_extra_params": max(0, rest - norm),
+            "norm_weight_offset": bool(final_norm) and all(_offset_only(gm, n) for n in final_norm)}
+
+
+# Ops that pass a weight on unchanged (a cast to its own dtype, a view) and checks that read nothing.
+_PASS_THROUGH = {aten.to.dtype, aten._to_copy.default, aten.alias.default, aten.view.default}
+_CHECKS = {aten._assert_tensor_metadata.default}
+
+
+def _offset_only(gm: GraphModule, name: str) -> bool:
+    """Whether weight ``name`` reaches the program only as ``weight + c`` for a number ``c`` (Gemma's
+    ``x * (1 + w)``): its backward then reads the sum, never the weight."""
+    frontier = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == name]
+    seen = False
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            if user.target in _CHECKS:
+                continue
+            if user.target in _PASS_THROUGH:
+                frontier.append(user)
+            elif user.target in (aten.add.Tensor, aten.add.Scalar) and any(
+                    isinstance(x, (int, float)) for x in user.args if x is not node):
+                seen = True
+            else:
+                return False
+    return seen
 
 
 def _read_before_layers(gm: GraphModule, s, names: set) -> set:

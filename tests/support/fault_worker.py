@@ -57,6 +57,11 @@ def _restart(which: str) -> int:
     else:
         try:  # bounded: a dead worker's port may have been taken by another listener, and then it waits
             dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+        except Exception as e:
+            # Written before the other ranks are released: once they exit, torchrun may SIGTERM this
+            # rank before its traceback reaches the log (seen on a loaded CI machine).
+            _line(f"rank 0 init failed: {type(e).__name__}: {e}")
+            raise
         finally:
             if attempt > 0:
                 store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)

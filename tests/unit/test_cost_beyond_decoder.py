@@ -93,3 +93,15 @@ def test_embedding_norm_is_the_first_stages():
     first_plain, first_normed = (totals(x, "pp=2,dp=2,zero=3", 0)[bwd] for x in (plain, normed))
     assert first_normed[1] == first_plain[1] + 1  # the layer's unit, and now the embedding's
     assert first_normed[0] == first_plain[0] + W * (V * H + H) / 2  # its shard of 2 gathered
+
+
+@pytest.mark.parametrize("tied,offset,calls,unread", [
+    (False, False, 3, V * H),  # the embedding's unit: the lookup's backward reads only the indices
+    (True, False, 4, 0),       # the tied head's backward reads the table: every unit again
+    (True, True, 3, H),        # ... but not the head's unit, a final norm of x * (1 + w) alone (Gemma)
+])
+def test_zero3_backward_regathers_what_backward_reads(tied, offset, calls, unread):
+    spec = ModelSpec(**BASE, tied_embeddings=tied, norm_weight_offset=offset)
+    t = totals(spec, "dp=2,zero=3")
+    assert t[("fwd", "all_gather", "dp")] == [spec.num_params * W / 2, L + 2]  # (n-1)/n of the fp32 params
+    assert t[("bwd", "all_gather", "dp")] == [(spec.num_params - unread) * W / 2, calls]
