@@ -260,10 +260,10 @@ def _low_precision():
     return sp.Max(0, sp.Min(1, 3 - w, evaluate=False), evaluate=False)
 
 
-def _head_backward():
-    """The LM head and loss beyond ``head_activations``, at the largest of three moments (E = T*V/tp
-    logits on the rank, ``vp`` = 1 where tp > 1 runs autopar's vocabulary-parallel cross-entropy,
-    else aten's log-softmax and nll):
+def _head_backward(zero3_buffer):
+    """The LM head and loss beyond ``head_activations`` (and ``zero3_buffer``), at the largest of three
+    moments (E = T*V/tp logits on the rank, ``vp`` = 1 where tp > 1 runs autopar's vocabulary-parallel
+    cross-entropy, else aten's log-softmax and nll):
 
         forward's end  E*4                          the logits in fp32 (under mixed precision the
                                                     program upcasts them before the loss, the bf16 ones
@@ -276,14 +276,18 @@ def _head_backward():
                                                     the weight's gradient, the input's gradient and under
                                                     SP the input all-gathered again for the weight's
     (autopar/ops/collectives.py ``_VocabParallelCrossEntropy``, measured by MemTracker at full width,
-    tests/e2e/test_full_width.py)."""
+    tests/e2e/test_full_width.py).  ZeRO-3's units on the last stage are gathered only for the head
+    GEMM's backward (the head's unit re-gathered when that backward reads its weight, the last
+    layer's prefetched then), so the first two moments hold ``zero3_buffer`` less (z_b):
+
+        head_backward = last * max(E*4 - z_b, loss backward - z_b, head GEMM)"""
     T = b * s / cp
     logits = T * Vt
     vp = _at_least_two(tp) * (1 - lg)
     forward_end = logits * 4
     loss_backward = vp * logits * 4 + (1 - vp) * 2 * logits * 4
     head_gemm = logits * w - logits * 4 + Vt * h * w + T * h * w * (1 + SP)
-    return LAST * sp.Max(forward_end, loss_backward, head_gemm, evaluate=False)
+    return LAST * sp.Max(forward_end - zero3_buffer, loss_backward - zero3_buffer, head_gemm, evaluate=False)
 
 
 def _layer_backward():
@@ -342,7 +346,7 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
         "recompute_buffer": working,
         "embedding_activations": FIRST * first,
         "head_activations": LAST * last,
-        "head_backward": _head_backward(),
+        "head_backward": _head_backward(zero3_buffer),
         "head_weight_grad": LAST * Vt * h * w,   # backward's first gradient, in the parameters' dtype (peak_memory)
         "layer_backward": _layer_backward(),
         "rope_tables": rope,

@@ -121,7 +121,7 @@ class FullyShardedSync:
         units = self.layout.units
         if unit.index + 1 < len(units):
             nxt = units[unit.index + 1]
-            if nxt.chunk == unit.chunk and nxt.num_shards > 1 and not bufs[0].is_meta:
+            if nxt.chunk == unit.chunk and nxt.num_shards > 1:
                 self._prefetched[nxt.index] = self._start_gather(nxt, "fwd", async_op=True)
         # Fresh tensors, not views: saved-tensor packing finds gathered parameters by their base.
         return tuple(b if tensor_base(b) is b else b.clone() for b in bufs)
@@ -212,7 +212,7 @@ class FullyShardedSync:
         earlier = [u for u, t in self._saved_at.items() if t < at and units[u].chunk == units[index].chunk]
         prev = max(earlier, key=self._saved_at.__getitem__, default=None)
         if (prev is None or prev in self._regathered or prev in self._prefetched_bwd
-                or units[prev].num_shards == 1 or self.shards[prev][0].is_meta):
+                or units[prev].num_shards == 1):
             return
         self._prefetched_bwd[prev] = self._start_gather(units[prev], "bwd", async_op=True)
 

@@ -13,9 +13,9 @@ Depth: the README job's plan needs 32 layers (pp=4 interleaved with vpp=8: one l
 plans run 2 layers: what is checked there is the per-layer terms (activations, recompute buffer, a
 layer's backward working set), each counted twice, beside the embedding, LM head and loss.
 
-A ZeRO-3 plan is expected to miss until the ZeRO runtime's rewrite lands (its terms,
-``zero_sync_buffer`` and ``zero3_*``, are being redone with it): it runs, and xfails with the gap it
-is known to have.  The README plan's own ZeRO-1 form is checked like the others.
+A ZeRO-3 plan in fp32 and bf16: the gathered units, the prefetched one (forward and backward,
+prefetched on meta as on a device) and the joined gradient of a layer's unit.  The README plan's own
+ZeRO-1 form is checked like the others.
 """
 from __future__ import annotations
 
@@ -91,11 +91,8 @@ def test_two_layer_ranks_at_full_width(precision):
         _check(r)
 
 
-@pytest.mark.xfail(reason="ZeRO-3's runtime and memory terms are being rewritten; the prediction is 10.9% under "
-                          "the measured peak here (4.68 against 5.25 GiB): in the LM head's backward the gathered "
-                          "unit of the embedding and head (0.98 GiB) is reordered from its rank-major buffer with "
-                          "a clone and a cat (flat_layout.from_rank_major), two more copies of the unit that "
-                          "zero3_buffer does not price", strict=False)
-def test_zero3_rank_at_full_width():
-    (r,) = _run([("tp=8,sp,dp=16,zero=3", 2, 0, {})])
-    _check(r)
+def test_zero3_ranks_at_full_width():
+    results = _run([("tp=8,sp,dp=16,zero=3", 2, 0, {}), ("tp=8,sp,dp=16,zero=3", 2, 0, {"mixed_precision": "bf16"})])
+    assert len(results) == 2
+    for r in results:
+        _check(r)
