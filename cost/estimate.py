@@ -21,7 +21,8 @@ from .buckets import BUCKET_FIELDS, DEFAULT_BUCKET_BYTES, bucket_counts
 from .comm import CommRow, routed_all_to_all_rows
 from .flops import model_flops, per_token_layer_flops
 from .hardware import Cluster
-from .model import DEFAULT_CONSTANTS, evaluate, model_formulas, model_values, plan_values, step_time_arrays
+from .model import (DEFAULT_CONSTANTS, evaluate, model_formulas, model_values, plan_values, shared_host_step,
+                    step_time_arrays)
 from .pipeline import inflight, stage_views
 from .spec import ModelSpec
 
@@ -97,6 +98,7 @@ class Cost:
     _subs: dict = field(repr=False)
     _model: object = field(repr=False)
     dtype_bytes: int = 2
+    shared_cores: float = 0.0  # <= 0: the bubble's time other ranks of a time-shared host run in (model.shared_host_step)
 
     @property
     def fits(self) -> bool:
@@ -171,6 +173,8 @@ class Cost:
                                   self._value(f"row{i}.exposed", r)))
         bubble = self._formula(self._bubble_formula()) if formulas else None
         terms.append(Term("bubble", "bubble", bubble, self.bubble))
+        if self.shared_cores:  # negative: the bubble's time the host's other ranks run in
+            terms.append(Term("bubble (shared cores)", "bubble", None, self.shared_cores))
         terms.append(Term("optimizer", "step", formula("optimizer"), self._value("optimizer", r)))
         for name, value in self.memory().items():
             terms.append(Term(f"memory.{name}", "memory", formula(f"memory.{name}"), value))
@@ -306,7 +310,10 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
     tf, tb, tw = (out[n][slow:slow + 1] for n in ("T_f", "T_b", "T_w"))
     pipe, bubble = step_time_arrays(model, arrays["schedule"][:1], tf, tb, tw, arrays["pp"][:1],
                                     arrays["vpp"][:1], arrays["m"][:1])
-    step = float(pipe[0] + np.max(out["step_comm"]) + np.max(out["optimizer"]))
+    per_step = float(np.max(out["step_comm"]) + np.max(out["optimizer"]))
+    unshared = float(pipe[0]) + per_step
+    busy = plan.mb * float(np.mean(out["T_f"] + out["T_b"])) + per_step  # the pp ranks' mean
+    step = float(shared_host_step(unshared, busy, cluster.core_share))
     mem_rank = int(np.argmax(out["memory"]))
     tokens = global_batch * seq_len
     subs = {sym: values[sym.name] for sym in (symbols.SP, symbols.RSEL, symbols.RFULL, symbols.Z1, symbols.Z2,
@@ -318,5 +325,5 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
                 step_time=step,
                 mfu=model_flops(spec, seq_len, global_batch) / (step * plan.world_size * cluster.peak_flops),
                 memory_per_gpu=float(out["memory"][mem_rank]), tokens_per_s=tokens / step,
-                bubble=float(bubble[0]), bottleneck_pp_rank=slow, memory_pp_rank=mem_rank, _out=out,
+                bubble=float(bubble[0]), shared_cores=step - unshared, bottleneck_pp_rank=slow, memory_pp_rank=mem_rank, _out=out,
                 _subs=subs, _model=model, dtype_bytes=dtype_bytes)

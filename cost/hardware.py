@@ -94,7 +94,10 @@ class Cluster:
     ``hbm_bandwidth``, ``intra_node_bandwidth``, 1 and the calibrated phi.  ``collective_copies``:
     whether the collective backend copies the buffer of each reduce-scatter and all-gather it runs
     (gloo does, NCCL does not: the memory term ``collective_copies``); ``None``: gloo's for the CPU
-    (the ``cpu`` preset and CPU profiles), NCCL's otherwise (:attr:`backend_copies`).
+    (the ``cpu`` preset and CPU profiles), NCCL's otherwise (:attr:`backend_copies`).  ``core_share``:
+    the share of its cores each rank gets where more ranks than cores share a host (a CPU profile's,
+    :func:`autopar.cost.profile.host_share`, which also scales the rates by it); below 1 a rank's idle
+    time in the pipeline bubble goes to the host's other ranks (:func:`autopar.cost.model.shared_host_step`).
     """
 
     gpu: str = "h100"
@@ -116,6 +119,7 @@ class Cluster:
     attention_factor: float | None = None
     comm_overlap: float | None = None
     collective_copies: bool | None = None
+    core_share: float = 1.0
     usable_memory_fraction: float = 0.9
     profile: str | None = dataclasses.field(default=None, compare=False)
 
@@ -149,6 +153,8 @@ class Cluster:
                 raise AutoparError(f"autopar: Cluster.{name} must be > 0 or None, got {getattr(self, name)!r}")
         if self.comm_overlap is not None and not 0 <= self.comm_overlap <= 1:
             raise AutoparError(f"autopar: Cluster.comm_overlap must be in [0, 1] or None, got {self.comm_overlap!r}")
+        if not 0 < self.core_share <= 1:
+            raise AutoparError(f"autopar: Cluster.core_share must be in (0, 1], got {self.core_share!r}")
         if not 0 < self.usable_memory_fraction <= 1:
             raise AutoparError("autopar: usable_memory_fraction must be in (0, 1]")
 

@@ -35,7 +35,7 @@ from .pipeline import T_b, T_f, T_w, bubble_expr
 from .time import CALIBRATED, compute_terms, exposure, optimizer_time, row_time
 
 __all__ = ["Formulas", "RowInfo", "model_formulas", "memory_formulas", "compute_formulas",
-           "model_values", "plan_values", "link_values", "evaluate", "step_time_arrays"]
+           "model_values", "plan_values", "link_values", "evaluate", "step_time_arrays", "shared_host_step"]
 
 _NP_FUNCTIONS = {"Max": lambda *x: functools.reduce(np.maximum, x),
                  "Min": lambda *x: functools.reduce(np.minimum, x)}
@@ -186,7 +186,8 @@ def model_values(spec, *, dtype_bytes: int, grad_bytes: int | None, routing_imba
         "mla": int(spec.kv_lora_rank > 0), "l_q": int(spec.q_lora_rank > 0), "r_q": spec.q_lora_rank,
         "r_kv": spec.kv_lora_rank, "d_r": spec.qk_rope_head_dim, "d_v": spec.v_dim,
         "gated": int(spec.gated_mlp), "L": spec.num_layers, "L_e": max(spec.num_moe_layers, 1),
-        "tied": int(spec.tied_embeddings), "norm_offset": int(spec.norm_weight_offset), "rho": routing_imbalance, "flash": int(flash_attention),
+        "tied": int(spec.tied_embeddings), "norm_offset": int(spec.norm_weight_offset),
+        "x_ew": spec.elementwise_factor, "rho": routing_imbalance, "flash": int(flash_attention),
         "n_ln": spec.layer_norms, "p_b": int(spec.proj_bias), "P_emb": spec.embedding_extra_params,
         "emb_norm": int(spec.embedding_norm), "P_head": spec.head_extra_params, "head_bias": int(spec.lm_head_bias),
         "gathered_logits": int(spec.gathered_logits), "n_cs": spec.seq_cumsums,
@@ -276,6 +277,16 @@ def evaluate(model: Formulas, values: dict) -> dict[str, np.ndarray]:
     out = model.fn(*args)
     return {name: np.broadcast_to(np.asarray(v, dtype=np.float64), (size,))
             for name, v in zip(model.names, out)}
+
+
+def shared_host_step(step, busy, core_share: float):
+    """The step where ranks time-share a host's cores (``core_share`` < 1, each rate already scaled
+    by it): a rank idle in the pipeline bubble leaves its share to the others, so the step is the
+    longer of the critical path at full speed and the work the host runs at its share, the ranks'
+    mean busy time (``busy``: the step less the bubble, with the pipeline ranks' mean compute):
+
+        step' = max(core_share * step, busy)      (= step where core_share = 1 and busy <= step)"""
+    return np.maximum(core_share * step, np.minimum(busy, step))
 
 
 def step_time_arrays(model: Formulas, schedule_codes, tf, tb, tw, pp, vpp, m):

@@ -176,7 +176,9 @@ def host_share(profile: dict, ranks_per_host: int, figures: dict) -> dict:
     every rate is that share of the measured one and every latency is divided by it.  When the
     ranks' threads fill every core, no core is left for gloo's threads: a collective's copies and
     sums displace compute, so ``comm_overlap`` is 0 (what calibrate measures there, up to the noise
-    of other processes).  The host's memory is split over the ranks.  A profile without
+    of other processes).  The share itself is ``core_share``: time a rank spends idle in the
+    pipeline bubble, the others run in (:func:`autopar.cost.model.shared_host_step`).  The host's
+    memory is split over the ranks.  A profile without
     ``host_cores`` (a GPU's) is returned as is."""
     cores, threads = profile.get("host_cores"), profile.get("threads_per_rank")
     if not cores or not threads:
@@ -184,6 +186,7 @@ def host_share(profile: dict, ranks_per_host: int, figures: dict) -> dict:
     out = dict(figures)
     out["hbm_bytes"] = figures["hbm_bytes"] * profile["gpus_per_node"] / ranks_per_host
     share = min(1.0, cores / (ranks_per_host * threads))
+    out["core_share"] = share
     if ranks_per_host * threads >= cores:
         out["comm_overlap"] = 0.0
     for name in ("peak_flops", "hbm_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth",
@@ -282,7 +285,7 @@ def layer_elementwise_bytes(tokens: int, hidden: int, heads: int, kv_heads: int,
     from .time import _elementwise_bytes_fwd
 
     layers, _ = _elementwise_bytes_fwd()
-    values = {S.b: 1, S.s: tokens, S.cp: 1, S.tp: 1, S.SP: 0, S.FLASH: 1, S.ld: 1, S.le: 0, S.gated: 1,
+    values = {S.b: 1, S.s: tokens, S.cp: 1, S.tp: 1, S.SP: 0, S.FLASH: 1, S.ld: 1, S.le: 0, S.gated: 1, S.XEW: 1,
               S.h: hidden, S.a: heads, S.g: kv_heads, S.d: head_dim, S.f: ffn, S.w: dtype_bytes,
               S.E: 1, S.k: 1, S.rho: 1, S.nsh: 0, S.fe: 1}
     return 3.0 * float(layers.xreplace(values))

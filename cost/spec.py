@@ -45,7 +45,9 @@ class ModelSpec:
     makes global by all-gathering chunk totals of ``seq_cumsum_bytes`` per sample (summed over
     them); ``cp_kv_heads``: the K/V heads the attention op receives when the GQA broadcast is not
     right before it (RoPE after the broadcast), which the CP collectives then move;
-    ``norm_weight_offset``: the final norm scales by 1 + weight (Gemma), so its backward never
+    ``elementwise_factor``: a layer's element-wise kernels' bytes over those of a Llama layer of its
+    sizes, counted on the traced graphs (1 for a config or preset), which scales the time model's
+    element-wise formula; ``norm_weight_offset``: the final norm scales by 1 + weight (Gemma), so its backward never
     reads the weight and ZeRO-3 does not re-gather a unit of that norm alone.
     """
 
@@ -84,6 +86,7 @@ class ModelSpec:
     gathered_logits: bool = False  # the logits reach the loss through other ops (a soft cap): tp gathers them
     seq_cumsums: int = 0  # cumulative sums along the sequence kept by the program (OPT's mask-derived positions)
     seq_cumsum_bytes: int = 0  # their bytes per sample and position slice, summed over them
+    elementwise_factor: float = 1.0  # a layer's element-wise bytes over a Llama layer's (frontend/elementwise.py)
     norm_weight_offset: bool = False  # norms scale by 1 + weight (Gemma): backward reads the sum, never the weight
     cp_kv_heads: int | None = None  # K/V heads CP moves (default num_kv_heads; Falcon's before transformers 5.25: num_heads)
 

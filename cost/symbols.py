@@ -12,7 +12,8 @@ Groups:
     (expert FFN), ``V``, ``E`` (experts), ``k`` (top-k), ``w`` (dtype bytes), the
     parameters beyond the decoder (``n_ln``, ``p_b``, ``P_emb``, ``emb_norm``, ``P_head``, ``head_bias``; ModelSpec's
     fields of frontend/spec_dims.py), the logits gather ``gathered_logits``, the sequence cumsums
-    ``n_cs`` / ``c_cs`` and the CP K/V heads ``g_cp``, ``tied`` (the LM head shares the embedding), ``norm_offset`` (norms scale by 1 + weight), and
+    ``n_cs`` / ``c_cs`` and the CP K/V heads ``g_cp``, ``tied`` (the LM head shares the embedding), ``norm_offset`` (norms scale by 1 + weight), ``x_ew`` (a layer's element-wise bytes over a
+    Llama layer's), and
     the per-stage layer counts ``ld`` (dense layers) / ``le`` (MoE layers) on the stage being scored;
   * plan: degrees ``tp, dp, cp, pp, ep, vpp, m`` (micro-batches per step) and 0/1
     indicators (``sp``, recompute, ZeRO stage, CP variant, stage role) so that every
@@ -35,7 +36,7 @@ __all__ = [
     "ld", "le", "L", "Le", "Vt",
     "tp", "dp", "cp", "pp", "ep", "vpp", "m", "SP", "RSEL", "RFULL",
     "Z1", "Z2", "Z3", "CPRING", "CPAG", "CPUL", "FIRST", "LAST", "INFL", "NSEND", "NRECV", "NBD", "NUD", "NBE", "NUE",
-    "UMX", "KEEP", "rho", "FLASH", "TIED", "NOFF", "TPOV", "ZOV", "DPV", "CBK", "wg", "wgc", "wo", "wp", "wz",
+    "UMX", "KEEP", "rho", "FLASH", "TIED", "NOFF", "XEW", "TPOV", "ZOV", "DPV", "CBK", "wg", "wgc", "wo", "wp", "wz",
     "peak", "hbm_bw", "ew_bw", "opt_bw", "x_ar", "x_ag", "x_rs", "RING_FACTORS", "x_attn", "eta_max", "kappa", "eps",
     "phi",
     "MODEL_SYMBOLS", "PLAN_SYMBOLS", "ALL_SYMBOLS", "link_symbols",
@@ -74,6 +75,7 @@ ld, le = sp.symbols("l_d l_e", nonnegative=True)        # dense / MoE layers on 
 L, Le = sp.symbols("L L_e", **_pos)                     # layers in the model / MoE layers in the model
 TIED = sp.Symbol("tied", nonnegative=True)              # 1 if the LM head shares the embedding matrix
 NOFF = sp.Symbol("norm_offset", nonnegative=True)       # 1 if the norms scale by 1 + weight (Gemma)
+XEW = sp.Symbol("x_ew", positive=True)                  # a layer's element-wise bytes over a Llama layer's
 
 # ---- plan
 tp, dp, cp, pp, ep, vpp, m = sp.symbols("tp dp cp pp ep v m", **_pos)
@@ -136,7 +138,7 @@ def link_symbols(axis: str, kind: str):
 
 
 MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, sgate, nn, qb, qkn, qkh, aux, gated, mla, lq, rq, rkv, dr,
-                 dv, nl, pb, Pe, en, Ph, hb, lg, ncs, ccs, gc, L, Le, TIED, NOFF)
+                 dv, nl, pb, Pe, en, Ph, hb, lg, ncs, ccs, gc, L, Le, TIED, NOFF, XEW)
 PLAN_SYMBOLS = (tp, dp, cp, pp, ep, vpp, m, SP, RSEL, RFULL, Z1, Z2, Z3, CPRING, CPAG, CPUL,
                 FIRST, LAST, INFL, NSEND, NRECV, NBD, NUD, NBE, NUE, UMX, KEEP, ld, le, rho, FLASH)
 ALL_SYMBOLS = MODEL_SYMBOLS + PLAN_SYMBOLS + (CBK, wp, wg, wgc, wo, wz, peak, hbm_bw, ew_bw, opt_bw, x_ar, x_ag, x_rs,

@@ -46,7 +46,7 @@ import sympy as sp
 
 from .comm import RowSpec, local_param_elems
 from .flops import gemm_classes
-from .symbols import (Vt, RING_FACTORS, DPV, FLASH, LAST, RFULL, RSEL, SP, TPOV, Z1, Z2, Z3, ZOV, m, x_attn, E, a, b,
+from .symbols import (XEW, Vt, RING_FACTORS, DPV, FLASH, LAST, RFULL, RSEL, SP, TPOV, Z1, Z2, Z3, ZOV, m, x_attn, E, a, b,
                       cp, d, dp, ep, eta_max, f,
                       fe, g, gated, h, hbm_bw, k, kappa, ld, le, link_symbols, nsh, opt_bw, peak, phi, rho, s, tp, w,
                       wg, wo, wp, ew_bw)
@@ -74,7 +74,8 @@ def _elementwise_bytes_fwd():
     per_layer += (1 - FLASH) * b * a * s**2 / (tp * cp) * (6 * w + 1)
     dense = per_layer + (2 + gated) * T * f * w / tp
     moe = per_layer + (2 + gated) * Te * (k * rho + nsh) * fe * w + 4 * Te * k * rho * h * w + Te * E * 8
-    return ld * dense + le * moe, LAST * 2 * T * Vt * (w + 4)
+    # x_ew: the model's layers' element-wise bytes over a Llama layer's (frontend/elementwise.py)
+    return XEW * (ld * dense + le * moe), LAST * 2 * T * Vt * (w + 4)
 
 
 def compute_terms() -> dict[str, sp.Expr]:

@@ -79,9 +79,12 @@ SETTINGS = {
 }
 # The decoder layer whose element-wise kernels measure_elementwise times (tokens on the rank, hidden,
 # heads, KV heads, head dim, FFN width), and the parameters of the optimizer step measure_optimizer times.
-LAYER = {"cpu": dict(tokens=1024, seq=256, hidden=512, heads=8, kv_heads=4, head_dim=64, ffn=1536),
+LAYER = {"cpu": dict(tokens=4096, seq=256, hidden=512, heads=8, kv_heads=4, head_dim=64, ffn=1536),
          "cuda": dict(tokens=8192, seq=4096, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336)}
 OPTIMIZER_PARAMS = {"cpu": 16 * _MIB, "cuda": 256 * _MIB}
+# Operands the matrix products cycle through (calibrate_kernels.measure_gemm): beyond a CPU's
+# last-level cache, as in a step; a GPU's products are timed on one pair (its L2 is small beside them).
+ROTATE_BYTES = {"cpu": 128 * _MIB}
 
 
 def register(subparsers) -> None:
@@ -385,7 +388,8 @@ def _local_figures(torch, kind: str, device, settings: dict, world: int, ranks_p
         torch.set_num_threads(threads)
     try:
         dtype = torch.bfloat16 if kind == "cuda" else torch.float32
-        gemm_samples = measure_gemm(torch, device, dtype, settings["gemm"], settings["budget"], log)
+        gemm_samples = measure_gemm(torch, device, dtype, settings["gemm"], settings["budget"], log,
+                                    rotate_bytes=ROTATE_BYTES.get(kind, 0))
         memory = fit_memory(measure_memory_bandwidth(torch, device, settings["memory_bytes"], settings["budget"],
                                                      log))
         ew = measure_elementwise(torch, device, dtype, LAYER[kind], settings["budget"], log)

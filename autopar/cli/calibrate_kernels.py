@@ -38,15 +38,25 @@ def sync(torch, device):
     return torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
 
-def measure_gemm(torch, device, dtype, shapes, budget: float, log) -> list[dict]:
-    """One sample per ``(m, k, n)``: seconds of ``[m, k] @ [k, n]`` in ``dtype`` on ``device``."""
+def measure_gemm(torch, device, dtype, shapes, budget: float, log, rotate_bytes: int = 0) -> list[dict]:
+    """One sample per ``(m, k, n)``: seconds of ``[m, k] @ [k, n]`` in ``dtype`` on ``device``.
+    ``rotate_bytes``: cycle through that many bytes of operand pairs, so that each product reads its
+    operands from memory, as a training step's do (a step's activations and weights far exceed a
+    CPU's last-level cache; a product timed on the same operands runs from it, 5-12% faster here)."""
     rows = []
     for m, k, n in shapes:
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
+        pair = (m * k + k * n) * torch.tensor([], dtype=dtype).element_size()
+        operands = [(torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype))
+                    for _ in range(max(1, min(16, -(-rotate_bytes // pair))))]
         out = torch.empty(m, n, device=device, dtype=dtype)
-        seconds, calls = best_seconds(lambda: torch.mm(a, b, out=out), sync(torch, device), budget)
-        rows.append(dict(m=m, k=k, n=n, dtype=str(dtype).removeprefix("torch."), dtype_bytes=a.element_size(),
+        turn = iter(range(10**12))
+
+        def product():
+            a, b = operands[next(turn) % len(operands)]
+            torch.mm(a, b, out=out)
+
+        seconds, calls = best_seconds(product, sync(torch, device), budget)
+        rows.append(dict(m=m, k=k, n=n, dtype=str(dtype).removeprefix("torch."), dtype_bytes=out.element_size(),
                          seconds=seconds, calls=calls))
         log(f"matrix product [{m}, {k}] @ [{k}, {n}] {rows[-1]['dtype']}: "
             f"{2.0 * m * k * n / seconds / 1e9:,.1f} GFLOP/s")
@@ -66,55 +76,20 @@ def measure_memory_bandwidth(torch, device, nbytes: int, budget: float, log) -> 
     return rows
 
 
-def _rms_norm(torch, x, weight):
-    """Llama's RMSNorm as eager PyTorch runs it: in fp32, then the weight in the input's dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-    return weight * h.to(x.dtype)
-
-
-def _rope(torch, x, cos, sin):
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
-def _layer_elementwise(torch, t: dict) -> tuple:
-    """The element-wise part of one Llama decoder layer's forward, its matrix products and attention
-    replaced by the leaf tensors they would produce: the outputs whose gradients backward gets."""
-    b, heads, s, d = t["o"].shape
-    g = t["k"].shape[-1] // d
-    q, k, v = (t[n].view(b, s, -1, d).transpose(1, 2) for n in ("q", "k", "v"))  # the projections' outputs
-    n1 = _rms_norm(torch, t["x"], t["w1"])                                    # into q/k/v projections
-    q, k = _rope(torch, q, t["cos"], t["sin"]), _rope(torch, k, t["cos"], t["sin"])
-    k = k[:, :, None].expand(b, g, heads // g, s, d).reshape(b, heads, s, d)   # grouped-query copies
-    v = v[:, :, None].expand(b, g, heads // g, s, d).reshape(b, heads, s, d)
-    out = t["o"].transpose(1, 2).reshape(b, s, heads * d)                     # into o_proj
-    r1 = t["x"] + t["attn"]
-    n2 = _rms_norm(torch, r1, t["w2"])                                        # into gate/up
-    act = torch.nn.functional.silu(t["gate"]) * t["up"]                       # into down_proj
-    return n1, q, k, v, out, n2, act, r1 + t["down"]
-
-
 def measure_elementwise(torch, device, dtype, layer: dict, budget: float, log) -> dict:
     """Seconds of one decoder layer's element-wise kernels, forward and backward (``calibrate_cmd.LAYER``), and
     the time model's bytes for them (:func:`autopar.cost.profile.layer_elementwise_bytes`)."""
     from autopar.cost.profile import layer_elementwise_bytes
+    from autopar.frontend.elementwise import layer_leaves, llama_layer_elementwise
 
     T, H, a, g, d, F = (layer[k] for k in ("tokens", "hidden", "heads", "kv_heads", "head_dim", "ffn"))
-    b, s = 1, T
-
-    def leaf(*shape):
-        return torch.randn(*shape, device=device, dtype=dtype, requires_grad=True)
-
-    t = dict(x=leaf(b, s, H), q=leaf(b, s, a * d), k=leaf(b, s, g * d), v=leaf(b, s, g * d), o=leaf(b, a, s, d),
-             attn=leaf(b, s, H), gate=leaf(b, s, F), up=leaf(b, s, F), down=leaf(b, s, H), w1=leaf(H), w2=leaf(H),
-             cos=torch.randn(s, d, device=device, dtype=dtype), sin=torch.randn(s, d, device=device, dtype=dtype))
-    grads = [torch.randn_like(o) for o in _layer_elementwise(torch, t)]
+    t = layer_leaves(1, T, H, a, g, d, F, device=device, dtype=dtype)
+    grads = [torch.randn_like(o) for o in llama_layer_elementwise(t)]
 
     def step():
         for x in t.values():
             x.grad = None
-        torch.autograd.backward(_layer_elementwise(torch, t), grads)
+        torch.autograd.backward(llama_layer_elementwise(t), grads)
 
     seconds, calls = best_seconds(step, sync(torch, device), budget)
     model_bytes = layer_elementwise_bytes(T, H, a, g, d, F, torch.tensor([], dtype=dtype).element_size())

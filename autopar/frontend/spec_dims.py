@@ -22,6 +22,8 @@ terms (ops, shapes and parameters, never names) for ``ModelSpec.from_module``
 - ``seq_cumsums`` / ``seq_cumsum_bytes``: cumulative sums along the sequence (OPT's positions from
   the attention mask), which cp makes global with an all-gather of chunk totals
   (``autopar.ops.cp_attention.cp_cumsum``): how many, and the bytes of one sample's total per call;
+- ``elementwise_factor``: the first layer's element-wise bytes over a Llama layer's of its sizes
+  (autopar/frontend/elementwise.py), which scales the time model's element-wise formula;
 - ``cp_kv_heads``: the K/V heads the CP collectives move: the KV heads when the GQA broadcast is
   right before the attention op (``strip_gqa``), else the heads the op receives (Falcon's RoPE
   after the broadcast).
@@ -33,6 +35,7 @@ from torch.fx import GraphModule
 
 from autopar.compat import sym_hint
 from autopar.frontend.attention_dims import strip_gqa
+from autopar.frontend.elementwise import elementwise_factor
 from autopar.frontend.fx_utils import module_path, within
 from autopar.frontend.loss import logits_consumer
 from autopar.frontend.op_sets import ATTENTION_OPS, SOFTMAX_OPS
@@ -59,7 +62,21 @@ def graph_dims(gm: GraphModule, s, dims: dict) -> dict:
     attention = next((r.attention for r in s.regions if r.attention is not None), None)
     if attention is not None:
         out["cp_kv_heads"] = int(strip_gqa(attention.args[1])[0].meta["val"].shape[-3])
+    out.update(_elementwise(gm, s, dims))
     return out
+
+
+def _elementwise(gm: GraphModule, s, dims: dict) -> dict:
+    """``elementwise_factor``: the first layer's element-wise bytes over a Llama layer's (frontend/elementwise.py)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder" and isinstance(n.meta.get("val"), torch.Tensor)]
+    if not s.layers or not placeholders or placeholders[0].meta["val"].dim() < 2 or not dims.get("hidden"):
+        return {}
+    if not any(r.attention is not None and r.attention.target in ATTENTION_OPS for r in s.regions):
+        return {}  # an eager attention core: its scores are priced apart (time.py, flash = 0)
+    nodes = [n for n in gm.graph.nodes if n.op == "call_function" and within(module_path(n), s.layers[0])]
+    dtype = next((p.dtype for p in gm.parameters() if p.dtype.is_floating_point), torch.float32)
+    tokens = tuple(sym_hint(x) for x in placeholders[0].meta["val"].shape[:2])
+    return {"elementwise_factor": elementwise_factor(nodes, tokens, dims, dtype)}
 
 
 def _norm_elems(dims: dict) -> int:

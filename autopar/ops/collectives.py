@@ -23,12 +23,14 @@ convention of docs/architecture.md) to the active :class:`CommRecorder`.
 Copy-free slices.  NCCL and gloo gather into, and reduce-scatter out of, a buffer whose ranks'
 pieces follow each other in memory.  Along a dim with larger dims in front of it -- sequence
 parallelism's sequence dim 1 of ``[batch, seq, hidden]`` at micro-batch 2 and more -- a rank's
-piece of the result is not one block but one per slice in front (per sample), so moving the dim
-to the front would copy the input and the result.  Instead the collective runs on the slices in
+piece of the result is not one block but one per slice in front (per sample), so laying the pieces
+out needs a copy of the result (or, reduce-scattering, of the input).  Instead the collective runs on the slices in
 front (:func:`_sliced`): slice ``p`` of the contiguous input is exactly the rank's piece of slice
 ``p`` of the contiguous result, so one coalesced call over the slices copies nothing.  Past
 :data:`MAX_PARTS` slices (a gather along the last dim of every token), and for the collectives a
-backend coalesces slowly (:data:`SLICED_OPS`: gloo's reduce-scatter), the dim is moved instead.
+backend coalesces slowly (:data:`SLICED_OPS`: gloo's reduce-scatter), the pieces are stacked in front
+instead: one copy whose runs are whole rows of the pieces (the result's, gathering; the input's,
+reduce-scattering).
 """
 from __future__ import annotations
 
@@ -134,7 +136,7 @@ def record_p2p(op: str, axis: str, t: torch.Tensor, phase: str, tag: str) -> Non
     )
 
 
-# Above this many slices in front of the dim, the dim is moved (copied) rather than sliced: a
+# Above this many slices in front of the dim, the pieces are stacked (copied) rather than sliced: a
 # coalesced call's cost grows with its number of tensors.
 MAX_PARTS = 64
 # Backend -> the collectives that run sliced on it; a backend not listed slices both.  Measured
@@ -147,7 +149,7 @@ _BOTH = frozenset({"all_gather", "reduce_scatter"})
 
 def _num_parts(x: torch.Tensor, dim: int, op: str, g: AxisGroup) -> int | None:
     """How many slices collective ``op`` along ``dim`` of ``x`` runs on: one per slice in front of
-    ``dim`` (1 where the dims in front are all 1), or None where the dim is moved instead (past
+    ``dim`` (1 where the dims in front are all 1), or None where the pieces are stacked instead (past
     :data:`MAX_PARTS` slices, or ``op`` not in the backend's :data:`SLICED_OPS`)."""
     num_slices = max(1, math.prod(x.shape[:dim]))
     if num_slices == 1:
@@ -185,10 +187,15 @@ def _gather(x: torch.Tensor, dim: int, axis: str, phase: str, tag: str) -> torch
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
         _sliced("all_gather", out, x.contiguous(), parts, g)
         return out
-    src = x.movedim(dim, 0).contiguous()
-    out = torch.empty((g.size * src.shape[0],) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_single(out, src, group=g.group)
-    return out.movedim(0, dim).contiguous()  # user code may .view() it
+    # The ranks' pieces stacked in front ([n, *x.shape], gathered with no copy of the input), then
+    # laid along ``dim`` by one copy whose runs are whole rows of the pieces (moving ``dim`` to the
+    # front and back instead copies twice, element by element when ``dim`` is the last).
+    src = x.contiguous()
+    stacked = torch.empty((g.size,) + tuple(src.shape), dtype=x.dtype, device=x.device)
+    dist.all_gather_single(stacked.flatten(0, 1), src, group=g.group)  # gloo takes the concatenated form
+    shape = list(x.shape)
+    shape[dim] *= g.size
+    return stacked.movedim(0, dim % x.dim()).reshape(shape)  # contiguous: user code may .view() it
 
 
 def _scatter(x: torch.Tensor, dim: int, axis: str, phase: str, tag: str) -> torch.Tensor:
@@ -206,10 +213,15 @@ def _scatter(x: torch.Tensor, dim: int, axis: str, phase: str, tag: str) -> torc
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
         _sliced("reduce_scatter", out, x.contiguous(), parts, g)
         return out
-    src = x.movedim(dim, 0).contiguous()
-    out = torch.empty((src.shape[0] // g.size,) + tuple(src.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_single(out, src, group=g.group)
-    return out.movedim(0, dim).contiguous()  # user code may .view() it
+    # The input's ``n`` pieces along ``dim`` stacked in front by one copy of whole rows; the rank's
+    # reduced piece then comes out laid as the input, with no copy of the result.
+    d = dim % x.dim()
+    shape = list(x.shape)
+    pieces = x.contiguous().view(shape[:d] + [g.size, shape[d] // g.size] + shape[d + 1:])
+    src = pieces.movedim(d, 0).contiguous()
+    out = torch.empty(src.shape[1:], dtype=x.dtype, device=x.device)
+    dist.reduce_scatter_single(out, src.flatten(0, 1), group=g.group)  # gloo takes the concatenated form
+    return out
 
 
 def _reduce(x: torch.Tensor, axis: str, phase: str, tag: str, op=dist.ReduceOp.SUM) -> torch.Tensor:

@@ -28,7 +28,8 @@ import numpy as np
 from autopar.cost.buckets import BUCKET_FIELDS, bucket_counts
 from autopar.cost.estimate import Cost, _as_cluster, _as_spec, estimate, head_layers
 from autopar.cost.model import (DEFAULT_CONSTANTS, compute_formulas, evaluate, link_values, memory_formulas,
-                                model_formulas, model_values, plan_values, step_time_arrays)
+                                model_formulas, model_values, plan_values, shared_host_step,
+                                step_time_arrays)
 from autopar.cost.pipeline import inflight, stage_views
 from autopar.errors import AutoparError
 from autopar.plan import Plan
@@ -281,10 +282,10 @@ class _Scorer:
                 comp = evaluate(self.lb_model, self.slot_values(arrays, links, bidx, 0, rows))
                 # T_w = T_f + T_b zeroes the zbv / dualpipev bubbles: the bound stays a bound whatever
                 # the slowest rank's weight-gradient share turns out to be.
-                pipe, _ = step_time_arrays(self.model, arrays["schedule"][rows], comp["T_f"], comp["T_b"],
-                                           comp["T_f"] + comp["T_b"], arrays["pp"][rows], arrays["vpp"][rows],
-                                           arrays["m"][rows])
-                lower[lo + rows] = pipe
+                pipe, bubble = step_time_arrays(self.model, arrays["schedule"][rows], comp["T_f"], comp["T_b"],
+                                                comp["T_f"] + comp["T_b"], arrays["pp"][rows], arrays["vpp"][rows],
+                                                arrays["m"][rows])
+                lower[lo + rows] = shared_host_step(pipe, pipe - bubble, self.cluster.core_share)
             if progress is not None:
                 progress(hi, 2 * total)
         return lower
@@ -305,9 +306,13 @@ class _Scorer:
             opt[rows] = np.maximum(opt[rows], out["optimizer"])
         slow = np.argmax(tf + tb, axis=0)
         cols = np.arange(n)
-        pipe, _ = step_time_arrays(self.model, arrays["schedule"], tf[slow, cols], tb[slow, cols], tw[slow, cols],
-                                   arrays["pp"], arrays["vpp"], arrays["m"])
-        return pipe + step_comm + opt
+        pipe, _ = step_time_arrays(self.model, arrays["schedule"], tf[slow, cols], tb[slow, cols],
+                                   tw[slow, cols], arrays["pp"], arrays["vpp"], arrays["m"])
+        # The ranks' mean compute: the first and the last pp rank's where they differ (time-shared hosts).
+        both = np.isfinite(tf[1])
+        mean = np.where(both, (tf[0] + tb[0] + np.where(both, tf[1] + tb[1], 0)) / 2, tf[0] + tb[0])
+        busy = arrays["m"] * mean + step_comm + opt
+        return shared_host_step(pipe + step_comm + opt, busy, self.cluster.core_share)
 
     def step_times(self, lower: np.ndarray, top: int, batch: int) -> np.ndarray:
         """Pass 2: full step times in order of the bound, inf for the candidates never reached."""

@@ -242,6 +242,7 @@ def test_more_ranks_than_cores_time_share_them(tmp_path):
     for name in ("intra_node_latency", "inter_node_latency"):
         assert getattr(four, name) == pytest.approx(getattr(two, name) * 2), name
     assert four.hbm_bytes == pytest.approx(two.hbm_bytes / 2) and four.comm_overlap == 0.0
+    assert (two.core_share, four.core_share) == (1.0, 0.5)
     # every core computing leaves none for gloo's threads: no overlap, whatever was measured
     noisy = _cpu_profile(tmp_path, comm_overlap=0.6)
     assert Cluster.from_profile(noisy).comm_overlap == 0.0
@@ -332,3 +333,29 @@ def test_each_ring_collective_at_its_own_rate():
         bandwidth_part = row.count * row.bytes_sent / (ring * 0.9)
         assert got[name] - ref[name] == pytest.approx(bandwidth_part * (factor - 1), rel=1e-9), name
     assert sent_bytes("reduce_scatter", 4, 1000) == (750.0, 1)
+
+
+def test_a_time_shared_host_runs_other_ranks_in_the_bubble(tmp_path):
+    """4 one-thread ranks on 2 cores under pp=2 (two stages, 1F1B): a rank idle in the bubble leaves its
+    half core to the others, so the step is the longer of the critical path at full speed and the
+    host's work at half speed: max(share * step, busy) with busy the step less the bubble and the
+    pp ranks' mean compute (model.shared_host_step).  Without pp nothing is idle: the step is the
+    scaled one; the breakdown still sums to the step."""
+    from autopar.cost.model import shared_host_step
+
+    assert shared_host_step(10.0, 6.0, 0.5) == 6.0 and shared_host_step(10.0, 4.0, 0.5) == 5.0
+    assert shared_host_step(10.0, 10.0, 1.0) == 10.0 and shared_host_step(10.0, 7.0, 1.0) == 10.0
+    spec = ModelSpec(name="t", num_layers=4, hidden=256, num_heads=4, num_kv_heads=2, head_dim=64, ffn=512,
+                     vocab=1000, gated_mlp=True, tied_embeddings=False, norm="rmsnorm")
+    four = Cluster.from_profile(_cpu_profile(tmp_path), gpus_per_node=4)
+    pp = estimate(spec, four, "pp=2:1f1b,dp=2,mb=2", seq_len=128, global_batch=8, dtype_bytes=4)
+    unshared = pp.step_time - pp.shared_cores
+    tf, tb = pp._out["T_f"], pp._out["T_b"]
+    per_step = unshared - float((2 * (tf + tb)).max()) - pp.bubble  # the per-step comm and optimizer
+    busy = 2 * float((tf + tb).mean()) + per_step
+    assert pp.shared_cores < 0 and pp.step_time == pytest.approx(max(0.5 * unshared, busy))
+    terms = [t for t in pp.breakdown(formulas=False) if t.category != "memory" and "(exposed)" not in t.name
+             and not (t.category == "comm")]
+    assert any(t.name == "bubble (shared cores)" and t.value == pp.shared_cores for t in terms)
+    dp = estimate(spec, four, "dp=4", seq_len=128, global_batch=8, dtype_bytes=4)
+    assert dp.shared_cores == 0.0
