@@ -2,12 +2,12 @@
 
 SP's all-gathers and reduce-scatters run along the sequence dim 1 of ``[batch, seq, hidden]``.
 From micro-batch 2 on, autopar runs each as one coalesced call over the samples' contiguous
-slices, copying nothing (autopar/ops/collectives.py, "Copy-free slices"); the alternative moves
-the dim to the front and back around one call (``movedim(...).contiguous()``: a copy of the input
-and of the result).  Three sides run here on 2 gloo ranks, the same ``tp=2,sp`` program of the
-example decoder stepped under each of ``collectives.SLICED_OPS``'s choices for gloo: ``both``
-sliced (what NCCL runs), ``gloo`` (its default: gathers sliced, reduce-scatters moved) and
-``none`` (both moved), in rotating order, at several micro-batch sizes.  Each step starts after a
+slices, copying nothing (autopar/ops/collectives.py, "Copy-free slices"); the alternative stacks
+the ranks' pieces in front around one call (one copy of whole rows: of the gathered result, or of
+the input to reduce-scatter; before 2026-12-06 it moved the dim to the front and back, copying both).
+Three sides run here on 2 gloo ranks, the same ``tp=2,sp`` program of the example decoder
+stepped under each of ``collectives.SLICED_OPS``'s choices for gloo: ``both`` sliced (what NCCL runs), ``gloo`` (its default: gathers sliced, reduce-scatters stacked) and
+``none`` (both stacked), in rotating order, at several micro-batch sizes.  Each step starts after a
 barrier and is timed as the slower rank; the steps' losses must be equal bit for bit (the same
 values travel and sum in the same order).  The table gives each side's median step and the
 medians of the per-step ratios to ``none``.  These are gloo's costs: its coalesced calls pay a

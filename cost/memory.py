@@ -68,8 +68,8 @@ Beside them, for each micro-batch in flight on each of the rank's v chunks (``_s
                                         torch's stages keep a chunk's output until its backward; a
                                         chunk's input counted twice (i = 1 at w = 4 or full recompute)
 and the moments of the step (``peak_memory``, ``peak_parts``: which terms are alive when):
-  head_backward       the loss and LM head beyond head_activations, at the largest of forward's end,
-                      the loss backward and the head GEMM's backward      (_head_backward)
+  loss_backward       the loss beyond head_activations: forward's end or the loss's backward
+  head_backward       the LM head's GEMM backward beyond head_activations  (_head_backward)
   layer_backward      a layer's first GEMM's working set in backward       (_layer_backward)
   low_precision_grads the bf16 gradients before they are folded into fp32  (mixed precision, ZeRO-0)
   ZeRO's sync and gather buffers                                            (_zero_transients)
@@ -260,34 +260,33 @@ def _low_precision():
     return sp.Max(0, sp.Min(1, 3 - w, evaluate=False), evaluate=False)
 
 
-def _head_backward(zero3_buffer):
-    """The LM head and loss beyond ``head_activations`` (and ``zero3_buffer``), at the largest of three
-    moments (E = T*V/tp logits on the rank, ``vp`` = 1 where tp > 1 runs autopar's vocabulary-parallel
-    cross-entropy, else aten's log-softmax and nll):
+def _head_backward():
+    """(loss_backward, head_backward): the loss and the LM head beyond ``head_activations`` at two
+    moments of backward (E = T*V/tp logits on the rank, ``vp`` = 1 where tp > 1 runs autopar's
+    vocabulary-parallel cross-entropy, else aten's log-softmax and nll):
 
-        forward's end  E*4                          the logits in fp32 (under mixed precision the
-                                                    program upcasts them before the loss, the bf16 ones
-                                                    freed), besides the exp (log-softmax) made from them
-        loss backward  vp*E*4 + (1 - vp)*2*E*4      the fp32 logits gradient, made in place; aten: nll's
-                                                    gradient and log-softmax's (their cast to w comes
-                                                    after the loss frees its exp: less)
-        head GEMM      E*w - E*4 + V/tp*h*w + T*h*w*(1 + sp)
-                                                    the exp (log-softmax) freed; the logits gradient in w,
-                                                    the weight's gradient, the input's gradient and under
-                                                    SP the input all-gathered again for the weight's
+        loss_backward  max(E*4, vp*E*4 + (1 - vp)*2*E*4)
+                                    forward's end (the logits in fp32: under mixed precision the
+                                    program upcasts them before the loss, the bf16 ones freed, beside
+                                    the exp or log-softmax made from them), or the loss's backward
+                                    (the fp32 logits gradient, made in place; aten: nll's gradient
+                                    and log-softmax's, their cast to w after the loss frees its exp)
+        head_backward  E*w - E*4 + V/tp*h*w + T*h*w*(1 + sp)
+                                    the head GEMM's backward: the exp freed; the logits gradient in
+                                    w, the weight's gradient, the input's gradient and under SP the
+                                    input all-gathered again for the weight's
+
     (autopar/ops/collectives.py ``_VocabParallelCrossEntropy``, measured by MemTracker at full width,
-    tests/e2e/test_full_width.py).  ZeRO-3's units on the last stage are gathered only for the head
-    GEMM's backward (the head's unit re-gathered when that backward reads its weight, the last
-    layer's prefetched then), so the first two moments hold ``zero3_buffer`` less (z_b):
-
-        head_backward = last * max(E*4 - z_b, loss backward - z_b, head GEMM)"""
+    tests/e2e/test_full_width.py).  Apart because what backward makes for the parameters starts at
+    the second: ZeRO-3's units on the last stage (the head's re-gathered when its GEMM's backward
+    reads the weight, the last layer's prefetched then) and ZeRO-1/2's first unit buffer (made at
+    the head weight's gradient) are alive at the head GEMM only (peak_parts)."""
     T = b * s / cp
     logits = T * Vt
     vp = _at_least_two(tp) * (1 - lg)
-    forward_end = logits * 4
-    loss_backward = vp * logits * 4 + (1 - vp) * 2 * logits * 4
+    loss_backward = sp.Max(logits * 4, vp * logits * 4 + (1 - vp) * 2 * logits * 4, evaluate=False)
     head_gemm = logits * w - logits * 4 + Vt * h * w + T * h * w * (1 + SP)
-    return LAST * sp.Max(forward_end - zero3_buffer, loss_backward - zero3_buffer, head_gemm, evaluate=False)
+    return LAST * loss_backward, LAST * head_gemm
 
 
 def _layer_backward():
@@ -334,6 +333,7 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
     per_dense, per_moe, working, first, last = _activation_parts(activation_formula)
     unit_buffer, sync, copies, zero3_buffer, zero3_layer_end = _zero_transients(dense, expert, n_dense)
     rope, outputs = _stage_terms()
+    loss_backward, head_backward = _head_backward()
     # Transients (the peak timeline below): backward of the loss holds the fp32 gradient of the
     # logits and the log-softmax backward's temporary of the same size.
     T = b * s / cp
@@ -346,7 +346,8 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
         "recompute_buffer": working,
         "embedding_activations": FIRST * first,
         "head_activations": LAST * last,
-        "head_backward": _head_backward(zero3_buffer),
+        "loss_backward": loss_backward,
+        "head_backward": head_backward,
         "head_weight_grad": LAST * Vt * h * w,   # backward's first gradient, in the parameters' dtype (peak_memory)
         "layer_backward": _layer_backward(),
         "rope_tables": rope,
@@ -374,10 +375,12 @@ HELD_TERMS = ("activations", "rope_tables", "stage_outputs")
 
 # The moments of a step whose largest is its peak (peak_parts), and what each is.
 MOMENTS = {
-    "B1_head": "the first backward, every micro-batch in flight: the loss and LM head's backward",
+    "B1_loss": "the first backward, every micro-batch in flight: the loss's backward",
+    "B1_head": "the first backward, every micro-batch in flight: the LM head's backward",
     "B1_layer": "the first backward, every micro-batch in flight: its first layer's backward "
                 "(ZeRO-1/2: the next units' buffers and reduce-scatters in flight)",
-    "B2_head": "a later backward (one micro-batch fewer in flight): the loss and LM head's backward",
+    "B2_loss": "a later backward (one micro-batch fewer in flight): the loss's backward",
+    "B2_head": "a later backward (one micro-batch fewer in flight): the LM head's backward",
     "B2_layer": "a later backward (one micro-batch fewer in flight): its first layer's backward",
     "E": "a backward's end, its bf16 gradients not yet folded into the fp32 main gradients",
     "S": "backward done: the gradient sync",
@@ -406,16 +409,21 @@ def peak_parts(terms: dict[str, sp.Expr]) -> dict[str, dict[str, sp.Expr]]:
     first = {"zero3_buffer": 1, "embedding_activations": 1, **{x: 1 for x in HELD_TERMS}}
     later = {"zero3_buffer": 1, "embedding_activations": 1, **{x: 1 - 1 / INFL for x in HELD_TERMS}}
     head = {"head_activations": 1, "head_backward": 1}
+    # The loss's backward: nothing made for the parameters yet (ZeRO-3's head unit not re-gathered,
+    # ZeRO-1/2's first buffer not made: both come with the head GEMM's backward, _head_backward).
+    loss = {"head_activations": 1, "loss_backward": 1, "zero3_buffer": 0}
     layer = {"recompute_buffer": 1, "layer_backward": 1}
     one_layer = 1 / (INFL * sp.Max(ld + le, 1, evaluate=False))
     coefficients = {
         # The head's weight gradient, made first, is still held at the first layer's backward where
         # gradients are not kept (fp32), and as a bf16 gradient until backward ends (mixed precision);
         # under ZeRO-1/2 it is in its unit's buffer, the window's first.
+        "B1_loss": {**first, "grads": g_1, **loss},
         "B1_head": {**first, "grads": g_1, **head, "zero_unit_buffer": 1},
         "B1_layer": {**first, "grads": g_1, **layer,
                      "head_weight_grad": (1 - zero12) * ((1 - g_1) * (1 - low) + low),
                      "zero_sync_buffer": Z2 - Z3 + (1 - g_1) * (Z1 - Z2), "collective_copies": zero12 * c_w},
+        "B2_loss": {**later, "grads": g_2, **loss},
         "B2_head": {**later, "grads": g_2, **head},
         "B2_layer": {**later, "grads": g_2, **layer, "head_weight_grad": (1 - zero12) * low,
                      "zero_sync_buffer": Z2 - Z3, "collective_copies": (Z2 - Z3) * c_w},
@@ -430,16 +438,20 @@ def peak_parts(terms: dict[str, sp.Expr]) -> dict[str, dict[str, sp.Expr]]:
 def peak_memory(terms: dict[str, sp.Expr]) -> sp.Expr:
     """The step's peak bytes on the scored rank: what is always alive plus the largest moment.
 
-        peak = params + optimizer + pipeline_buffers + max(B1_head, B1_layer, B2_head, B2_layer, E, S, B3)
-        B1_head  = base + g_1 * grads + H + zero_unit_buffer
+        peak = params + optimizer + pipeline_buffers
+               + max(B1_loss, B1_head, B1_layer, B2_loss, B2_head, B2_layer, E, S, B3)
+        B1_loss  = base - zero3_buffer + g_1 * grads + head_activations + loss_backward
                                                (the first backward, every micro-batch in flight: the
-                                                loss and LM head's backward; ZeRO-1/2: the first
-                                                unit's gradient buffer)
+                                                loss's backward, nothing made for the parameters yet)
+        B1_head  = base + g_1 * grads + H + zero_unit_buffer
+                                               (then the LM head's backward: ZeRO-3's units gathered,
+                                                ZeRO-1/2's first unit's gradient buffer)
         B1_layer = base + g_1 * grads + R + (1 - z_12) * h_g
                    + (z_2 - z_3 + (1 - g_1)(z_1 - z_2)) * zero_sync_buffer + z_12 * c_w * collective_copies
                                                (after the head, the first layer's: the head's
                                                 activations freed; ZeRO-1/2: the next units' buffers,
                                                 one filling, F reduce-scattering)
+        B2_loss  = base' - zero3_buffer + g_2 * grads + head_activations + loss_backward
         B2_head  = base' + g_2 * grads + H     (a later backward: one micro-batch fewer,
         B2_layer = base' + g_2 * grads + R       earlier backwards' gradients)
                    + (1 - z_12) * L * head_weight_grad + (z_2 - z_3) * (zero_sync_buffer + c_w * collective_copies)

@@ -59,6 +59,9 @@ def register(subparsers) -> None:
                       help="how many plans to print (default 10)")
     plan.add_argument("--no-progress", action="store_true",
                       help="do not report search progress on stderr")
+    plan.add_argument("--check", type=int, default=0, metavar="N",
+                      help="step the fullest rank of each of the top N plans at full width on the meta device "
+                           "(MemTracker, FlopCounterMode) and mark any whose measured peak would not fit")
     plan.set_defaults(func=run_plan)
 
     explain = subparsers.add_parser(
@@ -79,6 +82,13 @@ def register(subparsers) -> None:
                               "measured memory; model, sequence and batch come from the example inputs")
     explain.add_argument("--world", type=int, default=None, metavar="N",
                          help="processes for --measure (the plan's world size)")
+    explain.add_argument("--simulate", action="store_true",
+                         help="also step the fullest rank at full width on the meta device under a fake process "
+                              "group and print torch's MemTracker peak and FlopCounterMode FLOPs beside the "
+                              "prediction, term by term (no GPU needed)")
+    explain.add_argument("--simulate-layers", type=int, default=None, metavar="K",
+                         help="layers to simulate (default: one per pipeline chunk, at least 2; the prediction "
+                              "shown beside the measurement is for the same depth)")
     explain.set_defaults(func=run_explain)
 
 
@@ -287,12 +297,19 @@ def run_plan(args) -> int:
             f"sequence or a smaller global batch"
         )
     records = [plan_record(i + 1, plan, cost) for i, (plan, cost) in enumerate(results)]
+    checked = None
+    if args.check > 0:
+        from autopar.cli.simulate_cmd import checked_records
+
+        checked = checked_records(spec, cluster, results, args.seq, args.global_batch, args.check,
+                                  log=lambda msg: print(msg, file=sys.stderr, flush=True))
     if args.json:
         print(json.dumps({
             "model": spec.name, "gpu": cluster.gpu, "gpus": cluster.world_size,
             "gpus_per_node": cluster.gpus_per_node, "seq_len": args.seq,
             "global_batch": args.global_batch, "candidates": state["total"],
             "search_seconds": elapsed, "hardware": hardware_record(cluster), "plans": records,
+            **({"checked": checked} if checked is not None else {}),
         }, indent=2))
     else:
         print(f"{spec.name} on {cluster.world_size} x {cluster.gpu}, seq {args.seq}, global batch "
@@ -300,6 +317,10 @@ def run_plan(args) -> int:
               f"({elapsed:.1f} s)")
         print(hardware_record(cluster)["line"])
         print(format_plan_table(records))
+        if checked is not None:
+            from autopar.cli.simulate_cmd import format_checked
+
+            print("\n" + format_checked(checked))
     return 0
 
 
@@ -465,6 +486,9 @@ def run_explain(args) -> int:
     from autopar.plan import Plan
 
     if args.measure is not None:
+        if args.simulate:
+            raise AutoparError("autopar: --measure runs the model on this machine, --simulate a preset at full "
+                               "width on the meta device; give one of them")
         return _run_explain_measured(args)
     missing = [flag for flag, value in (("--model", args.model), ("--gpus", args.gpus), ("--seq", args.seq),
                                         ("--global-batch", args.global_batch)) if value is None]
@@ -483,7 +507,15 @@ def run_explain(args) -> int:
     cost = estimate(spec, cluster, plan, args.seq, args.global_batch)
     rec = explain_record(cost, pp_rank=args.pp_rank, formulas=args.formulas)
     rec["hardware"] = hardware_record(cluster)
-    print(json.dumps(rec, indent=2) if args.json else format_explain(rec) + "\n\n" + rec["hardware"]["line"])
+    text = format_explain(rec) + "\n\n" + rec["hardware"]["line"]
+    if args.simulate:
+        from autopar.cli.simulate_cmd import format_simulated, simulate_rank
+
+        rec["simulated"] = simulate_rank(spec, cluster, plan, args.seq, args.global_batch,
+                                         layers=args.simulate_layers,
+                                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        text += "\n\n" + format_simulated(rec["simulated"])
+    print(json.dumps(rec, indent=2) if args.json else text)
     return 0
 
 

@@ -11,82 +11,25 @@ everything is equal.  MoE routing on meta is balanced (:func:`autopar.ops.moe.ba
 
 Its users: ``benchmarks/scale_simulation.py`` (the command line), tests/e2e/test_scale.py and
 tests/e2e/test_search_compiles.py; :func:`fake_world` and :func:`compile_rank` also
-tests/support/full_width.py (the rank's memory and FLOPs under torch's meters).
+tests/support/full_width.py (the rank's memory and FLOPs under torch's meters).  The model, the fake
+world and the compiled rank come from autopar/verification/full_width.py (also ``autopar explain
+--simulate``'s).
 """
 from __future__ import annotations
 
 import collections
-import contextlib
 import time
-
-import torch
-import torch.distributed as dist
-import torch.nn.functional as F
 
 import autopar
 from autopar.plan_space import DEFAULT_BUCKET_BYTES
+from autopar.verification.full_width import compile_rank, fake_world, simulated_spec
 
 __all__ = ["simulate", "measured_and_predicted", "compare", "fake_world", "compile_rank", "model_spec"]
 
 
-def _loss(out, target):
-    return F.cross_entropy(out.logits.flatten(0, 1), target.flatten())
-
-
 def model_spec(model: str, layers: int | None) -> "autopar.ModelSpec":
     """The preset ``model`` (dense, or MoE in every layer), with ``layers`` layers if given."""
-    import dataclasses
-
-    spec = autopar.ModelSpec.preset(model)
-    if spec.is_moe and (spec.moe_layer_freq != 1 or spec.num_shared_experts or spec.first_dense_layers):
-        raise SystemExit(f"scale_simulation: {model} mixes dense and MoE layers (or has shared experts); only "
-                         "presets with an MoE block in every layer (mixtral-8x7b) are built here. Price it with "
-                         "autopar.estimate instead.")
-    return dataclasses.replace(spec, num_layers=layers) if layers else spec
-
-
-def _model(spec, seq: int):
-    """The preset as a transformers model on the current (meta) device: Llama, or Mixtral for MoE."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
-
-    common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.num_layers,
-                  num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads or spec.num_heads,
-                  head_dim=spec.head_dim, max_position_embeddings=seq, tie_word_embeddings=spec.tied_embeddings,
-                  attn_implementation="sdpa")
-    if spec.is_moe:
-        return MixtralForCausalLM(MixtralConfig(intermediate_size=spec.moe_ffn or spec.ffn,
-                                                num_local_experts=spec.num_experts,
-                                                num_experts_per_tok=spec.top_k, **common))
-    return LlamaForCausalLM(LlamaConfig(intermediate_size=spec.ffn, **common))
-
-
-@contextlib.contextmanager
-def fake_world(world_size: int, rank: int):
-    """This process as rank ``rank`` of torch's fake process group of ``world_size`` ranks (every
-    collective a no-op), destroyed on the way out."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if not 0 <= rank < world_size:
-        raise SystemExit(f"scale_simulation: --rank {rank} is outside the plan's world of {world_size} ranks")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-
-
-def compile_rank(spec, plan: str, seq: int, microbatch: int, *, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                 mixed_precision: str | None = None):
-    """``spec`` built on the meta device and compiled by ``autopar.parallelize`` for ``plan`` as this
-    rank of the fake world (:func:`fake_world`); returns ``(pm, ids)``, ``ids`` the global batch of
-    ``microbatch * dp * mb`` sequences of ``seq`` tokens (meta)."""
-    p = autopar.Plan.parse(plan)
-    with torch.device("meta"):
-        net = _model(spec, seq)
-    ids = torch.zeros(microbatch * p.dp * p.mb, seq, dtype=torch.long, device="meta")
-    pm = autopar.parallelize(net, (ids,), example_kwargs={"use_cache": False}, plan=plan, loss_fn=_loss,
-                             bucket_bytes=bucket_bytes, mixed_precision=mixed_precision)
-    return pm, ids
+    return simulated_spec(autopar.ModelSpec.preset(model), layers)
 
 
 def simulate(layers: int | None, plan: str, seq: int, microbatch: int, *, rank: int = 0,
