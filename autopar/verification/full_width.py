@@ -50,7 +50,12 @@ def simulated_spec(spec, layers: int | None = None):
 
 def meta_model(spec, seq: int):
     """``spec`` as a transformers model on the current device (call under ``torch.device("meta")``)."""
-    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+    except ImportError as exc:
+        raise AutoparError("autopar: the full-width simulation (--simulate, --check) builds the model with "
+                           "transformers, which is not installed; install it: pip install -e '.[test]' "
+                           "(or pip install transformers==5.25.0)") from exc
 
     common = dict(vocab_size=spec.vocab, hidden_size=spec.hidden, num_hidden_layers=spec.num_layers,
                   num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads or spec.num_heads,
