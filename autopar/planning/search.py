@@ -282,10 +282,12 @@ class _Scorer:
                 comp = evaluate(self.lb_model, self.slot_values(arrays, links, bidx, 0, rows))
                 # T_w = T_f + T_b zeroes the zbv / dualpipev bubbles: the bound stays a bound whatever
                 # the slowest rank's weight-gradient share turns out to be.
-                pipe, bubble = step_time_arrays(self.model, arrays["schedule"][rows], comp["T_f"], comp["T_b"],
-                                                comp["T_f"] + comp["T_b"], arrays["pp"][rows], arrays["vpp"][rows],
-                                                arrays["m"][rows])
-                lower[lo + rows] = shared_host_step(pipe, pipe - bubble, self.cluster.core_share)
+                pipe, _ = step_time_arrays(self.model, arrays["schedule"][rows], comp["T_f"], comp["T_b"],
+                                           comp["T_f"] + comp["T_b"], arrays["pp"][rows], arrays["vpp"][rows],
+                                           arrays["m"][rows])
+                # On a time-shared host the step is at least core_share of it (shared_host_step: the
+                # ranks' mean busy time may be below this rank's); 1 elsewhere.
+                lower[lo + rows] = self.cluster.core_share * pipe
             if progress is not None:
                 progress(hi, 2 * total)
         return lower
@@ -309,8 +311,8 @@ class _Scorer:
         pipe, _ = step_time_arrays(self.model, arrays["schedule"], tf[slow, cols], tb[slow, cols],
                                    tw[slow, cols], arrays["pp"], arrays["vpp"], arrays["m"])
         # The ranks' mean compute: the first and the last pp rank's where they differ (time-shared hosts).
-        both = np.isfinite(tf[1])
-        mean = np.where(both, (tf[0] + tb[0] + np.where(both, tf[1] + tb[1], 0)) / 2, tf[0] + tb[0])
+        first, last = tf[0] + tb[0], tf[1] + tb[1]
+        mean = np.where(np.isfinite(last), (first + last) / 2, first)
         busy = arrays["m"] * mean + step_comm + opt
         return shared_host_step(pipe + step_comm + opt, busy, self.cluster.core_share)
 
