@@ -55,10 +55,10 @@ _LAZY = {
     "init_distributed": ("autopar.runtime", "init_distributed"),
     "parallelize": ("autopar.runtime", "parallelize"),
     "ParallelModule": ("autopar.runtime", "ParallelModule"),
-    "BatchSlice": ("autopar.runtime.data", "BatchSlice"),
-    "DistributedBatchSampler": ("autopar.runtime.data", "DistributedBatchSampler"),
-    "load_model_state_dict": ("autopar.runtime.checkpoint", "load_model_state_dict"),
-    "latest_checkpoint": ("autopar.runtime.checkpoint_files", "latest_checkpoint"),
+    "BatchSlice": ("autopar.runtime.stepping.data", "BatchSlice"),
+    "DistributedBatchSampler": ("autopar.runtime.stepping.data", "DistributedBatchSampler"),
+    "load_model_state_dict": ("autopar.runtime.weights.checkpoint", "load_model_state_dict"),
+    "latest_checkpoint": ("autopar.runtime.weights.checkpoint_files", "latest_checkpoint"),
     "verify": ("autopar.verification", "verify"),
     "VerifyResult": ("autopar.verification", "VerifyResult"),
     "AutoparError": ("autopar.errors", "AutoparError"),
@@ -71,9 +71,9 @@ if TYPE_CHECKING:  # the names of _LAZY, for type checkers and IDEs (never impor
     from autopar.plan import Plan
     from autopar.planning.search import search
     from autopar.runtime import ParallelModule, init_distributed, parallelize
-    from autopar.runtime.checkpoint import load_model_state_dict
-    from autopar.runtime.checkpoint_files import latest_checkpoint
-    from autopar.runtime.data import BatchSlice, DistributedBatchSampler
+    from autopar.runtime.weights.checkpoint import load_model_state_dict
+    from autopar.runtime.weights.checkpoint_files import latest_checkpoint
+    from autopar.runtime.stepping.data import BatchSlice, DistributedBatchSampler
     from autopar.verification import VerifyResult, verify
 
 

@@ -72,7 +72,7 @@ def never_traced(fn) -> None:
     """TorchDynamo runs ``fn`` (a function or a method) and everything it calls eagerly.
 
     For the saved-tensor hooks, which autograd's C++ calls inside compiled regions
-    (autopar/runtime/inductor.py).  ``torch.compiler.disable`` would do the same by wrapping
+    (autopar/runtime/stepping/inductor.py).  ``torch.compiler.disable`` would do the same by wrapping
     ``fn``, at about a microsecond per call in eager programs too, where it is not needed;
     marking the code object skips the frame, and the frames it calls, only while TorchDynamo
     runs (torch._dynamo's frame strategies)."""
@@ -89,7 +89,7 @@ def retained_compiled_backward():
 
     AOTAutograd lets a compiled backward free ("donate") the buffers it saved, which refuses
     ``retain_graph=True``; torch's pipeline stages differentiate a chunk's graph twice for the
-    split input / weight backward (autopar/runtime/pipelined.py), the first time retaining it.
+    split input / weight backward (autopar/runtime/stepping/pipelined.py), the first time retaining it.
     The compiled backward reads the switch when it runs; only a private config has it."""
     import torch._functorch.config
 

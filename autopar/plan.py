@@ -379,7 +379,7 @@ class Plan:
             self._check_heads(num_heads, kv)
         elif num_kv_heads is not None:
             self._check_kv_cp(num_kv_heads)
-        # a vocabulary tp does not divide is padded to ceil(V/tp) rows per rank (vocab_ok: always)
+        # a vocabulary tp does not divide is padded to ceil(V/tp) rows per rank (plan_space.padded_vocab: no rule)
         if num_layers is not None:
             chunks = self.pp * self.num_chunks_per_rank
             if not layers_ok(self.pp, self.num_chunks_per_rank, num_layers):

@@ -49,7 +49,7 @@ __all__ = [
     # chunks and micro-batches
     "chunks_per_rank", "chunk_rank", "microbatches_ok", "valid_microbatches", "check_microbatches",
     # rules of a plan alone, and of a plan against a model and a run
-    "sp_ok", "ep_ok", "heads_ok", "kv_replicated", "kv_cp_ok", "vocab_ok", "ulysses_heads_ok", "ulysses_fits",
+    "sp_ok", "ep_ok", "heads_ok", "kv_replicated", "kv_cp_ok", "ulysses_heads_ok", "ulysses_fits",
     "ulysses_ok", "layers_ok",
     "experts_ok", "batch_ok", "cp_seq_ok", "sp_seq_ok", "model_facts",
     # what the runtime runs
@@ -277,14 +277,10 @@ def kv_cp_ok(tp, cp, num_kv_heads):
     return (cp == 1) | (num_kv_heads % tp == 0)
 
 
-def vocab_ok(tp, vocab):
-    """The embedding and LM head are split by vocabulary rows; a vocabulary tp does not divide is
-    padded to ceil(V/tp) rows per rank (:func:`padded_vocab`), so every tp fits."""
-    return tp == tp
-
-
 def padded_vocab(vocab, tp):
-    """Vocabulary rows of the embedding / LM head on one tp rank: ceil(V/tp) (Megatron's padding)."""
+    """Vocabulary rows of the embedding / LM head on one tp rank: ceil(V/tp) (Megatron's padding).
+    The embedding and LM head are split by vocabulary rows, and a vocabulary tp does not divide is
+    padded, so the vocabulary constrains no tp (there is no vocabulary rule)."""
     return -(-vocab // tp)
 
 
@@ -488,17 +484,17 @@ def pack_buckets(sizes: Sequence[int], cap: int) -> list[range]:
 def grads_kept(zero, dp, cp):
     """Whether a rank keeps its whole gradients all step, the forward before the first backward
     included: plain data parallelism (``dp*cp >= 2``) accumulates into persistent bucket buffers of
-    which the gradients are views (DDP's ``gradient_as_bucket_view``; runtime/grad_sync.py).
+    which the gradients are views (DDP's ``gradient_as_bucket_view``; runtime/gradients/grad_sync.py).
     Otherwise backward makes the gradients and the step frees them (one rank, tp or pp alone;
-    ZeRO-1's flat buffers are made at each unit's first gradient, runtime/zero_grads.py ``KeptGrads``;
+    ZeRO-1's flat buffers are made at each unit's first gradient, runtime/gradients/zero_grads.py ``KeptGrads``;
     ZeRO-2/3 keep only their shards').  The cost model's peak timeline (cost/memory.py) and the
-    runtime's flat optimizer (runtime/grad_sync.py, runtime/fused_step.py) ask it."""
+    runtime's flat optimizer (runtime/gradients/grad_sync.py, runtime/gradients/fused_step.py) ask it."""
     return (zero == 0) & (dp * cp >= 2)
 
 
 ZERO_SCATTERS_IN_FLIGHT = 1
 """ZeRO-1/2: gradient reduce-scatters in flight at once; starting another first waits for the
-oldest (runtime/zero_grads.py), so backward holds at most that many units' buffers beyond the one
+oldest (runtime/gradients/zero_grads.py), so backward holds at most that many units' buffers beyond the one
 being filled (ZeRO-2), and a backend that copies a collective's buffer (gloo) that many copies
 (cost/memory.py ``zero_sync_buffer``, ``collective_copies``).  One, as FSDP2 (which waits for a
 reduce-scatter before it issues the next): the one in flight runs while backward computes the
@@ -528,8 +524,7 @@ def structures(world_size: int, facts: Mapping, *, seq_len: int, global_batch: i
     f = facts
     cols: dict[str, list[int]] = {name: [] for name in STRUCTURE_FIELDS}
     for tp in divisors(world_size):
-        if (max_tp is not None and tp > max_tp) or not (heads_ok(tp, f["num_heads"], f["num_kv_heads"])
-                                                        & vocab_ok(tp, f["vocab"])):
+        if (max_tp is not None and tp > max_tp) or not heads_ok(tp, f["num_heads"], f["num_kv_heads"]):
             continue
         for cp in divisors(world_size // tp):
             if not (cp_seq_ok(seq_len, cp) & kv_cp_ok(tp, cp, f["num_kv_heads"])):

@@ -12,7 +12,7 @@ Pairs (autopar; PyTorch):
   act(gate) * up + down_proj (from gate, up) in every layer (passes/recompute.py);
 * ``compiled``: ``compile=True``; ``torch.compile`` of the eager model;
 * ``recompute_compiled``: ``plan="dp=1,recompute=selective"`` with ``compile=True`` (each recomputed
-  region's body compiled, its checkpoint eager: autopar/runtime/inductor.py); the ``recompute``
+  region's body compiled, its checkpoint eager: autopar/runtime/stepping/inductor.py); the ``recompute``
   side through ``torch.compile``.
 
 Pipelined plans need a rank per stage, so they take more than the one GPU this check runs on.
@@ -40,7 +40,7 @@ model.  The sides run one after the other, not interleaved.  Reported per pair:
   backward -- and ``memory_per_gpu`` next to both allocator peaks;
 * the optimizer's share of each side's step: the median time of its ``optimizer.step()`` (synchronized
   around it, in the timed steps) over the median step (autopar: the fused step on its fp32 masters,
-  ``autopar/runtime/fused_step.py``; PyTorch: AdamW's default ``foreach`` step on fp32 parameters).
+  ``autopar/runtime/gradients/fused_step.py``; PyTorch: AdamW's default ``foreach`` step on fp32 parameters).
 
 ``--quick`` trains a 4-layer model of the same width at sequence 2048 with fewer steps (under 3
 minutes on one H200); the default is about 1.1B parameters (hidden 2048, 16 layers, 16 heads, 8 KV
@@ -239,7 +239,7 @@ class AutoparSide:
         return self.pm.train_step((ids,), ids)
 
     def memory(self) -> dict:
-        """autopar's own meter of the last step (autopar/runtime/memory.py)."""
+        """autopar's own meter of the last step (autopar/runtime/stepping/memory.py)."""
         return {k: int(v) for k, v in self.pm.memory_report().items()}
 
 

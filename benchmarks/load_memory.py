@@ -17,7 +17,7 @@ load makes the share resident) plus one tensor piece and one read block.
 Run: ``python benchmarks/load_memory.py [--world 4] [--plan tp=2,pp=2,mb=2] [--hidden 512]
 [--layers 8] [--vocab 32000] [--json]``.  Results: ``docs/performance.md`` ("Loading and
 exporting at scale").  The test: ``tests/e2e/test_load_memory.py``.  Neighbours:
-:mod:`autopar.runtime.pretrained` (the load), :mod:`autopar.runtime.export` (the export).
+:mod:`autopar.runtime.weights.pretrained` (the load), :mod:`autopar.runtime.weights.export` (the export).
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ size, AdamW.  Six programs, built side by side: ``mixed_precision`` None (fp32) 
 ``"bf16"``, each with ``fused_optimizer=False`` (the per-tensor ``foreach`` step), with
 ``fused_optimizer=True`` as one rank runs it (per tensor, ``fused=True``: without
 data-parallel buckets the gradients are not kept between steps, so they are not made flat),
-and flat and fused as a ``dp >= 2`` rank runs it (autopar/runtime/fused_step.py; here by
+and flat and fused as a ``dp >= 2`` rank runs it (autopar/runtime/gradients/fused_step.py; here by
 making ``GradSync._keeps_grads`` answer True, the only difference from such a rank being
 that no all-reduce runs).  Their steps are interleaved round by round, so machine noise hits
 all alike; the table gives the median
@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 import autopar
-from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.gradients.grad_sync import GradSync
 
 ROOT = Path(__file__).resolve().parents[1]
 MODES = ("per-tensor foreach", "per-tensor fused", "flat fused")

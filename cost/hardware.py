@@ -26,7 +26,7 @@ from autopar.plan_space import axis_geometry
 
 from .profile import FIGURES, OPTIONAL_FIGURES, host_share, load_profile, profile_name
 
-__all__ = ["Cluster", "GPU_PRESETS", "NODE_GPUS", "node_gpus", "axis_link_arrays"]
+__all__ = ["Cluster", "GPU_PRESETS", "NODE_GPUS", "node_gpus", "whole_nodes", "axis_link_arrays"]
 
 def _gpu(peak_flops: float, hbm_bytes: float, hbm_bandwidth: float, intra_node_bandwidth: float,
          inter_node_bandwidth: float = 50e9, *, gemm_efficiency: float = 0.75, intra_node_latency: float = 5e-6,
@@ -74,6 +74,25 @@ DEFAULT_NODE_GPUS = 8
 def node_gpus(gpu: str) -> int:
     """The default ``gpus_per_node`` (fast-link domain) of a GPU preset."""
     return NODE_GPUS.get(gpu.lower(), DEFAULT_NODE_GPUS)
+
+
+def whole_nodes(world_size: int, gpus_per_node: int) -> tuple[int, int]:
+    """``(num_nodes, gpus_per_node)`` of ``world_size`` GPUs on nodes of ``gpus_per_node``: the one
+    rule of how GPUs fill nodes (the CLI, the cost model's clusters and a program's own prediction
+    ask it).  Fewer GPUs than a node make one partial node; more must fill whole nodes (a partial
+    last node is not modelled)."""
+    if world_size < 1 or gpus_per_node < 1:
+        raise AutoparError(f"autopar: a cluster needs >= 1 GPU and >= 1 GPU per node, got {world_size} GPUs "
+                           f"and {gpus_per_node} per node")
+    if world_size <= gpus_per_node:
+        return 1, world_size
+    if world_size % gpus_per_node:
+        lo = world_size // gpus_per_node * gpus_per_node
+        raise AutoparError(
+            f"autopar: {world_size} GPUs do not fill whole nodes of {gpus_per_node}; use a multiple of "
+            f"{gpus_per_node} (e.g. {lo} or {lo + gpus_per_node}), or give the GPUs per node "
+            f"(--gpus-per-node, gpus_per_node=)")
+    return world_size // gpus_per_node, gpus_per_node
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,13 +196,8 @@ class Cluster:
     def for_world(cls, gpu: str, world_size: int, gpus_per_node: int | None = None, **overrides) -> "Cluster":
         """The smallest cluster of ``gpu`` with ``world_size`` GPUs (a partial last node is not modelled);
         ``gpus_per_node`` defaults to the preset's fast-link domain (:func:`node_gpus`)."""
-        per_node = min(gpus_per_node or node_gpus(gpu), world_size)
-        if world_size % per_node:
-            raise AutoparError(
-                f"autopar: {world_size} GPUs do not fill whole nodes of {per_node}; give "
-                f"num_nodes and gpus_per_node explicitly"
-            )
-        return cls(gpu=gpu, num_nodes=world_size // per_node, gpus_per_node=per_node, **overrides)
+        num_nodes, per_node = whole_nodes(world_size, gpus_per_node or node_gpus(gpu))
+        return cls(gpu=gpu, num_nodes=num_nodes, gpus_per_node=per_node, **overrides)
 
     @classmethod
     def from_profile(cls, path, *, num_nodes: int = 1, gpus_per_node: int | None = None, **overrides) -> "Cluster":

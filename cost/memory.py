@@ -199,7 +199,7 @@ def _zero_transients(dense, expert, n_dense):
     """(zero_unit_buffer, zero_sync_buffer, collective_copies, zero3_buffer, zero3_layer_end): ZeRO's
     buffers beyond the model states, each alive in one phase of the step (:func:`peak_memory`).
 
-    ZeRO-1/2 (runtime/zero_grads.py): a unit is a dp bucket, of u = min(u_max, P_dense) elements, the
+    ZeRO-1/2 (runtime/gradients/zero_grads.py): a unit is a dp bucket, of u = min(u_max, P_dense) elements, the
     rank's largest (backward begins with the head's and the last layer's matrices, each a bucket
     of its own when it passes the cap; a model whose gradients fill one bucket has u = P_dense).
     ZeRO-1 holds its gradients whole in flat per-unit buffers (the ``grads`` term), each made at its
@@ -354,7 +354,7 @@ def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
         "stage_outputs": outputs,
         # Mixed precision without ZeRO: the micro-batch's bf16 gradients, left on the parameters until
         # backward ends (a pipeline: each chunk's backward) and they are folded into the fp32 main
-        # gradients (runtime/precision.py MainGrads.accumulate).  ZeRO-1/2 fold each in its hook.
+        # gradients (runtime/stepping/precision.py MainGrads.accumulate).  ZeRO-1/2 fold each in its hook.
         "low_precision_grads": (1 - Z1) * _low_precision() * (dense + expert) * w / vpp,
         "zero_unit_buffer": unit_buffer,
         "zero_sync_buffer": sync,
@@ -472,7 +472,7 @@ def peak_memory(terms: dict[str, sp.Expr]) -> sp.Expr:
         c_w   = min(n_ud - 1, F) / min(n_ud, F),   c_s = min(n_ud, F) / min(n_ud, F + 1)
 
     ``keep`` (:func:`autopar.plan_space.grads_kept`, a plan value): plain data parallelism
-    accumulates into persistent bucket buffers (runtime/grad_sync.py), alive all step; otherwise
+    accumulates into persistent bucket buffers (runtime/gradients/grad_sync.py), alive all step; otherwise
     gradients are made by backward and freed after the step (ZeRO-1's flat buffers too, made at each
     unit's first gradient).  Without a pipeline (n_inflight = 1) B1 is the last micro-batch's
     backward, with the gradients of those before it; a 1F1B stage holding n_inflight micro-batches

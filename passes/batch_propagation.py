@@ -1,6 +1,6 @@
 """Batch propagation: placements on the ``dp`` axis over every node, and statistics of the batch.
 
-Data parallelism hands each rank ``batch / dp`` rows (:func:`autopar.runtime.batching.rank_rows`),
+Data parallelism hands each rank ``batch / dp`` rows (:func:`autopar.runtime.stepping.batching.rank_rows`),
 so the traced graph already runs on a rank's rows: every dim 0 as long as the batch holds this
 rank's rows.  Most of the graph works row by row and needs nothing; the loss is a mean over the
 rank's tokens, which the runtime averages over the ranks (or weights, for padded targets:

@@ -1,7 +1,7 @@
 """Context parallelism: the sequence is sharded over ``cp`` for the whole graph.
 
 Like data parallelism shards the batch, ``train_step`` hands each rank its load-balanced
-sequence chunks (:mod:`autopar.runtime.batching`), so the graph's symbolic sequence size is
+sequence chunks (:mod:`autopar.runtime.stepping.batching`), so the graph's symbolic sequence size is
 already local.  What this pass rewrites is what depends on *where* a token sits:
 
 1. every ``scaled_dot_product_attention`` becomes the plan's CP variant from

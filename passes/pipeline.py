@@ -24,7 +24,7 @@ its ``nn_module_stack``):
   vocab-parallel loss keeps working); the schedule's ``loss_fn`` is the identity.
 
 The result's ``pipeline`` is a :class:`PipelineProgram`; the runtime that drives it is
-:mod:`autopar.runtime.pipelined`.
+:mod:`autopar.runtime.stepping.pipelined`.
 """
 from __future__ import annotations
 

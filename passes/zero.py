@@ -15,11 +15,11 @@ unit the pass inserts ``autopar.ops.zero_gather.zero_gather(unit)`` right before
 reads one of its parameters, and a ``getitem`` per parameter that replaces the parameter's
 ``get_attr``.  The parameter attributes stay in the module (the runtime keeps their
 names and layouts for state dicts) but the program no longer reads them: at run time
-:class:`autopar.runtime.zero_fsdp.FullyShardedSync` holds the parameters only as ``dp`` shards.
+:class:`autopar.runtime.gradients.zero_fsdp.FullyShardedSync` holds the parameters only as ``dp`` shards.
 
 The unit's parameter names are recorded in the gather node's provenance
 (``node.meta["autopar"].params``), which is where the runtime reads the units from.
-Neighbours: ``passes/data_parallel.py`` (gradient buckets, ZeRO stages 0-2), :mod:`autopar.runtime.zero`
+Neighbours: ``passes/data_parallel.py`` (gradient buckets, ZeRO stages 0-2), :mod:`autopar.runtime.gradients.zero`
 (the runtime side), ``cost/comm.py`` (one gather per unit and micro-batch, forward and
 backward, and one gradient reduce-scatter per unit and micro-batch).
 """

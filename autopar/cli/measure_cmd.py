@@ -4,7 +4,7 @@
 ``MODULE:FUNCTION`` (:func:`autopar.cli.inspect_cmd.load_target`), compiles the model for the
 plan (:func:`autopar.parallelize`, AdamW, the loss :func:`autopar.cli.inspect_cmd.lm_cross_entropy`
 against the first input shifted left by one token), runs one ``train_step`` and returns
-``pm.memory_report()`` (definitions in autopar/runtime/memory.py).  :func:`memory_comparison`
+``pm.memory_report()`` (definitions in autopar/runtime/stepping/memory.py).  :func:`memory_comparison`
 sets those reports against the cost model's memory terms (cost/memory.py) for the same
 model (``ModelSpec.from_module``), sequence length and batch, fp32 (``dtype_bytes=4``),
 and :func:`format_memory_comparison` prints the table.  autopar/cli/plan_cmd.py wires it into

@@ -143,7 +143,7 @@ def make_cluster(gpu: str | None, gpus: int, gpus_per_node: int | None, hardware
     ``hardware`` (never both); fewer GPUs than one node make a single partial node;
     ``gpus_per_node`` None takes the preset's (or the profile's) fast-link domain."""
     from autopar.cost import Cluster
-    from autopar.cost.hardware import GPU_PRESETS
+    from autopar.cost.hardware import GPU_PRESETS, whole_nodes
 
     if hardware is not None and gpu is not None:
         raise AutoparError(
@@ -157,21 +157,8 @@ def make_cluster(gpu: str | None, gpus: int, gpus_per_node: int | None, hardware
             f"PROFILE for a machine measured by `autopar calibrate`"
         )
     base = Cluster.from_profile(hardware) if hardware is not None else Cluster(gpu=gpu or "h100")
-    if gpus_per_node is None:
-        gpus_per_node = base.gpus_per_node
-    if gpus < 1 or gpus_per_node < 1:
-        raise AutoparError(
-            f"autopar: --gpus and --gpus-per-node must be >= 1, got {gpus} and {gpus_per_node}"
-        )
-    if gpus < gpus_per_node:
-        return base.replace(num_nodes=1, gpus_per_node=gpus)
-    if gpus % gpus_per_node:
-        lo = gpus // gpus_per_node * gpus_per_node
-        raise AutoparError(
-            f"autopar: {gpus} GPUs do not fill whole nodes of {gpus_per_node}; use a multiple "
-            f"of {gpus_per_node} (e.g. {lo} or {lo + gpus_per_node}), or set --gpus-per-node"
-        )
-    return base.replace(num_nodes=gpus // gpus_per_node, gpus_per_node=gpus_per_node)
+    num_nodes, per_node = whole_nodes(gpus, base.gpus_per_node if gpus_per_node is None else gpus_per_node)
+    return base.replace(num_nodes=num_nodes, gpus_per_node=per_node)
 
 
 def hardware_record(cluster) -> dict:

@@ -7,14 +7,14 @@ the number of targets that are not ignored, which differs between pieces of a pa
 the mean of means is then wrong.  It is exact again when each piece's loss is weighted by its
 share of the global count of valid targets (a summed cross-entropy: by the number of pieces,
 so that the mean over pieces is the sum), which the runtime computes from the targets
-(:meth:`autopar.runtime.module.ParallelModule.loss_weight`).
+(:meth:`autopar.runtime.stepping.loss_split.LossSplit.weight`).
 
 :func:`loss_reduction` proves from the graph which case holds: the output must be one
 ``aten.cross_entropy_loss`` node with ``reduction="mean"`` and no class weights (whose
 denominator would be a sum of weights), whose target is the target input itself, through
 reshapes only, so that "valid" means ``target != ignore_index`` element for element.
 Anything else is ``opaque``: exact only without ignored targets, which the runtime checks
-on every batch before the step (:func:`autopar.runtime.module.ParallelModule.loss_weight`
+on every batch before the step (:func:`autopar.runtime.stepping.loss_split.LossSplit.weight`
 refuses a batch it cannot normalise).  Neighbours: :mod:`autopar.frontend.analyze` calls this
 and stores the result on the structure.
 """

@@ -2,7 +2,7 @@
 
 The sequence is sharded over the ``cp`` mesh axis with causal load balancing: the global
 sequence is cut into ``2*cp`` chunks and rank ``i`` holds chunks ``i`` and ``2*cp-1-i``
-(:func:`cp_positions`; :mod:`autopar.runtime.batching` slices the batch the same way).  Every
+(:func:`cp_positions`; :mod:`autopar.runtime.stepping.batching` slices the batch the same way).  Every
 variant computes attention block by block over pairs (query chunk, key chunk) and skips
 the pairs the causal mask hides entirely (and, under a sliding window, those out of every query's
 window), so the work per rank is balanced

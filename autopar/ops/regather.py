@@ -15,8 +15,8 @@ storage (the GEMM's input, or a view of it), the pack hook stores a handle holdi
 all-gather), later unpacks of the same output reuse it, and it is freed with the last handle.
 
 The hooks delegate every other tensor -- and the shard itself -- to the hooks that were active
-when they were pushed (the memory meter's, ZeRO-3's: :mod:`autopar.runtime.memory`,
-:mod:`autopar.runtime.zero`), so those still count and replace what they own.  Inside an
+when they were pushed (the memory meter's, ZeRO-3's: :mod:`autopar.runtime.stepping.memory`,
+:mod:`autopar.runtime.gradients.zero`), so those still count and replace what they own.  Inside an
 activation-recompute region torch's checkpoint hooks are on top and nothing is saved; the
 recomputed forward's all-gather is the region's own (passes/recompute.py), not a re-gather.
 

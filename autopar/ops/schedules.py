@@ -3,7 +3,7 @@
 :func:`rank_orders` gives, per pp rank, the actions (``F`` forward, ``B`` backward --
 the input-gradient half when the rank also runs ``W`` --, ``W`` weight gradient) with the
 model chunk and micro-batch of each, in the order the runtime executes them.  The runtime
-(:mod:`autopar.runtime.pipelined`) executes them through ``torch.distributed.pipelining``'s
+(:mod:`autopar.runtime.stepping.pipelined`) executes them through ``torch.distributed.pipelining``'s
 schedule classes (:data:`SCHEDULE_CLASSES`), the schedule view (:mod:`autopar.views.schedule`)
 lays them out in time, and ``tests/unit/test_schedules.py`` checks the bubble and in-flight
 formulas of ``cost/pipeline.py`` against them.

@@ -15,7 +15,7 @@ There is no other module-level state in ``ops/``: a second ParallelModule in the
 process has its own context, and a program run outside any step fails with an
 ``autopar:`` error that says so.  Neighbours: :mod:`autopar.ops.collectives` (the
 collectives and the byte convention), :mod:`autopar.ops.zero_gather` (ZeRO-3's gather),
-:mod:`autopar.runtime.memory` (the meter that :func:`observe_saved` feeds).
+:mod:`autopar.runtime.stepping.memory` (the meter that :func:`observe_saved` feeds).
 """
 from __future__ import annotations
 

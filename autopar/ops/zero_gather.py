@@ -4,7 +4,7 @@
 parameter of the unit; the call returns the unit's full parameters (views of its gathered flat
 buffers, one per segment), all-gathered over ``dp``, and its backward reduce-scatters the unit's
 gradient.  The shards and the collectives belong to the ZeRO-3 strategy of the running program
-(:class:`autopar.runtime.zero_fsdp.FullyShardedSync`), which the step context carries as ``zero``
+(:class:`autopar.runtime.gradients.zero_fsdp.FullyShardedSync`), which the step context carries as ``zero``
 while a micro-batch runs (:mod:`autopar.ops.step`).
 """
 from __future__ import annotations

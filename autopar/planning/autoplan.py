@@ -41,21 +41,22 @@ def local_gpu() -> str:
 
 def _spec_and_cluster(structure, world_size: int):
     from autopar.cost import Cluster, ModelSpec
+    from autopar.cost.hardware import whole_nodes
     from autopar.cost.profile import load_profile
     from autopar.frontend.analyze import structure_dims
 
     spec = ModelSpec(name="traced", **{**structure_dims(structure), "num_layers": max(1, structure.num_layers)})
+    # The ranks on one host: torchrun's LOCAL_WORLD_SIZE (whole nodes by construction), else the
+    # profile's or the preset's node; how they fill nodes is one rule (cost.hardware.whole_nodes).
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
     if os.environ.get(PROFILE_ENV):
         path = os.environ[PROFILE_ENV]
         base = Cluster.from_profile(path)
-        per_node = min(base.gpus_per_node, world_size)
         if load_profile(path).get("host_cores"):  # a CPU host: the ranks started on it share its cores
-            per_node = int(os.environ.get("LOCAL_WORLD_SIZE") or world_size)
-        per_node = per_node if world_size % per_node == 0 else world_size
-        return spec, Cluster.from_profile(path, num_nodes=world_size // per_node, gpus_per_node=per_node)
-    cluster = Cluster.for_world(local_gpu(), world_size) if world_size <= 8 or world_size % 8 == 0 else Cluster(
-        gpu=local_gpu(), num_nodes=1, gpus_per_node=world_size)
-    return spec, cluster
+            local = local or world_size
+        num_nodes, per_node = whole_nodes(world_size, local or base.gpus_per_node)
+        return spec, Cluster.from_profile(path, num_nodes=num_nodes, gpus_per_node=per_node)
+    return spec, Cluster.for_world(local_gpu(), world_size, gpus_per_node=local or None)
 
 
 def estimate_step(structure, plan: Plan, seq_len: int, global_batch: int, *, dtype_bytes: int = 2):

@@ -22,10 +22,10 @@ from autopar.frontend.trace import trace_model
 from autopar.passes.compile import DEFAULT_BUCKET_BYTES, compile_program
 from autopar.plan import Plan
 from autopar.planning.autoplan import choose_plan
-from autopar.runtime.inductor import torch_compile_options
+from autopar.runtime.stepping.inductor import torch_compile_options
 from autopar.runtime.mesh import world
 from autopar.runtime.module import ParallelModule
-from autopar.runtime.precision import cast_inputs, low_precision_copy, mixed_precision_dtype
+from autopar.runtime.stepping.precision import cast_inputs, low_precision_copy, mixed_precision_dtype
 from autopar.runtime.rendezvous import as_timedelta, init_process_group
 
 __all__ = ["init_distributed", "parallelize"]
@@ -80,16 +80,16 @@ def parallelize(
     this rank, stepped once per ``train_step`` and saved in checkpoints.  ``mixed_precision``:
     ``"bf16"``: bf16 parameters and activations, fp32 master weights, optimizer state, main
     gradients (accumulated and reduced in fp32) and loss; ``state_dict()`` returns the fp32
-    masters (:mod:`autopar.runtime.precision`).  None: train in the model's own dtype.
+    masters (:mod:`autopar.runtime.stepping.precision`).  None: train in the model's own dtype.
     ``compile``: True (or a dict of ``torch.compile``'s keyword arguments, e.g.
     ``{"backend": "aot_eager"}``) compiles this rank's program with ``torch.compile``; the
-    inserted collectives run eagerly between compiled regions (:mod:`autopar.runtime.inductor`):
+    inserted collectives run eagerly between compiled regions (:mod:`autopar.runtime.stepping.inductor`):
     each pipeline chunk under every schedule, and each recomputed region's body.  ``fused_optimizer`` (default True): for an optimizer of an
     element-wise class (``torch.optim`` Adam, AdamW, SGD, Adagrad, RMSprop, exactly), the tensors it
     steps (the fp32 masters, or the parameters) and their gradients are views of one flat buffer per
     param group, dtype and device, stepped in one update with ``fused=True`` where torch has the
     kernel (ZeRO's flat shards too); ``pm.optimizer`` then holds the flat tensors, while checkpoints,
-    ``state_dict`` and schedulers are unchanged (:mod:`autopar.runtime.fused_step`).  False: the
+    ``state_dict`` and schedulers are unchanged (:mod:`autopar.runtime.gradients.fused_step`).  False: the
     optimizer the factory returns, stepping each parameter.
 
     Devices: the model may be on the CPU, on a GPU or on the meta device, and the example inputs
@@ -98,7 +98,7 @@ def parallelize(
     is given there.  A model built on the meta device (bigger than one host) gets its values on
     each rank, for that rank's shards only, from ``pm.load_pretrained(hf_dir)``, from
     ``init_weights`` (``fn(module)`` initialising one module in place, e.g. a transformers model's
-    ``model._init_weights``, applied as ``model.apply(fn)`` would; :mod:`autopar.runtime.initialize`),
+    ``model._init_weights``, applied as ``model.apply(fn)`` would; :mod:`autopar.runtime.weights.initialize`),
     or from ``pm.load(checkpoint)``; under a fake process group it is the scale simulation.
     """
     if loss_fn is None:

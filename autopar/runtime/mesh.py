@@ -9,7 +9,7 @@ axes; more are derived:
 * ``dp_cp``: dense gradients and the loss are averaged over ``dp * cp`` ranks under CP;
 * ``ep`` / ``edp``: expert parallelism folds over the ``dp * cp`` ranks of one stage
   (:func:`expert_groups`);
-* ``world``: every rank, for the global gradient norm (:mod:`autopar.runtime.clipping`);
+* ``world``: every rank, for the global gradient norm (:mod:`autopar.runtime.gradients.clipping`);
 * ``pp_embed``: the first and last pipeline stage of an LM head tied to the embedding, which
   sum the copies' gradients (:func:`embedding_group`).
 

@@ -1,4 +1,4 @@
-"""Checkpoints (autopar/runtime/checkpoint.py) across processes: resharding, crashes.
+"""Checkpoints (autopar/runtime/weights/checkpoint.py) across processes: resharding, crashes.
 
 Save under ``tp=2,dp=2,zero=1`` and load under ``dp=4,zero=3`` (and the reverse), then keep
 training: the losses of the 3 steps and the final state dict match uninterrupted
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.runtime.checkpoint import load_model_state_dict
+from autopar.runtime.weights.checkpoint import load_model_state_dict
 from tests.support.checkpoint_jobs import BATCH, SEQ, VOCAB, full_state, reshard_job
 from tests.support.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
 from tests.support.jobs import build

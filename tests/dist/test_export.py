@@ -1,4 +1,4 @@
-"""Full-weights export (autopar/runtime/export.py: ``pm.export_weights``) across processes.
+"""Full-weights export (autopar/runtime/weights/export.py: ``pm.export_weights``) across processes.
 
 One file (a path ending in ``.safetensors``): train one step under a plan, export, and load the
 file into a fresh, unmodified model (other initial weights) with

@@ -1,4 +1,4 @@
-"""The flat fused optimizer step (autopar/runtime/fused_step.py) under parallel plans.
+"""The flat fused optimizer step (autopar/runtime/gradients/fused_step.py) under parallel plans.
 
 Each case trains 3 steps of the example model twice in one pool job
 (tests/support/fused_jobs.py): with ``fused_optimizer=True`` (the default: under dp the masters or

@@ -1,7 +1,7 @@
 """Vocabulary padding on gloo ranks: tp that does not divide the vocabulary (issue 28).
 
 Each tp rank holds ceil(V/tp) rows of the embedding and LM head, the last rows zero padding
-(``ParamShard.size``; autopar/runtime/layout.py pads when cutting and drops the padding when
+(``ParamShard.size``; autopar/runtime/weights/layout.py pads when cutting and drops the padding when
 gathering, so ``state_dict()`` has the user's shapes); the vocabulary-parallel cross-entropy
 leaves the padding columns out of its softmax (passes/op_rules.py sets its ``vocab``), so they
 get no gradient and never change.  The tiny models with vocab 131 train 3 AdamW steps under

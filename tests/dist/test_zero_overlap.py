@@ -2,13 +2,13 @@
 equality with one device.
 
 Each case trains 3 AdamW steps with small buckets (several ZeRO units) and records the strategy's
-events (``DistributedOptimizer.events``, autopar/runtime/zero_optimizer.py) beside the job's own marks
+events (``DistributedOptimizer.events``, autopar/runtime/gradients/zero_optimizer.py) beside the job's own marks
 (tests/support/zero_jobs.py ``zero_overlap_job``): when a call first reads a decoder layer's
 parameters and when backward reaches a layer's gradients.  Checked on the steps after the first:
 
 * the last micro-batch's backward starts reduce-scatters before it ends -- some before backward
   reaches the first layer's gradients (ZeRO-1 and ZeRO-2; ZeRO-2 in every micro-batch; flat
-  plans: under pp they start after a chunk's last backward action, runtime/zero.py);
+  plans: under pp they start after a chunk's last backward action, runtime/gradients/zero.py);
 * the previous step's all-gathers are all in flight when the next forward begins, each is waited
   for in that forward, some after the forward has begun computing (not all at its start), and
   every unit of layer ``k`` before layer ``k + 1`` is first read;

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import autopar
-from autopar.runtime.data import DistributedBatchSampler
+from autopar.runtime.stepping.data import DistributedBatchSampler
 from tests.support.harness import OPTIMIZERS, make_batches
 from tests.support.jobs import BATCH, SEQ, VOCAB, build
 

@@ -78,12 +78,12 @@ UNRECORDED: dict[str, str] = {}
 # ``train_step`` and ``eval_step`` only) never sees; listed so a change that moves one into the
 # step is decided in UNRECORDED, with its reason.
 OUTSIDE_STEP: dict[str, str] = {
-    "c10d.barrier.default": "checkpoint save and load (autopar/runtime/checkpoint.py): synchronisation, no payload",
+    "c10d.barrier.default": "checkpoint save and load (autopar/runtime/weights/checkpoint.py): synchronisation, no payload",
     "c10d.broadcast_.default": "the RNG seed at parallelize (autopar/ops/rng.py); pipeline-owned tensors "
-                               "gathered by state_dict (autopar/runtime/state.py, layout.py)",
+                               "gathered by state_dict (autopar/runtime/weights/state.py, layout.py)",
     "c10d.allgather_.default": "all_gather_object / the per-axis gathers of state_dict and export "
-                               "(autopar/runtime/layout.py, export.py, api.py's plan choice)",
-    "c10d._allgather_base_.default": "ZeRO's full-weight gathers of state_dict (autopar/runtime/zero.py)",
+                               "(autopar/runtime/weights/layout.py, export.py, api.py's plan choice)",
+    "c10d._allgather_base_.default": "ZeRO's full-weight gathers of state_dict (autopar/runtime/gradients/zero.py)",
 }
 
 

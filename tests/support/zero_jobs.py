@@ -111,7 +111,7 @@ class _LayerReads(TorchFunctionMode):
 def zero_overlap_job(model_name: str, plan: str, batch: int, bucket_bytes: int, mixed: bool = False,
                      steps: int = 3):
     """``steps`` AdamW steps under a ZeRO-1/2 plan with small buckets (several units), recording the
-    strategy's events (autopar/runtime/zero_grads.py) with ``("step", i)`` before each step,
+    strategy's events (autopar/runtime/gradients/zero_grads.py) with ``("step", i)`` before each step,
     ``("reads_layer", k)`` when a call first reads decoder layer ``k``'s parameters in a step and
     ``("grad", k)`` when backward accumulates gradients of layer ``k`` (once per run of them);
     also the units (their layers), the units ZeRO-1 may start in backward, losses and rank 0's state."""

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.runtime.checkpoint import load_model_state_dict
+from autopar.runtime.weights.checkpoint import load_model_state_dict
 from tests.support.checkpoint_jobs import BATCH, SEQ, VOCAB
 from tests.support.harness import OPTIMIZERS, make_batches
 from tests.support.jobs import build, load_problems, roundtrip_job

@@ -1,4 +1,4 @@
-"""Bad checkpoints are refused by name, and nothing is loaded (autopar/runtime/checkpoint_files.py).
+"""Bad checkpoints are refused by name, and nothing is loaded (autopar/runtime/weights/checkpoint_files.py).
 
 Each case damages a good checkpoint the way a failure would (a shard file cut short or gone, the
 index gone or damaged, a half-written directory, a link whose data retention removed, a checkpoint

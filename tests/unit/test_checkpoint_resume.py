@@ -18,7 +18,7 @@ import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
 
 import autopar
-from autopar.runtime.checkpoint_files import list_checkpoints
+from autopar.runtime.weights.checkpoint_files import list_checkpoints
 from tests.support.dropout_jobs import DROPOUT
 from tests.support.reference import LOSS_ATOL
 from tests.support.resume_jobs import read_checkpoint, resume_job

@@ -1,4 +1,4 @@
-"""``parallelize(..., compile=...)`` in one process (autopar/runtime/inductor.py): the argument's
+"""``parallelize(..., compile=...)`` in one process (autopar/runtime/stepping/inductor.py): the argument's
 checks, and a compiled program that computes what the eager one does.  Multi-rank plans:
 tests/dist/test_compile.py."""
 from __future__ import annotations
@@ -49,7 +49,7 @@ def test_recomputed_regions_compile_and_recompute_like_the_eager_program(plan):
     assert losses == eager_losses  # another mask would show at once
     want, got = eager.state_dict(), compiled.state_dict()
     # The dropout calls and the regions run eagerly: their graph breaks can change the order in
-    # which a tensor's gradients add up (autopar/runtime/inductor.py, Numerics).
+    # which a tensor's gradients add up (autopar/runtime/stepping/inductor.py, Numerics).
     assert max(float((want[k] - got[k]).abs().max()) for k in want) <= 1e-6
     counters = [pm.step_context.counters["recomputed_regions"] for pm in (eager, compiled)]
     assert counters[0] == counters[1] > 0

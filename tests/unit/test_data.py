@@ -1,4 +1,4 @@
-"""Loading only this rank's data (autopar/runtime/data.py), one process, explicit coordinates.
+"""Loading only this rank's data (autopar/runtime/stepping/data.py), one process, explicit coordinates.
 
 ``BatchSlice.for_rank(plan, coords, ...)`` is what ``pm.batch_slice`` returns on the rank at
 ``coords``: its rows and positions, ``take``, the sampler's index sets over the ranks of a
@@ -16,8 +16,8 @@ from torch.utils.data import DataLoader, TensorDataset
 from autopar.errors import AutoparError
 from autopar.ops.cp_attention import cp_chunk_indices
 from autopar.plan import Plan
-from autopar.runtime.batching import local_microbatches, split_microbatches
-from autopar.runtime.data import BatchSlice, DistributedBatchSampler
+from autopar.runtime.stepping.batching import local_microbatches, split_microbatches
+from autopar.runtime.stepping.data import BatchSlice, DistributedBatchSampler
 
 
 def _ranks(plan: Plan):

@@ -16,6 +16,7 @@ import torch.nn as nn
 import autopar
 from autopar.errors import AutoparError
 from autopar.runtime import devices, module as module_mod
+from autopar.runtime.weights import parameters as parameters_mod
 from tests.support.harness import OPTIMIZERS, assert_equivalent, reference_train
 from tests.support.jobs import BATCH, SEQ, VOCAB, build
 from tests.support.reference import make_batches
@@ -51,7 +52,7 @@ def test_a_cpu_tensor_left_in_a_meta_program_fails(monkeypatch):
     """The check above can fail: without retargeting the graph's device arguments, the CPU
     tensors the graph creates meet meta parameters in the first step."""
     _on_meta(monkeypatch)
-    monkeypatch.setattr(module_mod, "retarget_devices", lambda *args: 0)
+    monkeypatch.setattr(parameters_mod, "retarget_devices", lambda *args: 0)
     model, _, _ = build("hf_llama", {})
     pm = _parallelize(model, _batches()[0][0])
     with pytest.raises((RuntimeError, NotImplementedError), match="device|meta tensor"):

@@ -1,4 +1,4 @@
-"""The flat, fused optimizer step (autopar/runtime/fused_step.py) on one process.
+"""The flat, fused optimizer step (autopar/runtime/gradients/fused_step.py) on one process.
 
 The step over flat buffers must equal the per-tensor step of the same optimizer for every
 class on the element-wise allow-list (param groups with their own hyper-parameters
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.runtime import fused_step
+from autopar.runtime.gradients import fused_step
 from tests.support.jobs import BATCH, SEQ, VOCAB, build
 from tests.support.reference import make_batches
 
@@ -187,8 +187,8 @@ def test_flat_layout_with_param_groups_equals_the_per_tensor_step(monkeypatch, m
     """The flat layout a dp >= 2 rank uses, forced on one rank: per param group, with a scheduler;
     the same training, state dict and checkpoint state as the per-tensor step, and its checkpoint
     state loads back exactly (into a flat program and a per-tensor one)."""
-    from autopar.runtime import state as module_state
-    from autopar.runtime.grad_sync import GradSync
+    from autopar.runtime.weights import state as module_state
+    from autopar.runtime.gradients.grad_sync import GradSync
 
     scheduler = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)
     _, loss_fn, kwargs = build("example", {})

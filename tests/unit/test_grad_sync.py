@@ -1,4 +1,4 @@
-"""Gradient buckets as views (autopar/runtime/grad_sync.py ``GradSync._bucket_views``), on one
+"""Gradient buckets as views (autopar/runtime/gradients/grad_sync.py ``GradSync._bucket_views``), on one
 rank: backward accumulates into the bucket, the average is taken in place, the gradients stay
 views across steps, and a gradient replaced meanwhile (set to None, assigned) is put back into
 the bucket before the bucket is reduced.  The multi-rank reductions: tests/dist."""
@@ -8,7 +8,7 @@ import torch
 
 from autopar.ops.step import AxisGroup
 from autopar.passes.context import GradBucket
-from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.gradients.grad_sync import GradSync
 
 
 class _Two(torch.nn.Module):

@@ -6,7 +6,7 @@ import torch
 
 from autopar.ops.collectives import record, record_p2p
 from autopar.ops.step import AxisGroup, StepContext, activate
-from autopar.runtime.layout import local_index, pad_piece, shard_local, unpad_piece
+from autopar.runtime.weights.layout import local_index, pad_piece, shard_local, unpad_piece
 from autopar.passes.context import ParamShard
 
 

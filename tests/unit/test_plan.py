@@ -332,11 +332,11 @@ def test_validate_gqa_kv_heads():
 
 def test_validate_vocab():
     """A vocabulary tp does not divide is padded to ceil(V/tp) rows per rank, not refused."""
-    from autopar.plan_space import padded_vocab, vocab_ok
+    from autopar.plan_space import padded_vocab
     Plan.parse("tp=4").validate(vocab=50257)
     Plan(tp=8).validate(vocab=32001)
     Plan(tp=8).validate(vocab=32000)
-    assert vocab_ok(4, 50257) and padded_vocab(50257, 4) == 12565 and padded_vocab(32000, 8) == 4000
+    assert padded_vocab(50257, 4) == 12565 and padded_vocab(32000, 8) == 4000
 
 
 def test_validate_layers():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import autopar
-from autopar.runtime.precision import MainGrads, mixed_precision_dtype
+from autopar.runtime.stepping.precision import MainGrads, mixed_precision_dtype
 from tests.support.harness import OPTIMIZERS
 from tests.support.jobs import BATCH, SEQ, VOCAB, build
 from tests.support.precision_jobs import STEPS, reference_bf16

@@ -15,8 +15,8 @@ transformers = pytest.importorskip("transformers")
 
 import autopar  # noqa: E402
 from autopar.errors import AutoparError  # noqa: E402
-from autopar.runtime import safetensors_io  # noqa: E402
-from autopar.runtime.layout import local_index, shard_local  # noqa: E402
+from autopar.runtime.weights import safetensors_io  # noqa: E402
+from autopar.runtime.weights.layout import local_index, shard_local  # noqa: E402
 from autopar.passes.context import ParamShard  # noqa: E402
 from tests.support.harness import OPTIMIZERS  # noqa: E402
 from tests.support.jobs import BATCH, SEQ, VOCAB, build  # noqa: E402

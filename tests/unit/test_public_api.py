@@ -39,8 +39,8 @@ def test_every_public_name_is_lazy_and_visible_to_type_checkers():
 
 
 def test_top_level_data_and_checkpoint_helpers():
-    from autopar.runtime.checkpoint import load_model_state_dict
-    from autopar.runtime.data import BatchSlice, DistributedBatchSampler
+    from autopar.runtime.weights.checkpoint import load_model_state_dict
+    from autopar.runtime.stepping.data import BatchSlice, DistributedBatchSampler
 
     assert autopar.DistributedBatchSampler is DistributedBatchSampler
     assert autopar.BatchSlice is BatchSlice

@@ -1,6 +1,6 @@
 """The runtime's parts behind their interfaces: both gradient-sync strategies implement
-:class:`autopar.runtime.sync_protocol.GradientSynchronizer`, both executors
-:class:`autopar.runtime.executors.Executor`, with signatures that accept the protocol's calls (the attributes, ``optimizer`` and ``zero_stage``,
+:class:`autopar.runtime.gradients.sync_protocol.GradientSynchronizer`, both executors
+:class:`autopar.runtime.stepping.executors.Executor`, with signatures that accept the protocol's calls (the attributes, ``optimizer`` and ``zero_stage``,
 are set per instance)."""
 from __future__ import annotations
 
@@ -8,12 +8,12 @@ import inspect
 
 import pytest
 
-from autopar.runtime.executors import Executor, FlatExecutor
-from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.pipelined import PipelineExecutor
-from autopar.runtime.sync_protocol import GradientSynchronizer
-from autopar.runtime.zero_fsdp import FullyShardedSync
-from autopar.runtime.zero_optimizer import DistributedOptimizer
+from autopar.runtime.stepping.executors import Executor, FlatExecutor
+from autopar.runtime.gradients.grad_sync import GradSync
+from autopar.runtime.stepping.pipelined import PipelineExecutor
+from autopar.runtime.gradients.sync_protocol import GradientSynchronizer
+from autopar.runtime.gradients.zero_fsdp import FullyShardedSync
+from autopar.runtime.gradients.zero_optimizer import DistributedOptimizer
 
 
 def _methods(protocol) -> list[str]:

@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from autopar.runtime.flat_layout import FlatSegment
+from autopar.runtime.gradients.flat_layout import FlatSegment
 from tests.support.harness import OPTIMIZERS, assert_equivalent, make_batches, reference_train
 from tests.support.jobs import build
 from tests.support.zero_jobs import SEQ, VOCAB

@@ -19,8 +19,8 @@ value exists; then each rank writes the pieces it holds at their byte offsets wi
 ``os.pwrite`` (:meth:`SafetensorsLayout.write_piece`), one tensor piece in memory at a time.
 Why not ``safetensors.torch.save_file``: it takes every tensor of the file in memory at once.
 
-Neighbours: :mod:`autopar.runtime.pretrained` decides which slice each rank reads;
-:mod:`autopar.runtime.export` decides which pieces each rank writes.
+Neighbours: :mod:`autopar.runtime.weights.pretrained` decides which slice each rank reads;
+:mod:`autopar.runtime.weights.export` decides which pieces each rank writes.
 """
 from __future__ import annotations
 

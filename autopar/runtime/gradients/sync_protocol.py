@@ -1,14 +1,14 @@
 """The interface of a gradient-synchronisation strategy: :class:`GradientSynchronizer`.
 
-Three strategies implement it: :class:`autopar.runtime.grad_sync.GradSync` (bucketed
+Three strategies implement it: :class:`autopar.runtime.gradients.grad_sync.GradSync` (bucketed
 all-reduce, then a plain optimizer step; ``zero=0``),
-:class:`autopar.runtime.zero_optimizer.DistributedOptimizer` (ZeRO-1/2: the optimizer steps ``dp``
-shards of the parameters' flat buffers) and :class:`autopar.runtime.zero_fsdp.FullyShardedSync`
+:class:`autopar.runtime.gradients.zero_optimizer.DistributedOptimizer` (ZeRO-1/2: the optimizer steps ``dp``
+shards of the parameters' flat buffers) and :class:`autopar.runtime.gradients.zero_fsdp.FullyShardedSync`
 (ZeRO-3: the parameters live as ``dp`` shards).  :class:`autopar.runtime.module.ParallelModule`
 picks one from the plan and then calls only what this protocol lists, as do the executors
-(:mod:`autopar.runtime.executors`, :mod:`autopar.runtime.pipelined`), the state dicts and
-checkpoints (:mod:`autopar.runtime.state`), gradient clipping (:mod:`autopar.runtime.clipping`)
-and the memory meter (:mod:`autopar.runtime.memory`).
+(:mod:`autopar.runtime.stepping.executors`, :mod:`autopar.runtime.stepping.pipelined`), the state dicts and
+checkpoints (:mod:`autopar.runtime.weights.state`), gradient clipping (:mod:`autopar.runtime.gradients.clipping`)
+and the memory meter (:mod:`autopar.runtime.stepping.memory`).
 
 The order of calls in one training step: ``microbatch()`` around each micro-batch's forward
 and backward (flat executor) or ``pipeline_step()`` around the whole schedule (pipelined
@@ -112,5 +112,5 @@ class GradientSynchronizer(Protocol):
 
     def memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         """Tensors held outside the module's parameters, by kind: ``params``, ``master_params``,
-        ``grads`` (for :class:`autopar.runtime.memory.MemoryMeter`)."""
+        ``grads`` (for :class:`autopar.runtime.stepping.memory.MemoryMeter`)."""
         ...

@@ -1,7 +1,7 @@
 """Load only this rank's data: which part of each global batch a rank computes, and a sampler.
 
 ``pm.train_step(inputs, target)`` takes the global batch, identical on every rank, and cuts
-this rank's part (:mod:`autopar.runtime.batching`).  At scale a rank should load only that
+this rank's part (:mod:`autopar.runtime.stepping.batching`).  At scale a rank should load only that
 part and call ``pm.train_step(inputs, target, local=True)``:
 
 * :class:`BatchSlice` (from ``pm.batch_slice(global_batch_size, seq_len)`` or, without a
@@ -15,7 +15,7 @@ part and call ``pm.train_step(inputs, target, local=True)``:
   each global batch, the dataset indices of this rank's rows, in the same global order on
   every rank; under cp, :meth:`BatchSlice.take_positions` then cuts the sequence.
 
-The rules (rows, positions, divisibility) are :mod:`autopar.runtime.batching`'s, shared
+The rules (rows, positions, divisibility) are :mod:`autopar.runtime.stepping.batching`'s, shared
 with the global path, so a local step computes exactly what the global step computes.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 from torch.utils.data import Sampler
 
 from autopar.errors import AutoparError
-from autopar.runtime.batching import cut_positions, cut_rows, rank_positions, rank_rows
+from autopar.runtime.stepping.batching import cut_positions, cut_rows, rank_positions, rank_rows
 
 __all__ = ["BatchSlice", "DistributedBatchSampler"]
 

@@ -1,17 +1,17 @@
 """ZeRO-1/2 as Megatron's distributed optimizer: whole parameters in flat buffers, the optimizer on this rank's shard.
 
-:class:`DistributedOptimizer` is the gradient-sync strategy (:class:`autopar.runtime.sync_protocol.GradientSynchronizer`)
+:class:`DistributedOptimizer` is the gradient-sync strategy (:class:`autopar.runtime.gradients.sync_protocol.GradientSynchronizer`)
 :class:`autopar.runtime.module.ParallelModule` uses for ``zero=1`` and ``zero=2``.  It composes:
 
-* a :class:`autopar.runtime.zero_layout.ZeroLayout` (the units: the ``dp`` gradient buckets);
+* a :class:`autopar.runtime.gradients.zero_layout.ZeroLayout` (the units: the ``dp`` gradient buckets);
 * the parameters: each unit's live in flat buffers (one per segment,
-  :class:`autopar.runtime.flat_layout.FlatSegment`) of which the module's parameters are views;
+  :class:`autopar.runtime.gradients.flat_layout.FlatSegment`) of which the module's parameters are views;
 * what the optimizer steps, one tensor per segment: this rank's piece of the parameter buffer
   itself (a view: no second copy of the shard), or under mixed precision an fp32 master of it;
-* the gradient policy: :class:`autopar.runtime.zero_grads.KeptGrads` (ZeRO-1) or
-  :class:`autopar.runtime.zero_grads.ScatteredGrads` (ZeRO-2), which brings each unit's
+* the gradient policy: :class:`autopar.runtime.gradients.zero_grads.KeptGrads` (ZeRO-1) or
+  :class:`autopar.runtime.gradients.zero_grads.ScatteredGrads` (ZeRO-2), which brings each unit's
   gradients to the shard;
-* whole values and optimizer state over the shards: :mod:`autopar.runtime.zero_state`.
+* whole values and optimizer state over the shards: :mod:`autopar.runtime.gradients.zero_state`.
 
 After the optimizer step every unit's all-gather starts, in place (each rank's updated piece is
 already where the buffer holds it; under mixed precision the master is first cast into it) and
@@ -38,9 +38,9 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
-from autopar.runtime import zero_state
-from autopar.runtime.zero_grads import KeptGrads, ScatteredGrads
-from autopar.runtime.zero_layout import ZeroLayout, gather_unit
+from autopar.runtime.gradients import zero_state
+from autopar.runtime.gradients.zero_grads import KeptGrads, ScatteredGrads
+from autopar.runtime.gradients.zero_layout import ZeroLayout, gather_unit
 
 __all__ = ["DistributedOptimizer"]
 

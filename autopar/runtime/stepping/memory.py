@@ -22,7 +22,7 @@ returns :meth:`MemoryMeter.report` for the last step.  Definitions (bytes on thi
     ``recompute=full``), the cost model's ``recompute_buffer``.
 
 Saved tensors are seen by a ``saved_tensors_hooks`` pack hook; under ZeRO-3 the inner hooks
-of :mod:`autopar.runtime.zero_fsdp` forward every non-parameter tensor to :func:`autopar.ops.step.observe_saved`.
+of :mod:`autopar.runtime.gradients.zero_fsdp` forward every non-parameter tensor to :func:`autopar.ops.step.observe_saved`.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ interleaved, V-shaped for zbv / dualpipev), wraps each chunk in a recording stag
 The loss: the last chunk computes it in-graph from the ``target`` keyword micro-batch
 (every stage receives the model inputs and the target as keyword micro-batches, see the
 pass), so the schedule's ``loss_fn`` only weights it by the micro-batch's share of the valid
-targets (``ParallelModule.loss_weight``, 1.0 for an unpadded batch) and ``scale_grads``
+targets (``LossSplit.weight``, 1.0 for an unpadded batch) and ``scale_grads``
 divides the gradients by the micro-batch count (the mean over micro-batches).  The module reduces the
 last stage's mean over the data axes and then over ``pp`` (other stages contribute 0).
 
@@ -22,7 +22,7 @@ schedule's own ``scale_grads`` (on ``param.grad``) is off and :meth:`run` divide
 gradients by the micro-batch count instead.  ZeRO-3's gathers run inside
 ``grad_sync.pipeline_step()``, around the whole schedule step.
 
-``compile=``: each stage runs its chunk's compiled program (:mod:`autopar.runtime.inductor`
+``compile=``: each stage runs its chunk's compiled program (:mod:`autopar.runtime.stepping.inductor`
 says what is compiled and how the split backward of zbv / dualpipev goes through it); the chunk
 itself stays what ``describe_stage`` and the meta-device simulation use.
 """
@@ -41,16 +41,16 @@ from autopar.ops import collectives
 from autopar.ops.regather import keeping_shards, regathers
 from autopar.ops.schedules import SCHEDULE_CLASSES, actions, rank_orders, single_stage
 from autopar.plan_space import V_SCHEDULES
-from autopar.runtime.executors import StepOutput, weighted_loss
-from autopar.runtime.inductor import torch_compiled_program
-from autopar.runtime.simulated import simulate_step
+from autopar.runtime.stepping.executors import StepOutput, weighted_loss
+from autopar.runtime.stepping.inductor import torch_compiled_program
+from autopar.runtime.stepping.simulated import simulate_step
 
 __all__ = ["PipelineExecutor"]
 
 
-def _stage_loss(pm, output, target):
+def _stage_loss(env, output, target):
     """The last chunk's in-graph loss of one micro-batch, weighted by its share of the valid targets."""
-    return weighted_loss(output, pm.loss_weight(target))
+    return weighted_loss(output, env.loss_weight(target))
 
 
 def _record_p2p(ops, phase: str, stage_index: int) -> None:
@@ -75,7 +75,7 @@ class PipelineExecutor:
         self._owner = {p: self.pipeline.chunk_rank(c) for p, c in owner.items()}
         self._chunks: dict[int, torch.fx.GraphModule] = {}
         # The scale simulation's receive buffers, held from a step's start to the next step as torch's
-        # stages hold theirs ((chunk, micro-batch, "fwd" | "bwd") -> tensors; runtime/simulated.py).
+        # stages hold theirs ((chunk, micro-batch, "fwd" | "bwd") -> tensors; runtime/stepping/simulated.py).
         self.recv_buffers: dict[tuple[int, int, str], list[torch.Tensor]] | None = None
         self._schedule = None
         self._fold = False
@@ -89,16 +89,16 @@ class PipelineExecutor:
         """The pp ranks holding ``name`` (the tied weight: two); None for a buffer every rank keeps."""
         return self.pipeline.param_pp_ranks(name) if name in self._owner else None
 
-    def setup(self, pm) -> None:
+    def setup(self, env) -> None:
         """Rebuild this rank's chunks on the local parameters and the schedule over them."""
-        pp_rank = pm.coords().get("pp", (0, 1))[0]
+        pp_rank = env.coords().get("pp", (0, 1))[0]
         chunk_ids = self.pipeline.rank_chunks(pp_rank)
         self._chunks = {c: torch.fx.GraphModule(self.gm, self.pipeline.chunks[c].gm.graph) for c in chunk_ids}
         self._regathers = any(regathers(chunk) for chunk in self._chunks.values())
         last = len(self.pipeline.chunks) - 1
         self._last = self.pipeline.chunk_rank(last) == pp_rank
         tied = self.pipeline.tied
-        if tied and self._last and 0 in chunk_ids and pm.holds(tied):
+        if tied and self._last and 0 in chunk_ids and env.holds(tied):
             # A V-shaped schedule places the embedding and the tied head on this rank. torch's split
             # weight backward cannot share one parameter between two stages, so the head's chunk gets
             # its own Parameter on the same storage (updates and loads reach it in place) whose
@@ -107,22 +107,22 @@ class PipelineExecutor:
         for c in chunk_ids:
             # ZeRO-3: the chunk reads its units' flat shards through the gather; as the chunk's own
             # parameters they are what torch's split weight backward (zbv, dualpipev) differentiates.
-            for i, shard in enumerate(pm.grad_sync.chunk_shards(c)):
+            for i, shard in enumerate(env.grad_sync.chunk_shards(c)):
                 self._chunks[c].register_parameter(f"zero_shard_{i}", shard)
         if not dist.is_initialized():
             return
-        pp_group = pm.groups["pp"].group
-        stages = [_RecordingStage(self._stage_module(c), c, len(self.pipeline.chunks), pm.device, group=pp_group)
+        pp_group = env.groups["pp"].group
+        stages = [_RecordingStage(self._stage_module(c), c, len(self.pipeline.chunks), env.device, group=pp_group)
                   for c in chunk_ids]
         # Mixed precision (fp32 main gradients), a tied copy, ZeRO-1 (reduce-scatters started
         # after a chunk's last backward) and ZeRO-2/3 (gradients in the flat shards) move
         # gradients after each backward action; torch's scale_grads (on the stage parameters'
         # .grad) then comes too early or misses them, so run() scales them itself.
-        self._fold = pm.mixed_precision or self._tied_copy is not None or self.plan.zero >= 1
+        self._fold = env.mixed_precision or self._tied_copy is not None or self.plan.zero >= 1
         for c, stage in zip(chunk_ids, stages):
-            stage.after_backward = functools.partial(self._after_backward, pm, c) if self._fold else None
+            stage.after_backward = functools.partial(self._after_backward, env, c) if self._fold else None
         cls = SCHEDULE_CLASSES[self.plan.schedule]
-        options = dict(n_microbatches=self.plan.mb, loss_fn=functools.partial(_stage_loss, pm),
+        options = dict(n_microbatches=self.plan.mb, loss_fn=functools.partial(_stage_loss, env),
                        scale_grads=not self._fold)
         if single_stage(self.plan.schedule):
             self._schedule = cls(stages[0], **options)
@@ -140,44 +140,44 @@ class PipelineExecutor:
             return self._chunks[c]
         return _CompiledChunk(self._chunks[c], torch_compiled_program(self._chunks[c], self._torch_compile_options))
 
-    def _after_backward(self, pm, chunk: int, kind: str) -> None:
+    def _after_backward(self, env, chunk: int, kind: str) -> None:
         """After backward action ``kind`` of ``chunk`` (see compat.recording_stage_class)."""
         if self._tied_copy is not None:
             weight, copy = self._tied_copy
             if copy.grad is not None:
                 weight.grad = copy.grad if weight.grad is None else weight.grad.add_(copy.grad)
                 copy.grad = None
-        pm.grad_sync.after_backward(chunk, kind)
+        env.grad_sync.after_backward(chunk, kind)
 
-    def run(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
-        if pm.device.type == "meta":  # scale simulation: no values for torch's schedule to run on
-            with pm.grad_sync.pipeline_step(), keeping_shards(self._regathers):
-                losses = simulate_step(self, pm, inputs, target, coords)
+    def run(self, env, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
+        if env.device.type == "meta":  # scale simulation: no values for torch's schedule to run on
+            with env.grad_sync.pipeline_step(), keeping_shards(self._regathers):
+                losses = simulate_step(self, env, inputs, target, coords)
             return StepOutput(torch.stack(losses).mean() if losses else None)
         # ZeRO-3: the units' gathers and saved-tensor hooks; inside them SP's re-gather hooks.
-        with pm.grad_sync.pipeline_step(), keeping_shards(self._regathers):
-            out = self._drive(self._schedule.step, pm, inputs, target, coords, return_outputs=False)
+        with env.grad_sync.pipeline_step(), keeping_shards(self._regathers):
+            out = self._drive(self._schedule.step, env, inputs, target, coords, return_outputs=False)
         if self._fold and self.plan.mb > 1:  # the mean over micro-batches, on the fp32 main gradients
-            pm.grad_sync.scale_grads(1.0 / self.plan.mb)
+            env.grad_sync.scale_grads(1.0 / self.plan.mb)
         return out
 
-    def evaluate(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
+    def evaluate(self, env, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
         """Forward only through the schedule (``schedule.eval``): the last stage's mean loss.
 
         torch 2.13's ``eval`` of a V-shaped schedule (zbv, dualpipev) still runs the local
         backward hand-offs between the two chunks of a rank and fails; there the step runs
         whole (dropout off, as in eval) and its gradients are dropped: nothing is updated."""
         if self.plan.schedule not in V_SCHEDULES:
-            return self._drive(self._schedule.eval, pm, inputs, target, coords, return_outputs=False)
-        with torch.enable_grad(), pm.grad_sync.pipeline_step():
-            out = self._drive(self._schedule.step, pm, inputs, target, coords, return_outputs=False)
-        for p in pm.gm.parameters():
+            return self._drive(self._schedule.eval, env, inputs, target, coords, return_outputs=False)
+        with torch.enable_grad(), env.grad_sync.pipeline_step():
+            out = self._drive(self._schedule.step, env, inputs, target, coords, return_outputs=False)
+        for p in env.gm.parameters():
             p.grad = None
-        pm.optimizer.zero_grad(set_to_none=True)  # mixed precision's fp32 main gradients too
+        env.grad_sync.optimizer.zero_grad(set_to_none=True)  # mixed precision's fp32 main gradients too
         return out
 
-    def _drive(self, call, pm, inputs: tuple, target: Any, coords: dict[str, int], **options) -> StepOutput:
-        pieces = pm.microbatches(inputs, target, coords)
+    def _drive(self, call, env, inputs: tuple, target: Any, coords: dict[str, int], **options) -> StepOutput:
+        pieces = env.microbatches(inputs, target, coords)
         local_inputs = [torch.cat([p[0][i] for p in pieces]) for i in range(len(inputs))]
         local_target = torch.cat([p[1] for p in pieces])
         kwargs = dict(zip(self.pipeline.kwarg_names, local_inputs + [local_target]))

@@ -1,11 +1,11 @@
 """ZeRO-1/2's gradients: where backward's gradients go, and how they reach this rank's shard.
 
-Two policies with one interface, of which :class:`autopar.runtime.zero_optimizer.DistributedOptimizer`
+Two policies with one interface, of which :class:`autopar.runtime.gradients.zero_optimizer.DistributedOptimizer`
 holds one (``zero=1`` or ``zero=2``); the units and their segments are
-:class:`autopar.runtime.zero_layout.ZeroLayout`'s, the reduce-scatter :func:`autopar.runtime.zero_layout.scatter_unit`.
+:class:`autopar.runtime.gradients.zero_layout.ZeroLayout`'s, the reduce-scatter :func:`autopar.runtime.gradients.zero_layout.scatter_unit`.
 
 * :class:`KeptGrads` (ZeRO-1): each unit's gradients live whole until the step, in one flat buffer
-  laid out as the reduce-scatter wants it (:class:`autopar.runtime.flat_layout.FlatSegment`), made
+  laid out as the reduce-scatter wants it (:class:`autopar.runtime.gradients.flat_layout.FlatSegment`), made
   when the unit's first gradient of the step arrives (its ``post_accumulate_grad_hook`` adds that
   one in) and dropped after the step: the parameters' ``.grad`` are views of it, so backward
   accumulates into it in place over the micro-batches (under mixed precision the bf16 gradients
@@ -46,7 +46,7 @@ import weakref
 import torch
 
 from autopar.plan_space import ZERO_SCATTERS_IN_FLIGHT
-from autopar.runtime.zero_layout import ZeroLayout, ZeroUnit, all_reduce_grads, scatter_unit
+from autopar.runtime.gradients.zero_layout import ZeroLayout, ZeroUnit, all_reduce_grads, scatter_unit
 
 __all__ = ["KeptGrads", "ScatteredGrads"]
 
@@ -60,7 +60,7 @@ def _hook(policy: "weakref.ref", unit: ZeroUnit, name: str, param: torch.Tensor)
 def _register_hooks(policy, layout: ZeroLayout, params: dict) -> None:
     """A ``post_accumulate_grad_hook`` per parameter of every unit.  It holds the policy weakly: a
     strong reference would close a cycle through the parameters' C++ autograd metadata that the
-    garbage collector cannot see (autopar/runtime/grad_sync.py ``_Overlap``)."""
+    garbage collector cannot see (autopar/runtime/gradients/grad_sync.py ``_Overlap``)."""
     me = weakref.ref(policy)
     for unit in layout.units:
         for x in unit.names:

@@ -1,10 +1,10 @@
 """Writing one program's checkpoints, blocking or in the background: at most one save in flight.
 
-:func:`autopar.runtime.checkpoint.save` stages the state (``pm.checkpoint_state()``: host copies,
+:func:`autopar.runtime.weights.checkpoint.save` stages the state (``pm.checkpoint_state()``: host copies,
 made in the training thread because ZeRO's reads are collectives) and hands it to the
 :class:`CheckpointWriter` the program owns, which writes it with ``torch.distributed.checkpoint``
 into the temporary directory and, once every rank's part is written, has rank 0 switch it in
-(:func:`autopar.runtime.checkpoint_files.commit`) and apply retention.
+(:func:`autopar.runtime.weights.checkpoint_files.commit`) and apply retention.
 
 * ``blocking=True``: ``dcp.save``, then the commit, in the caller.
 * ``blocking=False``: ``dcp.async_save`` (its thread executor) returns at once; the commit runs
@@ -19,7 +19,7 @@ What DCP cannot do, and why it is done here:
   it is (one copy per save, not two).
 * **The switch.** DCP writes a directory; making it *the* checkpoint only once complete, and
   never leaving a half-written one under the user's name, is the link switch of
-  :mod:`autopar.runtime.checkpoint_files`.  DCP's future completes on rank 0 after its finish
+  :mod:`autopar.runtime.weights.checkpoint_files`.  DCP's future completes on rank 0 after its finish
   step (``.metadata`` written after every rank reported its writes), so rank 0 may switch then;
   a broadcast on the checkpoint group afterwards tells every rank the switch is done (or why
   not), so :meth:`CheckpointWriter.wait` returns on no rank before it.
@@ -38,7 +38,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 
 from autopar.errors import AutoparError
-from autopar.runtime.checkpoint_files import commit, retain
+from autopar.runtime.weights.checkpoint_files import commit, retain
 
 __all__ = ["CheckpointWriter"]
 

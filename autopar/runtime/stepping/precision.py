@@ -11,8 +11,8 @@ The layout is Megatron's, priced by the cost model as ``dtype_bytes=2`` (cost/me
   bf16 copy (a model built on the meta device: from the checkpoint or ``init_weights``, which
   write the masters and the bf16 parameters alike): per-parameter tensors without ZeRO (:class:`MainGrads`;
   under dp with ``fused_optimizer`` views of one flat buffer, their main gradients too:
-  :mod:`autopar.runtime.fused_step`), the flat
-  ``dp`` shards with ZeRO (:mod:`autopar.runtime.zero`), which under ZeRO-3 are
+  :mod:`autopar.runtime.gradients.fused_step`), the flat
+  ``dp`` shards with ZeRO (:mod:`autopar.runtime.gradients.zero`), which under ZeRO-3 are
   also the parameter shards, cast to bf16 as they are gathered (FSDP2's layout);
 * the bf16 gradients autograd leaves on the parameters are folded into fp32 main
   gradients after every micro-batch's backward (:meth:`MainGrads.accumulate`; the

@@ -1,7 +1,7 @@
 """``parallelize(..., compile=...)``: ``torch.compile`` of each rank's program.
 
 :func:`torch_compile_options` checks the user's argument; :func:`torch_compiled_program` returns what
-the executors (:mod:`autopar.runtime.executors`, :mod:`autopar.runtime.pipelined`) call instead of
+the executors (:mod:`autopar.runtime.stepping.executors`, :mod:`autopar.runtime.stepping.pipelined`) call instead of
 the rewritten graph.  Every plan compiles.
 
 What is compiled, and what is not:
@@ -64,8 +64,8 @@ from autopar.compat import never_traced
 from autopar.errors import AutoparError
 from autopar.ops.recompute import Recompute, checkpointed
 from autopar.ops.regather import SavedGathers
-from autopar.runtime.memory import MemoryMeter
-from autopar.runtime.zero_fsdp import FullyShardedSync
+from autopar.runtime.stepping.memory import MemoryMeter
+from autopar.runtime.gradients.zero_fsdp import FullyShardedSync
 
 __all__ = ["torch_compile_options", "torch_compiled_program"]
 

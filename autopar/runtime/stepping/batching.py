@@ -9,7 +9,7 @@ One set of rules, two entry points:
   load-balanced sequence chunks (:func:`rank_positions`, from
   :func:`autopar.ops.cp_attention.cp_chunk_indices`);
 * :func:`split_microbatches` takes a batch that is already this rank's part
-  (``train_step(..., local=True)``, cut by :meth:`autopar.runtime.data.BatchSlice.take`)
+  (``train_step(..., local=True)``, cut by :meth:`autopar.runtime.stepping.data.BatchSlice.take`)
   and only splits it.
 
 Both then split the rows into ``mb`` micro-batches (:func:`micro_rows`) for gradient
@@ -17,8 +17,8 @@ accumulation, with the same cutting helpers, so the two give identical micro-bat
 Which batch and sequence sizes a plan accepts is :meth:`autopar.plan.Plan.validate`'s rule.
 
 Neighbours: :meth:`autopar.runtime.module.ParallelModule.microbatches` calls the entry
-points; :mod:`autopar.runtime.data` builds the user-facing ``BatchSlice`` and sampler on
-:func:`rank_rows` / :func:`rank_positions`; :mod:`autopar.runtime.grad_sync` reduces what
+points; :mod:`autopar.runtime.stepping.data` builds the user-facing ``BatchSlice`` and sampler on
+:func:`rank_rows` / :func:`rank_positions`; :mod:`autopar.runtime.gradients.grad_sync` reduces what
 the micro-batches produced.
 """
 from __future__ import annotations

@@ -2,10 +2,10 @@
 and the unit collectives that move them.
 
 One :class:`ZeroLayout` serves both ZeRO strategies, which hold it rather than inherit from it:
-:class:`autopar.runtime.zero_optimizer.DistributedOptimizer` (ZeRO-1/2: optimizer state and, under
-ZeRO-2, gradients sharded; the parameters whole) and :class:`autopar.runtime.zero_fsdp.FullyShardedSync`
+:class:`autopar.runtime.gradients.zero_optimizer.DistributedOptimizer` (ZeRO-1/2: optimizer state and, under
+ZeRO-2, gradients sharded; the parameters whole) and :class:`autopar.runtime.gradients.zero_fsdp.FullyShardedSync`
 (ZeRO-3: parameters sharded too, gathered per unit while the program runs).  Shared reads and
-writes of whole values and optimizer state over the shards are :mod:`autopar.runtime.zero_state`.
+writes of whole values and optimizer state over the shards are :mod:`autopar.runtime.gradients.zero_state`.
 
 Units.  ZeRO-1/2: one per ``dp`` gradient bucket of the data-parallel pass (``passes/data_parallel.py``;
 under pp ZeRO-2's are cut at pipeline-chunk borders, so that a chunk's gradients scatter after its
@@ -16,7 +16,7 @@ parameters: the dense axis (``dp``, or ``dp_cp`` under cp, as Megatron's distrib
 for experts split over ``ep`` the ``edp`` ranks (their gradients still averaged by ``dp*cp``: the
 bucket's divisor).
 
-Segments (:class:`autopar.runtime.flat_layout.FlatSegment`).  A unit's parameters lie in one flat,
+Segments (:class:`autopar.runtime.gradients.flat_layout.FlatSegment`).  A unit's parameters lie in one flat,
 padded buffer per segment: the ordinary ones, then under ZeRO-2/3 those whose gradients are partial
 sums over another axis (norm weights under SP), which those strategies sum over that axis on the
 shards once per step.  (ZeRO-1 sums them on the whole gradients first: one segment.)  Every
@@ -35,7 +35,7 @@ from autopar.errors import AutoparError
 from autopar.ops import collectives
 from autopar.ops.zero_gather import zero_gather
 from autopar.passes.context import META_KEY
-from autopar.runtime.flat_layout import FlatSegment
+from autopar.runtime.gradients.flat_layout import FlatSegment
 
 __all__ = ["ZeroUnit", "ZeroLayout", "gather_unit", "scatter_unit", "all_reduce_grads"]
 

@@ -3,7 +3,7 @@
 A full-size model on the meta device under a fake process group (``benchmarks/scale_simulation.py``)
 has no values, and ``torch.distributed.pipelining`` needs some: its P2P warm-up reads a vote
 with ``.item()``, and the fake group delivers no shapes to the stages that would infer them.
-So on meta :class:`autopar.runtime.pipelined.PipelineExecutor` runs :func:`simulate_step`
+So on meta :class:`autopar.runtime.stepping.pipelined.PipelineExecutor` runs :func:`simulate_step`
 instead: it walks this rank's action list (:func:`autopar.ops.schedules.rank_orders`, the same
 data torch's order is asserted equal to at setup), runs each forward and backward of its
 chunks on meta tensors, and records every P2P buffer a stage would post -- the activations in
@@ -26,7 +26,7 @@ import torch
 from autopar.compat import sym_expr
 from autopar.ops import collectives
 from autopar.ops.schedules import rank_orders
-from autopar.runtime.executors import MicrobatchScope
+from autopar.runtime.stepping.executors import MicrobatchScope
 
 __all__ = ["simulate_step", "receive_buffers"]
 
@@ -52,26 +52,26 @@ def _boundary_inputs(chunk, spec, sizes: dict, axis_sizes: dict[str, int], devic
                         requires_grad=requires_grad) for n in holders]
 
 
-def receive_buffers(pipeline, pm, pieces: list, me: int) -> dict[tuple[int, int, str], list[torch.Tensor]]:
+def receive_buffers(pipeline, env, pieces: list, me: int) -> dict[tuple[int, int, str], list[torch.Tensor]]:
     """Every receive buffer torch's stages of pp rank ``me`` hold: per micro-batch, the activations
     of each chunk whose previous chunk is on another rank (``"fwd"``) and the gradients of the
     outputs of each chunk whose next chunk is (``"bwd"``: shaped as that chunk's inputs)."""
-    axis_sizes = {a: g.size for a, g in pm.groups.items()}
+    axis_sizes = {a: g.size for a, g in env.groups.items()}
     last = len(pipeline.chunks) - 1
     out = {}
     for c in pipeline.rank_chunks(me):
         for mb, (mb_inputs, _) in enumerate(pieces):
-            sizes = _sizes(pm, mb_inputs)
+            sizes = _sizes(env, mb_inputs)
             if c > 0 and pipeline.chunk_rank(c - 1) != me:
                 out[(c, mb, "fwd")] = _boundary_inputs(pipeline.chunks[c].gm, pipeline.chunks[c], sizes, axis_sizes,
-                                                       pm.device)
+                                                       env.device)
             if c < last and pipeline.chunk_rank(c + 1) != me:
                 out[(c, mb, "bwd")] = _boundary_inputs(pipeline.chunks[c + 1].gm, pipeline.chunks[c + 1], sizes,
-                                                       axis_sizes, pm.device, requires_grad=False)
+                                                       axis_sizes, env.device, requires_grad=False)
     return out
 
 
-def simulate_step(executor, pm, inputs: tuple, target: Any, coords: dict[str, int]):
+def simulate_step(executor, env, inputs: tuple, target: Any, coords: dict[str, int]):
     """Forward and backward of every micro-batch of this rank's chunks, in schedule order;
     returns the last stage's losses (meta tensors) or an empty list.
 
@@ -87,9 +87,9 @@ def simulate_step(executor, pm, inputs: tuple, target: Any, coords: dict[str, in
     pipeline, plan = executor.pipeline, executor.plan
     me = coords.get("pp", 0)
     last = len(pipeline.chunks) - 1
-    pieces = pm.microbatches(inputs, target, coords)
+    pieces = env.microbatches(inputs, target, coords)
     executor.recv_buffers = None
-    buffers = executor.recv_buffers = receive_buffers(pipeline, pm, pieces, me)
+    buffers = executor.recv_buffers = receive_buffers(pipeline, env, pieces, me)
     saved: dict[tuple[int, int], tuple] = {}   # (chunk, micro-batch) -> (inputs, outputs, scope)
     handed: dict[tuple[int, int], list] = {}   # output gradients from this rank's next chunk
     losses = []
@@ -131,7 +131,7 @@ def simulate_step(executor, pm, inputs: tuple, target: Any, coords: dict[str, in
                 torch.autograd.backward([t for t in outs if t.requires_grad],
                                         [g for t, g in zip(outs, grads) if t.requires_grad])
                 del outs, grads
-                pm.grad_sync.after_backward(stage_index, "full")  # weights included (see "W" below)
+                env.grad_sync.after_backward(stage_index, "full")  # weights included (see "W" below)
                 input_grads = [t.grad for t in boundary]
                 for t in boundary:
                     t.grad = None
@@ -145,10 +145,10 @@ def simulate_step(executor, pm, inputs: tuple, target: Any, coords: dict[str, in
     return losses
 
 
-def _sizes(pm, mb_inputs) -> dict:
+def _sizes(env, mb_inputs) -> dict:
     """The graph's symbolic batch and sequence sizes at this micro-batch (from its token ids)."""
     ids = mb_inputs[0]
-    batch_symbol, seq_symbol = pm.size_symbols
+    batch_symbol, seq_symbol = env.size_symbols
     sizes = {batch_symbol: ids.shape[0]} if batch_symbol is not None else {}
     if ids.dim() > 1 and seq_symbol is not None:
         sizes[seq_symbol] = ids.shape[1]

@@ -7,11 +7,12 @@ gives the program of a pipeline stage that ``pm.code()`` prints (``describe_stag
 
 * :class:`FlatExecutor`: one program, every parameter on every rank of the stage, the
   micro-batches in turn (gradient accumulation), the memory meter around each;
-* :class:`autopar.runtime.pipelined.PipelineExecutor`: the chunks of the pipeline pass
+* :class:`autopar.runtime.stepping.pipelined.PipelineExecutor`: the chunks of the pipeline pass
   driven by a ``torch.distributed.pipelining`` schedule.
 
 Everything else -- parameters, state dicts, gradient sync, the loss, checkpoints -- is
-the same code in :class:`autopar.runtime.module.ParallelModule` for both.
+the same code for both, assembled by :class:`autopar.runtime.module.ParallelModule`; an executor
+sees only its :class:`autopar.runtime.stepping.environment.StepEnvironment`.
 
 Each micro-batch's call of a program goes through a :class:`MicrobatchScope`, so that torch's
 ``MemTracker`` (whose module tracker refuses a module called twice at the top level of one
@@ -25,7 +26,7 @@ import torch
 
 from autopar.errors import AutoparError
 from autopar.ops.regather import keeping_shards, regathers
-from autopar.runtime.inductor import torch_compiled_program
+from autopar.runtime.stepping.inductor import torch_compiled_program
 
 __all__ = ["Executor", "FlatExecutor", "StepOutput", "weighted_loss", "MicrobatchScope"]
 
@@ -49,7 +50,7 @@ class MicrobatchScope(torch.nn.Module):
 
 
 def weighted_loss(loss: torch.Tensor, weight: float) -> torch.Tensor:
-    """A piece's mean loss times its weight (``ParallelModule.loss_weight``); untouched at 1.0."""
+    """A piece's mean loss times its weight (``LossSplit.weight``); untouched at 1.0."""
     return loss if weight == 1.0 else loss * weight
 
 
@@ -64,7 +65,9 @@ class StepOutput:
 class Executor(Protocol):
     """How one rank runs its program: what :class:`autopar.runtime.module.ParallelModule` calls.
 
-    ``pm`` is the module; ``coords`` maps each mesh axis to this rank's index on it."""
+    ``env`` is the rank's :class:`autopar.runtime.stepping.environment.StepEnvironment` (its device,
+    groups, parameters, gradient sync, memory meter, micro-batches and loss weights: never the
+    module itself); ``coords`` maps each mesh axis to this rank's index on it."""
 
     def owner(self, name: str) -> int | None:
         """The pp rank that owns graph parameter ``name`` (broadcasts it in ``state_dict``);
@@ -75,16 +78,16 @@ class Executor(Protocol):
         """The pp ranks holding graph parameter ``name`` (a tied weight: two); None: every rank."""
         ...
 
-    def setup(self, pm) -> None:
-        """Build what runs the program, once ``pm``'s parameters and gradient sync exist."""
+    def setup(self, env) -> None:
+        """Build what runs the program, once the rank's parameters and gradient sync exist."""
         ...
 
-    def run(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
+    def run(self, env, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
         """Forward and backward of this rank's micro-batches of the batch given to the step,
         inside the gradient sync's contexts; the gradients are left for ``grad_sync.sync()``."""
         ...
 
-    def evaluate(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
+    def evaluate(self, env, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
         """Forward only of this rank's micro-batches (the caller holds ``torch.no_grad``)."""
         ...
 
@@ -97,7 +100,7 @@ class FlatExecutor:
     """Run the whole rewritten graph on each of this rank's micro-batches (an :class:`Executor`).
 
     ``torch_compile_options``: ``torch.compile``'s keyword arguments (``compile=``), or None
-    to run the graph eagerly (:mod:`autopar.runtime.inductor`)."""
+    to run the graph eagerly (:mod:`autopar.runtime.stepping.inductor`)."""
 
     def __init__(self, gm: torch.fx.GraphModule, program, plan, torch_compile_options: dict | None = None):
         self.gm, self.program, self.plan = gm, program, plan
@@ -113,20 +116,20 @@ class FlatExecutor:
         """The pp ranks holding ``name``: None, every rank."""
         return None
 
-    def setup(self, pm) -> None:
+    def setup(self, env) -> None:
         """The graph runs as it is, or through ``torch.compile`` over this rank's parameters (``compile=``)."""
         if self._torch_compile_options is not None:
             self._forward = torch_compiled_program(self.gm, self._torch_compile_options)
 
-    def run(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
+    def run(self, env, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
         """Each micro-batch's forward and backward in turn (gradient accumulation)."""
-        total = torch.zeros((), device=pm.device)
-        pieces = pm.microbatches(inputs, target, coords)
+        total = torch.zeros((), device=env.device)
+        pieces = env.microbatches(inputs, target, coords)
         for i, (mb_inputs, mb_target) in enumerate(pieces):
-            weight = pm.loss_weight(mb_target)  # its share of the global valid targets (1.0 unpadded)
+            weight = env.loss_weight(mb_target)  # its share of the global valid targets (1.0 unpadded)
             # ZeRO: per-micro-batch gathers / reduce-scatters; DP: the last backward starts the
             # bucket all-reduces; the meter counts saved activations.
-            with (pm.memory.microbatch(self.gm), pm.grad_sync.microbatch(last=i == len(pieces) - 1),
+            with (env.memory.microbatch(self.gm), env.grad_sync.microbatch(last=i == len(pieces) - 1),
                   keeping_shards(self._regathers)):  # innermost: SP's gathered inputs saved as shards (ops/regather.py)
                 scope = MicrobatchScope(self._forward)  # see its docstring: torch's MemTracker
                 loss = weighted_loss(scope(*mb_inputs, mb_target), weight)
@@ -134,12 +137,12 @@ class FlatExecutor:
             total += loss.detach().float() / self.plan.mb
         return StepOutput(total)
 
-    def evaluate(self, pm, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
+    def evaluate(self, env, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
         """Forward only (the caller holds ``torch.no_grad`` and eval mode): the mean loss."""
-        total = torch.zeros((), device=pm.device)
-        for mb_inputs, mb_target in pm.microbatches(inputs, target, coords):
+        total = torch.zeros((), device=env.device)
+        for mb_inputs, mb_target in env.microbatches(inputs, target, coords):
             scope = MicrobatchScope(self._forward)
-            loss = weighted_loss(scope(*mb_inputs, mb_target), pm.loss_weight(mb_target))
+            loss = weighted_loss(scope(*mb_inputs, mb_target), env.loss_weight(mb_target))
             total += loss.detach().float() / self.plan.mb
         return StepOutput(total)
 

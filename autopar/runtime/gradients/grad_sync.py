@@ -7,14 +7,14 @@ partial gradients, average over ``dp``) as one flat buffer, of which the gradien
 collective is recorded with phase ``grad``.  In the flat executor's last micro-batch a
 bucket's all-reduce starts during backward, once its gradients exist (:class:`_Overlap`);
 ``sync()`` waits for it.  With ``fused_optimizer`` under dp the stepped tensors and their
-gradients are views of flat buffers stepped in one fused update (:mod:`autopar.runtime.fused_step`),
+gradients are views of flat buffers stepped in one fused update (:mod:`autopar.runtime.gradients.fused_step`),
 and a bucket is a slice of the flat gradient.
 
 :class:`GradSync` is the gradient-sync strategy :class:`autopar.runtime.module.ParallelModule`
-uses without ZeRO; ZeRO stages replace it with a strategy of :mod:`autopar.runtime.zero`.  All
-implement :class:`autopar.runtime.sync_protocol.GradientSynchronizer`, which is all that the
-module, the executors, state dicts and checkpoints (:mod:`autopar.runtime.state`), clipping and
-the memory meter (:mod:`autopar.runtime.memory`) use; its docstrings say what each method does.
+uses without ZeRO; ZeRO stages replace it with a strategy of :mod:`autopar.runtime.gradients.zero`.  All
+implement :class:`autopar.runtime.gradients.sync_protocol.GradientSynchronizer`, which is all that the
+module, the executors, state dicts and checkpoints (:mod:`autopar.runtime.weights.state`), clipping and
+the memory meter (:mod:`autopar.runtime.stepping.memory`) use; its docstrings say what each method does.
 """
 from __future__ import annotations
 
@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from autopar.ops import collectives
 from autopar.plan_space import grads_kept
-from autopar.runtime import fused_step
-from autopar.runtime.precision import MainGrads
+from autopar.runtime.gradients import fused_step
+from autopar.runtime.stepping.precision import MainGrads
 
 __all__ = ["GradSync"]
 
@@ -39,12 +39,12 @@ class GradSync:
     """Bucketed all-reduce of gradients, then a plain optimizer step on local parameters.
 
     ``originals``: graph name -> this rank's piece of the user's fp32 tensor, for mixed
-    precision (:mod:`autopar.runtime.precision`): the optimizer then steps fp32 masters
+    precision (:mod:`autopar.runtime.stepping.precision`): the optimizer then steps fp32 masters
     whose main gradients are what is reduced.  None: the parameters themselves.
     ``fused_optimizer``: for an element-wise optimizer class, the stepped tensors and their
     gradients become views of flat buffers that one (fused) update steps (:attr:`flat`,
-    :mod:`autopar.runtime.fused_step`).  A
-    :class:`autopar.runtime.sync_protocol.GradientSynchronizer`."""
+    :mod:`autopar.runtime.gradients.fused_step`).  A
+    :class:`autopar.runtime.gradients.sync_protocol.GradientSynchronizer`."""
 
     zero_stage = 0
 
@@ -64,7 +64,7 @@ class GradSync:
 
     def _optimizer(self, make_optimizer, fused_optimizer: bool):
         """The user's optimizer over the stepped tensors, or (``fused_optimizer``, an element-wise
-        class: :mod:`autopar.runtime.fused_step`) the same over flat buffers of which they become
+        class: :mod:`autopar.runtime.gradients.fused_step`) the same over flat buffers of which they become
         views where data-parallel buckets keep the gradients all step, else over the tensors with
         ``fused=True``; returns ``(optimizer, FlatParams or None)``."""
         stepped = [p for p in self.params.values() if p.requires_grad]
@@ -132,7 +132,7 @@ class GradSync:
 
     def after_backward(self, chunk: int | None = None, kind: str = "full") -> None:
         """Mixed precision: this backward's bf16 gradients into the fp32 main gradients
-        (``chunk``, ``kind``: the pipeline action that ran, see :class:`autopar.runtime.sync_protocol.GradientSynchronizer`)."""
+        (``chunk``, ``kind``: the pipeline action that ran, see :class:`autopar.runtime.gradients.sync_protocol.GradientSynchronizer`)."""
         if self.main is not None and kind != "inference":
             self.main.accumulate()
 

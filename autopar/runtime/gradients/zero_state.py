@@ -1,7 +1,7 @@
 """Whole values and optimizer state over ZeRO shards: what both ZeRO strategies read and write.
 
-A ZeRO strategy (:mod:`autopar.runtime.zero_optimizer`, ZeRO-1/2; :mod:`autopar.runtime.zero_fsdp`,
-ZeRO-3) keeps, per unit of its :class:`autopar.runtime.zero_layout.ZeroLayout`, one tensor per
+A ZeRO strategy (:mod:`autopar.runtime.gradients.zero_optimizer`, ZeRO-1/2; :mod:`autopar.runtime.gradients.zero_fsdp`,
+ZeRO-3) keeps, per unit of its :class:`autopar.runtime.gradients.zero_layout.ZeroLayout`, one tensor per
 segment holding this rank's piece: the tensors the optimizer steps (``pieces``).  The functions
 here move between those pieces and whole parameters under graph names -- for state dicts,
 checkpoints, exports and weight loading -- and compute the clipping norm over them.  Reading whole
@@ -15,8 +15,8 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from autopar.runtime import fused_step
-from autopar.runtime.zero_layout import ZeroLayout, ZeroUnit, gather_unit
+from autopar.runtime.gradients import fused_step
+from autopar.runtime.gradients.zero_layout import ZeroLayout, ZeroUnit, gather_unit
 
 __all__ = ["gather_whole", "read_whole", "cut_pieces", "write_piece", "optimizer_state", "load_optimizer_state",
            "grad_square_sum"]

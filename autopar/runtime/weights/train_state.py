@@ -1,6 +1,6 @@
 """What a run needs to resume besides the weights and the optimizer: the step, dropout's RNG, the data position.
 
-A checkpoint holds, next to :mod:`autopar.runtime.state`'s ``model.*``, ``optim.*`` and
+A checkpoint holds, next to :mod:`autopar.runtime.weights.state`'s ``model.*``, ``optim.*`` and
 ``sched.state`` entries:
 
 * ``train.step``: how many optimizer steps the program has taken (``pm.num_steps_taken``);
@@ -12,12 +12,12 @@ A checkpoint holds, next to :mod:`autopar.runtime.state`'s ``model.*``, ``optim.
   continues the saved stream of its own index (a run under another plan draws other masks in
   any case: masks are drawn on each rank's shard);
 * ``data.state``: the position of the data, from ``data.state_dict()`` of the object passed
-  as ``pm.save(..., data=...)`` (a :class:`autopar.runtime.data.DistributedBatchSampler`:
+  as ``pm.save(..., data=...)`` (a :class:`autopar.runtime.stepping.data.DistributedBatchSampler`:
   epoch and batches handed out, the same on every rank and independent of the plan, so a
   run resumed on any dp size sees the samples the uninterrupted run would have seen).
 
-Every entry is a tensor, the same on the ranks sharing it.  :mod:`autopar.runtime.checkpoint`
-writes and reads them with the rest; :mod:`autopar.runtime.state` calls
+Every entry is a tensor, the same on the ranks sharing it.  :mod:`autopar.runtime.weights.checkpoint`
+writes and reads them with the rest; :mod:`autopar.runtime.weights.state` calls
 :func:`train_entries`, :func:`train_wants` and :func:`load_train_entries`.
 """
 from __future__ import annotations

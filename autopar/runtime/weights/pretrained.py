@@ -1,8 +1,8 @@
 """``pm.load_pretrained(path)``: Hugging Face safetensors weights into one rank's shards.
 
 Each rank reads only the files holding tensors it keeps and, of each tensor, only the slice it
-keeps (:func:`autopar.runtime.layout.local_index` says which positions; the slice reads are
-:class:`autopar.runtime.safetensors_io.SafetensorsFile`'s), converts it to the program's dtype
+keeps (:func:`autopar.runtime.weights.layout.local_index` says which positions; the slice reads are
+:class:`autopar.runtime.weights.safetensors_io.SafetensorsFile`'s), converts it to the program's dtype
 and writes it where the program keeps it (the parameter, its fp32 master under mixed
 precision, or its piece of a ZeRO shard: ``grad_sync.write_parameter``).  A rank's peak memory
 while loading is its share of the model plus one block of rows.
@@ -17,7 +17,7 @@ Everything is checked before anything is written: a missing tensor, a tensor the
 not have, or one whose shape differs from the model's is an ``autopar:`` error naming it.
 
 Neighbours: :class:`autopar.runtime.module.ParallelModule` (``load_pretrained``, the names it
-records at construction: :class:`CheckpointNames`), :mod:`autopar.runtime.initialize` (the
+records at construction: :class:`CheckpointNames`), :mod:`autopar.runtime.weights.initialize` (the
 other two ways a meta-built program gets values).
 """
 from __future__ import annotations
@@ -34,8 +34,8 @@ import torch
 import torch.nn as nn
 
 from autopar.errors import AutoparError
-from autopar.runtime.layout import local_index, pad_piece, shard_local
-from autopar.runtime.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsFile
+from autopar.runtime.weights.layout import local_index, pad_piece
+from autopar.runtime.weights.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsFile
 
 __all__ = ["CheckpointNames", "load_pretrained", "checkpoint_files", "INDEX_NAME", "WEIGHTS_NAME"]
 
@@ -146,8 +146,8 @@ def _from_index(index_path: str) -> dict[str, str]:
     return {name: os.path.join(root, file) for name, file in weight_map.items()}
 
 
-def load_pretrained(pm, path: str | os.PathLike) -> None:
-    """Read the weights at ``path`` into ``pm`` (every rank its own slices; see the module docstring)."""
+def load_pretrained(params, path: str | os.PathLike) -> None:
+    """Read the weights at ``path`` into ``params`` (every rank its own slices; see the module docstring)."""
     files = checkpoint_files(path)
     opened: dict[str, SafetensorsFile] = {}
 
@@ -159,26 +159,26 @@ def load_pretrained(pm, path: str | os.PathLike) -> None:
             opened[file] = SafetensorsFile(file)
         return opened[file]
 
-    names: CheckpointNames = pm.checkpoint_names
+    names: CheckpointNames = params.checkpoint_names
     direct, converted, unexpected = names.resolve(files)
-    _check_complete(pm, path, direct, converted, unexpected)
+    _check_complete(params, path, direct, converted, unexpected)
     shapes = {key: handle(file).shape(key) for key, file in files.items()}
-    _check_shapes(pm, path, direct, shapes)
+    _check_shapes(params, path, direct, shapes)
     written: set[str] = set()
     for file in sorted({files[key] for key in direct.values()}):  # one file at a time
         for orig, key in direct.items():
             if files[key] != file:
                 continue
-            name = pm.graph_name(orig)
-            if name in written or not pm.holds(name):
+            name = params.graph_name(orig)
+            if name in written or not params.holds(name):
                 continue
-            index = local_index(names.shapes[orig], pm.shards_of(name), pm.coords())
-            pm.write_local(name, pad_piece(handle(file).read(key, index), names.shapes[orig], pm.shards_of(name),
-                                           pm.coords()))
+            shards, coords = params.shards_of(name), params.coords()
+            index = local_index(names.shapes[orig], shards, coords)
+            params.write_local(name, pad_piece(handle(file).read(key, index), names.shapes[orig], shards, coords))
             written.add(name)
     for orig, sources in sorted(converted.items()):
-        name = pm.graph_name(orig)
-        if name in written or not pm.holds(name):
+        name = params.graph_name(orig)
+        if name in written or not params.holds(name):
             continue
         built = names.convert(orig, sources, lambda key: handle(files[key]).read(key))
         value = built.get(orig)
@@ -187,15 +187,15 @@ def load_pretrained(pm, path: str | os.PathLike) -> None:
                 f"autopar: converting {', '.join(k for k, _ in sources[:3])} of {path} gave "
                 f"{'no ' + orig if value is None else f'{orig} of shape {tuple(value.shape)}'}; expected "
                 f"shape {names.shapes[orig]}. The checkpoint does not match this model's config.")
-        pm.write_local(name, shard_local(value, pm.shards_of(name), pm.coords()))
+        params.write_local(name, params.local(value, name))
         written.add(name)
         del built, value
 
 
-def _check_complete(pm, path, direct, converted, unexpected) -> None:
+def _check_complete(params, path, direct, converted, unexpected) -> None:
     """Every tensor of the model (a tied weight under any of its names) and nothing else."""
-    covered = {pm.graph_name(o) for o in list(direct) + list(converted)}
-    missing = sorted(o for o in pm.checkpoint_names.shapes if pm.graph_name(o) not in covered)
+    covered = {params.graph_name(o) for o in list(direct) + list(converted)}
+    missing = sorted(o for o in params.checkpoint_names.shapes if params.graph_name(o) not in covered)
     if missing or unexpected:
         parts = []
         if missing:
@@ -210,10 +210,10 @@ def _check_complete(pm, path, direct, converted, unexpected) -> None:
                            "Nothing was loaded.")
 
 
-def _check_shapes(pm, path, direct, shapes) -> None:
-    wrong = [(orig, key) for orig, key in direct.items() if tuple(shapes[key]) != pm.checkpoint_names.shapes[orig]]
+def _check_shapes(params, path, direct, shapes) -> None:
+    wrong = [(orig, key) for orig, key in direct.items() if tuple(shapes[key]) != params.checkpoint_names.shapes[orig]]
     if wrong:
-        listed = ", ".join(f"{key} {tuple(shapes[key])} (model: {pm.checkpoint_names.shapes[orig]})"
+        listed = ", ".join(f"{key} {tuple(shapes[key])} (model: {params.checkpoint_names.shapes[orig]})"
                            for orig, key in wrong[:6])
         raise AutoparError(f"autopar: the checkpoint at {path} has {len(wrong)} tensor(s) whose shape differs from "
                            f"the model's: {listed}. Expected the shapes of the model's config; check hidden size, "

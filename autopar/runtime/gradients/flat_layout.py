@@ -8,7 +8,7 @@ over the ``n`` ranks leaves rank ``r``'s reduced shard exactly where its piece o
 is (in place), and an all-gather of the shards into it leaves every parameter whole where its
 view reads it -- no flattening copy and no rank-major copy per step.
 
-A ZeRO unit (:mod:`autopar.runtime.zero_layout`) has one segment, or two under ZeRO-2/3 when
+A ZeRO unit (:mod:`autopar.runtime.gradients.zero_layout`) has one segment, or two under ZeRO-2/3 when
 some of its gradients are partial sums over another axis (norm weights under SP): those form a
 second segment, so that every rank holds an equal part of them and sums it over that axis once
 per step.  The unit's collectives then run coalesced over its segments: one call.

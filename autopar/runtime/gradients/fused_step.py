@@ -4,14 +4,14 @@ A per-tensor optimizer step launches a few kernels per parameter (``foreach`` gr
 but still walks lists of hundreds of tensors); on a GPU AdamW took a quarter of the step
 (issue 30).  Where autopar owns the tensors the optimizer steps, it makes them flat:
 
-* without ZeRO (:class:`autopar.runtime.grad_sync.GradSync`), the fp32 master weights under
-  mixed precision (:class:`autopar.runtime.precision.MainGrads`), or in the model's own dtype
+* without ZeRO (:class:`autopar.runtime.gradients.grad_sync.GradSync`), the fp32 master weights under
+  mixed precision (:class:`autopar.runtime.stepping.precision.MainGrads`), or in the model's own dtype
   the parameters themselves, and their gradients, live in one flat buffer per (param group,
   dtype, device) (:class:`FlatParams`); each per-parameter tensor and gradient is a view of
   it, so accumulation, bucketed all-reduce (a bucket's buffer is a slice of the flat
   gradient where its parameters are contiguous), clipping and state dicts see the same
   tensors as before;
-* under ZeRO the shards are flat already (:mod:`autopar.runtime.zero_layout`).
+* under ZeRO the shards are flat already (:mod:`autopar.runtime.gradients.zero_layout`).
 
 Flat only where the gradients are kept all step anyway: with data-parallel gradient buckets
 (``dp*cp >= 2``; the buckets are views of persistent buffers, DDP's ``gradient_as_bucket_view``),

@@ -4,7 +4,7 @@ What is stored: the model's parameters and buffers under the original model's na
 (``model.<name>``) and the optimizer state per original parameter (``optim.<name>.<key>``,
 e.g. ``exp_avg``), all as full, unsharded tensors.  Every rank gathers what it holds (TP, EP
 and ZeRO shards; under pp only its stage's parameters) and stages its share of the entries
-(``ParallelModule.checkpoint_state``, :func:`autopar.runtime.state.writes`: one rank per entry,
+(``ParallelModule.checkpoint_state``, :func:`autopar.runtime.weights.state.writes`: one rank per entry,
 chosen from its name), so each tensor is written once, the writes spread over the ranks, and a
 rank's host copy is its share, not the whole model (what DCP's deduplication would keep).  On load each rank
 reads the entries it holds (``checkpoint_wants``) and cuts its own shards.  This module
@@ -14,20 +14,20 @@ into the unparallelized model (:func:`load_model_state_dict`).
 
 Export: :func:`export_safetensors` (``pm.export_weights``) writes the full weights alone as
 a Hugging Face directory (sharded safetensors, ``config.json``) or one safetensors file, each
-rank writing its own pieces without gathering the model (:mod:`autopar.runtime.export`).
+rank writing its own pieces without gathering the model (:mod:`autopar.runtime.weights.export`).
 
-Crash safety, asynchronous writes and retention: :mod:`autopar.runtime.checkpoint_files` (the
+Crash safety, asynchronous writes and retention: :mod:`autopar.runtime.weights.checkpoint_files` (the
 layout: a link switched atomically to a complete data directory; the newest complete checkpoint;
 the checks that refuse a damaged one by name before anything is loaded) and
-:mod:`autopar.runtime.checkpoint_writer` (``blocking=False``: DCP's ``async_save`` after the state
+:mod:`autopar.runtime.weights.checkpoint_writer` (``blocking=False``: DCP's ``async_save`` after the state
 is staged in host memory; one save in flight).  Besides model and optimizer, a checkpoint holds
 what a run needs to resume: the step, dropout's RNG and the data position
-(:mod:`autopar.runtime.train_state`).
+(:mod:`autopar.runtime.weights.train_state`).
 
 Neighbours: :mod:`autopar.runtime.module` (``ParallelModule.save`` / ``load`` /
-``wait_checkpoint`` call :func:`save`, :func:`load` and :func:`wait`), :mod:`autopar.runtime.state`
-(the state it holds), the gradient-sync strategies (:mod:`autopar.runtime.grad_sync`,
-:mod:`autopar.runtime.zero`: optimizer state per parameter).
+``wait_checkpoint`` call :func:`save`, :func:`load` and :func:`wait`), :mod:`autopar.runtime.weights.state`
+(the state it holds), the gradient-sync strategies (:mod:`autopar.runtime.gradients.grad_sync`,
+:mod:`autopar.runtime.gradients.zero`: optimizer state per parameter).
 """
 from __future__ import annotations
 
@@ -38,16 +38,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from autopar.errors import AutoparError
-from autopar.runtime.checkpoint_files import check_files, check_writable, data_dir_of, latest_checkpoint
-from autopar.runtime.export import distributed, export_weights, shared_token
-from autopar.runtime.safetensors_io import WEIGHTS_NAME
-from autopar.runtime.state import MODEL_PREFIX, OPTIM_PREFIX, SCHEDULER_KEY, model_shapes
-from autopar.runtime.train_state import DATA_KEY
+from autopar.runtime.weights.checkpoint_files import check_files, check_writable, data_dir_of, latest_checkpoint
+from autopar.runtime.weights.export import distributed, export_weights, shared_token
+from autopar.runtime.weights.safetensors_io import WEIGHTS_NAME
+from autopar.runtime.weights.state import MODEL_PREFIX, OPTIM_PREFIX, SCHEDULER_KEY, model_shapes
+from autopar.runtime.weights.train_state import DATA_KEY
 
 __all__ = ["save", "wait", "load", "load_model_state_dict", "latest_checkpoint", "MODEL_PREFIX", "OPTIM_PREFIX",
            "SCHEDULER_KEY", "export_safetensors", "SAFETENSORS_NAME"]
 
-# Entry names (autopar/runtime/state.py): ``model.<original name>``, ``optim.<original name>.<state
+# Entry names (autopar/runtime/weights/state.py): ``model.<original name>``, ``optim.<original name>.<state
 # key>``, and the learning-rate scheduler's pickled state dict as one uint8 tensor.
 
 
@@ -109,7 +109,7 @@ def _check_model(pm, path: str, metadata, data) -> None:
     the data position asked for, on every rank alike (the index is the same everywhere)."""
     saved = {k[len(MODEL_PREFIX):]: tuple(m.size) for k, m in metadata.state_dict_metadata.items()
              if k.startswith(MODEL_PREFIX)}
-    model = model_shapes(pm)
+    model = model_shapes(pm.params)
     missing = sorted(set(model) - set(saved))
     unexpected = sorted(set(saved) - set(model))
     shapes = [f"{name}: {saved[name]} in the checkpoint, {model[name]} in the model"
@@ -147,7 +147,7 @@ def load(pm, path: str | os.PathLike, *, data=None) -> None:
     pm.load_checkpoint_state(state, data=data)
 
 
-# --- full-weights export (autopar/runtime/export.py) ----------------------------------------
+# --- full-weights export (autopar/runtime/weights/export.py) ----------------------------------------
 
 # The file name Hugging Face's save_pretrained / from_pretrained use for one unsharded file.
 SAFETENSORS_NAME = WEIGHTS_NAME
@@ -156,5 +156,5 @@ SAFETENSORS_NAME = WEIGHTS_NAME
 def export_safetensors(pm, path: str | os.PathLike, *, max_shard_size: int | str = "5GB") -> str:
     """``pm.export_weights(path)``: the full weights under the original names, no rank gathering
     them; a Hugging Face directory, or one file for a path ending in ``.safetensors``
-    (:func:`autopar.runtime.export.export_weights`; collective: call on every rank)."""
-    return export_weights(pm, path, max_shard_size=max_shard_size)
+    (:func:`autopar.runtime.weights.export.export_weights`; collective: call on every rank)."""
+    return export_weights(pm.params, path, max_shard_size=max_shard_size)

@@ -13,8 +13,8 @@ on the CPU), or stays without one and is refused before the first step.
 The same walk gives a meta-built transformers model its non-persistent buffers (rotary
 frequencies), which no checkpoint holds, from ``model._init_weights`` (:func:`initialize_buffers`).
 
-Neighbours: :mod:`autopar.runtime.pretrained` (weights from a checkpoint),
-:class:`autopar.runtime.module.ParallelModule` (``write_local``, the names of its tensors).
+Neighbours: :mod:`autopar.runtime.weights.pretrained` (weights from a checkpoint),
+:class:`autopar.runtime.weights.parameters.RankParameters` (``write_local``, the names of the program's tensors).
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ import torch
 import torch.nn as nn
 
 from autopar.errors import AutoparError
-from autopar.runtime.layout import shard_local
 
 __all__ = ["initialize", "initialize_buffers"]
 
@@ -59,9 +58,9 @@ def _untouched(original: torch.Tensor, value: torch.Tensor) -> bool:
     return original.is_meta and value.is_floating_point() and value.numel() > 0 and bool(value.isnan().all())
 
 
-def initialize(pm, model: nn.Module, fn: Callable[[nn.Module], None], *, only: set[str] | None = None) -> None:
+def initialize(params, model: nn.Module, fn: Callable[[nn.Module], None], *, only: set[str] | None = None) -> None:
     """Apply ``fn`` to ``model``'s modules as ``model.apply(fn)`` would and write the results into
-    ``pm`` (see the module docstring); ``only``: graph names to write (the rest is left alone)."""
+    ``params`` (see the module docstring); ``only``: graph names to write (the rest is left alone)."""
     names = {id(t): name for name, t in list(model.named_parameters(remove_duplicate=False))
              + list(model.named_buffers(remove_duplicate=False))}
     for module in _apply_order(model):
@@ -72,15 +71,15 @@ def initialize(pm, model: nn.Module, fn: Callable[[nn.Module], None], *, only: s
             if original is None:
                 continue
             value = stand_in._parameters.get(key) if key in module._parameters else stand_in._buffers.get(key)
-            name = pm.graph_name(names[id(original)])
+            name = params.graph_name(names[id(original)])
             if name is None or (only is not None and name not in only) or _untouched(original, value):
                 continue
-            if pm.holds(name):
-                pm.write_local(name, shard_local(value.detach(), pm.shards_of(name), pm.coords()))
+            if params.holds(name):
+                params.write_local(name, params.local(value.detach(), name))
         del stand_in
 
 
-def initialize_buffers(pm, model: nn.Module) -> None:
+def initialize_buffers(params, model: nn.Module) -> None:
     """A meta-built transformers model's non-persistent buffers from ``model._init_weights`` (the
     generator state is restored afterwards: loading weights draws no random numbers)."""
     transformers = sys.modules.get("transformers")  # a transformers model has imported it already
@@ -88,17 +87,17 @@ def initialize_buffers(pm, model: nn.Module) -> None:
         return  # another model's buffers come from init_weights
     init = model._init_weights
     persistent = set(model.state_dict())
-    wanted = {pm.graph_name(n) for n, b in model.named_buffers(remove_duplicate=False)
+    wanted = {params.graph_name(n) for n, b in model.named_buffers(remove_duplicate=False)
               if b.is_meta and n not in persistent} - {None}
     if not wanted or not callable(init):
         return
     with torch.random.fork_rng(devices=[]):
-        initialize(pm, model, init, only=wanted)
+        initialize(params, model, init, only=wanted)
 
 
-def check_initialized(pm) -> None:
+def check_initialized(params) -> None:
     """Refuse a step on a program some of whose tensors never got values."""
-    missing = pm.unset_names()
+    missing = params.unset_names()
     if not missing:
         return
     raise AutoparError(

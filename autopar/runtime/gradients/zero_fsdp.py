@@ -1,11 +1,11 @@
 """ZeRO-3 as FSDP: parameters that live only as ``dp`` shards, gathered per unit while the program runs.
 
-:class:`FullyShardedSync` is the gradient-sync strategy (:class:`autopar.runtime.sync_protocol.GradientSynchronizer`)
-for ``zero=3``.  It holds a :class:`autopar.runtime.zero_layout.ZeroLayout` (the units ``passes/zero.py``
+:class:`FullyShardedSync` is the gradient-sync strategy (:class:`autopar.runtime.gradients.sync_protocol.GradientSynchronizer`)
+for ``zero=3``.  It holds a :class:`autopar.runtime.gradients.zero_layout.ZeroLayout` (the units ``passes/zero.py``
 made: a decoder layer, a MoE layer's experts, the rest of the model) and, per unit and segment, one
 flat shard (an ``nn.Parameter``; the fp32 master under mixed precision, cast as it is gathered: FSDP2's
 layout) that the optimizer steps; the module's own parameters are emptied.  Whole values and
-optimizer state over the shards are :mod:`autopar.runtime.zero_state`.
+optimizer state over the shards are :mod:`autopar.runtime.gradients.zero_state`.
 
 * forward: the program calls :func:`autopar.ops.zero_gather.zero_gather` per unit, which all-gathers
   the unit's segments before first use (phase ``fwd``, :meth:`FullyShardedSync.gather_for_forward`)
@@ -17,7 +17,7 @@ optimizer state over the shards are :mod:`autopar.runtime.zero_state`.
   the re-gather of the unit backward reaches next is started then, prefetched like forward's)
   and drop it when the unit's gradient is reduce-scattered (phase ``grad``), once per unit and
   micro-batch.  The views' backward (one ``cat`` per segment, :meth:`FlatSegment.views
-  <autopar.runtime.flat_layout.FlatSegment.views>`) gives each segment's gradient already laid out
+  <autopar.runtime.gradients.flat_layout.FlatSegment.views>`) gives each segment's gradient already laid out
   as the reduce-scatter reads it: no flattening or rank-major copy;
 * in a flat micro-batch that reduce-scatter runs while backward computes the next unit's
   gradients (:meth:`FullyShardedSync.scatter_in_backward`); under pp torch's stages differentiate
@@ -35,8 +35,8 @@ import torch.nn as nn
 
 from autopar.compat import storage_key, tensor_base
 from autopar.ops.step import activate, current, observe_saved
-from autopar.runtime import zero_state
-from autopar.runtime.zero_layout import ZeroLayout, ZeroUnit, all_reduce_grads, gather_unit, scatter_unit
+from autopar.runtime.gradients import zero_state
+from autopar.runtime.gradients.zero_layout import ZeroLayout, ZeroUnit, all_reduce_grads, gather_unit, scatter_unit
 
 __all__ = ["FullyShardedSync"]
 

@@ -22,8 +22,8 @@ Checks before a load (:func:`check_files`), the same on every rank since they re
 shared files, so every rank refuses together and nothing is loaded: the link's target exists,
 is not half-written, has its index, and every file the index names exists and is long enough.
 
-Neighbours: :mod:`autopar.runtime.checkpoint` (save, load and the background writer call
-these), :mod:`autopar.runtime.train_state` (the step recorded here).
+Neighbours: :mod:`autopar.runtime.weights.checkpoint` (save, load and the background writer call
+these), :mod:`autopar.runtime.weights.train_state` (the step recorded here).
 """
 from __future__ import annotations
 

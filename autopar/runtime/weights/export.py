@@ -10,9 +10,9 @@ tied head; ``from_pretrained`` ties it again.  A path ending in ``.safetensors``
 instead, holding every name (tied ones too), for ``load_state_dict(safetensors.torch.load_file)``.
 
 How, without gathering: every file's layout follows from the full shapes and dtypes alone
-(``pm.checkpoint_names.shapes``, ``pm._orig_dtypes``), so rank 0 creates each file with its
-header and sized data region first (:class:`autopar.runtime.safetensors_io.SafetensorsLayout`).
-Then every rank reads its parameters one at a time (``grad_sync.read_parameters``: under ZeRO
+(``params.checkpoint_names.shapes``, ``params.orig_dtypes``), so rank 0 creates each file with its
+header and sized data region first (:class:`autopar.runtime.weights.safetensors_io.SafetensorsLayout`).
+Then every rank reads its parameters one at a time (``params.read_parameters``: under ZeRO
 one unit is all-gathered at a time, so every rank of a stage reads the same names in the same
 order) and the ranks holding distinct pieces each write their own piece (a tp or ep shard, a
 pipeline stage's tensors) at its byte offsets with ``os.pwrite``; of the ranks holding the same
@@ -25,8 +25,8 @@ every rank and the staging is removed.  Into an existing directory the files are
 one (shards first, the index last) and weight files of an earlier export not rewritten are removed.
 
 Neighbours: :class:`autopar.runtime.module.ParallelModule` (``export_weights``);
-:mod:`autopar.runtime.pretrained` reads such a directory back, each rank its own slices;
-:mod:`autopar.runtime.checkpoint` (DCP checkpoints with optimizer state; ``export_safetensors``).
+:mod:`autopar.runtime.weights.pretrained` reads such a directory back, each rank its own slices;
+:mod:`autopar.runtime.weights.checkpoint` (DCP checkpoints with optimizer state; ``export_safetensors``).
 """
 from __future__ import annotations
 
@@ -39,9 +39,8 @@ import uuid
 import torch.distributed as dist
 
 from autopar.errors import AutoparError
-from autopar.runtime.layout import local_index, unpad_piece
-from autopar.runtime.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsLayout, parse_size
-from autopar.runtime.state import tensor_value
+from autopar.runtime.weights.layout import local_index, unpad_piece
+from autopar.runtime.weights.safetensors_io import INDEX_NAME, WEIGHTS_NAME, SafetensorsLayout, parse_size
 
 __all__ = ["export_weights", "distributed", "shared_token", "shard_names", "INDEX_NAME", "WEIGHTS_NAME"]
 
@@ -56,9 +55,10 @@ def _rank() -> int:
     return dist.get_rank() if distributed() else 0
 
 
-def export_weights(pm, path, *, max_shard_size: int | str = "5GB") -> str:
-    """Write ``pm``'s full weights at ``path`` (see the module docstring; collective: call on every
-    rank).  Returns the directory, or the file for a path ending in ``.safetensors``."""
+def export_weights(params, path, *, max_shard_size: int | str = "5GB") -> str:
+    """Write the full weights of ``params`` (the rank's
+    :class:`autopar.runtime.weights.parameters.RankParameters`) at ``path`` (see the module docstring;
+    collective: call on every rank).  Returns the directory, or the file for a path ending in ``.safetensors``."""
     raw = os.fspath(path)
     path = os.path.abspath(raw)
     single = raw.endswith(".safetensors") and not os.path.isdir(path)
@@ -67,8 +67,8 @@ def export_weights(pm, path, *, max_shard_size: int | str = "5GB") -> str:
         raise AutoparError(f"autopar: export_weights cannot write {path}: it exists and is a file; expected a new "
                            "path or a directory (a Hugging Face model directory), or a path ending in .safetensors "
                            "for one file.")
-    by_graph = _tensors_to_write(pm, dedupe=not single)
-    tensors = {orig: (pm._orig_dtypes[orig], pm.checkpoint_names.shapes[orig])
+    by_graph = _tensors_to_write(params, dedupe=not single)
+    tensors = {orig: (params.orig_dtypes[orig], params.checkpoint_names.shapes[orig])
                for origs in by_graph.values() for orig in origs}
     shards = [list(tensors)] if single else _split(tensors, limit)
     names = [os.path.basename(path)] if single else shard_names(len(shards))
@@ -90,13 +90,13 @@ def export_weights(pm, path, *, max_shard_size: int | str = "5GB") -> str:
             total = sum(layout.data_bytes for layout in layouts.values())
             with open(os.path.join(staging, INDEX_NAME), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        config = pm.checkpoint_names.config
+        config = params.checkpoint_names.config
         if config is not None and hasattr(config, "save_pretrained"):
             config.save_pretrained(staging)
 
     where = (lambda file: staging) if single else (lambda file: os.path.join(staging, file))
     _everywhere(create, "create", staging, cleanup=staging)
-    error = _write_pieces(pm, by_graph, layouts, file_of, where)
+    error = _write_pieces(params, by_graph, layouts, file_of, where)
     _report(error, staging)
     _everywhere(lambda: _publish(staging, path, single), "move into place", path, cleanup=staging)
     return path
@@ -109,12 +109,12 @@ def shard_names(count: int) -> list[str]:
     return [f"model-{k:05d}-of-{count:05d}.safetensors" for k in range(1, count + 1)]
 
 
-def _tensors_to_write(pm, dedupe: bool) -> dict[str, list[str]]:
+def _tensors_to_write(params, dedupe: bool) -> dict[str, list[str]]:
     """Graph name -> the state-dict names written from it, in the model's state-dict order
     (``dedupe``: only the first of tied names)."""
     out: dict[str, list[str]] = {}
-    for orig in pm.checkpoint_names.shapes:
-        name = pm._aliases.get(orig)
+    for orig in params.checkpoint_names.shapes:
+        name = params.aliases.get(orig)
         if name is None:
             continue
         if name not in out:
@@ -141,10 +141,10 @@ def _split(tensors: dict, limit: int) -> list[list[str]]:
     return shards or [[]]
 
 
-def _write_pieces(pm, by_graph, layouts, file_of, where) -> str | None:
+def _write_pieces(params, by_graph, layouts, file_of, where) -> str | None:
     """Every rank reads its parameters in one order; the chosen rank of each piece writes it.
     Returns this rank's failure, if any (reading goes on after one: the reads are collective)."""
-    writer = _Writers(pm)
+    writer = _Writers(params)
     fds: dict[str, int] = {}
     error = None
 
@@ -153,8 +153,8 @@ def _write_pieces(pm, by_graph, layouts, file_of, where) -> str | None:
         if error is not None or not writer.writes(name):
             return
         try:
-            full = pm.checkpoint_names.shapes[by_graph[name][0]]
-            index = local_index(full, pm.shards_of(name), pm.coords()) if full else []
+            full = params.checkpoint_names.shapes[by_graph[name][0]]
+            index = local_index(full, params.shards_of(name), params.coords()) if full else []
             kept = tuple(n if i is None else len(i) for n, i in zip(full, index))
             value = unpad_piece(value, kept)  # an uneven vocabulary shard's padding rows
             if tuple(value.shape) != kept:
@@ -163,16 +163,16 @@ def _write_pieces(pm, by_graph, layouts, file_of, where) -> str | None:
                 file = file_of[orig]
                 if file not in fds:
                     fds[file] = os.open(where(file), os.O_WRONLY)
-                layouts[file].write_piece(fds[file], orig, value.to(pm._orig_dtypes[orig]), index)
+                layouts[file].write_piece(fds[file], orig, value.to(params.orig_dtypes[orig]), index)
         except Exception as exc:  # reported on every rank (_report), not left to hang a barrier
             error = f"{type(exc).__name__}: {exc}"
 
-    params = [n for n in by_graph if n in pm._param_names]
-    for name, value in pm.grad_sync.read_parameters(params):
+    held = [n for n in by_graph if n in params.param_names]
+    for name, value in params.read_parameters(held):
         write(name, value.detach())
     for name in by_graph:
-        if name not in pm._param_names and pm.holds(name):
-            write(name, tensor_value(pm, {}, name).detach())
+        if name not in params.param_names and params.holds(name):
+            write(name, params.tensor(name).detach())
     for fd in fds.values():
         try:
             os.fsync(fd)
@@ -187,10 +187,10 @@ class _Writers:
     stage whose coordinates on the tensor's sharded axes equal this rank's (they hold the same
     piece), the lowest."""
 
-    def __init__(self, pm):
-        self.pm = pm
+    def __init__(self, params):
+        self.params = params
         self.me = _rank()
-        mine = (pm._pp_rank(), {a: r for a, (r, _) in pm.coords().items()})
+        mine = (params.pp_rank(), {a: r for a, (r, _) in params.coords().items()})
         everyone = [None] * (dist.get_world_size() if distributed() else 1)
         if distributed():
             dist.all_gather_object(everyone, mine)
@@ -200,13 +200,13 @@ class _Writers:
         self._cache: dict[tuple, bool] = {}
 
     def writes(self, name: str) -> bool:
-        pm = self.pm
-        if not pm.holds(name):
+        params = self.params
+        if not params.holds(name):
             return False
-        owner = pm.executor.owner(name)
-        holders = pm.executor.holders(name)
+        owner = params.owner(name)
+        holders = params.holders(name)
         stage = owner if owner is not None else (min(holders) if holders else 0)
-        axes = tuple(sorted(a for a in pm.shards_of(name) if pm.coords().get(a, (0, 1))[1] > 1))
+        axes = tuple(sorted(a for a in params.shards_of(name) if params.coords().get(a, (0, 1))[1] > 1))
         key = (stage, axes)
         if key not in self._cache:
             pp, coords = self.everyone[self.me]
