@@ -30,7 +30,7 @@ rank, T_sp = T/tp under SP; l_d, l_e dense / MoE layers on the rank):
     DP   2(n-1)/n * P*w_gc (ZeRO 0) or (n-1)/n * P*w_gc (ZeRO >= 1) + ZeRO gathers
   FLOPs                         2*T*(params touched) + 2*b*S^2*a*d/(tp*cp)  flops.gemm_classes
   memory                        P*(w_p or w_z, w_g, w_o) / n under ZeRO      memory.memory_terms
-                                + n_inflight * sum of per-layer activations  memory.derived_layer_bytes
+                                + n_inflight * sum of per-layer activations  activations.derived_layer_bytes
   peak memory                   static + max(backward phase, sync phase)     memory.peak_memory
   compute time                  F / (P_peak * eta_max * n/(n + kappa*1.5*w*P_peak/B_hbm))
                                 + element-wise bytes / B_hbm                time.compute_terms

@@ -12,7 +12,7 @@ formulas, ``autopar explain --formulas``).
 
 Key: a SHA-256 of every ``*.py`` file of this package (the formulas, the symbols, the way
 model.py lambdifies them, this file) and of the autopar modules the formulas read
-(``autopar/plan.py``, ``autopar/plan_space.py``: schedule and variant names, the plan encoding), with the
+(``autopar/plan.py``, ``autopar/plan_space/``: schedule and variant names, the plan encoding), with the
 Python, numpy and sympy versions and :data:`FORMAT`. Any edit to those files gives a new key, so
 a stale entry is never read; an entry's file name carries its key and the file repeats
 the whole key, which is checked on load.
@@ -61,7 +61,8 @@ def _key_files() -> list[Path]:
     import autopar.plan_space
 
     here = Path(__file__).resolve().parent
-    return sorted(here.glob("*.py")) + [Path(autopar.plan.__file__), Path(autopar.plan_space.__file__)]
+    space = Path(autopar.plan_space.__file__).parent
+    return sorted(here.glob("*.py")) + [Path(autopar.plan.__file__)] + sorted(space.glob("*.py"))
 
 
 @functools.lru_cache(maxsize=1)

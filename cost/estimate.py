@@ -286,20 +286,7 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
     consts = {**DEFAULT_CONSTANTS, **(constants or {})}
     model = model_formulas(activation_formula, True)
     x = head_layers(spec, seq_len)
-    views = stage_views(spec, plan.pp, plan.schedule, plan.vpp, x)
-    pp = plan.pp
-    arrays = {key: np.full(pp, val, dtype=np.float64) for key, val in encode(plan).items()}
-    arrays["b"] = np.full(pp, global_batch / (plan.dp * plan.mb))
-    arrays["schedule"] = arrays["schedule"].astype(np.int64)
-    for key, attr in (("ld", "dense"), ("le", "moe"), ("first", "first"), ("last", "last"),
-                      ("nsend", "sends"), ("nrecv", "recvs")):
-        arrays[key] = np.array([getattr(v, attr) for v in views], dtype=np.float64)
-    counts = bucket_counts(spec, tp=plan.tp, ep=plan.ep, pp=pp, schedule=plan.schedule, vpp=plan.vpp, head_layers=x,
-                           param_bytes=dtype_bytes, bucket_bytes=bucket_bytes)
-    for key, attr in BUCKET_FIELDS.items():
-        arrays[key] = np.array([getattr(c, attr) for c in counts], dtype=np.float64)
-    arrays["infl"] = inflight(plan.schedule, pp, plan.num_chunks_per_rank,
-                              np.arange(pp, dtype=np.float64), plan.mb)
+    arrays = _plan_arrays(spec, plan, global_batch, x, dtype_bytes, bucket_bytes)
     values = model_values(spec, dtype_bytes=dtype_bytes, grad_bytes=grad_bytes,
                           routing_imbalance=routing_imbalance, seq_len=seq_len,
                           flash_attention=flash_attention)
@@ -316,14 +303,41 @@ def estimate(spec, cluster, plan, seq_len: int, global_batch: int, *, dtype_byte
     step = float(shared_host_step(unshared, busy, cluster.core_share))
     mem_rank = int(np.argmax(out["memory"]))
     tokens = global_batch * seq_len
-    subs = {sym: values[sym.name] for sym in (symbols.SP, symbols.RSEL, symbols.RFULL, symbols.Z1, symbols.Z2,
-                                              symbols.Z3, symbols.CPRING, symbols.CPAG, symbols.CPUL, symbols.gated,
-                                              symbols.qb, symbols.nn, symbols.FLASH, symbols.TPOV, symbols.DPV)}
-    subs = {k: (float(v[0]) if isinstance(v, np.ndarray) else float(v)) for k, v in subs.items()}
-    subs = {k: sp.Integer(int(v)) if v == int(v) else sp.Float(v) for k, v in subs.items()}
+    subs = _switches(values)
     return Cost(plan=plan, spec=spec, cluster=cluster, seq_len=seq_len, global_batch=global_batch,
                 step_time=step,
                 mfu=model_flops(spec, seq_len, global_batch) / (step * plan.world_size * cluster.peak_flops),
                 memory_per_gpu=float(out["memory"][mem_rank]), tokens_per_s=tokens / step,
                 bubble=float(bubble[0]), shared_cores=step - unshared, bottleneck_pp_rank=slow, memory_pp_rank=mem_rank, _out=out,
                 _subs=subs, _model=model, dtype_bytes=dtype_bytes)
+
+
+def _plan_arrays(spec, plan, global_batch: int, x, dtype_bytes: int, bucket_bytes) -> dict[str, np.ndarray]:
+    """The plan's encoded columns, one row per pp rank, with each pp rank's layers, sends and
+    receives, gradient buckets and micro-batches in flight (the inputs ``estimate`` evaluates)."""
+    views = stage_views(spec, plan.pp, plan.schedule, plan.vpp, x)
+    pp = plan.pp
+    arrays = {key: np.full(pp, val, dtype=np.float64) for key, val in encode(plan).items()}
+    arrays["b"] = np.full(pp, global_batch / (plan.dp * plan.mb))
+    arrays["schedule"] = arrays["schedule"].astype(np.int64)
+    for key, attr in (("ld", "dense"), ("le", "moe"), ("first", "first"), ("last", "last"),
+                      ("nsend", "sends"), ("nrecv", "recvs")):
+        arrays[key] = np.array([getattr(v, attr) for v in views], dtype=np.float64)
+    counts = bucket_counts(spec, tp=plan.tp, ep=plan.ep, pp=pp, schedule=plan.schedule, vpp=plan.vpp, head_layers=x,
+                           param_bytes=dtype_bytes, bucket_bytes=bucket_bytes)
+    for key, attr in BUCKET_FIELDS.items():
+        arrays[key] = np.array([getattr(c, attr) for c in counts], dtype=np.float64)
+    arrays["infl"] = inflight(plan.schedule, pp, plan.num_chunks_per_rank,
+                              np.arange(pp, dtype=np.float64), plan.mb)
+    return arrays
+
+
+def _switches(values: dict) -> dict:
+    """The 0/1 switches and plan-wide numbers of one plan, as sympy numbers for ``Cost``'s
+    formulas (its breakdown substitutes them before printing a term)."""
+    subs = {sym: values[sym.name] for sym in (symbols.SP, symbols.RSEL, symbols.RFULL, symbols.Z1, symbols.Z2,
+                                              symbols.Z3, symbols.CPRING, symbols.CPAG, symbols.CPUL, symbols.gated,
+                                              symbols.qb, symbols.nn, symbols.FLASH, symbols.TPOV, symbols.DPV)}
+    subs = {k: (float(v[0]) if isinstance(v, np.ndarray) else float(v)) for k, v in subs.items()}
+    subs = {k: sp.Integer(int(v)) if v == int(v) else sp.Float(v) for k, v in subs.items()}
+    return subs

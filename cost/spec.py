@@ -2,7 +2,7 @@
 
 A spec comes from a preset (:meth:`ModelSpec.preset`), a Hugging Face ``config.json``
 (:meth:`ModelSpec.from_hf_config`), a traced model (:meth:`ModelSpec.from_module`, via
-``autopar.frontend.analyze.model_dims``) or is written out by hand. The formulas that use it are
+``autopar.frontend.model_dims.model_dims``) or is written out by hand. The formulas that use it are
 in memory.py (parameters, activations), flops.py and comm.py; ``values()`` maps the
 spec onto the symbols of symbols.py.
 """
@@ -259,7 +259,7 @@ class ModelSpec:
 
     @classmethod
     def from_module(cls, model, example_inputs, example_kwargs=None) -> "ModelSpec":
-        from autopar.frontend.analyze import model_dims  # lazy: pulls in torch and the tracer
+        from autopar.frontend.model_dims import model_dims  # lazy: pulls in torch and the tracer
 
         return cls(**model_dims(model, example_inputs, example_kwargs))
 

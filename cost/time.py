@@ -46,7 +46,7 @@ import sympy as sp
 
 from .comm import RowSpec, local_param_elems
 from .flops import gemm_classes
-from .symbols import (XEW, Vt, RING_FACTORS, DPV, FLASH, LAST, RFULL, RSEL, SP, TPOV, Z1, Z2, Z3, ZOV, m, x_attn, E, a, b,
+from .symbols import (XEW, Vt, RING_FACTORS, DPV, FLASH, LAST, RFULL, RSEL, SP, TPOV, Z1, Z2, ZOV, m, x_attn, E, a, b,
                       cp, d, dp, ep, eta_max, f,
                       fe, g, gated, h, hbm_bw, k, kappa, ld, le, link_symbols, nsh, opt_bw, peak, phi, rho, s, tp, w,
                       wg, wo, wp, ew_bw)

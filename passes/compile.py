@@ -16,7 +16,7 @@ from typing import Any, Callable, Sequence
 from autopar.frontend.analyze import analyze
 from autopar.frontend.trace import trace_model
 from autopar.plan import Plan
-from autopar.plan_space import DEFAULT_BUCKET_BYTES, check_microbatches
+from autopar.plan_space import DEFAULT_BUCKET_BYTES
 from autopar.support import check_runnable, check_supported, moe_needs_rewrite
 from .causal_mask import causal_mask_pass
 from .cleanup import cleanup_pass
@@ -36,7 +36,6 @@ def compile_program(model, example_inputs: Sequence[Any], example_kwargs: dict |
     :class:`passes.context.CompiledProgram` with every pass's decisions."""
     plan = Plan.parse(plan)
     check_supported(plan)
-    check_microbatches(plan)  # a rule of the plan alone: refused before tracing
     traced = trace_model(model, example_inputs, example_kwargs, loss_fn, example_target, upcast_outputs)
     inputs = PassInputs(plan=plan, structure=None, axis_sizes=MappingProxyType({**plan.degrees, "ep": plan.ep}),
                         seq_symbol=traced.seq_symbol, batch_symbol=traced.batch_symbol,

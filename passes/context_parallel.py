@@ -172,6 +172,27 @@ def _propagate_tokens(gm: GraphModule, ctx: PassContext, result: PassResult) -> 
             result.num_rewritten += 1
 
 
+def _causal_window(node, bound: dict, windows: dict, ctx: PassContext) -> tuple[bool, int | None]:
+    """``(causal, window)`` of SDPA ``node`` (its arguments ``bound``): causal by flag or by an in-graph
+    mask (``windows`` caches each mask's answer: one mask usually feeds every layer, and evaluating
+    it costs s x s); refuses dropout and a mask that is neither causal nor a causal sliding window."""
+    if bound.get("dropout_p", 0.0):
+        raise AutoparError(f"autopar: context parallelism needs attention without dropout; {_where(node)} "
+                           f"has dropout_p={bound['dropout_p']}. Set the model's attention dropout to 0 or drop cp.")
+    mask = bound.get("attn_mask")
+    if mask is None:
+        return bool(bound.get("is_causal", False)), None
+    if mask not in windows:
+        windows[mask] = None if is_causal_mask(mask, ctx) else mask_window(mask, ctx) or 0
+    if windows[mask] == 0:
+        raise AutoparError(
+            f"autopar: context parallelism supports causal attention (is_causal=True, an in-graph "
+            f"causal mask, or a causal sliding window); the mask of {_where(node)} depends on input "
+            f"data (e.g. a padding attention_mask) or is neither. Train without a padding mask "
+            f"(pack full sequences) or drop cp.")
+    return True, windows[mask]
+
+
 def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     plan = ctx.plan
     result = PassResult("context_parallel_pass")
@@ -185,22 +206,7 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         if node.op != "call_function" or node.target is not SDPA:
             continue
         bound = sdpa_args(node)
-        if bound.get("dropout_p", 0.0):
-            raise AutoparError(f"autopar: context parallelism needs attention without dropout; {_where(node)} "
-                               f"has dropout_p={bound['dropout_p']}. Set the model's attention dropout to 0 or drop cp.")
-        mask = bound.get("attn_mask")
-        causal, window = bool(bound.get("is_causal", False)), None
-        if mask is not None:
-            if mask not in windows:  # one mask usually feeds every layer: evaluated once (s x s at 8195)
-                windows[mask] = None if is_causal_mask(mask, ctx) else mask_window(mask, ctx) or 0
-            window = windows[mask]
-            if window == 0:
-                raise AutoparError(
-                    f"autopar: context parallelism supports causal attention (is_causal=True, an in-graph "
-                    f"causal mask, or a causal sliding window); the mask of {_where(node)} depends on input "
-                    f"data (e.g. a padding attention_mask) or is neither. Train without a padding mask "
-                    f"(pack full sequences) or drop cp.")
-            causal = True
+        causal, window = _causal_window(node, bound, windows, ctx)
         q = bound["query"]
         k, groups = strip_gqa(bound["key"])
         v, groups_v = strip_gqa(bound["value"])

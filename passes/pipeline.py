@@ -38,11 +38,11 @@ from torch.fx import Graph, GraphModule, Node
 from autopar.compat import sym_hint
 from autopar.errors import AutoparError, describe_node
 from autopar.ops.zero_gather import zero_gather
-from autopar.plan import check_microbatches, chunk_rank, chunks_per_rank, valid_microbatches
+from autopar.plan import chunk_rank, chunks_per_rank, valid_microbatches
 from .context import META_KEY, PassContext, PassResult, provenance
 
 __all__ = ["PipelineChunk", "PipelineProgram", "pipeline_pass", "chunk_layer_counts", "chunk_rank",
-           "num_chunks", "check_microbatches", "valid_microbatches", "TARGET_KWARG", "input_kwarg"]
+           "num_chunks", "valid_microbatches", "TARGET_KWARG", "input_kwarg"]
 
 TARGET_KWARG = "loss_target"  # not "target": schedule.step() takes that name itself
 
@@ -104,8 +104,8 @@ def num_chunks(plan) -> int:
     return plan.pp * chunks_per_rank(plan.schedule, plan.vpp)
 
 
-# chunk_rank, check_microbatches and valid_microbatches (re-exported here) are the shared
-# rules of autopar.plan_space.
+# chunk_rank and valid_microbatches (re-exported here) are the shared rules of autopar.plan_space;
+# a plan whose schedule does not run its micro-batches does not exist (Plan's construction).
 
 
 # ---- layer placement ---------------------------------------------------------------------
@@ -113,7 +113,7 @@ def num_chunks(plan) -> int:
 def _spec(structure):
     """The cost model's view of the traced model (MoE layers included), as ModelSpec.from_module builds it."""
     from autopar.cost.spec import ModelSpec
-    from autopar.frontend.analyze import structure_dims
+    from autopar.frontend.model_dims import structure_dims
 
     dims = structure_dims(structure)
     if not dims["num_heads"]:
@@ -298,7 +298,6 @@ def pipeline_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     """Cut ``gm`` into ``result.pipeline`` (a :class:`PipelineProgram`); ``gm`` itself is unchanged."""
     plan = ctx.plan
     result = PassResult("pipeline_pass")
-    check_microbatches(plan)
     counts = chunk_layer_counts(ctx.structure, plan, _seq_len(gm), ctx.pipeline_split)
     # A tied LM head: the last chunk holds a copy of the embedding weight, and the copies' gradients
     # are summed every step (the runtime's embedding group, as Megatron-Core does).

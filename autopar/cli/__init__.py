@@ -1,7 +1,7 @@
 """Command-line entry point: ``autopar inspect | plan | explain | verify | calibrate``.
 
 ``inspect`` (autopar/cli/inspect_cmd.py) prints a rank's generated program; ``plan`` and
-``explain`` (autopar/cli/plan_cmd.py) run the offline cost model and search, and
+``explain`` (autopar/cli/plan_cmd.py, their tables in cost_tables.py) run the offline cost model and search, and
 ``explain --measure`` (autopar/cli/measure_cmd.py) sets the memory one step measures on local
 gloo processes against the prediction; ``verify`` (autopar/cli/verify_cmd.py) proves a plan
 on CPU gloo processes against one process; ``calibrate`` (autopar/cli/calibrate_cmd.py, its

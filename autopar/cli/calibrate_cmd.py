@@ -42,7 +42,6 @@ import math
 import os
 import sys
 import time
-import traceback
 
 from autopar.errors import AutoparError
 
@@ -194,90 +193,56 @@ def _time_overlap(torch, dist, device, nbytes: int) -> dict:
     return dict(bytes=nbytes, products=count, rounds=rounds, comm_overlap=overlaps[len(overlaps) // 2])
 
 
-def _collective_rank(rank: int, world: int, port: int, kind: str, sizes, budget: float, results) -> None:
-    """One spawned rank: time every collective of every group size it belongs to; rank 0 reports."""
+def _collective_rank(rank: int, world: int, port: int, kind: str, sizes, budget: float, *, post) -> None:
+    """One spawned rank: time every collective of every group size it belongs to; rank 0 posts them."""
     from datetime import timedelta
 
     import torch
     import torch.distributed as dist
 
-    try:
-        if kind == "cuda":
-            torch.cuda.set_device(rank)
-            device, backend = torch.device("cuda", rank), "nccl"
-        else:
-            torch.set_num_threads(1)
-            device, backend = torch.device("cpu"), "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
-        groups = {n: dist.new_group(list(range(n))) for n in range(2, world + 1)}  # every rank creates each
-        for n, group in groups.items():
-            if rank < n:
-                for collective in COLLECTIVES:
-                    for nbytes in sizes:
-                        seconds, calls = _time_collective(torch, dist, collective, nbytes, group, n, device, budget)
-                        if rank == 0:
-                            results.put(("sample", rank, dict(collective=collective, group=n, bytes=nbytes,
-                                                              seconds=seconds, calls=calls)))
-            dist.barrier()
-        overlap = _time_overlap(torch, dist, device, max(sizes))
-        if rank == 0:
-            results.put(("overlap", rank, overlap))
-        results.put(("done", rank, None))
-    except BaseException as exc:  # reported to the parent, which raises a clear error
-        results.put(("err", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if kind == "cuda":
+        torch.cuda.set_device(rank)
+        device, backend = torch.device("cuda", rank), "nccl"
+    else:
+        torch.set_num_threads(1)
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    groups = {n: dist.new_group(list(range(n))) for n in range(2, world + 1)}  # every rank creates each
+    for n, group in groups.items():
+        if rank < n:
+            for collective in COLLECTIVES:
+                for nbytes in sizes:
+                    seconds, calls = _time_collective(torch, dist, collective, nbytes, group, n, device, budget)
+                    if rank == 0:
+                        post("sample", dict(collective=collective, group=n, bytes=nbytes, seconds=seconds,
+                                            calls=calls))
+        dist.barrier()
+    overlap = _time_overlap(torch, dist, device, max(sizes))
+    if rank == 0:
+        post("overlap", overlap)
 
 
 def measure_collectives(kind: str, world: int, sizes, budget: float, log,
                         timeout: float = COLLECTIVE_TIMEOUT_S) -> tuple[list[dict], dict]:
     """Timed all-reduces and all-gathers on ``world`` spawned local ranks (NCCL on cuda, gloo on cpu), and
     the overlap of an all-reduce with matrix products (:func:`_time_overlap`): ``(samples, overlap)``."""
-    import queue
+    from autopar.verification.launch import run_spawned
 
-    import torch.multiprocessing as mp
+    samples, overlap = [], {}
 
-    from autopar.verification.launch import free_port, stop_processes
+    def received(what: str, rank: int, payload: dict) -> None:
+        if what == "overlap":
+            overlap.update(payload)
+            log(f"all-reduce of {_fmt_bytes(payload['bytes'])} under matrix products: "
+                f"{payload['comm_overlap'] * 100:.0f}% of it hidden")
+            return
+        samples.append(payload)
+        log(f"{payload['collective'].replace('_', '-')} over {payload['group']} ranks, "
+            f"{_fmt_bytes(payload['bytes'])}: {payload['seconds'] * 1e6:,.0f} us")
 
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_collective_rank, args=(r, world, port, kind, sizes, budget, results), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    samples, done, overlap = [], set(), {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(done) < world:
-            try:
-                status, rank, payload = results.get(timeout=1.0)
-            except queue.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
-                if dead or time.monotonic() > deadline:
-                    why = f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}" if dead else \
-                        f"the ranks did not finish within {timeout:.0f} s"
-                    raise AutoparError(f"autopar: timing collectives on {world} local ranks failed: {why}; "
-                                       f"try a smaller --world or --quick") from None
-                continue
-            if status == "err":
-                raise AutoparError(f"autopar: calibration rank {rank} failed while timing collectives: "
-                                   f"{payload.splitlines()[0]}\n{payload}")
-            if status == "done":
-                done.add(rank)
-                continue
-            if status == "overlap":
-                overlap = payload
-                log(f"all-reduce of {_fmt_bytes(payload['bytes'])} under matrix products: "
-                    f"{payload['comm_overlap'] * 100:.0f}% of it hidden")
-                continue
-            samples.append(payload)
-            log(f"{payload['collective'].replace('_', '-')} over {payload['group']} ranks, "
-                f"{_fmt_bytes(payload['bytes'])}: {payload['seconds'] * 1e6:,.0f} us")
-    finally:
-        stop_processes(procs)
+    run_spawned(_collective_rank, world, (kind, sizes, budget), timeout=timeout, on_post=received,
+                what="timing collectives (try --quick)")
     return samples, overlap
 
 

@@ -12,13 +12,12 @@ and :func:`format_memory_comparison` prints the table.  autopar/cli/plan_cmd.py 
 """
 from __future__ import annotations
 
-import traceback
 from datetime import timedelta
 
 import torch
 
 from autopar.errors import AutoparError
-from autopar.verification.launch import free_port, stop_processes
+from autopar.verification.launch import run_spawned
 
 __all__ = ["measure_memory", "predicted_memory", "memory_comparison", "format_memory_comparison",
            "MEASURE_TIMEOUT_S"]
@@ -45,58 +44,26 @@ def _shifted_target(inputs: tuple) -> torch.Tensor:
     return torch.roll(ids, -1, dims=1)
 
 
-def _worker(rank: int, world_size: int, port: int, target: str, plan: str, results) -> None:
-    """One spawned rank: join the gloo world, train one step, put ``(rank, report)``."""
+def _measuring_rank(rank: int, world_size: int, port: int, target: str, plan: str, *, post) -> dict:
+    """One spawned rank: join the gloo world, train one step, return ``pm.memory_report()``."""
     import torch.distributed as dist
 
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=MEASURE_TIMEOUT_S))
-        from autopar.runtime import parallelize
-        from autopar.cli.inspect_cmd import lm_cross_entropy, load_target
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=MEASURE_TIMEOUT_S))
+    from autopar.cli.inspect_cmd import lm_cross_entropy, load_target
+    from autopar.runtime import parallelize
 
-        model, inputs, kwargs = load_target(target)
-        pm = parallelize(model, inputs, example_kwargs=kwargs, plan=plan, loss_fn=lm_cross_entropy)
-        pm.train_step(inputs, _shifted_target(inputs))
-        results.put(("ok", rank, pm.memory_report()))
-    except BaseException as exc:  # reported to the parent, which raises a clear error
-        results.put(("err", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    model, inputs, kwargs = load_target(target)
+    pm = parallelize(model, inputs, example_kwargs=kwargs, plan=plan, loss_fn=lm_cross_entropy)
+    pm.train_step(inputs, _shifted_target(inputs))
+    return pm.memory_report()
 
 
 def measure_memory(target: str, plan: str, world_size: int, timeout: float = MEASURE_TIMEOUT_S) -> list[dict]:
     """``memory_report()`` of every rank after one ``train_step`` of ``target`` under ``plan``."""
-    import queue
-
-    import torch.multiprocessing as mp
-
-    if world_size < 1:
-        raise AutoparError(f"autopar: --world must be >= 1, got {world_size}")
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, target, plan, results), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    reports: dict[int, dict] = {}
-    try:
-        while len(reports) < world_size:
-            try:
-                status, rank, payload = results.get(timeout=timeout)
-            except queue.Empty:
-                raise AutoparError(f"autopar: the {world_size} measuring processes did not finish within "
-                                   f"{timeout:.0f} s; try a smaller model or batch") from None
-            if status == "err":
-                raise AutoparError(f"autopar: rank {rank} failed while measuring plan '{plan}' on "
-                                   f"{target}: {payload.splitlines()[0]}\n{payload}")
-            reports[rank] = payload
-    finally:
-        stop_processes(procs)
-    return [reports[r] for r in range(world_size)]
+    return run_spawned(_measuring_rank, world_size, (target, plan), timeout=timeout,
+                       what=f"measuring plan '{plan}' on {target}")
 
 
 def predicted_memory(cost, pp_rank: int | None = None) -> dict[str, float]:

@@ -21,7 +21,7 @@ Linear layers are ``aten.linear`` (weight ``[out, in]``), ``aten.addmm`` with a
 bias added after it; :class:`LinearInfo` records which (``bias_in_op``).
 
 Neighbours: :mod:`autopar.frontend.trace` produces the graph; ``passes/tensor_parallel.py`` consumes
-:class:`ModelStructure`; :func:`model_dims` feeds ``autopar.cost.ModelSpec.from_module``.
+:class:`ModelStructure`; :mod:`autopar.frontend.model_dims` turns it into ``autopar.cost.ModelSpec``'s fields.
 """
 from __future__ import annotations
 
@@ -33,17 +33,15 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autopar.errors import AutoparError
-from autopar.frontend.analyze_moe import expert_width, find_moe_blocks
+from autopar.frontend.analyze_moe import find_moe_blocks
 from autopar.frontend.attention_dims import attention_dims, eager_attention_dims
 from autopar.frontend.fx_utils import module_path, reshape_chain, within as _within
 from autopar.frontend.loss import LossReduction, loss_reduction
 from autopar.frontend.op_sets import ATTENTION_OPS, RESHAPE_OPS, SPLIT_OPS
-from autopar.frontend.spec_dims import graph_dims
-from autopar.frontend.trace import trace_model
 
 aten = torch.ops.aten
 
-__all__ = ["LinearInfo", "Region", "ModelStructure", "analyze", "model_dims", "structure_dims", "module_path",
+__all__ = ["LinearInfo", "Region", "ModelStructure", "analyze", "module_path",
            "reshape_chain"]
 
 _NORM_OPS = {aten.rsqrt.default, aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default}
@@ -237,14 +235,14 @@ def _slice_sizes(last: Node, slices: list[Node]) -> list[int] | None:
     return [end - start for start, end in ranges]
 
 
-def _normalised_whole(column: LinearInfo, depth: int = 6) -> bool:
+def normalised_whole(column: LinearInfo, depth: int = 6) -> bool:
     """Is ``column``'s whole output reduced over its last dim (an RMSNorm's mean of squares) a few
     elementwise ops after it, before any reshape into heads?  For the cost model's ``qk_norm``;
     whether the program is exact under tp is decided by shard propagation."""
     return _normalised_over(column, column.out_features, depth, views=False)
 
 
-def _normalised_per_head(column: LinearInfo, head_dim: int, depth: int = 6) -> bool:
+def normalised_per_head(column: LinearInfo, head_dim: int, depth: int = 6) -> bool:
     """Is ``column``'s output, reshaped into heads, RMS-normalised over the head dim (Qwen3's q/k
     norms)?  For the cost model's ``qk_head_norm`` (replicated norm weights of the head dim)."""
     return head_dim != column.out_features and _normalised_over(column, head_dim, depth, views=True)
@@ -396,24 +394,6 @@ def analyze(gm: GraphModule) -> ModelStructure:
     )
 
 
-def model_dims(model: torch.nn.Module, example_inputs, example_kwargs: dict | None = None) -> dict:
-    """Dimensions of ``model`` for ``autopar.cost.ModelSpec`` (traced, not read from names)."""
-    gm = trace_model(model, example_inputs, example_kwargs).gm
-    s = analyze(gm)
-    if not s.regions:
-        raise AutoparError(
-            f"autopar: found no attention or MLP region in {type(model).__name__}; expected a decoder "
-            "with linear projections around an attention op. Describe the model with ModelSpec(...) instead."
-        )
-    dims = structure_dims(s)
-    dims.update(graph_dims(gm, s, dims))  # norms per layer, biases, tables, logits, cumsums (frontend/spec_dims.py)
-    # Whether the loss adds the load-balancing loss is the user's choice; a Hugging Face MoE model
-    # computes it when configured to return router logits (priced if the loss uses it).
-    config = getattr(model, "config", None)
-    dims["router_aux_loss"] = bool(getattr(config, "output_router_logits", False)) and dims.get("num_experts", 0) > 0
-    return {"name": type(model).__name__, **dims}
-
-
 def _latent_dims(region: Region) -> dict:
     """``ModelSpec``'s multi-head latent attention fields when projections of the region's own
     projections feed the attention op (DeepSeek's ``kv_b_proj`` of the ``kv_a_proj`` latent,
@@ -430,43 +410,3 @@ def _latent_dims(region: Region) -> dict:
     return {"kv_lora_rank": kv_up[0].in_features, "q_lora_rank": q_up[0].in_features if q_up else 0,
             "qk_rope_head_dim": kv_down[0].out_features - kv_up[0].in_features,
             "v_head_dim": int(op.args[2].meta["val"].shape[-1])}
-
-
-def structure_dims(s: ModelStructure) -> dict:
-    """``ModelSpec`` fields (all but the name) of an analyzed model."""
-    mlp = next((r for r in s.regions if r.kind == "mlp"), None)
-    gated = bool(mlp and (len(mlp.columns) >= 2 or any(c.split_sizes for c in mlp.columns)))
-    attention = next((r for r in s.regions if r.kind == "attention"), None)
-    qkv_bias = bool(attention and any(c.bias for c in attention.columns))  # Qwen2's q, k, v biases
-    qk_norm = bool(attention) and sum(_normalised_whole(c) for c in attention.columns) >= 2  # OLMo 2
-    qk_head_norm = bool(attention) and not qk_norm and s.head_dim > 0 and sum(  # Qwen3
-        _normalised_per_head(c, s.head_dim) for c in attention.columns) >= 2
-    moe = {}
-    if s.moe:
-        width, gated_experts = expert_width(s.moe[0])
-        gated = gated if mlp else gated_experts
-        per_shared = (3 if gated_experts else 2) * s.hidden * width
-        num_shared = s.moe[0].shared_numel // per_shared
-        moe = {"num_experts": s.moe[0].num_experts, "top_k": s.moe[0].top_k, "moe_ffn": width,
-               "num_shared_experts": num_shared,
-               # Qwen2-MoE's sigmoid gate Linear(hidden, 1) on the shared experts' output
-               "shared_expert_gate": s.moe[0].shared_numel - num_shared * per_shared == s.hidden,
-               "moe_layer_freq": max(1, s.num_layers // len(s.moe)),
-               "first_dense_layers": s.num_layers - len(s.moe) * max(1, s.num_layers // len(s.moe))}
-    return {
-        **s.latent,
-        "num_layers": s.num_layers,
-        "hidden": s.hidden,
-        "num_heads": s.num_heads,
-        "num_kv_heads": s.num_kv_heads,
-        "head_dim": s.head_dim,
-        "ffn": s.ffn or moe.get("moe_ffn", 0),
-        "vocab": s.vocab,
-        "gated_mlp": gated,
-        "tied_embeddings": s.tied_embeddings,
-        "qkv_bias": qkv_bias,
-        "qk_norm": qk_norm,
-        "qk_head_norm": qk_head_norm,
-        "norm": "layernorm" if s.norm_biases else "rmsnorm",
-        **moe,
-    }

@@ -223,12 +223,9 @@ def _block(gm: GraphModule, topk: Node) -> MoEBlock | None:
         needed = {c for p in stacked for c in _first_users_in(p, down)}
     else:
         needed = {n for n in scoped if any(in_module(n, e) for e in experts)}
-    output = None
-    for n in sorted(down, key=_order):
-        if n.op == "call_function" and _is_float(n) and len(_shape(n)) == 2 \
-                and _shape(n)[0] == _shape(index)[0] and needed <= (_ancestors(n) | {n}):
-            output = n
-            break
+    output = next((n for n in sorted(down, key=_order)
+                   if n.op == "call_function" and _is_float(n) and len(_shape(n)) == 2
+                   and _shape(n)[0] == _shape(index)[0] and needed <= (_ancestors(n) | {n})), None)
     if output is None:
         raise AutoparError(f"autopar: found a top-k routing at {describe_node(topk)} with {num_experts} experts "
                            "but no [tokens, hidden] output that combines every expert; expected "
@@ -258,14 +255,20 @@ def _block(gm: GraphModule, topk: Node) -> MoEBlock | None:
         _stacked_bodies(block, stacked)
     else:
         _modulelist_bodies(block)
+    _count_params(gm, block, stacked)
+    return block
+
+
+def _count_params(gm: GraphModule, block: MoEBlock, stacked: bool) -> None:
+    """An expert's parameter count, and the block's parameters outside its experts and router
+    (shared experts, their gate), from the parameters the block's nodes read."""
     numel = sum(gm.get_parameter(p).numel() for p in block.expert_params[0])
-    block.expert_numel = numel // num_experts if stacked else numel
+    block.expert_numel = numel // block.num_experts if stacked else numel
     owned = set(block.param_names) | ({block.router.args[1].target} if block.router is not None else set())
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     shared = {a.target for n in gm.graph.nodes if n.op == "call_function" and in_module(n, block.module)
               for a in n.all_input_nodes if a.op == "get_attr" and a.target in params and a.target not in owned}
     block.shared_numel = sum(gm.get_parameter(p).numel() for p in shared)
-    return block
 
 
 def _stacked_bodies(block: MoEBlock, stacked: list[Node]) -> None:

@@ -2,7 +2,7 @@
 
 :func:`graph_dims` reads them from the traced model and its :class:`ModelStructure` in general
 terms (ops, shapes and parameters, never names) for ``ModelSpec.from_module``
-(``autopar.frontend.analyze.model_dims``):
+(``autopar.frontend.model_dims.model_dims``):
 
 - ``layer_norms``: norms per layer, from the norm weights of the first layer less the q/k and
   latent norms the spec counts on their own (Gemma 2 normalises attention and MLP outputs again: 4);

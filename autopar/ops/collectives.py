@@ -42,28 +42,10 @@ import torch.nn.functional as F
 
 from autopar.ops.step import AxisGroup, CommRecord, CommRecorder, current, find_current
 
-__all__ = [
-    "AxisGroup",
-    "CommRecord",
-    "CommRecorder",
-    "find_group",
-    "axis_size",
-    "axis_rank",
-    "recorder",
-    "ring_bytes",
-    "all_gather",
-    "gather_replicated",
-    "reduce_scatter",
-    "all_reduce",
-    "region_entry",
-    "token_all_reduce",
-    "local_shard",
-    "vocab_parallel_embedding",
-    "vocab_parallel_cross_entropy",
-    "record",
-    "loss_all_reduce",
-    "record_p2p",
-]
+__all__ = ["AxisGroup", "CommRecord", "CommRecorder", "find_group", "axis_size", "axis_rank", "recorder", "ring_bytes",
+           "all_gather", "gather_replicated", "reduce_scatter", "all_reduce", "region_entry", "token_all_reduce",
+           "local_shard", "vocab_parallel_embedding", "vocab_parallel_cross_entropy", "record", "loss_all_reduce",
+           "record_p2p"]
 
 
 def _group(axis: str) -> AxisGroup:
@@ -232,15 +214,18 @@ def _reduce(x: torch.Tensor, axis: str, phase: str, tag: str, op=dist.ReduceOp.S
     return out
 
 
-class _AllGather(torch.autograd.Function):
+class _GatherScatter(torch.autograd.Function):
+    """An all-gather (``gather``) or a reduce-scatter along ``dim``; backward is the other one, its dual."""
+
     @staticmethod
-    def forward(ctx, x, dim, axis, tag):
-        ctx.dim, ctx.axis, ctx.tag = dim, axis, tag
-        return _gather(x, dim, axis, "fwd", tag)
+    def forward(ctx, x, dim, axis, tag, gather):
+        ctx.dim, ctx.axis, ctx.tag, ctx.gather = dim, axis, tag, gather
+        return (_gather if gather else _scatter)(x, dim, axis, "fwd", tag)
 
     @staticmethod
     def backward(ctx, grad):
-        return _scatter(grad, ctx.dim, ctx.axis, "bwd", ctx.tag), None, None, None
+        dual = _scatter if ctx.gather else _gather
+        return dual(grad, ctx.dim, ctx.axis, "bwd", ctx.tag), None, None, None, None
 
 
 class _GatherReplicated(torch.autograd.Function):
@@ -253,17 +238,6 @@ class _GatherReplicated(torch.autograd.Function):
     def backward(ctx, grad):
         g = _group(ctx.axis)
         return grad.chunk(g.size, dim=ctx.dim)[g.rank].contiguous(), None, None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, dim, axis, tag):
-        ctx.dim, ctx.axis, ctx.tag = dim, axis, tag
-        return _scatter(x, dim, axis, "fwd", tag)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather(grad, ctx.dim, ctx.axis, "bwd", ctx.tag), None, None, None
 
 
 class _AllReduce(torch.autograd.Function):
@@ -292,7 +266,7 @@ def all_gather(x: torch.Tensor, dim: int, axis: str, tag: str = "", regather: bo
 
     ``regather`` (sequence parallelism's gathers): where backward needs the result (a GEMM's
     saved input), keep ``x`` instead and all-gather it again then (:mod:`autopar.ops.regather`)."""
-    out = _AllGather.apply(x, dim, axis, tag)
+    out = _GatherScatter.apply(x, dim, axis, tag, True)
     if regather and out.requires_grad:
         step = current()
         if step.regather is not None and not step.recomputing:
@@ -314,7 +288,7 @@ def gather_replicated(x: torch.Tensor, dim: int, axis: str, tag: str = "") -> to
 
 def reduce_scatter(x: torch.Tensor, dim: int, axis: str, tag: str = "") -> torch.Tensor:
     """Sum partial ``x`` over ``axis`` and keep this rank's shard of ``dim``; backward all-gathers."""
-    return _ReduceScatter.apply(x, dim, axis, tag)
+    return _GatherScatter.apply(x, dim, axis, tag, False)
 
 
 def all_reduce(x: torch.Tensor, axis: str, tag: str = "") -> torch.Tensor:

@@ -43,7 +43,7 @@ def _spec_and_cluster(structure, world_size: int):
     from autopar.cost import Cluster, ModelSpec
     from autopar.cost.hardware import whole_nodes
     from autopar.cost.profile import load_profile
-    from autopar.frontend.analyze import structure_dims
+    from autopar.frontend.model_dims import structure_dims
 
     spec = ModelSpec(name="traced", **{**structure_dims(structure), "num_layers": max(1, structure.num_layers)})
     # The ranks on one host: torchrun's LOCAL_WORLD_SIZE (whole nodes by construction), else the
@@ -67,10 +67,11 @@ def estimate_step(structure, plan: Plan, seq_len: int, global_batch: int, *, dty
         return None
     from autopar.cost import estimate
 
-    spec, cluster = _spec_and_cluster(structure, plan.world_size)
-    try:
+    try:  # a plan the cost model refuses (or ranks that fill no whole nodes) has no prediction
+        spec, cluster = _spec_and_cluster(structure, plan.world_size)
         return estimate(spec, cluster, plan, seq_len=seq_len, global_batch=global_batch, dtype_bytes=dtype_bytes)
-    except ValueError:
+    except ValueError as exc:
+        log.info("no step prediction for plan %s: %s", plan, exc)
         return None
 
 

@@ -51,24 +51,15 @@ def init_distributed(backend: str | None = None, *,
     init_process_group(backend, timeout)
 
 
-def parallelize(
-    model: nn.Module,
-    example_inputs: Sequence[Any],
-    *,
-    example_kwargs: dict | None = None,
-    plan: str | Plan = "none",
-    loss_fn: Callable | None = None,
-    optimizer: Callable[..., torch.optim.Optimizer] | None = None,
-    example_target: Any = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    pipeline_split: Sequence[int] | None = None,
-    max_grad_norm: float | None = None,
-    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
-    mixed_precision: str | None = None,
-    compile: bool | dict = False,
-    init_weights: Callable[[nn.Module], None] | None = None,
-    fused_optimizer: bool = True,
-) -> ParallelModule:
+def parallelize(model: nn.Module, example_inputs: Sequence[Any], *, example_kwargs: dict | None = None,
+                plan: str | Plan = "none", loss_fn: Callable | None = None,
+                optimizer: Callable[..., torch.optim.Optimizer] | None = None, example_target: Any = None,
+                bucket_bytes: int = DEFAULT_BUCKET_BYTES, pipeline_split: Sequence[int] | None = None,
+                max_grad_norm: float | None = None,
+                lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+                mixed_precision: str | None = None, compile: bool | dict = False,
+                init_weights: Callable[[nn.Module], None] | None = None,
+                fused_optimizer: bool = True) -> ParallelModule:
     """Compile ``model`` for ``plan`` on the current process group; the model is not modified.
 
     ``model(*example_inputs, **example_kwargs)`` is the call that is traced; every argument after
@@ -101,13 +92,9 @@ def parallelize(
     ``model._init_weights``, applied as ``model.apply(fn)`` would; :mod:`autopar.runtime.weights.initialize`),
     or from ``pm.load(checkpoint)``; under a fake process group it is the scale simulation.
     """
-    if loss_fn is None:
-        raise AutoparError("autopar: parallelize needs loss_fn(output, target) to train the model; "
-                           "for a Hugging Face model, e.g. lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()).")
+    _check_arguments(loss_fn, max_grad_norm)
     world_size, _ = world()
     dtype = mixed_precision_dtype(mixed_precision)
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise AutoparError(f"autopar: max_grad_norm={max_grad_norm}; expected a positive number (or None: no clipping).")
     auto = isinstance(plan, str) and plan.strip().lower() == "auto"
     options = torch_compile_options(compile)  # a bad value: refused before tracing
     traced_model = low_precision_copy(model, dtype) if dtype is not None else model
@@ -122,6 +109,14 @@ def parallelize(
                           max_grad_norm=max_grad_norm, lr_scheduler=lr_scheduler,
                           masters_from=model if dtype is not None else None, torch_compile_options=options,
                           init_weights=init_weights, fused_optimizer=fused_optimizer)
+
+
+def _check_arguments(loss_fn, max_grad_norm) -> None:
+    if loss_fn is None:
+        raise AutoparError("autopar: parallelize needs loss_fn(output, target) to train the model; "
+                           "for a Hugging Face model, e.g. lambda out, y: F.cross_entropy(out.logits.flatten(0, 1), y.flatten()).")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise AutoparError(f"autopar: max_grad_norm={max_grad_norm}; expected a positive number (or None: no clipping).")
 
 
 def _auto_plan(model, example_inputs, example_kwargs, loss_fn, example_target, world_size: int) -> Plan:

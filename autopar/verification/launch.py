@@ -1,4 +1,16 @@
-"""Start the ranks of ``autopar verify`` as local gloo processes, and collect what they wrote.
+"""Local ranks: the one launcher product code starts processes on this machine with.
+
+Two entries, one for each kind of caller:
+
+* :func:`run_spawned` (``explain --measure``, ``calibrate``): a Python function on ``world``
+  spawned processes (``torch.multiprocessing``, a free TCP port for their process group), each
+  returning its result or posting progress through one queue; the first failure, a dead rank or
+  the timeout is an ``autopar:`` error naming the rank.  Spawning is safe there: the caller is the
+  ``autopar`` command, whose main module is guarded.
+* :func:`start_ranks` / :func:`wait_ranks` (``autopar verify`` and ``autopar.verify(...)``): the
+  worker module as ``python -m`` subprocesses, because ``autopar.verify`` is public API called from
+  users' scripts, which a spawned child would import and run again (a script without a
+  ``__main__`` guard would then recurse), and each rank's output goes to its own log.
 
 :func:`start_ranks` launches ``world`` processes of :mod:`autopar.verification.worker` at once
 (one launch for the whole run, localhost, a free TCP port, one CPU thread each, output to
@@ -11,16 +23,20 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import socket
 import subprocess
 import sys
 import time
+import traceback
+from typing import Any, Callable
 
 import torch
 
 from autopar.errors import AutoparError
 
-__all__ = ["RankFailure", "free_port", "stop_processes", "start_ranks", "stop_ranks", "wait_ranks", "DEFAULT_TIMEOUT_S"]
+__all__ = ["RankFailure", "free_port", "stop_processes", "run_spawned", "start_ranks", "stop_ranks", "wait_ranks",
+           "DEFAULT_TIMEOUT_S"]
 
 DEFAULT_TIMEOUT_S = 600.0
 _GRACE_S = 3.0  # after the first failure, how long the other ranks get to report theirs
@@ -47,6 +63,63 @@ def stop_processes(procs, grace: float = 10.0) -> None:
         if p.is_alive():
             p.terminate()
             p.join()
+
+
+def _spawned_rank(fn: Callable, rank: int, world: int, port: int, args: tuple, results) -> None:
+    """One spawned rank: ``fn(rank, world, port, *args, post=...)``, its result or its failure put on
+    ``results``; the process group it joined is destroyed whatever happens."""
+    import torch.distributed as dist
+
+    try:
+        payload = fn(rank, world, port, *args, post=lambda kind, value: results.put((kind, rank, value)))
+        results.put(("ok", rank, payload))
+    except BaseException as exc:  # reported to the parent, which raises a clear error
+        results.put(("err", rank, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_spawned(fn: Callable, world: int, args: tuple = (), *, what: str, timeout: float = DEFAULT_TIMEOUT_S,
+                on_post: Callable[[str, int, Any], None] | None = None) -> list[Any]:
+    """Each rank's result of ``fn(rank, world, port, *args, post=post)`` run on ``world`` spawned local
+    processes (``fn`` importable at module level; it joins the process group on ``port`` itself).
+    ``post(kind, value)`` sends progress to the parent, handed to ``on_post(kind, rank, value)``.
+    ``what`` says what the ranks do, for the errors."""
+    import torch.multiprocessing as mp
+
+    if world < 1:
+        raise AutoparError(f"autopar: --world must be >= 1, got {world}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_spawned_rank, args=(fn, r, world, port, args, results), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    done: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(done) < world:
+            try:
+                kind, rank, payload = results.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in done]
+                if dead or time.monotonic() > deadline:
+                    why = (f"rank {dead[0]} exited with code {procs[dead[0]].exitcode}" if dead
+                           else f"the ranks did not finish within {timeout:.0f} s")
+                    raise AutoparError(f"autopar: {what} on {world} local ranks failed: {why}; try a smaller "
+                                       "model, batch or --world") from None
+                continue
+            if kind == "err":
+                raise AutoparError(f"autopar: rank {rank} failed while {what}: {payload.splitlines()[0]}\n{payload}")
+            if kind == "ok":
+                done[rank] = payload
+            elif on_post is not None:
+                on_post(kind, rank, payload)
+    finally:
+        stop_processes(procs)
+    return [done[r] for r in range(world)]
 
 
 def start_ranks(workdir: str, world: int) -> list[subprocess.Popen]:

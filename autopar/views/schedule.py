@@ -17,7 +17,7 @@ Neighbours: ``autopar inspect --schedule`` (:mod:`autopar.cli.inspect_cmd`) prin
 from __future__ import annotations
 
 from autopar.ops.schedules import Act, rank_orders
-from autopar.plan import MULTI_CHUNK_SCHEDULES, check_microbatches
+from autopar.plan import MULTI_CHUNK_SCHEDULES
 
 __all__ = ["Act", "rank_orders", "schedule_grid", "inflight_peaks", "format_schedule"]
 
@@ -81,7 +81,6 @@ def format_schedule(plan) -> str:
     """The step x rank grid of ``plan``'s pipeline schedule, with a legend and in-flight peaks."""
     if plan.pp == 1:
         return f"plan '{plan}' has no pipeline (pp=1): every rank runs its {plan.mb} micro-batch(es) in turn."
-    check_microbatches(plan)
     orders = rank_orders(plan.schedule, plan.pp, plan.mb, plan.vpp)
     grid = schedule_grid(orders)
     multi = plan.schedule in MULTI_CHUNK_SCHEDULES

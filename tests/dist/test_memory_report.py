@@ -70,7 +70,7 @@ def test_sp_activations_are_a_tp_th_of_one_device(dist_pool):
 @pytest.mark.parametrize("plan", ["dp=2", "tp=2,sp"])
 def test_latent_attention_memory_equals_cost_model(dist_pool, plan):
     """DeepSeek-V3's multi-head latent attention: its latents (norms and up-projection inputs, whole on
-    every tp rank) are in the activation terms (cost/memory.py ``_latent_bytes``); without them the
+    every tp rank) are in the activation terms (cost/activations.py ``_latent_bytes``); without them the
     meter read 16% (dp=2) and 29% (tp=2,sp) above the model (flash attention assumed).  Its q/k
     heads (24) are wider than its v heads (16), so CPU SDPA runs the math kernel, which keeps the
     scores: ``flash_attention=False``."""

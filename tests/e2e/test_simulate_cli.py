@@ -57,7 +57,7 @@ def test_plan_check_steps_the_top_plans():
 def test_simulate_refuses_what_it_cannot_do(capsys):
     common = ["explain", "--model", "llama3-70b", "--gpus", "128", "--seq", "8192"]
     for argv, message in (
-            ([*common, "--global-batch", "16", "--plan", "pp=4,tp=8,dp=4", "--simulate", "--simulate-layers", "2"],
+            ([*common, "--global-batch", "16", "--plan", "pp=4,tp=8,dp=4,mb=4", "--simulate", "--simulate-layers", "2"],
              "--simulate-layers 2 must be between the plan's 4 pipeline chunks and the model's 80 layers"),
             (["explain", "--plan", "dp=2", "--measure", "m:f", "--world", "2", "--simulate"], "give one of them"),
             ([*common, "--global-batch", "24", "--plan", "tp=8,dp=16", "--simulate"], "global batch of 24")):

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autopar.frontend.analyze import analyze, model_dims
+from autopar.frontend.analyze import analyze
+from autopar.frontend.model_dims import model_dims
 from autopar.errors import AutoparError
 from autopar.frontend.trace import trace_model
 from tests.support.models import MODELS, example_model, hf_llama, make_batch

@@ -18,7 +18,8 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.fx import GraphModule
 
 from autopar.errors import AutoparError
-from autopar.frontend.analyze import analyze, structure_dims
+from autopar.frontend.analyze import analyze
+from autopar.frontend.model_dims import structure_dims
 from autopar.frontend.trace import trace_model
 from autopar.ops import collectives as C
 from autopar.passes.rules import RuleContext, lookup, tensor_inputs

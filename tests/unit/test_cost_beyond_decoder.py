@@ -88,9 +88,9 @@ def test_embedding_norm_is_the_first_stages():
     assert normed.num_params == plain.num_params + H
     key = ("grad", "all_reduce", "dp")
     for stage, extra in ((0, H), (1, 0)):  # one layer a stage; 2 (n-1)/n bytes = the gradient's at dp=2
-        assert totals(normed, "pp=2,dp=2", stage)[key][0] == totals(plain, "pp=2,dp=2", stage)[key][0] + W * extra
+        assert totals(normed, "pp=2,dp=2,mb=2", stage)[key][0] == totals(plain, "pp=2,dp=2,mb=2", stage)[key][0] + W * extra
     bwd = ("bwd", "all_gather", "dp")
-    first_plain, first_normed = (totals(x, "pp=2,dp=2,zero=3", 0)[bwd] for x in (plain, normed))
+    first_plain, first_normed = (totals(x, "pp=2:gpipe,dp=2,zero=3", 0)[bwd] for x in (plain, normed))
     assert first_normed[1] == first_plain[1] + 1  # the layer's unit, and now the embedding's
     assert first_normed[0] == first_plain[0] + W * (V * H + H) / 2  # its shard of 2 gathered
 

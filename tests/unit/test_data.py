@@ -74,7 +74,7 @@ def test_local_microbatches_equal_the_global_ones(text):
 
 
 def test_tp_and_pp_ranks_need_the_same_part():
-    plan = Plan.parse("pp=2,dp=2,cp=2,tp=2,sp")
+    plan = Plan.parse("pp=2,dp=2,cp=2,tp=2,sp,mb=2")
     by_data = {}
     for coords in _ranks(plan):
         slc = BatchSlice.for_rank(plan, coords, 8, seq_len=32)

@@ -33,8 +33,8 @@ def test_parse_reference_example():
 
 def test_parse_1024_gpu_reference_config():
     # The reference's TP4 SP PP4 CP2 EP8 DP4 example, written with dp=32 (EP folded into dp*cp).
-    p = Plan.parse("tp=4, sp, pp=4, cp=2, dp=32, ep=8")
-    assert p == Plan(tp=4, sp=True, pp=4, cp=2, dp=32, ep=8)
+    p = Plan.parse("tp=4, sp, pp=4, cp=2, dp=32, ep=8, mb=4")
+    assert p == Plan(tp=4, sp=True, pp=4, cp=2, dp=32, ep=8, mb=4)
     assert p.world_size == 1024
     assert p.num_chunks_per_rank == 1
 
@@ -57,9 +57,9 @@ def test_parse_accepts_plan_instance():
 
 def test_v_schedules_hold_two_chunks():
     for sched in ("zbv", "dualpipev"):
-        a = Plan.parse(f"pp=2:{sched}")
-        b = Plan.parse(f"pp=2:{sched},vpp=2")
-        c = Plan.parse(f"pp=2:{sched},vpp=1")
+        a = Plan.parse(f"pp=2:{sched},mb=4")
+        b = Plan.parse(f"pp=2:{sched},vpp=2,mb=4")
+        c = Plan.parse(f"pp=2:{sched},vpp=1,mb=4")
         assert a == b == c
         assert a.num_chunks_per_rank == 2
         assert a.vpp == 2
@@ -68,18 +68,18 @@ def test_v_schedules_hold_two_chunks():
 def test_num_chunks_per_rank():
     assert Plan(pp=4, schedule="interleaved", vpp=3).num_chunks_per_rank == 3
     assert Plan(pp=4, schedule="gpipe").num_chunks_per_rank == 1
-    assert Plan(pp=4).num_chunks_per_rank == 1
+    assert Plan(pp=4, mb=4).num_chunks_per_rank == 1
     assert Plan().num_chunks_per_rank == 1
 
 
 def test_world_size_excludes_ep():
-    assert Plan(dp=4, cp=2, ep=8, tp=2, pp=3).world_size == 4 * 2 * 2 * 3
+    assert Plan(dp=4, cp=2, ep=8, tp=2, pp=3, mb=3).world_size == 4 * 2 * 2 * 3
 
 
 def test_canonical_text():
     assert str(Plan(tp=2, sp=True, dp=2)) == "tp=2,sp,dp=2"
     assert str(Plan(cp=2)) == "cp=2:ring"
-    assert str(Plan(pp=2)) == "pp=2:1f1b"
+    assert str(Plan(pp=2, mb=2)) == "pp=2:1f1b,mb=2"
     assert str(Plan(pp=4, schedule="interleaved", vpp=2, mb=8)) == "pp=4:interleaved,vpp=2,mb=8"
     assert str(Plan(pp=2, schedule="zbv")) == "pp=2:zbv"
     assert str(Plan(recompute="full", zero=3, dp=8)) == "dp=8,zero=3,recompute=full"
@@ -103,11 +103,24 @@ def _random_fields(rng: random.Random) -> dict:
         elif f["schedule"] in ("zbv", "dualpipev"):
             f["vpp"] = 2
     f["ep"] = rng.choice([d for d in range(1, dp * cp + 1) if (dp * cp) % d == 0])
-    f["mb"] = rng.choice([1, 2, 4, 8, 16])
+    f["mb"] = rng.choice([m for m in (1, 2, 4, 8, 16) if _schedule_runs(f, m)])
     f["zero"] = rng.choice([0, 1, 2, 3])
     f["recompute"] = rng.choice(["none", "selective", "full"])
     f["capacity"] = rng.choice([None, 1.0, 1.25, 2.0, 0.5])
     return f
+
+
+def _schedule_runs(f: dict, mb: int) -> bool:
+    """torch's schedules' micro-batch rules, written out here: 1f1b needs mb >= pp, interleaved a
+    multiple of its rounds max(1, mb // pp), dualpipev mb >= 2 pp; gpipe and zbv run any count."""
+    pp, schedule = f["pp"], f.get("schedule", "1f1b")
+    if pp == 1 or schedule in ("gpipe", "zbv"):
+        return True
+    if schedule == "1f1b":
+        return mb >= pp
+    if schedule == "interleaved":
+        return mb % max(1, mb // pp) == 0
+    return mb >= 2 * pp
 
 
 def _text_from_fields(f: dict, rng: random.Random) -> str:
@@ -190,11 +203,12 @@ def test_replace():
     assert p.replace(dp=4) == Plan(tp=2, sp=True, dp=4)
     assert p.replace(tp=1) == Plan(dp=2)  # sp goes with tp=1
     z = Plan(pp=2, schedule="zbv")
-    assert z.replace(schedule="1f1b") == Plan(pp=2)
+    assert z.replace(schedule="gpipe") == Plan(pp=2, schedule="gpipe")
+    assert Plan(pp=2, schedule="zbv", mb=2).replace(schedule="1f1b") == Plan(pp=2, mb=2)
     assert Plan(pp=4, schedule="interleaved", vpp=2).replace(pp=1) == Plan()
     assert Plan(cp=2, cp_variant="ulysses").replace(cp=1) == Plan()
     with pytest.raises(AutoparError, match="^autopar: .*vpp"):
-        Plan(pp=2).replace(vpp=2)
+        Plan(pp=2, mb=2).replace(vpp=2)
     with pytest.raises(AutoparError, match="^autopar: Plan has no field 'tq'"):
         p.replace(tq=2)
 
@@ -344,7 +358,7 @@ def test_validate_layers():
     assert "8 pipeline chunks" in msg and "only 6 layers" in msg
     _err("pp=2:zbv", num_layers=3)
     Plan.parse("pp=2:zbv").validate(num_layers=4)
-    Plan.parse("pp=4").validate(num_layers=4)
+    Plan.parse("pp=4,mb=4").validate(num_layers=4)
 
 
 def test_validate_experts():

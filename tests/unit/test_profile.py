@@ -191,17 +191,23 @@ def test_gpu_and_hardware_together_are_refused(profile_path, capsys):
 def test_plan_auto_reads_a_profile_from_the_environment(profile_path, monkeypatch):
     from types import SimpleNamespace
 
-    import autopar.frontend.analyze as analyze
+    import autopar.frontend.model_dims as analyze
     from autopar.planning import autoplan
 
     dims = dict(num_layers=2, hidden=256, num_heads=4, vocab=1000, ffn=512)
     monkeypatch.setattr(analyze, "structure_dims", lambda structure: dims)
     monkeypatch.setenv(autoplan.PROFILE_ENV, str(profile_path))
     structure = SimpleNamespace(num_layers=2)
-    for world, nodes, per_node in ((2, 1, 2), (8, 2, 4), (6, 1, 6)):
+    for world, nodes, per_node in ((2, 1, 2), (8, 2, 4)):
         _, cluster = autoplan._spec_and_cluster(structure, world)
         assert (cluster.num_nodes, cluster.gpus_per_node) == (nodes, per_node)
         assert cluster.profile == str(profile_path) and cluster.peak_flops == FIGS["peak_flops"]
+    # 6 ranks on nodes of 4 fill no whole nodes: refused by the one rule, never modelled as one node of 6
+    with pytest.raises(AutoparError, match="6 GPUs do not fill whole nodes of 4"):
+        autoplan._spec_and_cluster(structure, 6)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # torchrun's ranks per host: two hosts of 3
+    assert (autoplan._spec_and_cluster(structure, 6)[1].num_nodes, 3) == (2, 3)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.delenv(autoplan.PROFILE_ENV)
     assert autoplan._spec_and_cluster(structure, 2)[1].profile is None
 

@@ -122,7 +122,7 @@ def test_peak_reaches_the_cost_model_figure_for_1f1b():
 
 def test_unsupported_microbatch_count_is_an_autopar_error():
     with pytest.raises(AutoparError, match=r"autopar: schedule 'dualpipev' .* use mb=4"):
-        format_schedule(Plan.parse("pp=2:dualpipev,mb=3"))
+        Plan.parse("pp=2:dualpipev,mb=3")  # no such plan exists: nothing formats it
 
 
 def test_inspect_prints_the_rank_chunks_and_the_schedule(capsys):

@@ -86,63 +86,80 @@ def simulate_step(executor, env, inputs: tuple, target: Any, coords: dict[str, i
     gradient the previous chunk's output gradient, with no buffer, as torch hands them over."""
     pipeline, plan = executor.pipeline, executor.plan
     me = coords.get("pp", 0)
-    last = len(pipeline.chunks) - 1
     pieces = env.microbatches(inputs, target, coords)
     executor.recv_buffers = None
-    buffers = executor.recv_buffers = receive_buffers(pipeline, env, pieces, me)
-    saved: dict[tuple[int, int], tuple] = {}   # (chunk, micro-batch) -> (inputs, outputs, scope)
-    handed: dict[tuple[int, int], list] = {}   # output gradients from this rank's next chunk
-    losses = []
+    step = _SimulatedStep(executor, env, pieces, me, receive_buffers(pipeline, env, pieces, me))
+    executor.recv_buffers = step.buffers
     for slot in rank_orders(plan.schedule, plan.pp, plan.mb, plan.vpp)[me]:
         for act in slot:
-            stage_index, mb = act.stage_index, act.microbatch_index
-            chunk = executor._chunks[stage_index]
-            remote_prev = stage_index > 0 and pipeline.chunk_rank(stage_index - 1) != me
-            remote_next = stage_index < last and pipeline.chunk_rank(stage_index + 1) != me
             if act.kind == "F":
-                mb_inputs, mb_target = pieces[mb]
-                if remote_prev:
-                    boundary = buffers[(stage_index, mb, "fwd")]
-                    for t in boundary:
-                        collectives.record_p2p("recv", "pp", t, "fwd", f"stage {stage_index} activation recv")
-                elif stage_index > 0:  # the previous chunk is this rank's: its outputs, detached
-                    boundary = [t.detach().requires_grad_(t.requires_grad) for t in saved[(stage_index - 1, mb)][1]]
-                else:
-                    boundary = []
-                kwargs = dict(zip(pipeline.kwarg_names, list(mb_inputs) + [mb_target]))
-                scope = MicrobatchScope(chunk)  # kept until its backward (executors.py)
-                out = scope(*boundary, **kwargs)
-                outs = [out] if stage_index == last else list(out if isinstance(out, (tuple, list)) else (out,))
-                for t in outs if remote_next else ():
-                    collectives.record_p2p("send", "pp", t, "fwd", f"stage {stage_index} activation send")
-                if stage_index == last:
-                    losses.append(out.detach())
-                saved[(stage_index, mb)] = (boundary, outs, scope)
+                step.forward(act.stage_index, act.microbatch_index)
             elif act.kind == "B":
-                boundary, outs, scope = saved.pop((stage_index, mb))
-                if stage_index == last:
-                    grads = [torch.ones_like(t) for t in outs]
-                elif remote_next:
-                    grads = buffers[(stage_index, mb, "bwd")]
-                    for g in grads:
-                        collectives.record_p2p("recv", "pp", g, "bwd", f"stage {stage_index} input grad recv")
-                else:
-                    grads = handed.pop((stage_index, mb))
-                torch.autograd.backward([t for t in outs if t.requires_grad],
-                                        [g for t, g in zip(outs, grads) if t.requires_grad])
-                del outs, grads
-                env.grad_sync.after_backward(stage_index, "full")  # weights included (see "W" below)
-                input_grads = [t.grad for t in boundary]
-                for t in boundary:
-                    t.grad = None
-                if remote_prev:
-                    for g in input_grads:
-                        collectives.record_p2p("send", "pp", g, "bwd", f"stage {stage_index} input grad send")
-                elif stage_index > 0:
-                    handed[(stage_index - 1, mb)] = input_grads
-                del boundary, input_grads, scope
+                step.backward(act.stage_index, act.microbatch_index)
             # "W" (the weight half of a split backward): computed with its "B" here; no transfer.
-    return losses
+    return step.losses
+
+
+class _SimulatedStep:
+    """What one simulated step holds between its actions (see :func:`simulate_step`)."""
+
+    def __init__(self, executor, env, pieces: list, me: int, buffers: dict):
+        self.executor, self.env, self.pieces, self.me, self.buffers = executor, env, pieces, me, buffers
+        self.pipeline = executor.pipeline
+        self.last = len(self.pipeline.chunks) - 1
+        self.saved: dict[tuple[int, int], tuple] = {}   # (chunk, micro-batch) -> (inputs, outputs, scope)
+        self.handed: dict[tuple[int, int], list] = {}   # output gradients from this rank's next chunk
+        self.losses: list = []
+
+    def _remote(self, stage_index: int, step: int) -> bool:
+        """Whether the chunk ``step`` away (-1: previous, +1: next) exists and runs on another rank."""
+        other = stage_index + step
+        return 0 <= other <= self.last and self.pipeline.chunk_rank(other) != self.me
+
+    def forward(self, stage_index: int, mb: int) -> None:
+        mb_inputs, mb_target = self.pieces[mb]
+        if self._remote(stage_index, -1):
+            boundary = self.buffers[(stage_index, mb, "fwd")]
+            for t in boundary:
+                collectives.record_p2p("recv", "pp", t, "fwd", f"stage {stage_index} activation recv")
+        elif stage_index > 0:  # the previous chunk is this rank's: its outputs, detached
+            boundary = [t.detach().requires_grad_(t.requires_grad) for t in self.saved[(stage_index - 1, mb)][1]]
+        else:
+            boundary = []
+        kwargs = dict(zip(self.pipeline.kwarg_names, list(mb_inputs) + [mb_target]))
+        scope = MicrobatchScope(self.executor._chunks[stage_index])  # kept until its backward (executors.py)
+        out = scope(*boundary, **kwargs)
+        last = stage_index == self.last
+        outs = [out] if last else list(out if isinstance(out, (tuple, list)) else (out,))
+        for t in outs if self._remote(stage_index, 1) else ():
+            collectives.record_p2p("send", "pp", t, "fwd", f"stage {stage_index} activation send")
+        if last:
+            self.losses.append(out.detach())
+        self.saved[(stage_index, mb)] = (boundary, outs, scope)
+
+    def backward(self, stage_index: int, mb: int) -> None:
+        boundary, outs, scope = self.saved.pop((stage_index, mb))
+        if stage_index == self.last:
+            grads = [torch.ones_like(t) for t in outs]
+        elif self._remote(stage_index, 1):
+            grads = self.buffers[(stage_index, mb, "bwd")]
+            for g in grads:
+                collectives.record_p2p("recv", "pp", g, "bwd", f"stage {stage_index} input grad recv")
+        else:
+            grads = self.handed.pop((stage_index, mb))
+        torch.autograd.backward([t for t in outs if t.requires_grad],
+                                [g for t, g in zip(outs, grads) if t.requires_grad])
+        del outs, grads
+        self.env.grad_sync.after_backward(stage_index, "full")  # weights included ("W" is not separate)
+        input_grads = [t.grad for t in boundary]
+        for t in boundary:
+            t.grad = None
+        if self._remote(stage_index, -1):
+            for g in input_grads:
+                collectives.record_p2p("send", "pp", g, "bwd", f"stage {stage_index} input grad send")
+        elif stage_index > 0:
+            self.handed[(stage_index - 1, mb)] = input_grads
+        del boundary, input_grads, scope
 
 
 def _sizes(env, mb_inputs) -> dict:
