@@ -72,22 +72,16 @@ def _check_values(plan) -> None:
                 raise TypeError
             value = operator.index(value)  # also numpy / torch integer scalars
         except TypeError:
-            raise AutoparError(
-                f"autopar: plan option {name} must be an integer, got {value!r}; "
-                f"write e.g. {name}=2"
-            ) from None
+            raise AutoparError(f"autopar: plan option {name} must be an integer, got {value!r}; "
+                               f"write e.g. {name}=2") from None
         object.__setattr__(plan, name, int(value))
     for name in ("dp", "tp", "cp", "ep", "pp", "vpp", "mb"):
         value = getattr(plan, name)
         if value < 1:
-            raise AutoparError(
-                f"autopar: plan option {name}={value} is not allowed; expected an "
-                f"integer >= 1 (use {name}=1 to turn it off)"
-            )
+            raise AutoparError(f"autopar: plan option {name}={value} is not allowed; expected an "
+                               f"integer >= 1 (use {name}=1 to turn it off)")
     if plan.zero not in ZERO_STAGES:
-        raise AutoparError(
-            f"autopar: zero={plan.zero} is not a ZeRO stage; expected one of {fmt_list(ZERO_STAGES)}"
-        )
+        raise AutoparError(f"autopar: zero={plan.zero} is not a ZeRO stage; expected one of {fmt_list(ZERO_STAGES)}")
     if not isinstance(plan.sp, bool):
         raise AutoparError(f"autopar: plan option sp must be True or False, got {plan.sp!r}")
     for name, allowed in (
@@ -97,36 +91,26 @@ def _check_values(plan) -> None:
     ):
         value = getattr(plan, name)
         if not isinstance(value, str) or value.lower() not in allowed:
-            raise AutoparError(
-                f"autopar: unknown {name} {value!r}; expected one of {fmt_list(allowed)}"
-            )
+            raise AutoparError(f"autopar: unknown {name} {value!r}; expected one of {fmt_list(allowed)}")
         object.__setattr__(plan, name, value.lower())
 
 
 def _check_combinations(plan) -> None:
     """Options that mean nothing without their degree; ep divides dp*cp."""
     if not sp_ok(plan.sp, plan.tp):
-        raise AutoparError(
-            "autopar: sp (sequence parallelism) splits activations over the tensor-"
-            "parallel group, but tp=1; use tp>=2 with sp, or drop sp"
-        )
+        raise AutoparError("autopar: sp (sequence parallelism) splits activations over the tensor-"
+                           "parallel group, but tp=1; use tp>=2 with sp, or drop sp")
     if plan.cp == 1 and plan.cp_variant != "ring":
-        raise AutoparError(
-            f"autopar: cp variant '{plan.cp_variant}' given with cp=1; a context-"
-            f"parallel variant needs cp>=2 (e.g. cp=2:{plan.cp_variant}), or drop it"
-        )
+        raise AutoparError(f"autopar: cp variant '{plan.cp_variant}' given with cp=1; a context-"
+                           f"parallel variant needs cp>=2 (e.g. cp=2:{plan.cp_variant}), or drop it")
     if plan.pp == 1 and plan.schedule != "1f1b":
-        raise AutoparError(
-            f"autopar: pipeline schedule '{plan.schedule}' given with pp=1; a schedule "
-            f"needs pp>=2 (e.g. pp=2:{plan.schedule}), or drop it"
-        )
+        raise AutoparError(f"autopar: pipeline schedule '{plan.schedule}' given with pp=1; a schedule "
+                           f"needs pp>=2 (e.g. pp=2:{plan.schedule}), or drop it")
     if not ep_ok(plan.ep, plan.dp, plan.cp):
         good = divisors(plan.dp * plan.cp)
-        raise AutoparError(
-            f"autopar: ep={plan.ep} does not divide dp*cp={plan.dp * plan.cp} (dp={plan.dp}, "
-            f"cp={plan.cp}); expert parallelism is folded into the data/context-parallel "
-            f"ranks, so ep must be one of {fmt_list(good)}, or raise dp"
-        )
+        raise AutoparError(f"autopar: ep={plan.ep} does not divide dp*cp={plan.dp * plan.cp} (dp={plan.dp}, "
+                           f"cp={plan.cp}); expert parallelism is folded into the data/context-parallel "
+                           f"ranks, so ep must be one of {fmt_list(good)}, or raise dp")
 
 
 def _check_capacity(plan) -> None:
@@ -137,16 +121,12 @@ def _check_capacity(plan) -> None:
             try:
                 cap = float(cap)
             except (TypeError, ValueError):
-                raise AutoparError(
-                    f"autopar: capacity must be a number, got {plan.capacity!r}; "
-                    f"write e.g. capacity=1.25"
-                ) from None
+                raise AutoparError(f"autopar: capacity must be a number, got {plan.capacity!r}; "
+                                   f"write e.g. capacity=1.25") from None
         cap = float(cap)
         if not math.isfinite(cap) or cap <= 0:
-            raise AutoparError(
-                f"autopar: capacity={cap} is not a valid MoE capacity factor; expected a "
-                f"finite number > 0 (e.g. capacity=1.25), or leave it out for dropless routing"
-            )
+            raise AutoparError(f"autopar: capacity={cap} is not a valid MoE capacity factor; expected a "
+                               f"finite number > 0 (e.g. capacity=1.25), or leave it out for dropless routing")
         object.__setattr__(plan, "capacity", cap)
 
 
@@ -154,28 +134,22 @@ def _check_vpp(plan) -> None:
     """Model chunks per pipeline rank for the schedule (zbv / dualpipev: stored as 2)."""
     if plan.schedule in V_SCHEDULES:
         if plan.vpp not in (1, 2):
-            raise AutoparError(
-                f"autopar: schedule '{plan.schedule}' runs exactly 2 model chunks per "
-                f"rank, but vpp={plan.vpp}; drop vpp (or write vpp=2)"
-            )
+            raise AutoparError(f"autopar: schedule '{plan.schedule}' runs exactly 2 model chunks per "
+                               f"rank, but vpp={plan.vpp}; drop vpp (or write vpp=2)")
         object.__setattr__(plan, "vpp", 2)
     elif plan.schedule == "interleaved":
         if plan.vpp < 2:
-            raise AutoparError(
-                f"autopar: the interleaved schedule needs vpp>=2 model chunks per "
-                f"rank, got vpp={plan.vpp}; add vpp=2 (or use pp={plan.pp}:1f1b)"
-            )
+            raise AutoparError(f"autopar: the interleaved schedule needs vpp>=2 model chunks per "
+                               f"rank, got vpp={plan.vpp}; add vpp=2 (or use pp={plan.pp}:1f1b)")
     elif plan.vpp != 1:
         hint = (
             f"use pp={plan.pp}:interleaved,vpp={plan.vpp}"
             if plan.pp > 1
             else f"use pp>=2 with :interleaved, e.g. pp=2:interleaved,vpp={plan.vpp}"
         )
-        raise AutoparError(
-            f"autopar: vpp={plan.vpp} (virtual pipeline chunks) needs the interleaved "
-            f"schedule, but the schedule is '{plan.schedule}' with pp={plan.pp}; {hint}, "
-            f"or drop vpp"
-        )
+        raise AutoparError(f"autopar: vpp={plan.vpp} (virtual pipeline chunks) needs the interleaved "
+                           f"schedule, but the schedule is '{plan.schedule}' with pp={plan.pp}; {hint}, "
+                           f"or drop vpp")
 
 
 def validate(
@@ -215,10 +189,8 @@ def validate(
 
 def _check_heads(plan, heads: int, kv: int) -> None:
     if not heads_ok(plan.tp, heads, kv):
-        raise AutoparError(
-            f"autopar: tp={plan.tp} does not divide the {heads} attention heads; tensor "
-            f"parallelism splits whole heads, so tp must be one of {fmt_list(divisors(heads))}"
-        )
+        raise AutoparError(f"autopar: tp={plan.tp} does not divide the {heads} attention heads; tensor "
+                           f"parallelism splits whole heads, so tp must be one of {fmt_list(divisors(heads))}")
     _check_kv_cp(plan, kv)
     if not ulysses_ok(plan.cp, code("cp_variant", plan.cp_variant), heads, kv, plan.tp):
         split = plan.tp * plan.cp
@@ -229,12 +201,10 @@ def _check_heads(plan, heads: int, kv: int) -> None:
             if good_cp
             else f"with tp={plan.tp} no cp>1 fits; use"
         )
-        raise AutoparError(
-            f"autopar: cp={plan.cp}:ulysses splits the heads over tp*cp = "
-            f"{plan.tp}*{plan.cp} = {split} ranks, but the model has {heads} heads "
-            f"and {kv} KV heads, which must both be divisible by {split}; {hint} "
-            f"the ring or allgather variant"
-        )
+        raise AutoparError(f"autopar: cp={plan.cp}:ulysses splits the heads over tp*cp = "
+                           f"{plan.tp}*{plan.cp} = {split} ranks, but the model has {heads} heads "
+                           f"and {kv} KV heads, which must both be divisible by {split}; {hint} "
+                           f"the ring or allgather variant")
 
 def _check_kv_cp(plan, kv: int) -> None:
     if not kv_cp_ok(plan.tp, plan.cp, kv):
@@ -252,42 +222,34 @@ def _check_batch(plan, global_batch: int) -> None:
         return
     if not batch_ok(global_batch, plan.dp, 1):
         good_dp = divisors(global_batch)
-        raise AutoparError(
-            f"autopar: the global batch of {global_batch} does not split into dp={plan.dp} "
-            f"replicas times mb={plan.mb} micro-batches; dp must divide the batch "
-            f"(valid dp: {fmt_list(good_dp)}), or use a batch that is a multiple of "
-            f"{parts}"
-        )
+        raise AutoparError(f"autopar: the global batch of {global_batch} does not split into dp={plan.dp} "
+                           f"replicas times mb={plan.mb} micro-batches; dp must divide the batch "
+                           f"(valid dp: {fmt_list(good_dp)}), or use a batch that is a multiple of "
+                           f"{parts}")
     per_replica = global_batch // plan.dp
     near = _nearest(divisors(per_replica), plan.mb)
-    raise AutoparError(
-        f"autopar: the global batch of {global_batch} does not split into dp*mb = "
-        f"{plan.dp}*{plan.mb} = {parts} equal parts; each replica gets {per_replica} "
-        f"samples, so mb must divide {per_replica}: the nearest valid mb is "
-        f"{' or '.join(str(m) for m in near)}"
-    )
+    raise AutoparError(f"autopar: the global batch of {global_batch} does not split into dp*mb = "
+                       f"{plan.dp}*{plan.mb} = {parts} equal parts; each replica gets {per_replica} "
+                       f"samples, so mb must divide {per_replica}: the nearest valid mb is "
+                       f"{' or '.join(str(m) for m in near)}")
 
 def _check_seq(plan, seq_len: int) -> None:
     if not cp_seq_ok(seq_len, plan.cp):
         lo = seq_len // (2 * plan.cp) * 2 * plan.cp
         near = [n for n in (lo, lo + 2 * plan.cp) if n > 0]
-        raise AutoparError(
-            f"autopar: cp={plan.cp} cuts the sequence into 2*cp = {2 * plan.cp} chunks "
-            f"(two per rank, to balance causal attention), but the sequence length "
-            f"{seq_len} is not a multiple of {2 * plan.cp}; use a sequence length of "
-            f"{' or '.join(str(n) for n in near)}, or a cp with 2*cp dividing {seq_len}"
-        )
+        raise AutoparError(f"autopar: cp={plan.cp} cuts the sequence into 2*cp = {2 * plan.cp} chunks "
+                           f"(two per rank, to balance causal attention), but the sequence length "
+                           f"{seq_len} is not a multiple of {2 * plan.cp}; use a sequence length of "
+                           f"{' or '.join(str(n) for n in near)}, or a cp with 2*cp dividing {seq_len}")
     if not sp_seq_ok(seq_len, plan.cp, plan.tp, plan.sp):
         local = seq_len // plan.cp
         step = plan.cp * plan.tp
         lo = seq_len // step * step
         near = [n for n in (lo, lo + step) if n > 0]
-        raise AutoparError(
-            f"autopar: sp splits each rank's {local}-token sequence over tp={plan.tp} "
-            f"ranks, but {local} is not a multiple of {plan.tp}; use a sequence length "
-            f"of {' or '.join(str(n) for n in near)} (a multiple of cp*tp = {step}), or "
-            f"drop sp"
-        )
+        raise AutoparError(f"autopar: sp splits each rank's {local}-token sequence over tp={plan.tp} "
+                           f"ranks, but {local} is not a multiple of {plan.tp}; use a sequence length "
+                           f"of {' or '.join(str(n) for n in near)} (a multiple of cp*tp = {step}), or "
+                           f"drop sp")
 
 
 def _check_world(plan, world_size: int) -> None:
@@ -299,35 +261,26 @@ def _check_world(plan, world_size: int) -> None:
         if world_size % rest == 0
         else f"pp*cp*tp={rest} does not divide {world_size}, so change those degrees"
     )
-    raise AutoparError(
-        f"autopar: plan '{plan}' needs pp*dp*cp*tp = {plan.pp}*{plan.dp}*{plan.cp}*"
-        f"{plan.tp} = {plan.world_size} ranks, but the world size is {world_size}; "
-        f"{hint}"
-    )
+    raise AutoparError(f"autopar: plan '{plan}' needs pp*dp*cp*tp = {plan.pp}*{plan.dp}*{plan.cp}*"
+                       f"{plan.tp} = {plan.world_size} ranks, but the world size is {world_size}; " f"{hint}")
 
 
 def _check_layers(plan, num_layers: int) -> None:
     chunks = plan.pp * plan.num_chunks_per_rank
     if not layers_ok(plan.pp, plan.num_chunks_per_rank, num_layers):
-        raise AutoparError(
-            f"autopar: plan '{plan}' cuts the model into pp*chunks_per_rank = "
-            f"{plan.pp}*{plan.num_chunks_per_rank} = {chunks} pipeline chunks, but "
-            f"it has only {num_layers} layers; use at most {num_layers} chunks "
-            f"(a smaller pp or vpp)"
-        )
+        raise AutoparError(f"autopar: plan '{plan}' cuts the model into pp*chunks_per_rank = "
+                           f"{plan.pp}*{plan.num_chunks_per_rank} = {chunks} pipeline chunks, but "
+                           f"it has only {num_layers} layers; use at most {num_layers} chunks "
+                           f"(a smaller pp or vpp)")
 
 
 def _check_experts(plan, num_experts: int) -> None:
     if num_experts == 0 and (not experts_ok(plan.ep, 0) or plan.capacity is not None):
         what = f"ep={plan.ep}" if plan.ep > 1 else f"capacity={plan.capacity!r}"
-        raise AutoparError(
-            f"autopar: {what} applies to mixture-of-experts layers, but the model "
-            f"has no experts; drop {what.split('=')[0]}"
-        )
+        raise AutoparError(f"autopar: {what} applies to mixture-of-experts layers, but the model "
+                           f"has no experts; drop {what.split('=')[0]}")
     if num_experts and not experts_ok(plan.ep, num_experts):
         good = [d for d in divisors(num_experts) if ep_ok(d, plan.dp, plan.cp)]
-        raise AutoparError(
-            f"autopar: ep={plan.ep} does not divide the {num_experts} experts; ep "
-            f"must divide both the experts and dp*cp={plan.dp * plan.cp}: valid ep "
-            f"values are {fmt_list(good)}"
-        )
+        raise AutoparError(f"autopar: ep={plan.ep} does not divide the {num_experts} experts; ep "
+                           f"must divide both the experts and dp*cp={plan.dp * plan.cp}: valid ep "
+                           f"values are {fmt_list(good)}")

@@ -41,9 +41,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import autopar  # noqa: E402
-from benchmarks.gloo_ranks import run_ranks  # noqa: E402
-from tests.support.models import example_module  # noqa: E402
-from tests.support.resume_jobs import read_checkpoint  # noqa: E402
+from benchmarks.gloo_ranks import run_ranks, size_arguments  # noqa: E402
+from benchmarks.models import example_module  # noqa: E402
+from autopar.runtime.weights.checkpoint import read_entries as read_checkpoint  # noqa: E402
 
 
 def _timed(fn) -> float:
@@ -126,12 +126,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=2, help="steps timed alone, and during each background write")
     p.add_argument("--world", type=int, default=1, help="1: one process; N: N gloo ranks")
     p.add_argument("--plan", default=None, help="default: none (one process), dp=N (N ranks)")
-    p.add_argument("--vocab", type=int, default=32000)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--layers", type=int, default=10)
-    p.add_argument("--ffn", type=int, default=2048)
-    p.add_argument("--batch", type=int, default=2)
-    p.add_argument("--seq", type=int, default=64)
+    size_arguments(p, vocab=32000, hidden=768, layers=10, ffn=2048, batch=2, seq=64)
     p.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)

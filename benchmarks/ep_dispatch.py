@@ -33,7 +33,7 @@ import torch
 if str(Path(__file__).resolve().parent.parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.gloo_ranks import run_ranks, slowest  # noqa: E402
+from benchmarks.gloo_ranks import run_ranks, size_arguments, slowest  # noqa: E402
 
 __all__ = ["run_benchmark", "main"]
 
@@ -43,7 +43,7 @@ PLANS = ("dp=2", "ep=2,dp=2")
 
 def _worker(rank: int, world: int, args) -> dict:
     import autopar
-    from tests.support.models import example_moe, lm_loss, make_batch
+    from benchmarks.models import example_moe, lm_loss, make_batch
 
     batches = [make_batch(128, args.batch, args.seq, seed=s) for s in range(args.warmup + args.steps)]
     modules = {}
@@ -78,12 +78,7 @@ def run_benchmark(args) -> dict:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--experts", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=64)
+    size_arguments(parser, steps=20, warmup=3, experts=8, hidden=128, batch=8, seq=64)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     print(f"benchmark: {args.warmup} warm-up + {args.steps} timed steps of each plan on {WORLD_SIZE} gloo ranks",

@@ -55,13 +55,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from autopar.verification.launch import free_port  # noqa: E402
+from autopar.verification.launch import run_spawned  # noqa: E402
+
+_RUN_TIMEOUT_S = 24 * 3600.0  # one world size's plans, all of them (each step has its own gloo timeout)
 
 __all__ = ["PLANS", "FidelityConfig", "run_benchmark", "main"]
 
@@ -268,7 +269,7 @@ def _run_plan(plan: str, cfg: FidelityConfig, timer: TermTimer, batches: list) -
     return result
 
 
-def _worker(rank: int, world: int, port: int, cfg: FidelityConfig, plans: list[str], out_path: str) -> None:
+def _worker(rank: int, world: int, port: int, cfg: FidelityConfig, plans: list[str], *, post) -> list[dict]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), AUTOPAR_HARDWARE_PROFILE=cfg.profile)
     torch.set_num_threads(cfg.threads_per_rank)
@@ -288,10 +289,7 @@ def _worker(rank: int, world: int, port: int, cfg: FidelityConfig, plans: list[s
             _say(f"world {world}: {plan}: predicted {result['predicted_s'] * 1e3:.0f} ms, measured "
                  f"{result['step_s'] * 1e3:.0f} ms ({result['error'] * 100:+.1f}%)")
         dist.barrier()
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 
@@ -316,10 +314,8 @@ def run_benchmark(cfg: FidelityConfig) -> dict:
         by_world.setdefault(world, []).append(plan)
     results = []
     for world, plans in sorted(by_world.items()):
-        with tempfile.TemporaryDirectory() as tmp:
-            out_path = os.path.join(tmp, "result.json")
-            mp.spawn(_worker, args=(world, free_port(), cfg, plans, out_path), nprocs=world)
-            results += json.loads(Path(out_path).read_text())
+        results += run_spawned(_worker, world, (cfg, plans), what=f"timing {len(plans)} plans",
+                               timeout=_RUN_TIMEOUT_S)[0]
     errors = [abs(r["error"]) for r in results if r["status"] == "ok"]
     return {"config": asdict(cfg), "profile": json.loads(Path(cfg.profile).read_text()),
             "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__},

@@ -2,51 +2,36 @@
 
 Not a benchmark.  A multi-rank benchmark (``ep_dispatch.py``, ``sp_slices.py``) writes its
 measurement as ``worker(rank, world, *args) -> result`` at module level (it is pickled into the
-spawned processes); :func:`run_ranks` spawns the ranks once, each with one compute thread, a gloo
-process group over this machine's loopback and the repository root on ``sys.path`` (benchmarks
-import ``tests.support`` models), and hands back what rank 0 returned.  Steps timed across ranks
+spawned processes); :func:`run_ranks` spawns the ranks once (autopar's local launcher,
+:func:`autopar.verification.launch.run_spawned`), each with one compute thread and a gloo process
+group over this machine's loopback, and hands back what rank 0 returned.  Steps timed across ranks
 use :func:`slowest`: a barrier, the call, then the slowest rank's wall time.
 """
 from __future__ import annotations
 
-import os
-import pickle
-import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 
 __all__ = ["ROOT", "run_ranks", "slowest"]
 
 
-def _entry(rank: int, world: int, port: int, worker, args: tuple, out_path: str) -> None:
-    if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _entry(rank: int, world: int, port: int, worker, args: tuple, *, post):
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        result = worker(rank, world, *args)
-        if rank == 0:
-            Path(out_path).write_bytes(pickle.dumps(result))
-    finally:
-        dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    return worker(rank, world, *args)
 
 
 def run_ranks(worker, world: int, *args):
-    """``worker(rank, world, *args)`` on ``world`` spawned gloo ranks; rank 0's return value."""
-    from autopar.verification.launch import free_port
+    """``worker(rank, world, *args)`` on ``world`` spawned gloo ranks; rank 0's return value (the
+    one local launcher: :func:`autopar.verification.launch.run_spawned`)."""
+    from autopar.verification.launch import run_spawned
 
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "result.pickle")
-        mp.spawn(_entry, args=(world, free_port(), worker, args, out), nprocs=world, join=True)
-        return pickle.loads(Path(out).read_bytes())
+    return run_spawned(_entry, world, (worker, args), what=f"running {worker.__name__}")[0]
 
 
 def slowest(fn, *args, **kwargs):
@@ -57,3 +42,11 @@ def slowest(fn, *args, **kwargs):
     elapsed = torch.tensor(time.perf_counter() - start)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return out, float(elapsed)
+
+
+def size_arguments(parser, **defaults: int):
+    """Integer options ``--NAME`` (dashes for underscores) with their defaults, for a benchmark's
+    model and run sizes: ``size_arguments(parser, steps=20, hidden=256)``."""
+    for name, default in defaults.items():
+        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+    return parser

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import statistics
 import sys
 import time
@@ -30,19 +29,16 @@ from pathlib import Path
 
 import torch
 
-import autopar
-from autopar.runtime.gradients.grad_sync import GradSync
-
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import autopar  # noqa: E402
+from autopar.runtime.gradients.grad_sync import GradSync  # noqa: E402
+from benchmarks.gloo_ranks import size_arguments  # noqa: E402
+from benchmarks.models import example_module as _example  # noqa: E402
+
 MODES = ("per-tensor foreach", "per-tensor fused", "flat fused")
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("autopar_examples_model", ROOT / "examples" / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
 
 
 def _timed(times: list, fn):
@@ -85,14 +81,7 @@ def build(args, mixed_precision, mode: str):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=256)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq", type=int, default=32)
-    parser.add_argument("--threads", type=int, default=1)
+    size_arguments(parser, steps=20, warmup=3, layers=8, hidden=256, vocab=1024, batch=2, seq=32, threads=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     runs = {}

@@ -54,7 +54,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 import warnings
 from dataclasses import asdict, dataclass
@@ -62,13 +61,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 _ROOT = Path(__file__).resolve().parent.parent
 if str(_ROOT) not in sys.path:
     sys.path.insert(0, str(_ROOT))
 
-from autopar.verification.launch import free_port  # noqa: E402
+from autopar.verification.launch import run_spawned  # noqa: E402
+
+_RUN_TIMEOUT_S = 24 * 3600.0  # one world size's plans, all of them (each step has its own gloo timeout)
 from benchmarks.torch_baselines import MODEL_SIZE, TORCH_BUILDERS, _first_error, _loss, _model  # noqa: E402
 
 __all__ = ["BenchConfig", "PAIRS", "MODEL_SIZE", "run_benchmark", "main"]
@@ -283,7 +283,7 @@ def _device_for(world: int, choice: str) -> str:
     return choice
 
 
-def _worker(rank: int, world: int, port: int, cfg: BenchConfig, names: list[str], out_path: str) -> None:
+def _worker(rank: int, world: int, port: int, cfg: BenchConfig, names: list[str], *, post) -> list[dict]:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     torch.set_num_threads(cfg.threads_per_rank)
@@ -299,7 +299,7 @@ def _worker(rank: int, world: int, port: int, cfg: BenchConfig, names: list[str]
     else:
         device = torch.device("cpu")
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-    from tests.support.models import make_batch
+    from benchmarks.models import make_batch
 
     batches = [tuple(t.to(device) for t in make_batch(MODEL_SIZE["vocab_size"], cfg.batch, cfg.seq, cfg.seed + i))
                for i in range(4)]
@@ -310,10 +310,7 @@ def _worker(rank: int, world: int, port: int, cfg: BenchConfig, names: list[str]
         results.append(_run_pair(PAIRS[name], cfg, batches, device))
         gc.collect()
         dist.barrier()
-    if rank == 0:
-        Path(out_path).write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    return results
 
 
 
@@ -327,10 +324,8 @@ def run_benchmark(cfg: BenchConfig) -> dict:
             by_world.setdefault(PAIRS[name].world, []).append(name)
     results = []
     for world, names in sorted(by_world.items(), reverse=True):
-        with tempfile.TemporaryDirectory() as tmp:
-            out_path = os.path.join(tmp, "result.json")
-            mp.spawn(_worker, args=(world, free_port(), cfg, names, out_path), nprocs=world)
-            results += json.loads(Path(out_path).read_text())
+        results += run_spawned(_worker, world, (cfg, names), what=f"timing {len(names)} pairs",
+                               timeout=_RUN_TIMEOUT_S)[0]
     order = list(PAIRS)
     results.sort(key=lambda r: order.index(r["pair"]))
     return {

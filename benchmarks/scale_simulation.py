@@ -21,7 +21,7 @@ are refused with a message.
 
 Run: ``python benchmarks/scale_simulation.py --plan PLAN [--layers L] [--rank R] [--model PRESET]
 [--seq S] [--micro-batch B] [--bucket-bytes N]`` (progress is printed as it goes).  The engine (:func:`simulate`,
-:func:`compare`) is tests/support/scale.py, which tests/e2e/test_scale.py and
+:func:`compare`) is autopar/verification/scale.py, which tests/e2e/test_scale.py and
 tests/e2e/test_search_compiles.py run too.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from autopar.plan_space import DEFAULT_BUCKET_BYTES  # noqa: E402
-from tests.support.scale import compare, simulate  # noqa: E402 - the engine, shared with tests/e2e
+from autopar.verification.scale import compare, simulate  # noqa: E402 - the engine, shared with tests/e2e
 
 __all__ = ["simulate", "compare", "main"]
 

@@ -40,7 +40,7 @@ POLICY = {"both": frozenset({"all_gather", "reduce_scatter"}), "none": frozenset
 def _worker(rank: int, world: int, args) -> dict:
     import autopar
     from autopar.ops import collectives
-    from tests.support.models import example_model, lm_loss, make_batch
+    from benchmarks.models import example_model, lm_loss, make_batch
 
     default, out = collectives.SLICED_OPS, {}
     for micro in args.micro_batches:

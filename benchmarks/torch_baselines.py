@@ -29,13 +29,13 @@ def _first_error(exc: BaseException) -> str:
 
 
 def _model(cfg) -> nn.Module:
-    from tests.support.models import hf_llama
+    from benchmarks.models import hf_llama
 
     return hf_llama(cfg.seed, max_position_embeddings=cfg.seq, **{**MODEL_SIZE, "num_hidden_layers": cfg.layers})
 
 
 def _loss(output, target: torch.Tensor) -> torch.Tensor:
-    from tests.support.models import hf_loss
+    from benchmarks.models import hf_loss
 
     return hf_loss(output, target)
 

@@ -7,8 +7,8 @@ transformers' default config shrunk the way ``autopar verify`` shrinks one, trai
 steps under each plan on 2 gloo ranks and on one process, and sorts each (model type, plan)
 into one class: ``equal``, ``refused`` (``refused (trace)``), ``failed``, ``silently wrong``,
 ``no-build``.  The engine (the shrinking, the batches, the ranks, the reference, the classes)
-is ``tests/support/zoo.py`` (:func:`~tests.support.zoo.run_types`); this script runs it over
-every type and writes the tables.
+is ``benchmarks/zoo_engine.py`` (:func:`~benchmarks.zoo_engine.run_types`, each model type on a
+fresh gloo world of 2 local processes); this script runs it over every type and writes the tables.
 
 The CI subset is tests/e2e/test_zoo.py (it calls the same ``run_types``); the recorded sweep is
 docs/zoo.md.  Other measurements live beside this file in benchmarks/.
@@ -30,8 +30,8 @@ import torch  # noqa: E402
 
 from autopar.verification import sources  # noqa: E402
 from autopar.verification.compare import LOSS_ATOL, PARAM_ATOL  # noqa: E402
-from tests.support.zoo import (BATCH, CLASSES, COLUMNS, JOB_TIMEOUT_S, PLANS, README_BEGIN,  # noqa: E402
-                               README_END, SEQ, STEPS, WORLD, cell, model_types, readme_table, run_types)
+from benchmarks.zoo_engine import (BATCH, CLASSES, COLUMNS, JOB_TIMEOUT_S, PLANS, README_BEGIN,  # noqa: E402
+                                    README_END, SEQ, STEPS, WORLD, cell, model_types, readme_table, run_types)
 
 __all__ = ["markdown_table", "summary", "write_readme", "main"]
 

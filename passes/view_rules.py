@@ -102,11 +102,18 @@ def _token_shard(node: Node, rc: RuleContext) -> Shard:
     return Shard(dim)
 
 
+def _on_shard(rule):
+    """A rule that only moves a sharded dim, called as ``rule(node, shard, rc)`` with the input's
+    ``Shard``; a replicated or partial input passes through as it is (the op keeps either)."""
+    @functools.wraps(rule)
+    def on_placements(node: Node, pls: list, rc: RuleContext):
+        return rule(node, pls[0], rc) if isinstance(pls[0], Shard) else pls[0]
+    return on_placements
+
+
 @register(*SIZED_RESHAPE_OPS)
-def view_rule(node: Node, pls: list, rc: RuleContext):
-    pl = pls[0]
-    if not isinstance(pl, Shard):
-        return pl
+@_on_shard
+def view_rule(node: Node, pl: Shard, rc: RuleContext):
     if rc.local_sizes:
         return _token_shard(node, rc)
     out = _mapped_dim(node, node.args[0], pl, rc)
@@ -142,14 +149,12 @@ def reshape_as_rule(node: Node, pls: list, rc: RuleContext):
 
 
 @register(aten.repeat_interleave.self_int)
-def repeat_interleave_rule(node: Node, pls: list, rc: RuleContext):
+@_on_shard
+def repeat_interleave_rule(node: Node, pl: Shard, rc: RuleContext):
     """``x.repeat_interleave(r, dim)``: each element repeated ``r`` times in place along ``dim``
     (interleaved rotary tables: ``cos.repeat_interleave(2, dim=-1)``).  A shard on another dim
     stays, and the op is linear, so a partial sum passes too; along the sharded dim itself the
     repeated tokens would no longer be one per position, so that is refused."""
-    pl = pls[0]
-    if not isinstance(pl, Shard):
-        return pl
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
     if dim is None:
         raise rc.fail(node, "repeat_interleave without a dim flattens a sharded tensor")
@@ -159,10 +164,8 @@ def repeat_interleave_rule(node: Node, pls: list, rc: RuleContext):
 
 
 @register(aten.unflatten.int)
-def unflatten_rule(node: Node, pls: list, rc: RuleContext):
-    pl = pls[0]
-    if not isinstance(pl, Shard):
-        return pl
+@_on_shard
+def unflatten_rule(node: Node, pl: Shard, rc: RuleContext):
     if rc.local_sizes:
         return _token_shard(node, rc)
     out = _mapped_dim(node, node.args[0], pl, rc)
@@ -214,10 +217,8 @@ def expand_as_rule(node: Node, pls: list, rc: RuleContext):
 
 
 @register(aten.transpose.int)
-def transpose_rule(node: Node, pls: list, rc: RuleContext):
-    pl = pls[0]
-    if not isinstance(pl, Shard):
-        return pl
+@_on_shard
+def transpose_rule(node: Node, pl: Shard, rc: RuleContext):
     nd = ndim_of(node)
     d0, d1 = node.args[1] % nd, node.args[2] % nd
     return Shard(d1 if pl.dim == d0 else d0 if pl.dim == d1 else pl.dim)
@@ -233,19 +234,15 @@ def t_rule(node: Node, pls: list, rc: RuleContext):
 
 
 @register(aten.permute.default)
-def permute_rule(node: Node, pls: list, rc: RuleContext):
-    pl = pls[0]
-    if not isinstance(pl, Shard):
-        return pl
+@_on_shard
+def permute_rule(node: Node, pl: Shard, rc: RuleContext):
     dims = [d % ndim_of(node) for d in node.args[1]]
     return Shard(dims.index(pl.dim))
 
 
 @register(aten.slice.Tensor)
-def slice_rule(node: Node, pls: list, rc: RuleContext):
-    pl = pls[0]
-    if not isinstance(pl, Shard):
-        return pl
+@_on_shard
+def slice_rule(node: Node, pl: Shard, rc: RuleContext):
     nd = ndim_of(node)
     dim = (node.args[1] if len(node.args) > 1 else 0) % nd
     if dim != pl.dim:
@@ -273,10 +270,8 @@ def slice_rule(node: Node, pls: list, rc: RuleContext):
 
 
 @register(aten.select.int)
-def select_rule(node: Node, pls: list, rc: RuleContext):
-    pl = pls[0]
-    if not isinstance(pl, Shard):
-        return pl
+@_on_shard
+def select_rule(node: Node, pl: Shard, rc: RuleContext):
     dim = node.args[1] % ndim_of(node.args[0])
     if dim == pl.dim:
         raise rc.fail(node, f"selects along the sharded dim {dim}")

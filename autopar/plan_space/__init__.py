@@ -38,7 +38,7 @@ from autopar.plan_space.names import (CP_VARIANTS, SCHEDULES, RECOMPUTE_MODES, Z
 from autopar.plan_space.layout import (MESH_AXES, GROUP_AXES, data_axis, axis_digits, axis_geometry,
                                        axis_groups)
 from autopar.plan_space.rules import (chunk_rank, microbatches_ok, valid_microbatches, sp_ok,
-                                      ep_ok, heads_ok, kv_replicated, kv_cp_ok, ulysses_heads_ok,
+                                      ep_ok, heads_ok, kv_replicated, kv_cp_ok, padded_vocab, ulysses_heads_ok,
                                       ulysses_fits, ulysses_ok, layers_ok, experts_ok, batch_ok, cp_seq_ok,
                                       sp_seq_ok, model_facts)
 from autopar.plan_space.runtime_rules import (moe_rewritten, split_backward, Rule, RUNTIME_RULES,
@@ -56,7 +56,7 @@ __all__ = [
     # chunks and micro-batches
     "chunks_per_rank", "chunk_rank", "microbatches_ok", "valid_microbatches",
     # rules of a plan alone, and of a plan against a model and a run
-    "sp_ok", "ep_ok", "heads_ok", "kv_replicated", "kv_cp_ok", "ulysses_heads_ok", "ulysses_fits",
+    "sp_ok", "ep_ok", "heads_ok", "kv_replicated", "kv_cp_ok", "padded_vocab", "ulysses_heads_ok", "ulysses_fits",
     "ulysses_ok", "layers_ok",
     "experts_ok", "batch_ok", "cp_seq_ok", "sp_seq_ok", "model_facts",
     # what the runtime runs

@@ -6,7 +6,7 @@ from __future__ import annotations
 from autopar.plan_space.names import V_SCHEDULES, among, code
 
 __all__ = ["chunk_rank", "microbatches_ok", "valid_microbatches", "sp_ok", "ep_ok",
-           "heads_ok", "kv_replicated", "kv_cp_ok", "ulysses_heads_ok", "ulysses_fits", "ulysses_ok",
+           "heads_ok", "kv_replicated", "kv_cp_ok", "padded_vocab", "ulysses_heads_ok", "ulysses_fits", "ulysses_ok",
            "layers_ok", "experts_ok", "batch_ok", "cp_seq_ok", "sp_seq_ok", "model_facts"]
 
 

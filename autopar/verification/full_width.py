@@ -1,7 +1,7 @@
 """One rank of a full-size model, built on the meta device, stepped under torch's own meters.
 
 The engine of ``autopar explain --simulate`` and ``autopar plan --check`` (autopar/cli/simulate_cmd.py)
-and of the suite's scale checks (tests/support/scale.py, tests/support/full_width.py,
+and of the suite's scale checks (autopar/verification/scale.py, tests/support/full_width.py,
 tests/e2e/test_full_width.py):
 
 * :func:`meta_model`: a preset of ``autopar.ModelSpec`` as a transformers model on the meta device

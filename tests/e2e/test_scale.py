@@ -1,6 +1,6 @@
 """Scale simulation: hidden-8192 Llama ranks on the meta device under fake worlds.
 
-The program of one rank is compiled and stepped in one process (tests/support/scale.py, the engine of
+The program of one rank is compiled and stepped in one process (autopar/verification/scale.py, the engine of
 benchmarks/scale_simulation.py); every collective the rank records must equal the cost model's calls and bytes, and its
 parameter bytes the cost model's parameter memory.  Each case runs in a subprocess so the
 fake process group stays there: a tp/sp/dp plan, a rank in the middle of a pipelined
@@ -25,7 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 _SCRIPT = """
 import json, sys
 sys.path.insert(0, {repo!r})
-from tests.support.scale import compare, simulate
+from autopar.verification.scale import compare, simulate
 r = simulate({layers}, {plan!r}, 4096, 1, rank={rank}, model={model!r}, bucket_bytes={bucket_bytes},
              log=lambda *a: None)
 lines = []

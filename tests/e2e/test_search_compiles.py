@@ -12,7 +12,7 @@ Each sampled plan is compiled by ``autopar.parallelize`` as one rank of a *fake*
 (as benchmarks/scale_simulation.py does): ranks 0 and 7 under pp, so the first and the last
 pipeline stage compile, otherwise rank 7; then stepped once on the meta device.  Every
 collective the rank records is compared with the cost model's calls and bytes
-(``tests.support.scale.compare``).  All plans run in one subprocess (the fake process
+(``autopar.verification.scale.compare``).  All plans run in one subprocess (the fake process
 group stays there), which is this file run as a script: plans on stdin, results as JSON on stdout.
 """
 from __future__ import annotations
@@ -102,7 +102,7 @@ def compile_rank(plan_text: str, rank: int) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import autopar
-    from tests.support.scale import compare, measured_and_predicted
+    from autopar.verification.scale import compare, measured_and_predicted
     from tests.support.models import hf_llama
 
     plan = autopar.Plan.parse(plan_text)

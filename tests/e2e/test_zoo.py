@@ -2,7 +2,7 @@
 
 benchmarks/zoo.py trains every causal LM type of transformers, shrunk from its default config,
 under four plans on 2 gloo ranks against one process, and docs/zoo.md is its table.  This file
-runs the same code (``tests.support.zoo.run_types``: the same shrinking, batches, reference and
+runs the same code (``benchmarks.zoo_engine.run_types``: the same shrinking, batches, reference and
 comparison) on pairs chosen to cover the classes of architecture -- dense GQA, multi-query
 attention, mixtures of experts, sliding windows, ALiBi, Conv1D weights, parallel attention and
 MLP, tied heads, an encoder used as a causal LM, state-space and hybrid models that are refused
@@ -17,7 +17,8 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from tests.support.zoo import run_types  # noqa: E402
+from benchmarks.zoo_engine import run_types  # noqa: E402
+from tests.support.harness import JobTimeout, RankError, run_distributed  # noqa: E402
 
 E, R, T = "equal", "refused", "refused (trace)"
 # model type -> {plan: outcome, or (outcome, a phrase of the refusal)}, as the sweep recorded them.
@@ -78,7 +79,8 @@ GROUP = 4  # model types per pool call
 @pytest.fixture(scope="module")
 def outcomes(dist_pool):
     """Every pair of :data:`EXPECTED`, run once for the module (``dist_pool``: shut down at the end)."""
-    return run_types({t: list(plans) for t, plans in EXPECTED.items()}, group=GROUP)
+    return run_types({t: list(plans) for t, plans in EXPECTED.items()}, group=GROUP, runner=run_distributed,
+                     runner_errors=(RankError, JobTimeout))
 
 
 PAIRS = [(t, p) for t, plans in EXPECTED.items() for p in plans]

@@ -17,7 +17,7 @@ import time
 
 import autopar
 from autopar.verification.full_width import compile_rank, fake_world, measure_step
-from tests.support.scale import model_spec
+from autopar.verification.scale import model_spec
 
 __all__ = ["measure"]
 

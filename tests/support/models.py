@@ -9,11 +9,10 @@ downloads) and needs ``transformers``.
 """
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
+
+from benchmarks.models import (example_model, example_module, example_moe, hf_llama, hf_loss, hf_model,  # noqa: F401
+                               lm_loss, make_batch)
 
 __all__ = [
     "example_module",
@@ -40,62 +39,6 @@ __all__ = [
     "MODELS",
 ]
 
-_EXAMPLE_PATH = Path(__file__).resolve().parents[2] / "examples" / "model.py"
-_EXAMPLE_NAME = "autopar_examples_model"
-
-
-def example_module():
-    """examples/model.py as a module (loaded by path: ``examples/`` is not a package)."""
-    module = sys.modules.get(_EXAMPLE_NAME)
-    if module is None:
-        spec = importlib.util.spec_from_file_location(_EXAMPLE_NAME, _EXAMPLE_PATH)
-        module = importlib.util.module_from_spec(spec)
-        # Registered before exec so that dataclasses and pickling can find the module.
-        sys.modules[_EXAMPLE_NAME] = module
-        spec.loader.exec_module(module)
-    return module
-
-
-def example_model(seed: int = 0, **cfg_overrides):
-    """The example ``Decoder`` with ``DecoderConfig(**cfg_overrides)``, weights from ``seed``."""
-    mod = example_module()
-    torch.manual_seed(seed)
-    return mod.Decoder(mod.DecoderConfig(**cfg_overrides))
-
-
-def lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return example_module().lm_loss(logits, target)
-
-
-def make_batch(vocab_size: int, batch: int, seq: int, seed: int):
-    return example_module().make_batch(vocab_size, batch, seq, seed)
-
-
-def _hf(config_name: str, model_name: str, seed: int, defaults: dict, overrides: dict):
-    """``transformers.<model_name>(<config_name>(**defaults, **overrides))`` with weights from ``seed``."""
-    import transformers
-
-    config = getattr(transformers, config_name)(**{**defaults, **overrides})
-    torch.manual_seed(seed)
-    model = getattr(transformers, model_name)(config)
-    model.train()
-    return model
-
-
-def hf_llama(seed: int = 0, tie: bool = False, **overrides):
-    """A tiny ``transformers.LlamaForCausalLM`` (vocab 128, hidden 64, 2 layers, 4 heads, 2 KV heads)."""
-    return _hf("LlamaConfig", "LlamaForCausalLM", seed, dict(
-        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=tie, attn_implementation="sdpa"),
-        overrides)
-
-
-def hf_loss(output, target: torch.Tensor) -> torch.Tensor:
-    """Next-token cross-entropy from a Hugging Face ``CausalLMOutput`` (its ``.logits``)."""
-    logits = output.logits
-    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
-
-
 def _example_tied(seed: int = 0, **overrides):
     return example_model(seed, tie_embeddings=True, **overrides)
 
@@ -107,22 +50,15 @@ def _example_fused(seed: int = 0, **overrides):
 def hf_gpt2(seed: int = 0, **overrides):
     """A tiny ``transformers.GPT2LMHeadModel``: Conv1D (addmm, [in, out] weights), fused QKV,
     LayerNorm with bias, learned position embeddings, tied LM head; dropout off."""
-    return _hf("GPT2Config", "GPT2LMHeadModel", seed, dict(
+    return hf_model("GPT2Config", "GPT2LMHeadModel", seed, dict(
         vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa"), overrides)
-
-
-def example_moe(seed: int = 0, **overrides):
-    """The example decoder with a 4-expert top-2 MoE (ModuleList experts) in every layer."""
-    kwargs = dict(num_experts=4, top_k=2, intermediate_size=64)
-    kwargs.update(overrides)
-    return example_model(seed, **kwargs)
 
 
 def hf_mixtral(seed: int = 0, **overrides):
     """A tiny ``transformers.MixtralForCausalLM``: stacked [E, ...] expert weights run by a grouped
     matmul on tokens sorted by expert (vocab 128, hidden 64, 2 layers, 4 experts, top-2)."""
-    return _hf("MixtralConfig", "MixtralForCausalLM", seed, dict(
+    return hf_model("MixtralConfig", "MixtralForCausalLM", seed, dict(
         vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
         attn_implementation="sdpa"), overrides)
@@ -131,7 +67,7 @@ def hf_mixtral(seed: int = 0, **overrides):
 def hf_qwen_moe(seed: int = 0, **overrides):
     """A tiny ``transformers.Qwen2MoeForCausalLM``: stacked experts plus a gated shared expert
     that every token passes through (vocab 128, hidden 64, 2 layers, 4 experts, top-2)."""
-    return _hf("Qwen2MoeConfig", "Qwen2MoeForCausalLM", seed, dict(
+    return hf_model("Qwen2MoeConfig", "Qwen2MoeForCausalLM", seed, dict(
         vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
         shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
@@ -143,7 +79,7 @@ def hf_gemma2(seed: int = 0, **overrides):
     outputs are normalised again after the row-parallel projection), ``(1 + weight)`` norms,
     a scaled embedding, attention-logit and final-logit soft-capping (eager attention: Gemma 2
     has no SDPA path), sliding-window layers, a tied LM head (vocab 128, hidden 64, 2 layers)."""
-    return _hf("Gemma2Config", "Gemma2ForCausalLM", seed, dict(
+    return hf_model("Gemma2Config", "Gemma2ForCausalLM", seed, dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=64,
         sliding_window=8, attn_implementation="eager"), overrides)
@@ -153,7 +89,7 @@ def hf_opt(seed: int = 0, **overrides):
     """A tiny ``transformers.OPTForCausalLM``: learned positions derived from the attention mask
     (``cumsum`` of an all-ones mask when none is given), LayerNorm with bias, biased projections,
     a tied LM head; dropout off (vocab 128, hidden 64, 2 layers, 4 heads)."""
-    return _hf("OPTConfig", "OPTForCausalLM", seed, dict(
+    return hf_model("OPTConfig", "OPTForCausalLM", seed, dict(
         vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
         word_embed_proj_dim=64, max_position_embeddings=64, dropout=0.0, attention_dropout=0.0,
         attn_implementation="sdpa"), overrides)
@@ -162,7 +98,7 @@ def hf_opt(seed: int = 0, **overrides):
 def hf_phi3(seed: int = 0, **overrides):
     """A tiny ``transformers.Phi3ForCausalLM``: fused qkv cut by slicing (``qkv[..., :q]``), fused
     gate_up cut by ``chunk`` (vocab 128, hidden 64, 2 layers, 4 heads, 2 KV heads)."""
-    return _hf("Phi3Config", "Phi3ForCausalLM", seed, dict(
+    return hf_model("Phi3Config", "Phi3ForCausalLM", seed, dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, attn_implementation="sdpa"), overrides)
@@ -186,7 +122,7 @@ MODELS = {
 def hf_olmo2(seed: int = 0, **overrides):
     """A tiny ``transformers.Olmo2ForCausalLM``: q and k RMS-normalised over the whole projection
     width (before the heads are split), norms after attention and MLP (vocab 128, hidden 64, 2 layers)."""
-    return _hf("Olmo2Config", "Olmo2ForCausalLM", seed, dict(
+    return hf_model("Olmo2Config", "Olmo2ForCausalLM", seed, dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
         attn_implementation="sdpa"), overrides)
@@ -214,7 +150,7 @@ MODELS["hf_mixtral_aux"] = (hf_mixtral_aux, aux_loss, {"use_cache": False})
 def hf_qwen3(seed: int = 0, **overrides):
     """A tiny ``transformers.Qwen3ForCausalLM``: q and k RMS-normalised per head (over the head
     dim, which tp does not split), an explicit head dim (vocab 128, hidden 64, 2 layers)."""
-    return _hf("Qwen3Config", "Qwen3ForCausalLM", seed, dict(
+    return hf_model("Qwen3Config", "Qwen3ForCausalLM", seed, dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, max_position_embeddings=64, attn_implementation="sdpa"), overrides)
 
@@ -227,7 +163,7 @@ def hf_falcon(seed: int = 0, **overrides):
     laid out by KV group (each group's query heads, then its key and value) and cut by slices and
     list indices, projections written ``x @ w.T``, attention and MLP in parallel from two norms
     (vocab 128, hidden 64, 2 layers, 4 heads in 2 KV groups)."""
-    return _hf("FalconConfig", "FalconForCausalLM", seed, dict(
+    return hf_model("FalconConfig", "FalconForCausalLM", seed, dict(
         vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
         new_decoder_architecture=True, parallel_attn=True, bias=False, alibi=False, multi_query=False,
         max_position_embeddings=64, attn_implementation="sdpa"), overrides)
@@ -242,7 +178,7 @@ def hf_deepseek_v3(seed: int = 0, **overrides):
     MoE layer with a shared expert and sigmoid routing limited to the best of two expert groups
     (score-correction bias, routing weights gathered from the scores) (vocab 128, hidden 64,
     2 layers, 4 heads, 4 experts, top-2)."""
-    model = _hf("DeepseekV3Config", "DeepseekV3ForCausalLM", seed, dict(
+    model = hf_model("DeepseekV3Config", "DeepseekV3ForCausalLM", seed, dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8,
         qk_nope_head_dim=16, v_head_dim=16, n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
@@ -264,7 +200,7 @@ def hf_bert(seed: int = 0, **overrides):
     allows every position), learned positions sliced from a buffer, token-type embeddings,
     post-LayerNorm, attention and MLP each split over two sibling modules, a tied head with a
     transform and a bias; dropout off (vocab 128, hidden 64, 2 layers, 4 heads)."""
-    return _hf("BertConfig", "BertForMaskedLM", seed, dict(
+    return hf_model("BertConfig", "BertForMaskedLM", seed, dict(
         vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
         hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, max_position_embeddings=64,
         type_vocab_size=2, attn_implementation="sdpa"), overrides)
@@ -276,7 +212,7 @@ MODELS["hf_bert"] = (hf_bert, hf_loss, {})
 def hf_mistral_window(seed: int = 0, **overrides):
     """A tiny ``transformers.MistralForCausalLM`` whose sliding window (8 tokens) is shorter than the
     tests' sequence (16): the window acts in every test (vocab 128, hidden 64, 2 layers, GQA)."""
-    return _hf("MistralConfig", "MistralForCausalLM", seed, dict(
+    return hf_model("MistralConfig", "MistralForCausalLM", seed, dict(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, sliding_window=8, attn_implementation="sdpa"),
         overrides)
@@ -292,7 +228,7 @@ _WINDOWED = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidd
 def hf_qwen2_window(seed: int = 0, **overrides):
     """A tiny ``transformers.Qwen2ForCausalLM`` with ``use_sliding_window``: layer 0 full attention,
     layer 1 an 8-token window (``max_window_layers=1``), shorter than the tests' sequence (16)."""
-    return _hf("Qwen2Config", "Qwen2ForCausalLM", seed, dict(
+    return hf_model("Qwen2Config", "Qwen2ForCausalLM", seed, dict(
         _WINDOWED, use_sliding_window=True, max_window_layers=1, attn_implementation="sdpa"), overrides)
 
 
@@ -300,14 +236,14 @@ def hf_gemma2_window(seed: int = 0, **overrides):
     """A tiny ``transformers.Gemma2ForCausalLM``, its local layers with an 8-token window (shorter than
     the sequence).  transformers 5.25 refuses SDPA for Gemma 2 (its soft-capped scores), so it runs
     its eager attention, whose mask the graph keeps."""
-    return _hf("Gemma2Config", "Gemma2ForCausalLM", seed, dict(_WINDOWED, head_dim=16, attn_implementation="eager"),
+    return hf_model("Gemma2Config", "Gemma2ForCausalLM", seed, dict(_WINDOWED, head_dim=16, attn_implementation="eager"),
                overrides)
 
 
 def hf_gpt_oss_window(seed: int = 0, **overrides):
     """A tiny ``transformers.GptOssForCausalLM``: alternating 8-token-window and full layers, attention
     sinks (eager attention: transformers 5.25 has no SDPA path for it), 4 experts, top-2."""
-    return _hf("GptOssConfig", "GptOssForCausalLM", seed, dict(
+    return hf_model("GptOssConfig", "GptOssForCausalLM", seed, dict(
         _WINDOWED, head_dim=16, num_local_experts=4, num_experts_per_tok=2, attn_implementation="eager"), overrides)
 
 

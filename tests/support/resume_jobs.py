@@ -15,11 +15,10 @@ import os
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.utils.data import DataLoader, TensorDataset
 
 import autopar
+from autopar.runtime.weights.checkpoint import read_entries
 from tests.support.harness import OPTIMIZERS, make_batches
 from tests.support.jobs import BATCH, SEQ, VOCAB, build
 from tests.support.training_jobs import SCHEDULER
@@ -35,12 +34,7 @@ def _distributed() -> bool:
 
 def read_checkpoint(path: str) -> dict[str, torch.Tensor]:
     """Every tensor entry of the checkpoint at ``path`` (collective under a process group)."""
-    real = os.path.realpath(path)
-    meta = dcp.FileSystemReader(real).read_metadata()
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.state_dict_metadata.items()
-             if isinstance(m, TensorStorageMetadata)}
-    dcp.load(state, checkpoint_id=real, no_dist=not _distributed())
-    return dict(sorted(state.items()))
+    return read_entries(path)
 
 
 def _tokens() -> torch.Tensor:

@@ -8,6 +8,7 @@ in a fresh interpreter by tests/e2e/test_offline_imports.py.)
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import networkx as nx
@@ -17,7 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"autopar": "autopar", "passes": "autopar.passes", "cost": "autopar.cost"}
 # Package -> layer; imports go from a higher layer to a strictly lower one (docs/architecture.md).
 LAYERS = {
-    "autopar.errors": 0, "autopar.plan": 0, "autopar.plan_space": 0, "autopar.support": 0, "autopar.compat": 0,
+    "autopar.errors": 0, "autopar.plan": 0, "autopar.plan_checks": 0, "autopar.plan_text": 0, "autopar.plan_space": 0,
+    "autopar.support": 0, "autopar.compat": 0,
     "autopar.frontend": 1,
     "autopar.cost": 2, "autopar.ops": 2,
     "autopar.passes": 3,
@@ -28,7 +30,8 @@ LAYERS = {
     "autopar": 8,  # the package's __init__: public names, imported lazily
 }
 # Modules of layer 0 form one group: plan and support may use errors (no cycle is still checked).
-BASE = {"autopar.errors", "autopar.plan", "autopar.plan_space", "autopar.support", "autopar.compat"}
+BASE = {"autopar.errors", "autopar.plan", "autopar.plan_checks", "autopar.plan_text", "autopar.plan_space",
+        "autopar.support", "autopar.compat"}
 
 
 def _modules() -> dict[str, Path]:
@@ -114,3 +117,77 @@ def test_the_checker_sees_imports_inside_functions(tmp_path):
     src.write_text("def f():\n    from autopar.runtime import parallelize\n    from .x import y\n")
     assert _imports("autopar.cost.m", src, {"autopar.runtime", "autopar.cost.x"}) == {"autopar.runtime",
                                                                                    "autopar.cost.x"}
+
+
+# ----------------------------------------------------------------------------- narrow interfaces
+MODULE_FILE = ROOT / "autopar" / "runtime" / "module.py"
+# Every Python folder of the project: product code, benchmarks, examples and the suite itself.
+EVERY_FOLDER = ("autopar", "passes", "cost", "benchmarks", "examples", "tests")
+
+
+def _private_fields() -> set[str]:
+    """ParallelModule's private names: the methods and ``self._x`` attributes its class defines."""
+    tree = ast.parse(MODULE_FILE.read_text())
+    cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "ParallelModule")
+    names = {n.name for n in cls.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    names |= {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute)
+              and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _private_reads(path: Path, fields: set[str]) -> list[str]:
+    """``pm._x`` anywhere, and ``obj._x`` for a private field of ParallelModule on anything but ``self``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_") or node.attr.startswith("__"):
+            continue
+        owner = node.value.id if isinstance(node.value, ast.Name) else None
+        if owner == "pm" or (node.attr in fields and owner != "self"):
+            out.append(f"{path.relative_to(ROOT)}:{node.lineno}: .{node.attr}")
+    return out
+
+
+def test_nothing_outside_the_module_file_reads_a_parallel_modules_private_fields():
+    """ParallelModule is assembled from parts with narrow interfaces (RankParameters, LossSplit,
+    StepEnvironment): the weights modules, the executors and everything else take those parts,
+    never the module's private state."""
+    fields = _private_fields()
+    assert {"_norm_weights", "_begin"} <= fields  # the check sees the class it guards
+    bad = [hit for folder in EVERY_FOLDER for path in sorted((ROOT / folder).rglob("*.py"))
+           if path != MODULE_FILE for hit in _private_reads(path, fields)]
+    assert not bad, "private fields of ParallelModule read outside autopar/runtime/module.py:\n" + "\n".join(bad)
+
+
+def test_the_private_read_check_can_fail(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text("def f(pm, other, self):\n    return pm._aliases, other._begin, self._begin, pm.plan\n")
+    rel = Path(src.relative_to(tmp_path))
+    global ROOT
+    saved, ROOT = ROOT, tmp_path
+    try:
+        assert _private_reads(src, {"_begin"}) == [f"{rel}:2: ._aliases", f"{rel}:2: ._begin"]
+    finally:
+        ROOT = saved
+
+
+def _test_imports(path: Path) -> list[str]:
+    """Imports of the test suite (``tests`` or ``tests.*``), and jobs named by a ``tests.`` module."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            names = [node.value] if re.fullmatch(r"tests(\.\w+)+:\w+", node.value) else []
+        out += [f"{path.relative_to(ROOT)}:{node.lineno}: {n}" for n in names if n == "tests" or n.startswith("tests.")]
+    return out
+
+
+def test_product_code_and_benchmarks_never_import_the_tests():
+    """The engines the benchmarks share with the suite (the scale simulation, the zoo, the small
+    models, the local launcher) live in the package or in benchmarks/, never in tests/."""
+    bad = [hit for folder in ("autopar", "passes", "cost", "benchmarks")
+           for path in sorted((ROOT / folder).rglob("*.py")) for hit in _test_imports(path)]
+    assert not bad, "imports of tests/ from product code or benchmarks:\n" + "\n".join(bad)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from tests.support.zoo import COLUMNS, README_BEGIN, README_END, readme_table
+from benchmarks.zoo_engine import COLUMNS, README_BEGIN, README_END, readme_table
 
 ROOT = Path(__file__).resolve().parents[2]
 

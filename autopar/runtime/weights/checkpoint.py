@@ -44,7 +44,7 @@ from autopar.runtime.weights.safetensors_io import WEIGHTS_NAME
 from autopar.runtime.weights.state import MODEL_PREFIX, OPTIM_PREFIX, SCHEDULER_KEY, model_shapes
 from autopar.runtime.weights.train_state import DATA_KEY
 
-__all__ = ["save", "wait", "load", "load_model_state_dict", "latest_checkpoint", "MODEL_PREFIX", "OPTIM_PREFIX",
+__all__ = ["save", "wait", "load", "load_model_state_dict", "read_entries", "latest_checkpoint", "MODEL_PREFIX", "OPTIM_PREFIX",
            "SCHEDULER_KEY", "export_safetensors", "SAFETENSORS_NAME"]
 
 # Entry names (autopar/runtime/weights/state.py): ``model.<original name>``, ``optim.<original name>.<state
@@ -133,6 +133,15 @@ def load_model_state_dict(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     _, metadata = check_files(path, _metadata)
     state = _read(path, metadata, lambda k: k.startswith(MODEL_PREFIX))
     return {k[len(MODEL_PREFIX):]: v for k, v in state.items()}
+
+
+def read_entries(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor entry of the checkpoint at ``path`` under its entry name (``model.*``, ``optim.*``,
+    ``train.*``, ...), sorted by name, after the checks of a damaged checkpoint (collective under a
+    process group: DCP reads with every rank)."""
+    path = os.path.abspath(os.fspath(path))
+    _, metadata = check_files(path, _metadata)
+    return dict(sorted(_read(path, metadata, lambda k: True).items()))
 
 
 def load(pm, path: str | os.PathLike, *, data=None) -> None:

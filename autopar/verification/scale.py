@@ -20,23 +20,24 @@ from __future__ import annotations
 import collections
 import time
 
-import autopar
+from autopar.cost import Cluster, ModelSpec, estimate
+from autopar.plan import Plan
 from autopar.plan_space import DEFAULT_BUCKET_BYTES
 from autopar.verification.full_width import compile_rank, fake_world, simulated_spec
 
 __all__ = ["simulate", "measured_and_predicted", "compare", "fake_world", "compile_rank", "model_spec"]
 
 
-def model_spec(model: str, layers: int | None) -> "autopar.ModelSpec":
+def model_spec(model: str, layers: int | None) -> ModelSpec:
     """The preset ``model`` (dense, or MoE in every layer), with ``layers`` layers if given."""
-    return simulated_spec(autopar.ModelSpec.preset(model), layers)
+    return simulated_spec(ModelSpec.preset(model), layers)
 
 
 def simulate(layers: int | None, plan: str, seq: int, microbatch: int, *, rank: int = 0,
              model: str = "llama3-70b", bucket_bytes: int = DEFAULT_BUCKET_BYTES, log=print) -> dict:
     """Compile and step rank ``rank`` under a fake world; what it measured and what the cost model says
     (``bucket_bytes``: the gradient buckets' cap, given to both)."""
-    p = autopar.Plan.parse(plan)
+    p = Plan.parse(plan)
     spec = model_spec(model, layers)
     with fake_world(p.world_size, rank):
         log(f"[1/3] compiling {spec.num_layers}-layer {model} (hidden {spec.hidden}) for '{plan}' as rank {rank} "
@@ -51,7 +52,7 @@ def simulate(layers: int | None, plan: str, seq: int, microbatch: int, *, rank: 
         pm.train_step((ids,), ids)
         log("[3/3] comparing with the cost model")
         pp_rank = pm.coords().get("pp", (0, 1))[0]
-        cost = autopar.estimate(spec, autopar.Cluster.for_world("h100", p.world_size), plan, seq_len=seq,
+        cost = estimate(spec, Cluster.for_world("h100", p.world_size), plan, seq_len=seq,
                                 global_batch=ids.shape[0], dtype_bytes=4, bucket_bytes=bucket_bytes)
         return measured_and_predicted(pm, cost, pp_rank, seconds)
 

@@ -18,13 +18,16 @@ each (model type, plan) into one class:
 
 The pieces are autopar verify's own (autopar/verification/: ``sources`` for the model, the
 batches, the loss and the optimizers; ``shrink``; ``api._reference`` for the single process;
-``compare`` for the verdict).  The ranks are the pooled gloo workers of ``tests/support/harness.py``:
-one pool of 2 for the whole sweep, one pool call per model type running all its plans
-(:func:`zoo_job`), each rank writing each plan's outcome to a file as it finishes, so a
-hanging or crashing plan costs a pool restart and the plans after it are resubmitted.
+``compare`` for the verdict).  The ranks come from a runner: the suite passes its pooled gloo
+workers (``tests/support/harness.py``: one pool of 2 for the whole session), the full sweep
+``benchmarks/zoo.py`` a fresh gloo world per call (:func:`spawned_runner`, on
+:func:`autopar.verification.launch.run_spawned`).  One runner call per model type runs all its
+plans (:func:`zoo_job`), each rank writing each plan's outcome to a file as it finishes, so a
+hanging or crashing plan costs a restart and the plans after it are resubmitted.
 
 Its users: the CI subset tests/e2e/test_zoo.py and the full sweep ``benchmarks/zoo.py`` (the
-tables of docs/zoo.md).
+tables of docs/zoo.md).  It lives beside the benchmark, not in tests/: benchmarks never import
+the test suite (tests/unit/test_layers.py).
 """
 from __future__ import annotations
 
@@ -50,9 +53,9 @@ from autopar.verification.compare import compare
 from autopar.verification.shrink import shrink_config
 
 __all__ = ["PLANS", "COLUMNS", "SEQ", "BATCH", "STEPS", "WORLD", "JOB_TIMEOUT_S", "CLASSES", "model_types",
-           "run_types", "zoo_job", "cell"]
+           "run_types", "spawned_runner", "zoo_job", "cell"]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 
 PLANS = ["dp=2,zero=3", "tp=2,sp", "cp=2:ring", "pp=2,mb=2"]
 COLUMNS = {"pp=2,mb=2": "pp=2"}  # short column titles
@@ -362,15 +365,37 @@ def _read(workdir: str, i: int) -> tuple[list, dict | None]:
     return statuses, got
 
 
+def spawned_runner(job: str, *args, world: int, timeout: float):
+    """Run ``job`` (``"module:function"``) with ``args`` on a fresh gloo world of ``world`` local
+    processes; a failure, a dead rank or the timeout raises :class:`autopar.errors.AutoparError`."""
+    from autopar.verification.launch import run_spawned
+
+    return run_spawned(_spawned_job, world, (job, args), timeout=timeout, what=f"running {job}")
+
+
+def _spawned_job(rank: int, world: int, port: int, job: str, args: tuple, *, post):
+    import importlib
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    module, _, name = job.partition(":")
+    return getattr(importlib.import_module(module), name)(*args)
+
+
 def run_types(model_types, plans: list[str] | None = None, *, optimizer: str = "sgd",
-              job_timeout: float = JOB_TIMEOUT_S, group: int = 1, progress=None) -> dict:
+              job_timeout: float = JOB_TIMEOUT_S, group: int = 1, progress=None,
+              runner=None, runner_errors: tuple = ()) -> dict:
     """``{model_type: {plan: outcome}}``.
 
     ``model_types``: a list (each with every plan of ``plans``, default :data:`PLANS`) or a dict
-    ``{model_type: [plan, ...]}``.  ``group`` types share one pool call (all their plans, one
-    after the other); ``progress`` gets one line per model type."""
-    from tests.support.harness import JobTimeout, RankError, run_distributed
-
+    ``{model_type: [plan, ...]}``.  ``group`` types share one runner call (all their plans, one
+    after the other); ``progress`` gets one line per model type.  ``runner(job, *args, world=,
+    timeout=)`` runs a job on every rank (default :func:`spawned_runner`); ``runner_errors``: the
+    exceptions by which it reports a failed, crashed or hung job (default ``AutoparError``)."""
+    run_distributed = runner or spawned_runner
+    pool_errors = runner_errors or (AutoparError,)
     if not isinstance(model_types, dict):
         model_types = {t: list(plans or PLANS) for t in model_types}
     say = progress or (lambda line: None)
@@ -391,7 +416,7 @@ def run_types(model_types, plans: list[str] | None = None, *, optimizer: str = "
             pending += [dict(e, model_type=model_type) for e in entries]
             refs.update({(model_type, p): r for p, r in type_refs.items()})
         while pending:
-            pending = _run_pending(pending, outcomes, refs, job_timeout, run_distributed, (RankError, JobTimeout))
+            pending = _run_pending(pending, outcomes, refs, job_timeout, run_distributed, pool_errors)
         elapsed = time.perf_counter() - start
         for model_type in chunk:
             results[model_type] = {p: outcomes[(model_type, p)] for p in model_types[model_type]}
@@ -407,7 +432,7 @@ def _run_pending(pending: list[dict], outcomes: dict, refs: dict, job_timeout: f
     with tempfile.TemporaryDirectory(prefix="autopar-zoo-") as workdir:
         error = None
         try:
-            run_distributed("tests.support.zoo:zoo_job", pending, workdir, os.path.basename(workdir),
+            run_distributed("benchmarks.zoo_engine:zoo_job", pending, workdir, os.path.basename(workdir),
                             world=WORLD, timeout=job_timeout * len(pending))
         except pool_errors as exc:
             error = exc
