@@ -176,7 +176,7 @@ def compute_kinds() -> dict:
 
 
 def pipeline_order(schedule) -> list[list[tuple[str, int, int]]]:
-    """Per rank, the compute actions a multi-stage torch schedule runs, as ``(kind, stage, mb)``
+    """Per rank, the compute actions a multi-stage torch schedule runs, as ``(kind, stage_index, microbatch_index)``
     tuples grouped per time slot (two for an overlapped forward-backward pair).
 
     Reads the private ``pipeline_order`` and ``_ComputationType`` of the schedule object."""

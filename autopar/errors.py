@@ -1,4 +1,4 @@
-"""Error type and message helpers shared by every stage of autopar.
+"""Error type and message helpers shared by every part of autopar.
 
 Every user-facing error starts with ``autopar:``, says what was found and what was
 expected, and suggests a fix.  Graph problems also name the node, the module it came

@@ -212,7 +212,7 @@ def _torch_pp(model, make_opt, cfg, device: torch.device, compiled: bool = False
             schedule.step(target=target if last else None, losses=losses)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        # The last stage's mean over micro-batches, shared with every stage (others add 0).
+        # The last chunk's mean over micro-batches, shared with every stage (others add 0).
         loss = torch.stack([l.detach() for l in losses]).mean() if last else torch.zeros((), device=device)
         dist.all_reduce(loss)
         return float(loss)

@@ -33,8 +33,8 @@ activation function (drops silu(gate) and the product, or gelu(up)), plus, while
 recomputes one of them, the larger of the two (``recompute_buffer``). Full recompute keeps
 only each layer's input T_sp*h*w, plus one layer's activations while it recomputes
 (passes/recompute.py cuts these regions; ParallelModule.memory_report measures both parts).
-Outside the layers, for one micro-batch: the first stage keeps the int64 token ids its
-embedding saves (8*T); the last stage the final norm (as above), the LM head's input
+Outside the layers, for one micro-batch: the first pp rank keeps the int64 token ids its
+embedding saves (8*T); the last pp rank the final norm (as above), the LM head's input
 (T_sp*h*w: the shard under SP, re-gathered in backward) and the loss buffers: fp32 log-softmax of the logits (a loss
 on upcast logits; under TP the fp32 ``exp`` of the vocabulary-parallel cross-entropy)
 T*V/tp*4 and the int64 target 8*T (not modelled: the vocabulary-parallel loss's 6*T bytes of per-token sums and masks,
@@ -42,14 +42,14 @@ a materialised attention mask).
 ``korthikanti_layer_bytes`` is the GPT-layer formula of Korthikanti et al. (set C):
 sbh(10 + 24/t + 5as/(ht)), (sbh/t)(34 + 5as/h) with SP, the 5as/h term dropped by
 selective recompute, 2sbh with full recompute (written for 2-byte activations); with it
-the last stage adds the logits ``T*V/tp*(w + 4)`` (bf16 logits + fp32 softmax).
+the last pp rank adds the logits ``T*V/tp*(w + 4)`` (bf16 logits + fp32 softmax).
 The stage multiplies its layers' bytes by the micro-batches in flight (pipeline.py).
 
 Neighbours: :mod:`autopar.cost.memory` (every memory term and the step's moments, which use these).
 """
 from __future__ import annotations
 
-import sympy as sp
+import sympy
 
 from .flops import KV_REPLICATED
 from .symbols import (CPAG, E, FLASH, RFULL, RSEL, SP, Vt, a, b, cp, d, dv, f, fe, g, gated, h, k, ld, le, lq,
@@ -60,7 +60,7 @@ __all__ = ["derived_layer_bytes", "derived_outside_bytes", "korthikanti_layer_by
 
 def at_least_two(x):
     """1 when the positive integer ``x`` is >= 2, else 0 (a rational-free indicator for numpy)."""
-    return sp.Max(0, sp.Min(1, x - 1, evaluate=False), evaluate=False)
+    return sympy.Max(0, sympy.Min(1, x - 1, evaluate=False), evaluate=False)
 
 
 def _norm_bytes(tokens, width=h):
@@ -113,14 +113,14 @@ def derived_layer_bytes():
     moe = RFULL * layer_input + keep * (full_moe - RSEL * (attn_out + cp_kv + moe_act))
     # What one recomputation holds in backward: a whole layer (full); under selective the larger
     # of the two regions a layer recomputes, one at a time (attention output + LSE, MLP activations).
-    larger = lambda x, y: sp.Max(x, y, evaluate=False)  # noqa: E731
+    larger = lambda x, y: sympy.Max(x, y, evaluate=False)  # noqa: E731
     working = (RFULL * (ld * full_dense + le * full_moe)
                + RSEL * (ld * larger(attn_out + cp_kv, mlp_act) + le * larger(attn_out + cp_kv, moe_act))) / (ld + le)
     return dense, moe, working
 
 
 def derived_outside_bytes():
-    """(first stage, last stage) activation bytes outside the layers, one micro-batch."""
+    """(first pp rank, last pp rank) activation bytes outside the layers, one micro-batch."""
     T = b * s / cp
     t_sp = T * (1 - SP + SP / tp)
     token_ids = 8 * T                                  # int64 ids saved by the embedding
@@ -143,7 +143,7 @@ def activation_parts(activation_formula: str):
     if activation_formula == "korthikanti":
         per_layer = korthikanti_layer_bytes()
         working = RFULL * per_layer.subs({RFULL: 0, RSEL: 0})
-        return per_layer, per_layer, working, sp.Integer(0), b * s / cp * Vt * (w + 4)  # logits: bf16 + fp32 softmax
+        return per_layer, per_layer, working, sympy.Integer(0), b * s / cp * Vt * (w + 4)  # logits: bf16 + fp32 softmax
     if activation_formula == "derived":
         per_dense, per_moe, working = derived_layer_bytes()
         return (per_dense, per_moe, working, *derived_outside_bytes())

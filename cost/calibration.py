@@ -154,7 +154,7 @@ def calibration_table(constants: dict | None = None, gemm: dict | None = None) -
     table = []
     for row in calibration_rows():
         cost, mfu = predict(row, constants, gemm)
-        mem = cost.memory(0)  # Korthikanti et al.'s memory figures are the first stage's
+        mem = cost.memory(0)  # Korthikanti et al.'s memory figures are the first pp rank's
         entry = dict(set=row.set, name=row.name, plan=row.plan, gpus=row.cluster.world_size,
                      mfu=row.mfu, mfu_pred=mfu, mfu_err=(mfu - row.mfu) / row.mfu if row.mfu == row.mfu else None,
                      time=row.time, time_pred=cost.step_time,

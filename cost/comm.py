@@ -22,17 +22,17 @@ Layer structure seen by the rows, per stage (``l_d`` dense and ``l_e`` MoE layer
     all-gather of K,V forward and reduce-scatter of dK,dV backward; Ulysses: all-to-all
     of q,k,v and of the output (and the reverse in backward); K,V have ``g_cp`` heads (``g``,
     or ``a`` when the GQA broadcast is not right before the attention op); each cumulative sum
-    along the sequence (``n_cs``, on the first stage) all-gathers its chunk totals;
+    along the sequence (``n_cs``, on the first pp rank) all-gathers its chunk totals;
   * TP loss: a vocab-parallel cross-entropy (3 fp32 all-reduces per token), or, when the
     logits reach the loss through other ops (``gathered_logits``), one all-gather of them;
   * PP: the boundary activation (sequence-sharded by SP and CP) per send, and the loss
     all-reduced over pp once per step so that every stage returns it;
-  * DP / ZeRO: gradient all-reduce (stage 0) or reduce-scatter (1: per step, 2-3: per
+  * DP / ZeRO: gradient all-reduce (ZeRO-0) or reduce-scatter (1: per step, 2-3: per
     micro-batch; 3: per gather unit and micro-batch) over the ranks holding copies (dp*cp
     for dense weights, dp*cp/ep for experts), the parameter all-gather after the step (1-2)
     or per unit and micro-batch forward and backward (3; units = the stage's layers + 1 for
     embedding and head, as ``passes/zero.py`` groups them; a MoE layer's experts are a unit of
-    their own, so expert rows count ``l_e`` units).  Stages 0-2 run one call per gradient
+    their own, so expert rows count ``l_e`` units).  ZeRO stages 0-2 run one call per gradient
     bucket (``bucket_bytes``; buckets.py, ``autopar.plan_space.pack_buckets``): with the
     tensors' local bytes ``x_j`` in backward's order packed greedily into runs ``B_k``
     (``B_k`` closes before ``x_j`` when ``|B_k| + x_j > bucket_bytes``), the scored rank's
@@ -59,7 +59,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sympy as sp
+import sympy
 
 from .symbols import (CPAG, CPRING, CPUL, E, FIRST, NOFF, TIED, Vt, LAST, NBD, NBE, NRECV, NSEND, NUD, NUE, RFULL, RSEL, SP, Z1, Z2, Z3, Pe, Ph, a, en,
                       b, ccs, cp, d, dp, dv, ep, f, fe, g, gated, gc, h, hb, k, ld, le, lg, lq, m, mla, ncs, nl, nn,
@@ -96,17 +96,17 @@ class RowSpec:
     dimension: str
     collective: str
     axis: str          # an axis of autopar.plan_space.GROUP_AXES, or "pp_embed" (priced as pp links)
-    group: sp.Expr
-    sent: sp.Expr
-    recv: sp.Expr
-    count: sp.Expr     # calls per micro-batch if per_mb, else per optimizer step
+    group: sympy.Expr
+    sent: sympy.Expr
+    recv: sympy.Expr
+    count: sympy.Expr     # calls per micro-batch if per_mb, else per optimizer step
     per_mb: bool
     what: str
     routed: bool = False  # MoE token all-to-all: exact from a run's counts (routed_all_to_all_rows)
     # Calls whose latency the step time prices (None: every call).  The gradient buckets' rows
     # price one latency per collective of the step, as the calibrated model did before it counted
     # buckets (model.py ``_model_outputs``; see _data_parallel_rows).
-    latency: sp.Expr | None = None
+    latency: sympy.Expr | None = None
 
     @property
     def passes(self) -> int:
@@ -124,7 +124,7 @@ def _mlp(width):
 
 
 def local_param_elems():
-    """Parameter elements on the scored stage, by replication class.
+    """Parameter elements on the scored pp rank, by replication class.
 
     Returns ``(dense, expert, tp_replicated_partial)``: ``dense`` are replicated over
     dp*cp (TP-sharded weights count 1/tp, norms are whole), ``expert`` over tp*dp*cp/ep,
@@ -135,7 +135,7 @@ def local_param_elems():
     down-projections and latent norms, which every rank computes whole for its heads).  Besides the decoder:
     ``n_ln`` norms per layer; with ``p_b`` the column biases (MLP up/gate) split over tp and the
     row biases (o_proj, down: h each) whole, added after the reduction; ``P_emb`` (position and
-    token-type tables) and ``emb_norm`` a norm of the embeddings (BERT's) on the first stage and
+    token-type tables) and ``emb_norm`` a norm of the embeddings (BERT's) on the first pp rank and
     ``P_head`` (a head transform) on the last, whole;
     the LM head's bias ``head_bias * ceil(V/tp)`` (``Vt``: a vocabulary tp does not divide is padded).  Under SP the row biases, the tables and the head
     transform see a sequence shard, so their gradients are partial too.
@@ -162,8 +162,8 @@ def local_param_elems():
 
 # Rows a rank sends to / receives from the other ep ranks in one MoE dispatch (a (token,
 # slot) pair is one row of h elements); combine moves them back.
-N_OUT = sp.Symbol("n_out", nonnegative=True)
-N_IN = sp.Symbol("n_in", nonnegative=True)
+N_OUT = sympy.Symbol("n_out", nonnegative=True)
+N_IN = sympy.Symbol("n_in", nonnegative=True)
 TOKEN_ROWS = {
     ("fwd", "dispatch"): "MoE dispatch: token rows to the expert owners",
     ("fwd", "combine"): "MoE combine: expert outputs back to the token owners",
@@ -200,7 +200,7 @@ def routed_all_to_all_rows(expert_counts, *, ep_rank: int, hidden: int, dtype_by
 
 
 def zero3_units():
-    """ZeRO-3 gather units on the scored stage: its layers, plus the embedding's and the head's
+    """ZeRO-3 gather units on the scored pp rank: its layers, plus the embedding's and the head's
     (passes/zero.py: one each, the head's released after its backward)."""
     return ld + le + FIRST + LAST
 
@@ -380,7 +380,7 @@ def _pipeline_parallel_rows() -> list[RowSpec]:
         recv=boundary)
     add("grad", "pp", "all_reduce", "pp_embed", 2, _ar(Vt * h * wgc, 2),
         TIED * (FIRST + LAST - 2 * FIRST * LAST), False,
-        "tied embedding / LM-head gradient between the first and last stage")
+        "tied embedding / LM-head gradient between the first and last pp rank")
     return rows
 
 
@@ -393,36 +393,36 @@ def _data_parallel_rows() -> list[RowSpec]:
     rows, add = _row_collector()
     # Experts are whole on every TP rank (Megatron-Core's expert-tensor-parallel size 1), so an
     # expert's replicas are the tp * dp*cp/ep ranks of a stage that hold the same expert index.
-    # Backward re-gathers every unit but a first stage's embedding unit (the lookup's backward
+    # Backward re-gathers every unit but a first pp rank's embedding unit (the lookup's backward
     # reads only the indices).  (An embedding norm's backward reads its weight, so then the unit is
     # re-gathered; so does a tied head on the same stage: its backward reads the table.)
     emb_only = FIRST * (1 - en) * (1 - TIED * LAST)
     # Nor is the head's unit where it is the final norm (and the head's bias) alone, the table being
     # the embedding's, and that norm's backward reads 1 + weight, never the weight (Gemma).
-    head_unread = FIRST * LAST * TIED * NOFF * (1 - sp.Min(Ph, 1, evaluate=False))
+    head_unread = FIRST * LAST * TIED * NOFF * (1 - sympy.Min(Ph, 1, evaluate=False))
     not_regathered = emb_only * (Vt * h + Pe) + head_unread * (h * nn + hb * Vt)
     for label, P, axis, n, u, P_bwd, u_bwd, nb, nu in (
             ("dense", dense, "dp_cp", dp * cp, units, dense - not_regathered, units - emb_only - head_unread,
              NBD, NUD),
-            ("expert", expert, "edp", tp * dp * cp / ep, sp.Max(le, 1, evaluate=False), expert, le, NBE, NUE)):
-        # Stages 0-2 call once per gradient bucket (buckets.py); ZeRO-1/2's units are the buckets,
+            ("expert", expert, "edp", tp * dp * cp / ep, sympy.Max(le, 1, evaluate=False), expert, le, NBE, NUE)):
+        # ZeRO stages 0-2 call once per gradient bucket (buckets.py); ZeRO-1/2's units are the buckets,
         # cut at chunk borders under ZeRO-2 with pp (each chunk's gradients are scattered after its
-        # backward).  Stage 3 reduce-scatters per gather unit.
+        # backward).  ZeRO-3 reduce-scatters per gather unit.
         zunits = nb + Z2 * (1 - Z3) * (nu - nb)
         per_mb = Z3 * u + (1 - Z3) * zunits  # reduce-scatters per micro-batch (2-3) or per step (1)
         # The step time prices one latency per collective of the step, not per bucket: once per
         # step, per chunk under ZeRO-2 with pp (the calibration, cost/calibration.py, was fitted so).
-        held = sp.Min(nb, 1, evaluate=False)  # 0 where the rank holds no such gradient
+        held = sympy.Min(nb, 1, evaluate=False)  # 0 where the rank holds no such gradient
         chunks = 1 + Z2 * (1 - Z3) * (vpp - 1)
-        add("grad", "dp", "all_reduce", axis, n, _ar(P * wgc, n) / sp.Max(nb, 1, evaluate=False), (1 - Z1) * nb,
+        add("grad", "dp", "all_reduce", axis, n, _ar(P * wgc, n) / sympy.Max(nb, 1, evaluate=False), (1 - Z1) * nb,
             False, f"all-reduce of the {label} gradients (once per step, one call per bucket)",
             latency=(1 - Z1) * held)
-        add("grad", "dp", "reduce_scatter", axis, n, _rs(P * wgc, n) / sp.Max(per_mb, 1, evaluate=False),
+        add("grad", "dp", "reduce_scatter", axis, n, _rs(P * wgc, n) / sympy.Max(per_mb, 1, evaluate=False),
             Z1 * (1 + (m - 1) * Z2) * per_mb,
             False, f"ZeRO reduce-scatter of the {label} gradients (per bucket and step for 1, per bucket and "
                    "micro-batch for 2, per unit and micro-batch for 3)",
             latency=Z1 * (1 + (m - 1) * Z2) * (Z3 * u + (1 - Z3) * chunks * held))
-        add("step", "zero", "all_gather", axis, n, _ag(P * wp / n, n) / sp.Max(zunits, 1, evaluate=False),
+        add("step", "zero", "all_gather", axis, n, _ag(P * wp / n, n) / sympy.Max(zunits, 1, evaluate=False),
             Z1 * (1 - Z3) * zunits, False, f"ZeRO all-gather of the updated {label} parameters (per bucket)",
             latency=Z1 * (1 - Z3) * chunks * held)
         add("fwd", "zero", "all_gather", axis, n, _ag(P * wp / n, n) / u, Z3 * u, True,
@@ -446,5 +446,5 @@ def _loss_rows() -> list[RowSpec]:
     add("loss", "dp", "all_reduce", "dp_cp", dp * cp, _ar(4, dp * cp), LAST, False,
         "mean of the fp32 loss over data-parallel replicas")
     add("loss", "pp", "all_reduce", "pp", pp, _ar(4, pp), 1, False,
-        "the fp32 loss from the last stage to every pipeline rank (the others add 0)")
+        "the fp32 loss from the last pp rank to every pipeline rank (the others add 0)")
     return rows

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import sympy as sp
+import sympy
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
@@ -33,7 +33,7 @@ __all__ = ["Term", "PeakBreakdown", "Cost", "estimate", "head_layers"]
 class Term:
     name: str
     category: str      # "compute" | "comm" | "bubble" | "memory" | "step"
-    formula: sp.Expr | None  # None when breakdown(formulas=False) skipped the substitution
+    formula: sympy.Expr | None  # None when breakdown(formulas=False) skipped the substitution
     value: float       # seconds per step (time terms) or bytes (memory terms)
 
     def __str__(self) -> str:
@@ -107,8 +107,8 @@ class Cost:
     def _value(self, name: str, pp_rank: int) -> float:
         return float(self._out[name][pp_rank])
 
-    def _formula(self, expr) -> sp.Expr:
-        return sp.sympify(expr).xreplace(self._subs)
+    def _formula(self, expr) -> sympy.Expr:
+        return sympy.sympify(expr).xreplace(self._subs)
 
     def memory(self, pp_rank: int | None = None) -> dict[str, float]:
         """Bytes per GPU by category on pipeline rank ``pp_rank`` (default: the fullest)."""
@@ -339,5 +339,5 @@ def _switches(values: dict) -> dict:
                                               symbols.Z3, symbols.CPRING, symbols.CPAG, symbols.CPUL, symbols.gated,
                                               symbols.qb, symbols.nn, symbols.FLASH, symbols.TPOV, symbols.DPV)}
     subs = {k: (float(v[0]) if isinstance(v, np.ndarray) else float(v)) for k, v in subs.items()}
-    subs = {k: sp.Integer(int(v)) if v == int(v) else sp.Float(v) for k, v in subs.items()}
+    subs = {k: sympy.Integer(int(v)) if v == int(v) else sympy.Float(v) for k, v in subs.items()}
     return subs

@@ -17,7 +17,7 @@ layers, * = 2 for matmul multiply-adds):
   causal attention      b*S^2*a*(d + d_v)/(tp*cp)   (x2 when unfused) per layer
   dense MLP             2*T*(2 + gated)*h*F/tp                       per dense layer
   MoE (T/tp tokens)     2*(T/tp)*(h*E + (k*rho + n_sh)*(2 + gated)*h*F_e)  per MoE layer
-  LM head               2*T*h*V/tp                                   last stage
+  LM head               2*T*h*V/tp                                   last pp rank
 Backward is 2x forward for GEMMs and 2.5x for flash attention (it recomputes the
 scores; unfused attention, as in Megatron before 2023, computes the full masked score
 matrix and its backward is 2x); recomputation adds a forward of the layers (full) or of attention (selective).
@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sympy as sp
+import sympy
 
 from .symbols import (Vt, FLASH, LAST, RFULL, RSEL, E, a, b, cp, d, dr, dv, ep, f, fe, g, gated, h, k, ld, le,
                       lq, m, mla, nsh, rho, rkv, rq, s, tp)
@@ -54,10 +54,10 @@ __all__ = ["Gemm", "KV_REPLICATED", "attention_weights", "kv_weights", "latent_d
 @dataclass(frozen=True)
 class Gemm:
     name: str
-    fwd: sp.Expr        # forward FLOPs per micro-batch on this rank (whole stage)
-    size: sp.Expr       # effective GEMM size n for the efficiency curve
-    bwd_factor: sp.Expr  # backward FLOPs / forward FLOPs
-    recompute: sp.Expr  # fraction of the forward recomputed in backward (0..1)
+    fwd: sympy.Expr        # forward FLOPs per micro-batch on this rank (whole stage)
+    size: sympy.Expr       # effective GEMM size n for the efficiency curve
+    bwd_factor: sympy.Expr  # backward FLOPs / forward FLOPs
+    recompute: sympy.Expr  # fraction of the forward recomputed in backward (0..1)
 
 
 def attention_weights():
@@ -75,7 +75,7 @@ def attention_weights():
 
 # KV-head replication (autopar.plan_space.kv_replicated): 1 where tp does not divide the KV heads,
 # whose K and V projections every tp rank then holds whole (passes/tensor_parallel.py).
-KV_REPLICATED = sp.Min(sp.Mod(g, tp), 1)
+KV_REPLICATED = sympy.Min(sympy.Mod(g, tp), 1)
 
 
 def latent_down_weights():
@@ -118,19 +118,19 @@ def gemm_classes() -> list[Gemm]:
         Gemm("experts", le * 2 * Te * k * rho * mlp_mult * h * fe, _n(tokens_per_expert, h, fe), 2,
              RFULL),
         Gemm("shared_experts", le * 2 * Te * nsh * mlp_mult * h * fe, _n(Te, h, fe), 2, RFULL),
-        Gemm("lm_head", LAST * 2 * T * h * Vt, _n(T, h, Vt), 2, sp.Integer(0)),
+        Gemm("lm_head", LAST * 2 * T * h * Vt, _n(T, h, Vt), 2, sympy.Integer(0)),
     ]
 
 
 _MATMULS = ("qkv_proj", "o_proj", "mlp", "router", "experts", "shared_experts", "lm_head")
 
 
-def counted_flops() -> dict[str, sp.Expr]:
+def counted_flops() -> dict[str, sympy.Expr]:
     """One optimizer step's FLOPs on the scored pp rank, term by term, as torch's FlopCounterMode
     counts them (the module docstring's table; their sum is ``Cost.flops(pp_rank)``)."""
     classes = {gemm.name: gemm.fwd for gemm in gemm_classes()}
     matmul = sum(classes[name] for name in _MATMULS)
-    cp_blocks = sp.Max(0, sp.Min(1, cp - 1, evaluate=False), evaluate=False)  # 1 under CP
+    cp_blocks = sympy.Max(0, sympy.Min(1, cp - 1, evaluate=False), evaluate=False)  # 1 under CP
     area = (1 - cp_blocks) * s**2 + cp_blocks * (2 * cp + 1) * (s / (2 * cp))**2
     per_score = (ld + le) * 2 * b * (a / tp) * area
     attention = per_score * (d + dv)

@@ -10,8 +10,8 @@ Precision conventions (``estimate(..., dtype_bytes=...)``):
   * ``dtype_bytes=4`` (all fp32, the CPU tests with torch AdamW): 4 B parameters, 4 B
     gradients, Adam m, v (8 B), no master copy.
 ZeRO over the ``n`` ranks holding copies (dp*cp for dense weights, dp*cp/ep for
-experts): stage >= 1 divides the optimizer state by n, >= 2 the gradients, 3 the
-parameters (plus a double buffer of one gathered layer, in w_p).  Under stage 3 the
+experts): ZeRO stage >= 1 divides the optimizer state by n, >= 2 the gradients, 3 the
+parameters (plus a double buffer of one gathered layer, in w_p).  Under ZeRO-3 the
 shard held is w_z bytes per element beyond the optimizer term: w_z = w_p in fp32; with
 mixed precision w_z = 0, because the fp32 master shard (in w_o) is the parameter shard,
 cast to bf16 as it is gathered (FSDP2's MixedPrecisionPolicy layout, not DeepSpeed's,
@@ -36,7 +36,7 @@ allocator on small models (tests/dist/test_memory_peak.py); docs/cost-model.md h
 """
 from __future__ import annotations
 
-import sympy as sp
+import sympy
 
 from autopar.plan_space import ZERO_SCATTERS_IN_FLIGHT
 
@@ -105,23 +105,23 @@ def _zero_transients(dense, expert, n_dense):
 
         zero3_layer_end = z_3 * ((t + 2 u_3) * w_p + u_3 * (w_p + max(w_p, [w_gc > w_p] * w_gc) + w_gc / n))"""
     in_flight = ZERO_SCATTERS_IN_FLIGHT
-    u = sp.Min(UMX, dense, evaluate=False)
-    sync = (Z1 - Z3) * sp.Min(NUD, in_flight + 1, evaluate=False) * u * wgc
+    u = sympy.Min(UMX, dense, evaluate=False)
+    sync = (Z1 - Z3) * sympy.Min(NUD, in_flight + 1, evaluate=False) * u * wgc
     rest = dense.subs({ld: 0, le: 0})
-    u3 = (dense + expert - rest) / sp.Max(ld + le, 1, evaluate=False)
-    copies = CBK * wgc * ((Z1 - Z3) * sp.Min(NUD, in_flight, evaluate=False) * u + Z3 * u3)
+    u3 = (dense + expert - rest) / sympy.Max(ld + le, 1, evaluate=False)
+    copies = CBK * wgc * ((Z1 - Z3) * sympy.Min(NUD, in_flight, evaluate=False) * u + Z3 * u3)
     embedding_unit = FIRST * (Vt * h + Pe + en * h * nn)
     tied_table = TIED * FIRST * LAST * Vt * h
     zero3_buffer = Z3 * (rest - embedding_unit + tied_table + u3) * wp
-    widened = sp.Min(1, sp.Max(0, wgc - wp, evaluate=False), evaluate=False)  # 1 when w_gc > w_p
-    joined = sp.Max(wp, widened * wgc, evaluate=False)  # the joined gradient, or its fp32 copy
+    widened = sympy.Min(1, sympy.Max(0, wgc - wp, evaluate=False), evaluate=False)  # 1 when w_gc > w_p
+    joined = sympy.Max(wp, widened * wgc, evaluate=False)  # the joined gradient, or its fp32 copy
     zero3_layer_end = Z3 * ((tied_table + 2 * u3) * wp + u3 * (wp + joined + wgc / n_dense))
     return (Z1 - Z3) * u * wgc, sync, copies, zero3_buffer, zero3_layer_end
 
 
 def _low_precision():
     """1 when the working dtype is narrower than fp32 (w = 2: bf16 mixed precision), else 0."""
-    return sp.Max(0, sp.Min(1, 3 - w, evaluate=False), evaluate=False)
+    return sympy.Max(0, sympy.Min(1, 3 - w, evaluate=False), evaluate=False)
 
 
 def _head_backward():
@@ -142,13 +142,13 @@ def _head_backward():
 
     (autopar/ops/collectives.py ``_VocabParallelCrossEntropy``, measured by MemTracker at full width,
     tests/e2e/test_full_width.py).  Apart because what backward makes for the parameters starts at
-    the second: ZeRO-3's units on the last stage (the head's re-gathered when its GEMM's backward
+    the second: ZeRO-3's units on the last pp rank (the head's re-gathered when its GEMM's backward
     reads the weight, the last layer's prefetched then) and ZeRO-1/2's first unit buffer (made at
     the head weight's gradient) are alive at the head GEMM only (peak_parts)."""
     T = b * s / cp
     logits = T * Vt
     vp = at_least_two(tp) * (1 - lg)
-    loss_backward = sp.Max(logits * 4, vp * logits * 4 + (1 - vp) * 2 * logits * 4, evaluate=False)
+    loss_backward = sympy.Max(logits * 4, vp * logits * 4 + (1 - vp) * 2 * logits * 4, evaluate=False)
     head_gemm = logits * w - logits * 4 + Vt * h * w + T * h * w * (1 + SP)
     return LAST * loss_backward, LAST * head_gemm
 
@@ -161,7 +161,7 @@ def _layer_backward():
     the kept gradients, or kept itself)."""
     T = b * s / cp
     t_sp = T * (1 - SP + SP / tp)
-    widest = sp.Max(f, h, evaluate=False)
+    widest = sympy.Max(f, h, evaluate=False)
     return t_sp * h * w + SP * T * h * w + T * widest / tp * w + widest * h / tp * w
 
 
@@ -185,8 +185,8 @@ def _stage_terms():
     return rope, outputs
 
 
-def memory_terms(activation_formula: str = "derived") -> dict[str, sp.Expr]:
-    """Bytes per GPU on the scored stage, by category."""
+def memory_terms(activation_formula: str = "derived") -> dict[str, sympy.Expr]:
+    """Bytes per GPU on the scored pp rank, by category."""
     dense, expert, _ = local_param_elems()
     n_dense, n_exp = dp * cp, tp * dp * cp / ep  # experts are whole on each TP rank
     shard = lambda P, n, z: P * (1 - z + z / n)  # noqa: E731
@@ -256,13 +256,13 @@ def _zero_window_factors():
     """(c_w, c_s): the share of ``collective_copies`` alive in backward's window (the unit being
     filled has not started) and of ``zero_sync_buffer`` at backward's end (none is being filled)."""
     in_flight = ZERO_SCATTERS_IN_FLIGHT
-    started = sp.Max(sp.Min(NUD, in_flight, evaluate=False), 1, evaluate=False)
-    c_w = sp.Min(sp.Max(NUD - 1, 0, evaluate=False), in_flight, evaluate=False) / started
-    c_s = started / sp.Max(sp.Min(NUD, in_flight + 1, evaluate=False), 1, evaluate=False)
+    started = sympy.Max(sympy.Min(NUD, in_flight, evaluate=False), 1, evaluate=False)
+    c_w = sympy.Min(sympy.Max(NUD - 1, 0, evaluate=False), in_flight, evaluate=False) / started
+    c_s = started / sympy.Max(sympy.Min(NUD, in_flight + 1, evaluate=False), 1, evaluate=False)
     return c_w, c_s
 
 
-def peak_parts(terms: dict[str, sp.Expr]) -> dict[str, dict[str, sp.Expr]]:
+def peak_parts(terms: dict[str, sympy.Expr]) -> dict[str, dict[str, sympy.Expr]]:
     """Moment (:data:`MOMENTS`) -> term -> the bytes of that term alive then, beyond the static
     terms (:func:`peak_memory` has the formulas)."""
     g_1 = KEEP + (1 - KEEP) * at_least_two(m - INFL + 1)
@@ -277,7 +277,7 @@ def peak_parts(terms: dict[str, sp.Expr]) -> dict[str, dict[str, sp.Expr]]:
     # ZeRO-1/2's first buffer not made: both come with the head GEMM's backward, _head_backward).
     loss = {"head_activations": 1, "loss_backward": 1, "zero3_buffer": 0}
     layer = {"recompute_buffer": 1, "layer_backward": 1}
-    one_layer = 1 / (INFL * sp.Max(ld + le, 1, evaluate=False))
+    one_layer = 1 / (INFL * sympy.Max(ld + le, 1, evaluate=False))
     coefficients = {
         # The head's weight gradient, made first, is still held at the first layer's backward where
         # gradients are not kept (fp32), and as a bf16 gradient until backward ends (mixed precision);
@@ -299,7 +299,7 @@ def peak_parts(terms: dict[str, sp.Expr]) -> dict[str, dict[str, sp.Expr]]:
     return {moment: {name: c * terms[name] for name, c in parts.items()} for moment, parts in coefficients.items()}
 
 
-def peak_memory(terms: dict[str, sp.Expr]) -> sp.Expr:
+def peak_memory(terms: dict[str, sympy.Expr]) -> sympy.Expr:
     """The step's peak bytes on the scored rank: what is always alive plus the largest moment.
 
         peak = params + optimizer + pipeline_buffers
@@ -328,7 +328,7 @@ def peak_memory(terms: dict[str, sp.Expr]) -> sp.Expr:
                         (ZeRO-3: the last layer's backward ends; 0 without ZeRO-3)
         held  = activations + rope_tables + stage_outputs     (what each micro-batch in flight holds)
         base  = zero3_buffer + embedding_activations + held,  base' = the same with held (1 - 1/n_inflight)
-        H     = head_activations + head_backward    (0 but on the last stage)
+        H     = head_activations + head_backward    (0 but on the last pp rank)
         R     = recompute_buffer + layer_backward
         h_g   = head_weight_grad ((1 - g_1)(1 - L) + L),   L = 1 under mixed precision (w = 2)
         g_1   = keep + (1 - keep) [m > n_inflight],   g_2 = keep + (1 - keep) [m >= 2]
@@ -352,4 +352,4 @@ def peak_memory(terms: dict[str, sp.Expr]) -> sp.Expr:
     Measured at full width by torch's MemTracker (tests/e2e/test_full_width.py) and on small models
     by the CPU allocator (tests/dist/test_memory_peak.py)."""
     moments = (sum(parts.values()) for parts in peak_parts(terms).values())
-    return sum(terms[x] for x in STATIC_TERMS) + sp.Max(*moments, evaluate=False)
+    return sum(terms[x] for x in STATIC_TERMS) + sympy.Max(*moments, evaluate=False)

@@ -1,6 +1,6 @@
 """The lambdified cost model: every formula lambdified once, evaluated on arrays of plans.
 
-``model_formulas(activation_formula, full)`` gathers the per-stage formulas of flops.py,
+``model_formulas(activation_formula, full)`` gathers the per-pp-rank formulas of flops.py,
 memory.py, comm.py and time.py into one list, lambdifies it once (numpy, common
 subexpressions shared) and caches it, in the process and on disk (cache.py: the
 generated numpy source, keyed by a hash of the cost model's sources and the sympy and
@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
-import sympy as sp
+import sympy
 
 from autopar.plan_space import GROUP_AXES, SCHEDULES, among, grads_kept
 
@@ -42,7 +42,7 @@ _NP_FUNCTIONS = {"Max": lambda *x: functools.reduce(np.maximum, x),
 _NP_MODULES = [_NP_FUNCTIONS, "numpy"]
 
 # (rows, output names, output formulas) of one lambdified variant
-Outputs = tuple[list[RowSpec], list[str], list[sp.Expr]]
+Outputs = tuple[list[RowSpec], list[str], list[sympy.Expr]]
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class Formulas:
     _exprs: list | None = field(default=None, repr=False)
 
     @property
-    def exprs(self) -> list[sp.Expr]:
+    def exprs(self) -> list[sympy.Expr]:
         if self._exprs is None:
             self._exprs = self._outputs()[2]
         return self._exprs
@@ -93,9 +93,9 @@ def _lambdified(entry: str, outputs: Callable[[], Outputs], bubbles: bool = Fals
             pass
     rows, names, exprs = outputs()
     inputs = sorted(set().union(*(e.free_symbols for e in exprs)), key=lambda x: x.name)
-    fns = {"fn": sp.lambdify(inputs, exprs, modules=_NP_MODULES, cse=True)}
+    fns = {"fn": sympy.lambdify(inputs, exprs, modules=_NP_MODULES, cse=True)}
     if bubbles:
-        fns.update({f"bubble.{name}": sp.lambdify([T_f, T_b, T_w, symbols.pp, symbols.vpp], bubble_expr(name),
+        fns.update({f"bubble.{name}": sympy.lambdify([T_f, T_b, T_w, symbols.pp, symbols.vpp], bubble_expr(name),
                                                   modules=_NP_MODULES) for name in SCHEDULES})
     info = [RowInfo(r.phase, r.dimension, r.collective, r.axis, r.per_mb, r.what, r.routed) for r in rows]
     model = Formulas(info, names, [x.name for x in inputs], fns["fn"],
@@ -108,7 +108,7 @@ def _lambdified(entry: str, outputs: Callable[[], Outputs], bubbles: bool = Fals
 
 
 def _memory_outputs(activation_formula: str) -> Outputs:
-    return [], ["memory"], [sp.sympify(peak_memory(memory_terms(activation_formula)))]
+    return [], ["memory"], [sympy.sympify(peak_memory(memory_terms(activation_formula)))]
 
 
 @functools.lru_cache(maxsize=8)
@@ -119,7 +119,7 @@ def memory_formulas(activation_formula: str = "derived") -> Formulas:
 
 def _compute_outputs() -> Outputs:
     comp = compute_terms()
-    return [], ["T_f", "T_b", "T_w"], [sp.sympify(comp[k]) for k in ("fwd", "bwd", "wgrad")]
+    return [], ["T_f", "T_b", "T_w"], [sympy.sympify(comp[k]) for k in ("fwd", "bwd", "wgrad")]
 
 
 @functools.lru_cache(maxsize=2)
@@ -131,12 +131,12 @@ def compute_formulas() -> Formulas:
 def _model_outputs(activation_formula: str, full: bool) -> Outputs:
     rows = row_specs()
     comp = compute_terms()
-    exposed = {"fwd": sp.Integer(0), "bwd": sp.Integer(0), "step": sp.Integer(0)}
-    row_outputs: list[tuple[str, sp.Expr]] = []
+    exposed = {"fwd": sympy.Integer(0), "bwd": sympy.Integer(0), "step": sympy.Integer(0)}
+    row_outputs: list[tuple[str, sympy.Expr]] = []
     for i, row in enumerate(rows):
         t = row.count * row_time(row)             # per micro-batch (per_mb) or per step
         if row.latency is not None:  # the latency of ``row.latency`` calls only (comm.RowSpec.latency)
-            t += (row.latency - row.count) * row_time(dataclasses.replace(row, sent=sp.Integer(0)))
+            t += (row.latency - row.count) * row_time(dataclasses.replace(row, sent=sympy.Integer(0)))
         exp_t = exposure(row, t, comp)
         key = row.phase if (row.per_mb and row.phase in ("fwd", "bwd")) else "step"
         exposed[key] += exp_t
@@ -146,7 +146,7 @@ def _model_outputs(activation_formula: str, full: bool) -> Outputs:
                             (f"row{i}.sent", row.sent), (f"row{i}.recv", row.recv),
                             (f"row{i}.time", t * mult), (f"row{i}.exposed", exp_t * mult)]
     mem = memory_terms(activation_formula)
-    outputs: list[tuple[str, sp.Expr]] = [
+    outputs: list[tuple[str, sympy.Expr]] = [
         ("T_f", comp["fwd"] + exposed["fwd"]),
         ("T_b", comp["bwd"] + exposed["bwd"]),
         ("T_w", comp["wgrad"]),
@@ -163,7 +163,7 @@ def _model_outputs(activation_formula: str, full: bool) -> Outputs:
         flops = counted_flops()
         outputs += [("flops", sum(flops.values()))] + [(f"flops.{name}", expr) for name, expr in flops.items()]
         outputs += row_outputs
-    return rows, [n for n, _ in outputs], [sp.sympify(e) for _, e in outputs]
+    return rows, [n for n, _ in outputs], [sympy.sympify(e) for _, e in outputs]
 
 
 @functools.lru_cache(maxsize=8)

@@ -5,7 +5,7 @@ V-shaped zbv / dualpipev, else 1) take consecutive layers. Chunk ``c`` lives on 
 ``c % pp`` (interleaved) or, for V shapes, on rank ``c`` going down and ``2pp - 1 - c``
 coming back, so rank 0 holds both the first and the last chunk. Layer counts need not
 divide: they are balanced by cost, the LM head (and loss) counting as ``x`` layers on the
-last chunk, remaining layers going to the middle chunks first so that the first stage,
+last chunk, remaining layers going to the middle chunks first so that the first pp rank,
 which holds the most micro-batches in flight, stays light.
 
 Micro-batches of activations in flight on rank ``i`` (in units of the rank's layers):
@@ -30,13 +30,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-import sympy as sp
+import sympy
 
 from autopar.plan_space import among, chunk_rank, chunks_per_rank, code
 
 __all__ = ["StageView", "place_layers", "stage_views", "inflight", "bubble_expr", "T_f", "T_b", "T_w"]
 
-T_f, T_b, T_w = sp.symbols("T_f T_b T_w", nonnegative=True)
+T_f, T_b, T_w = sympy.symbols("T_f T_b T_w", nonnegative=True)
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def bubble_expr(schedule: str):
     if schedule == "interleaved":
         return (pp - 1) * (T_f + T_b) / vpp
     if schedule == "zbv":
-        return (pp - 1) * sp.Max(T_f + T_b - 3 * T_w, 0, evaluate=False) / 2
+        return (pp - 1) * sympy.Max(T_f + T_b - 3 * T_w, 0, evaluate=False) / 2
     if schedule == "dualpipev":
-        return (pp - 1) * sp.Max(T_f + 2 * T_b - 3 * T_w, 0, evaluate=False) / 2
+        return (pp - 1) * sympy.Max(T_f + 2 * T_b - 3 * T_w, 0, evaluate=False) / 2
     return (pp - 1) * (T_f + T_b)

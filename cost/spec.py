@@ -38,7 +38,7 @@ class ModelSpec:
     Beyond the decoder (``ModelSpec.from_module`` reads them, frontend/spec_dims.py): ``layer_norms``
     norms per layer; ``proj_bias``: biases on o_proj and the MLP (q/k/v's are ``qkv_bias``);
     ``embedding_extra_params`` (positions, token types) and ``embedding_norm`` (a norm of the summed
-    embeddings, BERT's) on the first stage and ``head_extra_params`` (a head transform) on the last,
+    embeddings, BERT's) on the first pp rank and ``head_extra_params`` (a head transform) on the last,
     replicated over tp; ``lm_head_bias``; ``gathered_logits``: the
     logits reach the loss through other ops than views, so tp all-gathers them instead of a
     vocabulary-parallel cross-entropy; ``seq_cumsums`` cumulative sums along the sequence, which cp
@@ -80,7 +80,7 @@ class ModelSpec:
     layer_norms: int = 2  # norms per layer (Gemma 2 normalises the attention and MLP outputs again: 4)
     proj_bias: bool = False  # the attention output and MLP projections have biases (GPT-2, OPT, BERT)
     embedding_extra_params: int = 0  # embedding tables beyond the token table (learned positions, token types)
-    embedding_norm: bool = False  # a norm right after the embeddings, on the first stage (BERT's embeddings.LayerNorm)
+    embedding_norm: bool = False  # a norm right after the embeddings, on the first pp rank (BERT's embeddings.LayerNorm)
     head_extra_params: int = 0  # other parameters between the last layer and the LM head (BERT's MLM transform)
     lm_head_bias: bool = False  # the LM head has a bias of the vocabulary's size
     gathered_logits: bool = False  # the logits reach the loss through other ops (a soft cap): tp gathers them

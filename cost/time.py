@@ -42,7 +42,7 @@ calibration.py and docs/cost-model.md).
 """
 from __future__ import annotations
 
-import sympy as sp
+import sympy
 
 from .comm import RowSpec, local_param_elems
 from .flops import gemm_classes
@@ -61,7 +61,7 @@ CALIBRATED = dict(eta_max=None, kappa=1.0, epsilon=0.9, phi=0.8)
 def efficiency(n):
     """eta_max * n / (n + n_knee), n_knee = kappa * 1.5 * w * P_peak / B_hbm: a smoothed roofline,
     since a GEMM's arithmetic intensity is 2 / (w (1/M + 1/K + 1/N)) = (2 / 3w) n FLOP/byte."""
-    return eta_max * n / (n + kappa * sp.Rational(3, 2) * w * peak / hbm_bw)
+    return eta_max * n / (n + kappa * sympy.Rational(3, 2) * w * peak / hbm_bw)
 
 
 def _elementwise_bytes_fwd():
@@ -78,10 +78,10 @@ def _elementwise_bytes_fwd():
     return XEW * (ld * dense + le * moe), LAST * 2 * T * Vt * (w + 4)
 
 
-def compute_terms() -> dict[str, sp.Expr]:
-    """Per micro-batch compute seconds on the scored stage: fwd, bwd (incl. recompute), weight-grad share."""
-    terms: dict[str, sp.Expr] = {}
-    fwd = bwd = wgrad = sp.Integer(0)
+def compute_terms() -> dict[str, sympy.Expr]:
+    """Per micro-batch compute seconds on the scored pp rank: fwd, bwd (incl. recompute), weight-grad share."""
+    terms: dict[str, sympy.Expr] = {}
+    fwd = bwd = wgrad = sympy.Integer(0)
     for gemm in gemm_classes():
         t = gemm.fwd / (peak * efficiency(gemm.size))
         if gemm.name == "attention":
@@ -102,10 +102,10 @@ def compute_terms() -> dict[str, sp.Expr]:
     return terms
 
 
-def row_time(row: RowSpec) -> sp.Expr:
+def row_time(row: RowSpec) -> sympy.Expr:
     """Seconds per call of ``row`` (P2P receives are free: links are full duplex)."""
     if row.collective == "recv":
-        return sp.Integer(0)
+        return sympy.Integer(0)
     if row.axis == "pp_embed":
         beta, alpha = link_symbols("pp", "a2a")
     else:
@@ -115,9 +115,9 @@ def row_time(row: RowSpec) -> sp.Expr:
     return row.sent * beta + row.passes * alpha
 
 
-def exposure(row: RowSpec, t: sp.Expr, comp: dict[str, sp.Expr]) -> sp.Expr:
+def exposure(row: RowSpec, t: sympy.Expr, comp: dict[str, sympy.Expr]) -> sympy.Expr:
     """Exposed part of ``t`` seconds of ``row`` (see the module docstring)."""
-    hide = lambda window: sp.Max((1 - phi) * t, t - window, evaluate=False)  # noqa: E731
+    hide = lambda window: sympy.Max((1 - phi) * t, t - window, evaluate=False)  # noqa: E731
     dim, phase = row.dimension, row.phase
     if dim in ("tp", "sp") and phase in ("fwd", "bwd"):
         return t * (1 - TPOV * phi)
@@ -145,7 +145,7 @@ def exposure(row: RowSpec, t: sp.Expr, comp: dict[str, sp.Expr]) -> sp.Expr:
     return t
 
 
-def optimizer_time() -> sp.Expr:
+def optimizer_time() -> sympy.Expr:
     """Adam update: read grads, read/write state and master weights, write parameters (at B_opt)."""
     dense, expert, _ = local_param_elems()
     n = dp * cp

@@ -42,7 +42,7 @@ from autopar.frontend.fx_utils import module_path, reshape_chain, within
 from autopar.frontend.op_sets import RESHAPE_OPS
 from autopar.frontend.loss import logits_loss
 from autopar.errors import AutoparError, describe_node
-from autopar.plan_space import kv_replicated
+from autopar.plan_space import divisors, heads_ok, kv_replicated, padded_vocab
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
 
 aten = torch.ops.aten
@@ -267,8 +267,10 @@ def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
             "use a plan without tp for this model.")
     _check_eager_kv(s, tp)
     for region in s.regions:
-        if region.kind == "attention":
-            _check_divisible("number of attention heads", region.num_heads, tp, region.attention)
+        if region.kind == "attention" and not heads_ok(tp, region.num_heads, max(region.num_kv_heads, 1)):
+            raise AutoparError(f"autopar: tp={tp} does not divide the {region.num_heads} attention heads of "
+                               f"{describe_node(region.attention)}; tensor parallelism splits whole heads: "
+                               f"valid tp values: {divisors(region.num_heads)}.")
         ups, downs = _latent_projections(region)
         if ups and kv_replicated(tp, region.num_kv_heads):
             raise AutoparError(
@@ -289,13 +291,20 @@ def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
             if r not in ups:
                 _shard_row(gm, ctx, result, r, region.module)
         result.num_rewritten += len(region.columns) + len(region.rows)
+    _shard_vocabulary(gm, ctx, result, s, tp)
+    return result
+
+
+def _shard_vocabulary(gm: GraphModule, ctx: PassContext, result: PassResult, s: ModelStructure, tp: int) -> None:
+    """The embedding and the LM head split by vocabulary rows (padded where tp does not divide the
+    vocabulary), and the loss on the head's logits made vocabulary-parallel."""
     for emb in s.embeddings:
         if int(emb.args[0].meta["val"].shape[0]) != s.vocab:
             continue  # e.g. learned position embeddings: stay replicated
         _vocab_parallel_embedding(gm, result, emb, tp)
-        if s.vocab % tp:
-            result.notes.append(f"vocabulary {s.vocab} padded to {-(-s.vocab // tp) * tp} rows ({-(-s.vocab // tp)} "
-                                f"per tp rank)")
+        rows = padded_vocab(s.vocab, tp)
+        if rows * tp != s.vocab:
+            result.notes.append(f"vocabulary {s.vocab} padded to {rows * tp} rows ({rows} per tp rank)")
     if s.lm_head is not None:
         _shard_column(ctx, result, s.lm_head, vocab=s.lm_head.out_features)
         _enter_region(gm, [s.lm_head], s.lm_head.module, "lm_head_input")
@@ -315,4 +324,3 @@ def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
             _redirect(s.lm_head.node, gathered)
             result.notes.append("LM head logits are gathered: no cross-entropy loss consumes them directly")
     result.num_inserted = sum(1 for n in gm.graph.nodes if META_KEY in n.meta and n.meta[META_KEY].pass_name == _PASS)
-    return result

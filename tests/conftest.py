@@ -28,9 +28,15 @@ for _path in (str(_TESTS_DIR.parent), str(_TESTS_DIR)):
 from tests.support.harness import run_distributed, shutdown_pools  # noqa: E402
 from tests.support import trace_cache  # noqa: E402
 
-trace_cache.install()  # each distinct model exported once per process (tests/support/trace_cache.py)
-
 __all__ = ["dist_pool"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _trace_memo():
+    """The session runs inside the suite's trace memo: each distinct model exported once per
+    process (tests/support/trace_cache.py; the pool workers enter their own)."""
+    with trace_cache.session():
+        yield
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,8 @@ Neighbours: :mod:`autopar.frontend.analyze` reads the graph this module returns;
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import time
@@ -27,7 +29,24 @@ from autopar.frontend import stamp, stamp_behaviour
 
 log = logging.getLogger("autopar.trace")
 
-__all__ = ["Traced", "trace_model", "default_target", "model_device", "on_device", "MODEL_PREFIX"]
+__all__ = ["Traced", "trace_model", "trace_memo", "default_target", "model_device", "on_device", "MODEL_PREFIX"]
+
+# The memo trace_model consults, if a caller entered one (trace_memo); None: every call exports.
+_MEMO: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("autopar_trace_memo", default=None)
+
+
+@contextlib.contextmanager
+def trace_memo(memo: Callable):
+    """Within the block, every :func:`trace_model` call of this thread is answered by
+    ``memo(export, model, example_inputs, example_kwargs, loss_fn, example_target, upcast_outputs,
+    stamp_layers)``, where ``export`` is the real trace (same arguments): a caller that traces the
+    same model many times (the test suite, for hundreds of plans) may return a copy of an earlier
+    trace instead.  The memo is explicit and scoped; outside a block nothing is memoised."""
+    token = _MEMO.set(memo)
+    try:
+        yield memo
+    finally:
+        _MEMO.reset(token)
 
 # The wrapper registers the user's model under this attribute, so every parameter of
 # the traced graph is named "model.<original name>".
@@ -136,16 +155,11 @@ def default_target(example_inputs: tuple, loss_fn: Callable | None, example_targ
     return example_target
 
 
-def trace_model(
-    model: nn.Module,
-    example_inputs: Sequence[Any],
-    example_kwargs: dict | None = None,
-    loss_fn: Callable | None = None,
-    example_target: Any = None,
-    upcast_outputs: bool = False,
-    stamp_layers: bool = True,
-) -> Traced:
-    """Export ``loss_fn(model(*example_inputs, **example_kwargs), example_target)``.
+def trace_model(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict | None = None,
+                loss_fn: Callable | None = None, example_target: Any = None, upcast_outputs: bool = False,
+                stamp_layers: bool = True) -> Traced:
+    """Export ``loss_fn(model(*example_inputs, **example_kwargs), example_target)`` (through the
+    memo of an enclosing :func:`trace_memo`, if any).
 
     ``example_target`` defaults to a tensor shaped and typed like the first example input
     (next-token labels of a language model).  ``upcast_outputs``: the loss function sees
@@ -154,6 +168,15 @@ def trace_model(
     the same graph, in time flat in depth); False exports every layer.  The model itself is
     not modified.
     """
+    args = (model, example_inputs, example_kwargs, loss_fn, example_target, upcast_outputs, stamp_layers)
+    memo = _MEMO.get()
+    return memo(export_model, *args) if memo is not None else export_model(*args)
+
+
+def export_model(model: nn.Module, example_inputs: Sequence[Any], example_kwargs: dict | None = None,
+                 loss_fn: Callable | None = None, example_target: Any = None, upcast_outputs: bool = False,
+                 stamp_layers: bool = True) -> Traced:
+    """:func:`trace_model` itself, never memoised (a memo's ``export``)."""
     example_inputs = tuple(example_inputs)
     example_kwargs = dict(example_kwargs or {})
     if not example_inputs or not isinstance(example_inputs[0], torch.Tensor):

@@ -20,8 +20,8 @@ __all__ = ["zero_meaningful", "interleaved_priced", "divisors", "STRUCTURE_FIELD
 # ---- what the search prices beyond validity ---------------------------------------------------
 
 def zero_meaningful(zero, dp, cp):
-    """ZeRO shards over the ``dp * cp`` copies of the dense weights: without copies every stage is
-    stage 0 (the search keeps only that one)."""
+    """ZeRO shards over the ``dp * cp`` copies of the dense weights: without copies every ZeRO stage is
+    ZeRO-0 (the search keeps only that one)."""
     return (zero == 0) | (dp * cp > 1)
 
 

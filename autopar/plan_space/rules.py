@@ -6,7 +6,7 @@ from __future__ import annotations
 from autopar.plan_space.names import V_SCHEDULES, among, code
 
 __all__ = ["chunk_rank", "microbatches_ok", "valid_microbatches", "sp_ok", "ep_ok",
-           "heads_ok", "kv_replicated", "kv_cp_ok", "padded_vocab", "ulysses_heads_ok", "ulysses_fits", "ulysses_ok",
+           "heads_ok", "kv_replicated", "kv_cp_ok", "padded_vocab", "ulysses_heads_ok", "ulysses_fits", "ulysses_ok", "head_split",
            "layers_ok", "experts_ok", "batch_ok", "cp_seq_ok", "sp_seq_ok", "model_facts"]
 
 
@@ -104,6 +104,13 @@ def ulysses_fits(num_heads, num_kv_heads, tp, cp):
     """Whether ``cp=N:ulysses`` under ``tp`` splits both the query and the KV heads
     (:func:`ulysses_heads_ok` for each)."""
     return ulysses_heads_ok(num_heads, tp, cp) & ulysses_heads_ok(num_kv_heads, tp, cp)
+
+
+def head_split(tp, cp, cp_variant):
+    """The ranks a layer's heads are split over: ``tp``, times ``cp`` under Ulysses (its all-to-all
+    hands each cp rank whole heads); ``cp_variant`` a name or its code."""
+    variant = code("cp_variant", cp_variant) if isinstance(cp_variant, str) else cp_variant
+    return tp * (1 + (cp - 1) * among(variant, "cp_variant", ("ulysses",)))
 
 
 def ulysses_ok(cp, cp_variant, num_heads, num_kv_heads, tp):

@@ -53,7 +53,7 @@ def _zero3_split_backward(c, moe, tied):
 
 
 def _tied_zero_under_pp(c, moe, tied):
-    # The first and last stages' copies of the tied weight would have to be summed shard by shard,
+    # The first and last pp ranks' copies of the tied weight would have to be summed shard by shard,
     # with the copy in a unit of its own on both (on one rank under the V schedules).
     return (tied > 0) & (c["pp"] > 1) & (c["zero"] > 1)
 

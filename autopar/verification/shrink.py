@@ -20,6 +20,7 @@ import math
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
+from autopar.plan_space import head_split, kv_replicated
 
 __all__ = ["shrink_config", "preset_config", "default_layers", "KEYS", "LENGTH_KEYS"]
 
@@ -162,10 +163,10 @@ def _shrunk_heads(kv: int, group: int, split: int) -> tuple[int, int]:
     Where it does not (KV-head replication, cp = 1: :func:`autopar.plan_space.kv_replicated`), the
     shrunk model keeps a KV-head count tp does not divide -- so the certificate covers the
     replicated path -- and query heads it does."""
-    if kv % split == 0:
+    if not kv_replicated(split, kv):
         new_kv = _round_up(min(kv, 2 if group > 1 else 4), split)
         return new_kv, new_kv * min(group, MAX_GROUP)
-    new_kv = next((n for n in range(min(kv, 2), kv + 1) if n % split), 1)
+    new_kv = next((n for n in range(min(kv, 2), kv + 1) if kv_replicated(split, n)), 1)
     return new_kv, new_kv * _round_up(min(group, MAX_GROUP), split // math.gcd(new_kv, split))
 
 
@@ -173,14 +174,14 @@ def _shrink_attention(s: _Shrink, plan: Plan) -> None:
     cfg = s.cfg
     heads = int(_value(cfg, "heads"))
     kv = int(_value(cfg, "kv_heads", heads))
-    split = plan.tp * (plan.cp if plan.cp_variant == "ulysses" and plan.cp > 1 else 1)
+    split = head_split(plan.tp, plan.cp, plan.cp_variant)
     new_kv, new_heads = _shrunk_heads(kv, heads // kv, split)
     hidden = int(_value(cfg, "hidden"))
     head_dim = int(_value(cfg, "head_dim", hidden // heads))
     new_head_dim = min(head_dim, HEAD_DIM)
     s.field("heads", new_heads, f"divisible by {split}" if split > 1 else "")
     if _key(cfg, "kv_heads") is not None:
-        s.field("kv_heads", new_kv, "" if split == 1 else f"divisible by {split}" if new_kv % split == 0
+        s.field("kv_heads", new_kv, "" if split == 1 else f"divisible by {split}" if not kv_replicated(split, new_kv)
                 else f"not divisible by tp={split}: replicated on every tp rank")
     s.field("hidden", new_heads * new_head_dim, f"{new_heads} heads x {new_head_dim}")
     s.field("head_dim", new_head_dim)

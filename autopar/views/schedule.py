@@ -4,7 +4,7 @@ Each rank's ordered compute actions are the schedule as data of :mod:`autopar.op
 (what the runtime executes).  Here they are laid out in time by a unit-time simulation: at
 each step a rank runs its next action if what it depends on finished at an earlier step (a
 forward needs the previous stage's forward of the micro-batch, a backward the next stage's
-backward, or the stage's own forward on the last stage; a weight-gradient step ``W`` its
+backward, or the stage's own forward on the last chunk; a weight-gradient step ``W`` its
 input-gradient step).  Cells read ``F3`` (forward of micro-batch 3), ``B3`` (backward; the
 input-gradient half when the rank also runs ``W``), ``W3``, with ``s<stage>`` appended when a
 rank holds several chunks, ``A+B`` for DualPipeV's overlapped forward-and-backward, and ``.``

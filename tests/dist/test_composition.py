@@ -17,7 +17,7 @@ from tests.support.jobs import BATCH, reference
 CASES = [
     # (model, plans run in one pool job, world, optimizer, overrides)
     ("example", ["cp=2,zero=1", "cp=2:ring,zero=3"], 2, "adamw", {}),
-    # An LM head tied to the embedding under each schedule: the last stage's copy, summed gradients.
+    # An LM head tied to the embedding under each schedule: the last pp rank's copy, summed gradients.
     ("example", ["pp=2:gpipe,mb=4", "pp=2:1f1b,mb=4", "pp=2:interleaved,vpp=2,mb=4", "pp=2:zbv,mb=4",
                  "pp=2:dualpipev,mb=4"], 2, "sgd", {"num_layers": 4, "tie_embeddings": True}),
     ("hf_llama", ["cp=2:ulysses,dp=2,zero=3", "pp=2,dp=2,zero=1,mb=2", "pp=2:dualpipev,cp=2:ulysses,mb=4"], 4,

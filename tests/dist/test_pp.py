@@ -80,7 +80,7 @@ def test_pipeline_with_adamw(dist_pool):
 
 
 def test_uneven_layers_balanced_by_cost(dist_pool):
-    # 3 layers over 2 stages: the last stage carries the LM head and the loss, so the cost
+    # 3 layers over 2 stages: the last pp rank carries the LM head and the loss, so the cost
     # model gives it the lighter share of layers: [2, 1].
     overrides = {"num_layers": 3}
     results = dist_pool(pp_train_job, "example", "pp=2:1f1b,mb=4", "sgd", overrides, world=2)

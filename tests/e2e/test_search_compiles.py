@@ -158,8 +158,8 @@ def _worker() -> None:
     import autopar.runtime  # noqa: F401
     from tests.support import trace_cache
 
-    trace_cache.install()  # the plans share one export per rank's model (tests/support/trace_cache.py)
-    print(json.dumps(compile_all(sys.stdin.read().split())))
+    with trace_cache.session():  # the plans share one export per rank's model (tests/support/trace_cache.py)
+        print(json.dumps(compile_all(sys.stdin.read().split())))
 
 
 # --------------------------------------------------------------------------- the tests
@@ -207,7 +207,7 @@ def test_sampled_plans_compile_and_step(compiled):
                                    for r in failed)
     pp = {str(p): p.pp for p in sample}
     wrong = [r for r in results if r["pp_rank"] != (0 if r["rank"] == 0 else pp[r["plan"]] - 1)]
-    assert not wrong, [(r["plan"], r["rank"], r["pp_rank"]) for r in wrong]  # rank 0: first stage, the last: last
+    assert not wrong, [(r["plan"], r["rank"], r["pp_rank"]) for r in wrong]  # rank 0: first pp rank, the last: last
 
 
 def test_sampled_plans_bytes_equal_cost_model(compiled):

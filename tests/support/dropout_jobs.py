@@ -50,7 +50,7 @@ def mask_job(plan: str, overrides: dict, steps: int = 2):
     train_masks = {k: list(v) for k, v in masks.items()}
     masks.clear()
     # eval_step runs the same program with dropout off: nothing zeroed, the same loss twice.
-    eval_losses = [pm.eval_step(*batches[0]) for _ in range(2)] if hasattr(pm, "eval_step") else None
+    eval_losses = [pm.eval_step(*batches[0]) for _ in range(2)]
     return {
         "coords": {a: r for a, (r, _) in pm.coords().items()},
         "masks": train_masks,

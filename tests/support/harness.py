@@ -194,7 +194,8 @@ def _reset_after_job(saved: dict) -> None:
 
 
 def _worker_main(rank: int, world_size: int, init_method: str, task_q, result_q) -> None:
-    """Entry point of one spawned rank: init gloo, then serve jobs until told to stop."""
+    """Entry point of one spawned rank: init gloo, then serve jobs until told to stop, inside the
+    suite's trace memo (each distinct model exported once per worker: tests/support/trace_cache.py)."""
     try:
         for path in (str(REPO_ROOT), str(TESTS_DIR)):
             if path not in sys.path:
@@ -206,12 +207,27 @@ def _worker_main(rank: int, world_size: int, init_method: str, task_q, result_q)
         dist.init_process_group("gloo", init_method=init_method, rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=GLOO_TIMEOUT))
         from tests.support import trace_cache
-        trace_cache.install()  # each distinct model exported once per worker (tests/support/trace_cache.py)
         saved = _snapshot_globals()
     except BaseException:
         result_q.put(("fatal", -1, rank, traceback.format_exc()))
         return
     result_q.put(("ready", -1, rank, None))
+    with trace_cache.session():
+        _serve(task_q, result_q, rank, saved)
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+    # Skip interpreter teardown (seconds for torch on a busy machine): flush and go.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    result_q.close()
+    result_q.join_thread()
+    os._exit(0)
+
+
+def _serve(task_q, result_q, rank: int, saved: dict) -> None:
+    """Run the jobs of ``task_q`` until told to stop (or the parent is gone), each reply on ``result_q``."""
     parent = mp.parent_process()
     while True:
         try:
@@ -238,16 +254,6 @@ def _worker_main(rank: int, world_size: int, init_method: str, task_q, result_q)
             reply = ("err", job_id, rank,
                      (traceback.format_exc(), f"{type(exc).__name__}: {exc}", exc_bytes))
         result_q.put(reply)
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
-    # Skip interpreter teardown (seconds for torch on a busy machine): flush and go.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    result_q.close()
-    result_q.join_thread()
-    os._exit(0)
 
 
 # ----------------------------------------------------------------------------- parent side

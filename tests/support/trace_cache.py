@@ -3,8 +3,10 @@
 Not a test module.  ``torch.export`` of even a two-layer model costs seconds on two cores
 and is almost all of a tiny plan's compile time, yet the suite compiles the same handful of
 models for hundreds of plans, on every rank.  The trace does not depend on the plan (the
-plan enters only in the passes after it), so :func:`install` replaces
-``autopar.frontend.trace.trace_model`` in this process with a memo of it.
+plan enters only in the passes after it), so the suite runs inside :func:`session` -- the pytest
+process (tests/conftest.py's session fixture) and each pool worker (tests/support/harness.py)
+-- which enters :func:`autopar.frontend.trace.trace_memo` with :func:`memo`: every
+``trace_model`` call, wherever it is imported from, asks the memo; nothing is patched.
 
 Why a hit is the trace the real call would return:
   * the key is the model's structure as the export sees it -- every module's class, its
@@ -21,29 +23,28 @@ Why a hit is the trace the real call would return:
   * a failing export is not cached, and a model with anything the key cannot see (a
     tensor attribute the graph holds that is not the first model's) is traced afresh.
 The cache is a test-suite device, not product behaviour: the product traces on every
-call.  ``AUTOPAR_TEST_TRACE_CACHE=0`` turns it off; tests/unit/test_trace_cache.py checks
-that a hit is the same program bound to the new model.
+call.  ``AUTOPAR_TEST_TRACE_CACHE=0`` turns it off (:func:`session` then memoises nothing);
+tests/unit/test_trace_cache.py checks that a hit is the same program bound to the new model.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import hashlib
 import os
-import sys
 import warnings
 
 import torch
 
-from autopar.frontend.trace import default_target
+from autopar.frontend.trace import default_target, trace_memo
 
-__all__ = ["install", "cached_trace_model", "model_key", "clear", "STATS"]
+__all__ = ["session", "memo", "model_key", "clear", "STATS"]
 
 _CACHE: dict = {}
 STATS = {"hits": 0, "misses": 0}
 _MAX_ENTRIES = 64
 _SKIP = frozenset({"_parameters", "_buffers", "_modules", "training"})
-_original = None
 
 
 def _freeze(value, depth: int = 0):
@@ -127,9 +128,9 @@ def _call_key(model, example_inputs, example_kwargs, loss_fn, example_target, up
             loss_fn, meta(example_target), upcast_outputs, stamp_layers, torch.get_default_dtype())
 
 
-def cached_trace_model(model, example_inputs, example_kwargs=None, loss_fn=None, example_target=None,
-                       upcast_outputs=False, stamp_layers=True):
-    """``trace_model`` with the same signature and result, from the cache when the key matches."""
+def memo(export, model, example_inputs, example_kwargs=None, loss_fn=None, example_target=None,
+         upcast_outputs=False, stamp_layers=True):
+    """What ``export(model, ...)`` returns (the trace), from the cache when the key matches."""
     try:
         key = _call_key(model, tuple(example_inputs), example_kwargs, loss_fn, example_target,
                         upcast_outputs, stamp_layers)
@@ -147,7 +148,7 @@ def cached_trace_model(model, example_inputs, example_kwargs=None, loss_fn=None,
         target = default_target(inputs, loss_fn, example_target)
         return dataclasses.replace(traced, gm=gm, example_inputs=inputs, example_target=target)
     STATS["misses"] += 1
-    traced = _original(model, example_inputs, example_kwargs, loss_fn, example_target, upcast_outputs, stamp_layers)
+    traced = export(model, example_inputs, example_kwargs, loss_fn, example_target, upcast_outputs, stamp_layers)
     lent = _lent(traced.gm, model) if key is not None else None
     if lent is not None:
         own = {id(t): t for t in _graph_tensors(traced.gm)}
@@ -168,14 +169,9 @@ def clear() -> None:
     _CACHE.clear()
 
 
-def install() -> None:
-    """Route every ``trace_model`` of this process through the cache (idempotent)."""
-    global _original
+def session():
+    """The context the suite runs in: ``trace_model`` memoised by :func:`memo` (no-op with
+    ``AUTOPAR_TEST_TRACE_CACHE=0``)."""
     if os.environ.get("AUTOPAR_TEST_TRACE_CACHE", "1") == "0":
-        return
-    from autopar.frontend import trace
-    if _original is None:
-        _original = trace.trace_model
-    for module in list(sys.modules.values()):
-        if getattr(module, "trace_model", None) is _original:
-            module.trace_model = cached_trace_model
+        return contextlib.nullcontext()
+    return trace_memo(memo)

@@ -3,7 +3,7 @@
 Recomputes the table of docs/cost-model.md: the median absolute MFU error must stay within
 10% (relative) and no row beyond 25%; set C's activation memory must match Korthikanti et
 al.'s published figures, and the weights + optimizer theirs up to the embedding we add on
-the first stage; and for every published run, search on the same model, cluster, sequence
+the first pp rank; and for every published run, search on the same model, cluster, sequence
 and batch must find a plan predicted no slower than the published plan.
 """
 from __future__ import annotations
@@ -74,7 +74,7 @@ def test_set_c_activation_memory(table):
 def test_set_c_weights_and_optimizer(table):
     for e in table:
         if e.get("wo") is not None:
-            # We add the first stage's vocab-parallel embedding (18 B per parameter), they do not.
+            # We add the first pp rank's vocab-parallel embedding (18 B per parameter), they do not.
             row = next(r for r in calibration_rows() if r.name == e["name"])
             embedding = row.spec.vocab * row.spec.hidden / 8 * 18 / GIB
             assert e["wo_pred"] == pytest.approx(e["wo"] + embedding, rel=0.01), e["name"]

@@ -9,7 +9,7 @@ each pipeline schedule, the peak micro-batches in flight and the bubble.
 from __future__ import annotations
 
 import pytest
-import sympy as sp
+import sympy
 
 from autopar.cost import Cluster, ModelSpec, estimate
 
@@ -231,7 +231,7 @@ def test_bubble_fraction(p, m, schedule, v):
     assert fraction == pytest.approx((p - 1) / (v * m + p - 1), rel=1e-9)
 
 
-T_f, T_b, T_w = sp.symbols("T_f T_b T_w", nonnegative=True)
+T_f, T_b, T_w = sympy.symbols("T_f T_b T_w", nonnegative=True)
 
 
 def chunk_times(tf: float, tb: float, tw: float):
@@ -245,7 +245,7 @@ def test_zbv_bubble(p, tf, tb, tw):
 
     F, Bin, W, _ = chunk_times(tf, tb, tw)
     expected = (p - 1) * max(F + Bin - 2 * W, 0)     # ZB-V: zero when F = B = W per chunk
-    got = float(bubble_expr("zbv").subs({sp.Symbol("pp", positive=True): p,
+    got = float(bubble_expr("zbv").subs({sympy.Symbol("pp", positive=True): p,
                                          T_f: tf, T_b: tb, T_w: tw}))
     assert got == pytest.approx(expected)
 
@@ -258,7 +258,7 @@ def test_dualpipev_bubble(p, tf, tb, tw):
     # DeepSeek's table: (ranks - 1)(F&B + B - 3W) per chunk, B a full backward, F&B a
     # forward fused with a full backward (no faster than F + B without overlap).
     expected = (p - 1) * max((F + Bfull) + Bfull - 3 * W, 0)
-    got = float(bubble_expr("dualpipev").subs({sp.Symbol("pp", positive=True): p,
+    got = float(bubble_expr("dualpipev").subs({sympy.Symbol("pp", positive=True): p,
                                                T_f: tf, T_b: tb, T_w: tw}))
     assert got == pytest.approx(expected)
 

@@ -8,19 +8,19 @@ from __future__ import annotations
 
 import torch
 
+from autopar.frontend import trace
 from tests.support import trace_cache
 from tests.support.jobs import BATCH, SEQ, VOCAB, build
 from tests.support.reference import make_batches
 
 
 def _trace(model, kwargs, loss_fn, ids, fresh=False):
-    fn = trace_cache._original if fresh else trace_cache.cached_trace_model
-    return fn(model, (ids,), kwargs, loss_fn)
+    if fresh:
+        return trace.export_model(model, (ids,), kwargs, loss_fn)
+    return trace_cache.memo(trace.export_model, model, (ids,), kwargs, loss_fn)
 
 
 def test_a_hit_is_the_fresh_program_bound_to_the_new_model():
-    if trace_cache._original is None:
-        trace_cache.install()
     (ids,), target = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)[0]
     first, loss_fn, kwargs = build("example", {"num_layers": 3})
     _trace(first, kwargs, loss_fn, ids)  # stored (or already stored by an earlier test)
@@ -79,3 +79,26 @@ def test_the_attention_implementation_changes_the_key():
     sdpa, eager = hf_llama(), hf_llama(attn_implementation="eager")
     assert eager.config._attn_implementation == "eager" and sdpa.config._attn_implementation == "sdpa"
     assert trace_cache.model_key(sdpa) != trace_cache.model_key(eager)
+
+
+def test_the_memo_is_explicit_and_scoped():
+    """trace_model asks a memo only inside trace_memo's block, whatever module it was imported
+    into (nothing is patched), and never after the block."""
+    from autopar.passes import compile as compile_module  # imports trace_model by name
+
+    calls = []
+
+    def counting(export, *args):
+        calls.append(args[0])
+        return export(*args)
+
+    (ids,), _ = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)[0]
+    model, loss_fn, kwargs = build("example", {})
+    with trace.trace_memo(counting):
+        compile_module.trace_model(model, (ids,), kwargs, loss_fn)
+        trace.trace_model(model, (ids,), kwargs, loss_fn)
+        with trace.trace_memo(lambda export, *args: "inner"):
+            assert trace.trace_model(model, (ids,), kwargs, loss_fn) == "inner"
+    assert calls == [model, model]
+    assert compile_module.trace_model is trace.trace_model
+

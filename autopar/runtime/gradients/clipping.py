@@ -6,7 +6,7 @@ parameter's gradient lives on the ranks of its pipeline stage (``world / pp`` ra
 into ``D`` distinct pieces (``D`` = the product of the sizes of the axes it is sharded on:
 tp for TP shards, ep for experts, and dp for ZeRO shards) and otherwise replicated.  So
 every rank adds ``w * ||piece||^2`` with ``w = D / (world / pp)`` for each piece it holds
-(divided by 2 for a tied embedding whose first and last stage both hold a summed copy),
+(divided by 2 for a tied embedding whose first and last pp rank both hold a summed copy),
 one all-reduce over the world sums them, and
 
     ||g||^2 = sum over ranks and pieces of w * ||piece||^2

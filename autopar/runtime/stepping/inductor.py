@@ -23,7 +23,7 @@ What is compiled, and what is not:
   (:func:`autopar.compat.never_traced`).
 
 Pipeline parallelism: each of this rank's chunks is compiled as above (the executor gives
-torch's stage the chunk's parameters around its compiled program); the P2P between stages is
+torch's stage the chunk's parameters around its Inductor program); the P2P between stages is
 ``torch.distributed.pipelining``'s, eager.  The split input / weight backward of zbv and
 dualpipev still works: torch's stage walks the chunk's autograd graph, where a compiled region
 is one node with the activations and the parameters as inputs; the input backward hooks that
@@ -42,7 +42,7 @@ body gets plain views of the parameters it reads: the checkpoint hands its input
 recomputation as plain tensors, and a body compiled for Parameters would be recompiled there,
 into a graph that saves other tensors than forward's (torch's checkpoint refuses that).
 
-The compiled program is a second ``GraphModule`` over the same parameter and buffer objects
+The Inductor program is a second ``GraphModule`` over the same parameter and buffer objects
 (built after the parameters are this rank's shards), so ``pm.code()``, the views and
 the state dict read the original; in-place updates (the optimizer, checkpoint loads, ZeRO's
 ``.data`` swaps) reach both.  Numerics: ``backend="aot_eager"`` runs the same aten ops as the
@@ -94,7 +94,7 @@ def _inserted(node: torch.fx.Node) -> bool:
 
 
 class _EagerRecompute(Recompute):
-    """A recomputed region of a compiled program: the checkpoint (with autopar's context) runs
+    """A recomputed region of a Inductor program: the checkpoint (with autopar's context) runs
     eagerly, a graph break, around the region's body compiled on its own."""
 
     @torch.compiler.disable

@@ -13,7 +13,7 @@ The loss: the last chunk computes it in-graph from the ``target`` keyword micro-
 pass), so the schedule's ``loss_fn`` only weights it by the micro-batch's share of the valid
 targets (``LossSplit.weight``, 1.0 for an unpadded batch) and ``scale_grads``
 divides the gradients by the micro-batch count (the mean over micro-batches).  The module reduces the
-last stage's mean over the data axes and then over ``pp`` (other stages contribute 0).
+last chunk's mean over the data axes and then over ``pp`` (other stages contribute 0).
 
 Mixed precision and ZeRO-2/3: each stage tells the gradient-sync strategy after every
 backward action (``after_backward``), which folds bf16 gradients into fp32 main gradients,
@@ -22,7 +22,7 @@ schedule's own ``scale_grads`` (on ``param.grad``) is off and :meth:`run` divide
 gradients by the micro-batch count instead.  ZeRO-3's gathers run inside
 ``grad_sync.pipeline_step()``, around the whole schedule step.
 
-``compile=``: each stage runs its chunk's compiled program (:mod:`autopar.runtime.stepping.inductor`
+``compile=``: each stage runs its chunk's Inductor program (:mod:`autopar.runtime.stepping.inductor`
 says what is compiled and how the split backward of zbv / dualpipev goes through it); the chunk
 itself stays what ``describe_stage`` and the meta-device simulation use.
 """
@@ -135,7 +135,7 @@ class PipelineExecutor:
 
     def _stage_module(self, c: int) -> torch.nn.Module:
         """What chunk ``c``'s stage runs: the chunk, or under ``compile=`` the chunk's parameters
-        around its compiled program (the stage differentiates ``parameters()``: ZeRO-3's shards too)."""
+        around its Inductor program (the stage differentiates ``parameters()``: ZeRO-3's shards too)."""
         if self._torch_compile_options is None:
             return self._chunks[c]
         return _CompiledChunk(self._chunks[c], torch_compiled_program(self._chunks[c], self._torch_compile_options))
@@ -162,7 +162,7 @@ class PipelineExecutor:
         return out
 
     def evaluate(self, env, inputs: tuple, target: Any, coords: dict[str, int]) -> StepOutput:
-        """Forward only through the schedule (``schedule.eval``): the last stage's mean loss.
+        """Forward only through the schedule (``schedule.eval``): the last chunk's mean loss.
 
         torch 2.13's ``eval`` of a V-shaped schedule (zbv, dualpipev) still runs the local
         backward hand-offs between the two chunks of a rank and fails; there the step runs
@@ -200,7 +200,7 @@ class PipelineExecutor:
 
 class _CompiledChunk(torch.nn.Module):
     """A chunk's stage module under ``compile=``: the chunk's parameters (its submodule), its
-    compiled program (not a submodule: the same parameters again) as the forward."""
+    Inductor program (not a submodule: the same parameters again) as the forward."""
 
     def __init__(self, chunk: torch.fx.GraphModule, program: torch.nn.Module):
         super().__init__()

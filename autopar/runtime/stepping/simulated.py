@@ -60,20 +60,21 @@ def receive_buffers(pipeline, env, pieces: list, me: int) -> dict[tuple[int, int
     last = len(pipeline.chunks) - 1
     out = {}
     for c in pipeline.rank_chunks(me):
-        for mb, (mb_inputs, _) in enumerate(pieces):
+        for microbatch_index, (mb_inputs, _) in enumerate(pieces):
             sizes = _sizes(env, mb_inputs)
             if c > 0 and pipeline.chunk_rank(c - 1) != me:
-                out[(c, mb, "fwd")] = _boundary_inputs(pipeline.chunks[c].gm, pipeline.chunks[c], sizes, axis_sizes,
-                                                       env.device)
+                chunk = pipeline.chunks[c]
+                out[(c, microbatch_index, "fwd")] = _boundary_inputs(chunk.gm, chunk, sizes, axis_sizes, env.device)
             if c < last and pipeline.chunk_rank(c + 1) != me:
-                out[(c, mb, "bwd")] = _boundary_inputs(pipeline.chunks[c + 1].gm, pipeline.chunks[c + 1], sizes,
-                                                       axis_sizes, env.device, requires_grad=False)
+                chunk = pipeline.chunks[c + 1]
+                out[(c, microbatch_index, "bwd")] = _boundary_inputs(chunk.gm, chunk, sizes, axis_sizes, env.device,
+                                                                     requires_grad=False)
     return out
 
 
 def simulate_step(executor, env, inputs: tuple, target: Any, coords: dict[str, int]):
     """Forward and backward of every micro-batch of this rank's chunks, in schedule order;
-    returns the last stage's losses (meta tensors) or an empty list.
+    returns the last chunk's losses (meta tensors) or an empty list.
 
     What it holds is what torch's ``PipelineStage`` holds: a receive buffer per micro-batch for
     each remote input (activations in forward, the outputs' gradients in backward), which torch
@@ -90,7 +91,7 @@ def simulate_step(executor, env, inputs: tuple, target: Any, coords: dict[str, i
     executor.recv_buffers = None
     step = _SimulatedStep(executor, env, pieces, me, receive_buffers(pipeline, env, pieces, me))
     executor.recv_buffers = step.buffers
-    for slot in rank_orders(plan.schedule, plan.pp, plan.mb, plan.vpp)[me]:
+    for slot in rank_orders(plan.schedule, plan.pp, plan.microbatch_index, plan.vpp)[me]:
         for act in slot:
             if act.kind == "F":
                 step.forward(act.stage_index, act.microbatch_index)
@@ -116,14 +117,14 @@ class _SimulatedStep:
         other = stage_index + step
         return 0 <= other <= self.last and self.pipeline.chunk_rank(other) != self.me
 
-    def forward(self, stage_index: int, mb: int) -> None:
-        mb_inputs, mb_target = self.pieces[mb]
+    def forward(self, stage_index: int, microbatch_index: int) -> None:
+        mb_inputs, mb_target = self.pieces[microbatch_index]
         if self._remote(stage_index, -1):
-            boundary = self.buffers[(stage_index, mb, "fwd")]
+            boundary = self.buffers[(stage_index, microbatch_index, "fwd")]
             for t in boundary:
                 collectives.record_p2p("recv", "pp", t, "fwd", f"stage {stage_index} activation recv")
         elif stage_index > 0:  # the previous chunk is this rank's: its outputs, detached
-            boundary = [t.detach().requires_grad_(t.requires_grad) for t in self.saved[(stage_index - 1, mb)][1]]
+            boundary = [t.detach().requires_grad_(t.requires_grad) for t in self.saved[(stage_index - 1, microbatch_index)][1]]
         else:
             boundary = []
         kwargs = dict(zip(self.pipeline.kwarg_names, list(mb_inputs) + [mb_target]))
@@ -135,18 +136,18 @@ class _SimulatedStep:
             collectives.record_p2p("send", "pp", t, "fwd", f"stage {stage_index} activation send")
         if last:
             self.losses.append(out.detach())
-        self.saved[(stage_index, mb)] = (boundary, outs, scope)
+        self.saved[(stage_index, microbatch_index)] = (boundary, outs, scope)
 
-    def backward(self, stage_index: int, mb: int) -> None:
-        boundary, outs, scope = self.saved.pop((stage_index, mb))
+    def backward(self, stage_index: int, microbatch_index: int) -> None:
+        boundary, outs, scope = self.saved.pop((stage_index, microbatch_index))
         if stage_index == self.last:
             grads = [torch.ones_like(t) for t in outs]
         elif self._remote(stage_index, 1):
-            grads = self.buffers[(stage_index, mb, "bwd")]
+            grads = self.buffers[(stage_index, microbatch_index, "bwd")]
             for g in grads:
                 collectives.record_p2p("recv", "pp", g, "bwd", f"stage {stage_index} input grad recv")
         else:
-            grads = self.handed.pop((stage_index, mb))
+            grads = self.handed.pop((stage_index, microbatch_index))
         torch.autograd.backward([t for t in outs if t.requires_grad],
                                 [g for t, g in zip(outs, grads) if t.requires_grad])
         del outs, grads
@@ -158,7 +159,7 @@ class _SimulatedStep:
             for g in input_grads:
                 collectives.record_p2p("send", "pp", g, "bwd", f"stage {stage_index} input grad send")
         elif stage_index > 0:
-            self.handed[(stage_index - 1, mb)] = input_grads
+            self.handed[(stage_index - 1, microbatch_index)] = input_grads
         del boundary, input_grads, scope
 
 
