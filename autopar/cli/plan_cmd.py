@@ -27,6 +27,7 @@ import sys
 import time
 
 from autopar.errors import AutoparError
+from autopar.views.explain import dominant_terms, explain_record, plan_record  # re-exported
 
 __all__ = [
     "register",
@@ -35,6 +36,7 @@ __all__ = [
     "load_model_spec",
     "make_cluster",
     "hardware_record",
+    "scored_inputs",
     "dominant_terms",
     "plan_record",
     "format_plan_table",
@@ -62,12 +64,17 @@ def register(subparsers) -> None:
     plan.add_argument("--check", type=int, default=0, metavar="N",
                       help="step the fullest rank of each of the top N plans at full width on the meta device "
                            "(MemTracker, FlopCounterMode) and mark any whose measured peak would not fit")
+    plan.add_argument("--report", metavar="DIR", default=None,
+                      help="also write DIR/index.html (the top plans side by side) and DIR/plan-1.html (the winner's "
+                           "page; autopar/cli/report_cmd.py)")
     plan.set_defaults(func=run_plan)
 
     explain = subparsers.add_parser(
         "explain",
         help="show the cost breakdown of one plan: collectives, memory, time, bubble",
         description="Score one plan with the cost model and print every term.",
+        usage="autopar explain --plan P --model M --gpus N --seq S --global-batch B [options]\n"
+              "       autopar explain --plan P --measure MODULE:FUNCTION --world N [options]",
     )
     _add_common(explain, required=False)
     explain.add_argument("--plan", required=True,
@@ -194,58 +201,7 @@ def _check_positive(args) -> None:
             raise AutoparError(f"autopar: {flag} must be a positive integer, got {value}")
 
 
-# ---------------------------------------------------------------------- cost terms
-def _time_terms(cost, formulas: bool):
-    """The terms of ``cost.breakdown()``, with their sympy formulas only when asked for."""
-    return cost.breakdown(formulas=formulas)
-
-
-def _group_of(term) -> str | None:
-    """Bucket a time term: compute, comm per dimension (exposed part only), bubble, optimizer."""
-    if term.category == "compute":
-        return "compute"
-    if term.category == "comm":
-        if not term.name.endswith("(exposed)"):
-            return None  # the full transfer time; only what is not hidden counts
-        parts = term.name.split(".")
-        return f"{parts[2]} comm" if len(parts) > 2 else "comm"
-    if term.category == "bubble":
-        return "bubble"
-    if term.category == "step":
-        return "optimizer"
-    return None
-
-
-def dominant_terms(cost, terms=None, top: int = 3) -> list[tuple[str, float]]:
-    """The ``top`` largest shares of the step time as (label, seconds), largest first."""
-    terms = _time_terms(cost, False) if terms is None else terms
-    totals: dict[str, float] = {}
-    for t in terms:
-        group = _group_of(t)
-        if group is not None and t.value > 0:
-            totals[group] = totals.get(group, 0.0) + float(t.value)
-    return sorted(totals.items(), key=lambda kv: -kv[1])[:top]
-
-
 # ---------------------------------------------------------------------- plan
-def plan_record(rank: int, plan, cost, terms=None) -> dict:
-    """One ranked plan as a JSON-ready dict."""
-    dom = dominant_terms(cost, terms)
-    return {
-        "rank": rank,
-        "plan": str(plan),
-        "step_time_s": cost.step_time,
-        "mfu": cost.mfu,
-        "memory_per_gpu_bytes": cost.memory_per_gpu,
-        "memory_pp_rank": cost.memory_pp_rank,
-        "tokens_per_s": cost.tokens_per_s,
-        "bubble_s": cost.bubble,
-        "dominant_terms": [
-            {"term": name, "seconds": sec, "share": sec / cost.step_time} for name, sec in dom
-        ],
-    }
-
-
 def format_plan_table(records: list[dict]) -> str:
     """Readable ranked table of :func:`plan_record` dicts."""
     width = max([len("plan")] + [len(r["plan"]) for r in records])
@@ -321,88 +277,17 @@ def run_plan(args) -> int:
             from autopar.cli.simulate_cmd import format_checked
 
             print("\n" + format_checked(checked))
+    if args.report:
+        from autopar.cli.report_files import write_search_report
+
+        write_search_report(args.report, spec, cluster, results, records, checked,
+                            f"{spec.name} on {cluster.world_size} x {cluster.gpu}, seq {args.seq}, global batch "
+                            f"{args.global_batch}: best {len(records)} of {state['total']:,} candidate plans",
+                            hardware_record(cluster))
     return 0
 
 
 # ---------------------------------------------------------------------- explain
-def _row_dict(row) -> dict:
-    return {
-        "phase": row.phase, "dimension": row.dimension, "collective": row.collective,
-        "axis": row.axis, "group_size": row.group_size, "bytes_sent": row.bytes_sent,
-        "bytes_recv": row.bytes_recv, "count": row.count,
-        "bytes_sent_per_step": row.bytes_sent * row.count, "what": row.what,
-    }
-
-
-def _time_entries(terms, formulas: bool) -> list[dict]:
-    """Time terms as their share of the step ("seconds" = time on the critical path).
-
-    A collective appears once: ``seconds`` is its exposed time, ``transfer_seconds`` the
-    whole transfer (the rest hides behind compute).
-    """
-    out = []
-    for i, t in enumerate(terms):
-        if t.category == "memory" or t.name.endswith("(exposed)"):
-            continue
-        entry = {"name": t.name, "category": t.category, "seconds": float(t.value)}
-        if formulas:
-            entry["formula"] = str(t.formula)
-        if t.category == "comm":
-            partner = terms[i + 1] if i + 1 < len(terms) else None
-            if partner is not None and partner.name == t.name + " (exposed)":
-                entry["transfer_seconds"] = entry["seconds"]
-                entry["seconds"] = float(partner.value)
-                if formulas:
-                    entry["transfer_formula"] = entry["formula"]
-                    entry["formula"] = str(partner.formula)
-        out.append(entry)
-    return out
-
-
-def explain_record(cost, *, pp_rank: int | None = None, formulas: bool = False) -> dict:
-    """The full breakdown of one scored plan as a JSON-ready dict."""
-    plan = cost.plan
-    requested = pp_rank
-    pp_rank = cost.bottleneck_pp_rank if pp_rank is None else pp_rank
-    if not 0 <= pp_rank < plan.pp:
-        raise AutoparError(
-            f"autopar: --pp-rank {pp_rank} is outside the pipeline; plan '{plan}' has pp ranks "
-            f"0..{plan.pp - 1}"
-        )
-    terms = _time_terms(cost, formulas)
-    # The memory breakdown is the fullest pp rank's (whose peak is the header's figure) unless one is asked for.
-    peak = cost.peak_breakdown(cost.memory_pp_rank if requested is None else pp_rank)
-    mem_formulas = {t.name.split(".", 1)[1]: str(t.formula) for t in terms
-                    if t.category == "memory"} if formulas else {}
-    rows = cost.comm_table(pp_rank)
-    by_dim: dict[str, float] = {}
-    for r in rows:
-        by_dim[r.dimension] = by_dim.get(r.dimension, 0.0) + r.bytes_sent * r.count
-    return {
-        "plan": str(plan), "model": cost.spec.name, "gpu": cost.cluster.gpu,
-        "gpus": cost.cluster.world_size, "seq_len": cost.seq_len,
-        "global_batch": cost.global_batch,
-        "microbatch_size": cost.global_batch // (plan.dp * plan.mb),
-        "microbatches": plan.mb, "step_time_s": cost.step_time, "mfu": cost.mfu,
-        "tokens_per_s": cost.tokens_per_s, "memory_per_gpu_bytes": cost.memory_per_gpu,
-        "usable_memory_bytes": cost.cluster.usable_memory, "fits": cost.memory_per_gpu <= cost.cluster.usable_memory,
-        "bottleneck_pp_rank": cost.bottleneck_pp_rank, "memory_pp_rank": cost.memory_pp_rank,
-        "pp_rank": pp_rank,
-        "comm": [_row_dict(r) for r in rows],
-        "comm_bytes_sent_per_step_by_dimension": by_dim,
-        "memory": {name: {"bytes": total, "at_peak_bytes": alive,
-                          **({"formula": mem_formulas[name]} if name in mem_formulas else {})}
-                   for name, (total, alive) in peak.terms.items()},
-        "memory_peak": {"pp_rank": peak.pp_rank, "moment": peak.moment, "what": peak.what,
-                        "peak_bytes": peak.peak, "sum_of_terms_bytes": peak.sum_of_terms},
-        "time": _time_entries(terms, formulas),
-        "dominant_terms": [{"term": n, "seconds": s, "share": s / cost.step_time}
-                           for n, s in dominant_terms(cost, terms, top=5)],
-        "bubble": {"schedule": plan.schedule if plan.pp > 1 else None, "pp": plan.pp,
-                   "seconds": cost.bubble, "fraction_of_step": cost.bubble / cost.step_time},
-    }
-
-
 def format_explain(rec: dict) -> str:
     """Readable report of :func:`explain_record`."""
     out = [
@@ -480,20 +365,14 @@ def _format_memory(rec: dict) -> list[str]:
     return out
 
 
-def run_explain(args) -> int:
-    """``autopar explain``: score one plan and print its breakdown (or JSON)."""
-    from autopar.cost import estimate
+def scored_inputs(args, command: str):
+    """(spec, cluster, plan) of ``explain``'s and ``report``'s preset options, checked (``autopar:`` errors)."""
     from autopar.plan import Plan
 
-    if args.measure is not None:
-        if args.simulate:
-            raise AutoparError("autopar: --measure runs the model on this machine, --simulate a preset at full "
-                               "width on the meta device; give one of them")
-        return _run_explain_measured(args)
     missing = [flag for flag, value in (("--model", args.model), ("--gpus", args.gpus), ("--seq", args.seq),
                                         ("--global-batch", args.global_batch)) if value is None]
     if missing:
-        raise AutoparError(f"autopar: explain needs {', '.join(missing)}; give them, or --measure "
+        raise AutoparError(f"autopar: {command} needs {', '.join(missing)}; give them, or --measure "
                            f"MODULE:FUNCTION --world N to take the model from a run on this machine")
     _check_positive(args)
     spec = load_model_spec(args.model)
@@ -504,6 +383,19 @@ def run_explain(args) -> int:
             f"autopar: plan '{plan}' uses pp*dp*cp*tp = {plan.world_size} GPUs but --gpus is "
             f"{cluster.world_size}; change a degree (usually dp) or --gpus so that they match"
         )
+    return spec, cluster, plan
+
+
+def run_explain(args) -> int:
+    """``autopar explain``: score one plan and print its breakdown (or JSON)."""
+    from autopar.cost import estimate
+
+    if args.measure is not None:
+        if args.simulate:
+            raise AutoparError("autopar: --measure runs the model on this machine, --simulate a preset at full "
+                               "width on the meta device; give one of them")
+        return _run_explain_measured(args)
+    spec, cluster, plan = scored_inputs(args, "explain")
     cost = estimate(spec, cluster, plan, args.seq, args.global_batch)
     rec = explain_record(cost, pp_rank=args.pp_rank, formulas=args.formulas)
     rec["hardware"] = hardware_record(cluster)

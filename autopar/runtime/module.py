@@ -474,6 +474,13 @@ class ParallelModule:
         """The generated per-rank program of pipeline chunk ``stage``, readable, with every collective marked."""
         return format_program(self.executor.describe_stage(stage), self.program)
 
+    def report(self, path, *, inputs=None) -> str:
+        """Write this plan's page, the last step's measurements beside the prediction, as one HTML file
+        (autopar/runtime/report.py; ``inputs``: a batch, where the program made no prediction)."""
+        from autopar.runtime.report import write_report
+
+        return write_report(self, path, inputs=inputs)
+
 
 def _original_names(model: nn.Module, gm: nn.Module, every_buffer: bool = False) -> dict[str, str]:
     """Original state-dict key -> graph attribute name (tied weights share one attribute);
