@@ -29,6 +29,8 @@ def test_memory_over_the_step_peaks_at_explains_peak(page):
     assert max(sums.values()) == pytest.approx(cost.peak_memory(p["memory"]["pp_rank"]), rel=1e-9)
     assert max(sums, key=sums.get) == p["memory"]["peak_moment"] == p["record"]["memory_peak"]["moment"]
     assert p["memory"]["peak_bytes"] == p["record"]["memory_peak"]["peak_bytes"]
+    # One memory figure: the header's memory/GPU is the chart's and the breakdown's peak (friction 3).
+    assert p["record"]["memory_per_gpu_bytes"] == pytest.approx(p["memory"]["peak_bytes"], rel=1e-9)
 
 
 def test_mesh_coordinates_are_the_runtimes_groups(page):
