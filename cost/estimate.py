@@ -137,6 +137,17 @@ class Cost:
         return PeakBreakdown(r, moment, MOMENTS[moment], {t: (totals[t], alive[t]) for t in totals},
                              sum(alive.values()))
 
+    def memory_moments(self, pp_rank: int | None = None) -> dict[str, dict[str, float]]:
+        """Pipeline rank ``pp_rank``'s (default: the fullest) memory over the step: moment (cost/memory.py
+        ``MOMENTS``, in step order) -> term -> bytes alive then, static terms whole; the largest moment's
+        sum is :meth:`peak_memory` (the report's memory band chart)."""
+        from .memory import MOMENTS, STATIC_TERMS
+
+        r = self.memory_pp_rank if pp_rank is None else pp_rank
+        totals = self.memory(r)
+        return {mo: {t: (v if t in STATIC_TERMS else self._value(f"peak.{mo}.{t}", r)
+                         if f"peak.{mo}.{t}" in self._out else 0.0) for t, v in totals.items()} for mo in MOMENTS}
+
     def flops(self, pp_rank: int | None = None) -> float:
         """FLOPs of one optimizer step on pipeline rank ``pp_rank`` (default: the slowest), counted
         as torch's ``FlopCounterMode`` counts them: matmuls and attention, forward, backward and

@@ -36,7 +36,9 @@ What it does, on every rank:
    of the text is the token ``b % vocab_size`` (and the config's ``eos_token_id``, if it is in
    the vocabulary, ends each document) -- enough to exercise the pipeline on a model without a
    tokenizer, meaningless for a pretrained one (a note says so).  A fraction ``--eval-frac`` of
-   the records (chosen by ``--seed``) is held out for evaluation.
+   the records (chosen by ``--seed``) is held out for evaluation, always, whether or not
+   ``--eval-every`` evaluates it: a run resumed with other flags trains on the same records
+   (``--eval-frac 0`` trains on every record).
 3. **Batches**: each row holds ``--seq + 1`` tokens; the input is its first ``--seq`` and the
    target its last ``--seq`` (next-token prediction).  ``--pack`` concatenates the documents
    (each ended by EOS) and cuts the stream into rows (attention crosses document boundaries,
@@ -376,6 +378,15 @@ def _init_process_group(timeout: float | None) -> _Run:
     return _Run(0, 1)
 
 
+def _check_plan(text: str, world: int) -> None:
+    """A plan's syntax and degrees against this job's world size (``autopar:`` errors), before any data is
+    read: the model's own checks (heads, vocabulary) come with ``parallelize``."""
+    from autopar.plan import Plan
+
+    if text.strip().lower() != "auto":
+        Plan.parse(text).validate(world_size=world)
+
+
 def _build_model(args):
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -388,14 +399,15 @@ def _build_model(args):
 def _load_data(args, tokenizer, run):
     """(training ids, training targets, the fixed held-out batches)."""
     records = read_records(args.data)
-    train_records, eval_records = split_records(records, args.eval_frac if args.eval_every else 0.0, args.seed)
+    # Held out whatever --eval-every says, so that a run resumed with other flags never trains on them.
+    train_records, eval_records = split_records(records, args.eval_frac, args.seed)
     train_ids, train_targets = build_rows(encode_records(train_records, tokenizer), args.seq, args.pack,
                                           tokenizer.pad_token_id)
     if len(train_ids) == 0:
         raise UsageError(f"autopar: --data {args.data} gives no training rows of {args.seq + 1} tokens"
                          + (" (--pack needs at least that many tokens in all)" if args.pack else "") + ".")
     eval_batches = []
-    if eval_records:
+    if eval_records and args.eval_every:
         eval_ids, eval_targets = build_rows(encode_records(eval_records, tokenizer), args.seq, args.pack,
                                             tokenizer.pad_token_id)
         if len(eval_ids) == 0:
@@ -523,6 +535,7 @@ def _export(args, pm, run, tokenizer) -> None:
 def train(args) -> int:
     run = _init_process_group(args.timeout)
     torch.manual_seed(args.seed)  # every rank alike (dropout streams derive from it)
+    _check_plan(args.plan, run.world)  # before the data is read and tokenised
     config, model = _build_model(args)
     tokenizer = load_tokenizer(args.model, config, announce=run.say)
     train_ids, train_targets, eval_batches = _load_data(args, tokenizer, run)
@@ -548,8 +561,9 @@ def main(argv: list[str] | None = None) -> int:
         _check_args(args)
         return train(args)
     except (UsageError, AutoparError) as exc:  # both say "autopar: what, and what to do"
-        print(exc, file=sys.stderr)
-        return 2
+        from autopar.error_report import report_error
+
+        return report_error(exc)  # one line, once per torchrun job
 
 
 if __name__ == "__main__":

@@ -178,4 +178,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from autopar.error_report import exit_on_error  # an autopar: error: one line, once per torchrun job
+
+    sys.exit(exit_on_error(main))

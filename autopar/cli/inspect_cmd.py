@@ -1,4 +1,4 @@
-"""``autopar inspect MODULE:FUNCTION --plan PLAN --world N --rank R``.
+"""``autopar inspect MODULE:FUNCTION --plan PLAN [--world N] --rank R`` (N: the plan's world size by default).
 
 Compiles a model for a plan in one process, without a cluster or process group, and
 prints the generated program of one rank with every collective marked (op, mesh axis,
@@ -16,7 +16,7 @@ import argparse
 from autopar.errors import AutoparError
 from autopar.frontend.target import load_target  # re-exported: measure_cmd and plan_cmd import it here
 
-__all__ = ["register", "load_target", "lm_cross_entropy", "run_inspect"]
+__all__ = ["register", "load_target", "lm_cross_entropy", "run_inspect", "world_of"]
 
 
 def lm_cross_entropy(output, target):
@@ -60,16 +60,27 @@ def run_inspect(spec: str, plan: str, world_size: int, rank: int, loss: str = "c
     return text
 
 
+def world_of(plan: str, world: int | None) -> int:
+    """``--world``, or when it is omitted the plan's world size (the product of its degrees)."""
+    from autopar.plan import Plan
+
+    return Plan.parse(plan).world_size if world is None else world
+
+
 def _cmd(args: argparse.Namespace) -> int:
-    print(run_inspect(args.target, args.plan, args.world, args.rank, args.loss, args.schedule))
+    print(run_inspect(args.target, args.plan, world_of(args.plan, args.world), args.rank, args.loss, args.schedule))
     return 0
 
 
 def register(sub) -> None:
-    p = sub.add_parser("inspect", help="print one rank's generated program with its collectives marked")
+    p = sub.add_parser("inspect", help="print one rank's generated program with its collectives marked",
+                       description="Compile a model for a plan in this process (no cluster, no process group) and "
+                                   "print one rank's generated program, every collective marked with its mesh axis, "
+                                   "local shape and predicted bytes, then one summary line per collective kind.")
     p.add_argument("target", help="MODULE:FUNCTION returning (model, example_inputs[, example_kwargs])")
     p.add_argument("--plan", required=True, help="plan text, e.g. tp=2,sp")
-    p.add_argument("--world", type=int, required=True, help="number of ranks (must equal the plan's product)")
+    p.add_argument("--world", type=int, default=None,
+                   help="number of ranks (default: the plan's pp*dp*cp*tp; if given, it must equal that)")
     p.add_argument("--rank", type=int, default=0, help="which rank's program to print")
     p.add_argument("--loss", choices=("ce", "none"), default="ce",
                    help="trace cross-entropy of the logits with the model (default) or the model alone")

@@ -20,7 +20,7 @@ from autopar.errors import AutoparError
 from autopar.verification.launch import run_spawned
 
 __all__ = ["measure_memory", "predicted_memory", "memory_comparison", "format_memory_comparison",
-           "MEASURE_TIMEOUT_S"]
+           "measured_cost", "MEASURE_TIMEOUT_S"]
 
 MEASURE_TIMEOUT_S = 600.0
 
@@ -104,3 +104,29 @@ def format_memory_comparison(rows: list[dict], plan: str, target: str, world_siz
         diff = "-" if r["diff"] is None else f"{r['diff'] * 100:+.1f}%"
         out.append(f"  {r['category']:<14} {pred:>12} {r['measured']:>12,} {diff:>11}")
     return "\n".join(out)
+
+
+def measured_cost(target: str, plan_text: str, world: int | None, hardware: str | None, given=()):
+    """``autopar report --measure``: the cost model's ``Cost`` of ``target``'s model under the plan on
+    ``world`` CPU ranks (fp32; the model, sequence and batch from its example inputs) and the memory
+    comparison rows of one measured step (:func:`memory_comparison`).  ``given``: (flag, value) pairs
+    that --measure replaces, refused when set."""
+    from autopar.cost import Cluster, ModelSpec, estimate
+    from autopar.frontend.target import load_target
+    from autopar.plan import Plan
+
+    extra = [flag for flag, value in given if value is not None]
+    if extra:
+        raise AutoparError(f"autopar: --measure takes the model, sequence length and batch from {target}'s "
+                           f"example inputs; drop {', '.join(extra)}")
+    plan = Plan.parse(plan_text)
+    if world != plan.world_size:
+        raise AutoparError(f"autopar: plan '{plan}' uses pp*dp*cp*tp = {plan.world_size} processes but --world "
+                           f"is {world}; pass --world {plan.world_size}")
+    model, inputs, kwargs = load_target(target)
+    ids = _shifted_target(inputs)  # checks the first input is token ids [batch, seq]
+    cluster = (Cluster.from_profile(hardware, gpus_per_node=world) if hardware is not None
+               else Cluster(gpu="cpu", num_nodes=1, gpus_per_node=world))
+    cost = estimate(ModelSpec.from_module(model, inputs, kwargs), cluster, plan, int(ids.shape[1]),
+                    int(ids.shape[0]), dtype_bytes=4)
+    return cost, memory_comparison(cost, measure_memory(target, str(plan), world))

@@ -26,9 +26,9 @@ import os
 import sys
 import time
 
-from autopar.cli.cost_tables import (dominant_terms, explain_record, format_explain, format_plan_table,  # noqa: F401
-                                     plan_record)
 from autopar.errors import AutoparError
+from autopar.cli.cost_tables import format_explain, format_plan_table
+from autopar.views.explain import dominant_terms, explain_record, plan_record  # re-exported
 
 __all__ = [
     "register",
@@ -37,6 +37,7 @@ __all__ = [
     "load_model_spec",
     "make_cluster",
     "hardware_record",
+    "scored_inputs",
     "dominant_terms",
     "plan_record",
     "format_plan_table",
@@ -63,12 +64,17 @@ def register(subparsers) -> None:
     plan.add_argument("--check", type=int, default=0, metavar="N",
                       help="step the fullest rank of each of the top N plans at full width on the meta device "
                            "(MemTracker, FlopCounterMode) and mark any whose measured peak would not fit")
+    plan.add_argument("--report", metavar="DIR", default=None,
+                      help="also write DIR/index.html (the top plans side by side) and DIR/plan-1.html (the winner's "
+                           "page; autopar/cli/report_cmd.py)")
     plan.set_defaults(func=run_plan)
 
     explain = subparsers.add_parser(
         "explain",
         help="show the cost breakdown of one plan: collectives, memory, time, bubble",
         description="Score one plan with the cost model and print every term.",
+        usage="autopar explain --plan P --model M --gpus N --seq S --global-batch B [options]\n"
+              "       autopar explain --plan P --measure MODULE:FUNCTION --world N [options]",
     )
     _add_common(explain, required=False)
     explain.add_argument("--plan", required=True,
@@ -183,15 +189,8 @@ def _check_positive(args) -> None:
 
 
 # ---------------------------------------------------------------------- plan
-def run_plan(args) -> int:
-    """``autopar plan``: search, then print the ranked table (or JSON)."""
-    from autopar.planning.search import search
-
-    _check_positive(args)
-    spec = load_model_spec(args.model)
-    cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node, args.hardware)
-    state = {"total": 0, "last": 0.0}
-    show = not args.no_progress
+def _progress(state: dict, show: bool):
+    """The search's progress callback: ``state["total"]`` kept, a line on stderr at most twice a second."""
     tty = sys.stderr.isatty()
 
     def progress(done: int, total: int) -> None:
@@ -202,8 +201,19 @@ def run_plan(args) -> int:
             end = "\n" if (done == total or not tty) else ""
             print(f"\rautopar: scored {done:,}/{total:,} candidate plans", end=end,
                   file=sys.stderr, flush=True)
+    return progress
 
-    if show:
+
+def run_plan(args) -> int:
+    """``autopar plan``: search, then print the ranked table (or JSON)."""
+    from autopar.planning.search import search
+
+    _check_positive(args)
+    spec = load_model_spec(args.model)
+    cluster = make_cluster(args.gpu, args.gpus, args.gpus_per_node, args.hardware)
+    state = {"total": 0, "last": 0.0}
+    progress = _progress(state, show=not args.no_progress)
+    if not args.no_progress:
         print(f"autopar: searching plans for {spec.name} on {cluster.world_size} x "
               f"{cluster.gpu} (seq {args.seq}, global batch {args.global_batch})",
               file=sys.stderr, flush=True)
@@ -241,24 +251,25 @@ def run_plan(args) -> int:
             from autopar.cli.simulate_cmd import format_checked
 
             print("\n" + format_checked(checked))
+    if args.report:
+        from autopar.cli.report_files import write_search_report
+
+        write_search_report(args.report, spec, cluster, results, records, checked,
+                            f"{spec.name} on {cluster.world_size} x {cluster.gpu}, seq {args.seq}, global batch "
+                            f"{args.global_batch}: best {len(records)} of {state['total']:,} candidate plans",
+                            hardware_record(cluster))
     return 0
 
 
 # ---------------------------------------------------------------------- explain
-def run_explain(args) -> int:
-    """``autopar explain``: score one plan and print its breakdown (or JSON)."""
-    from autopar.cost import estimate
+def scored_inputs(args, command: str):
+    """(spec, cluster, plan) of ``explain``'s and ``report``'s preset options, checked (``autopar:`` errors)."""
     from autopar.plan import Plan
 
-    if args.measure is not None:
-        if args.simulate:
-            raise AutoparError("autopar: --measure runs the model on this machine, --simulate a preset at full "
-                               "width on the meta device; give one of them")
-        return _run_explain_measured(args)
     missing = [flag for flag, value in (("--model", args.model), ("--gpus", args.gpus), ("--seq", args.seq),
                                         ("--global-batch", args.global_batch)) if value is None]
     if missing:
-        raise AutoparError(f"autopar: explain needs {', '.join(missing)}; give them, or --measure "
+        raise AutoparError(f"autopar: {command} needs {', '.join(missing)}; give them, or --measure "
                            f"MODULE:FUNCTION --world N to take the model from a run on this machine")
     _check_positive(args)
     spec = load_model_spec(args.model)
@@ -269,6 +280,19 @@ def run_explain(args) -> int:
             f"autopar: plan '{plan}' uses pp*dp*cp*tp = {plan.world_size} GPUs but --gpus is "
             f"{cluster.world_size}; change a degree (usually dp) or --gpus so that they match"
         )
+    return spec, cluster, plan
+
+
+def run_explain(args) -> int:
+    """``autopar explain``: score one plan and print its breakdown (or JSON)."""
+    from autopar.cost import estimate
+
+    if args.measure is not None:
+        if args.simulate:
+            raise AutoparError("autopar: --measure runs the model on this machine, --simulate a preset at full "
+                               "width on the meta device; give one of them")
+        return _run_explain_measured(args)
+    spec, cluster, plan = scored_inputs(args, "explain")
     cost = estimate(spec, cluster, plan, args.seq, args.global_batch)
     rec = explain_record(cost, pp_rank=args.pp_rank, formulas=args.formulas)
     rec["hardware"] = hardware_record(cluster)

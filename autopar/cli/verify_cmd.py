@@ -34,7 +34,11 @@ def run_verify(args: argparse.Namespace) -> int:
 
 
 def register(sub) -> None:
-    p = sub.add_parser("verify", help="prove a plan on a shrunk copy of the model on CPU gloo processes")
+    p = sub.add_parser("verify", help="prove a plan on a shrunk copy of the model on CPU gloo processes",
+                       description="Run a plan on N gloo processes on this machine's CPU and the unparallelized model "
+                                   "in one process, on a shrunk copy of the model with the same weights, batches and "
+                                   "optimizer, and compare losses, gradients and parameters step by step. Exit "
+                                   "status 0: equal within the bounds; 1: different; 2: the plan is refused.")
     p.add_argument("--model", required=True,
                    help="a preset (llama3-8b, llama3-70b, mixtral-8x7b, ...), a transformers model type (qwen2), "
                         "a config.json path, or MODULE:FUNCTION returning a model")

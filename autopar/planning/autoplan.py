@@ -59,11 +59,13 @@ def _spec_and_cluster(structure, world_size: int):
     return spec, Cluster.for_world(local_gpu(), world_size, gpus_per_node=local or None)
 
 
-def estimate_step(structure, plan: Plan, seq_len: int, global_batch: int, *, dtype_bytes: int = 2):
+def estimate_step(structure, plan: Plan, seq_len: int, global_batch: int, *, dtype_bytes: int = 2,
+                  any_hardware: bool = False):
     """The cost model's :class:`autopar.cost.Cost` of ``plan`` on this machine (``pm.predicted_cost``);
     None on a CPU without a hardware profile (``$AUTOPAR_HARDWARE_PROFILE``): the ``cpu`` preset's
-    figures are no measurement of this machine."""
-    if local_gpu() == "cpu" and not os.environ.get(PROFILE_ENV):
+    figures are no measurement of this machine (``any_hardware``: priced with them all the same,
+    ``pm.report``'s memory and bytes)."""
+    if local_gpu() == "cpu" and not os.environ.get(PROFILE_ENV) and not any_hardware:
         return None
     from autopar.cost import estimate
 

@@ -314,3 +314,10 @@ class ParallelModule:
         """The generated per-rank program of pipeline chunk ``stage``, readable, with every collective marked."""
         return format_program(self.executor.describe_stage(stage), self.program)
 
+    def report(self, path, *, inputs=None) -> str:
+        """Write this plan's page, the last step's measurements beside the prediction, as one HTML file
+        (autopar/runtime/report.py; ``inputs``: a batch, where the program made no prediction)."""
+        from autopar.runtime.report import write_report
+
+        return write_report(self, path, inputs=inputs)
+

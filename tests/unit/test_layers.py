@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"autopar": "autopar", "passes": "autopar.passes", "cost": "autopar.cost"}
 # Package -> layer; imports go from a higher layer to a strictly lower one (docs/architecture.md).
 LAYERS = {
-    "autopar.errors": 0, "autopar.plan": 0, "autopar.plan_checks": 0, "autopar.plan_text": 0, "autopar.plan_space": 0,
-    "autopar.support": 0, "autopar.compat": 0,
+    "autopar.errors": 0, "autopar.error_report": 0, "autopar.plan": 0, "autopar.plan_checks": 0,
+    "autopar.plan_text": 0, "autopar.plan_space": 0, "autopar.support": 0, "autopar.compat": 0,
     "autopar.frontend": 1,
     "autopar.cost": 2, "autopar.ops": 2,
     "autopar.passes": 3,
@@ -30,8 +30,8 @@ LAYERS = {
     "autopar": 8,  # the package's __init__: public names, imported lazily
 }
 # Modules of layer 0 form one group: plan and support may use errors (no cycle is still checked).
-BASE = {"autopar.errors", "autopar.plan", "autopar.plan_checks", "autopar.plan_text", "autopar.plan_space",
-        "autopar.support", "autopar.compat"}
+BASE = {"autopar.errors", "autopar.error_report", "autopar.plan", "autopar.plan_checks", "autopar.plan_text",
+        "autopar.plan_space", "autopar.support", "autopar.compat"}
 
 
 def _modules() -> dict[str, Path]:

@@ -197,7 +197,7 @@ def test_train_llama_plain_path(capsys):
     spec = importlib.util.spec_from_file_location("autopar_examples_train_llama", path)
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
-    assert script.main(["--plan", "none", "--steps", "2", "--batch", "4", "--seq", "8",
+    assert script.main(["--plan", "none", "--steps", "2", "--batch", "4", "--seq", "8", "--data", "random",
                         "--optimizer", "sgd", "--lr", "0.1", "--seed", "2"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert [ln.split()[:3] for ln in lines] == [["step", "0", "loss"], ["step", "1", "loss"]]
