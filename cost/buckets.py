@@ -45,6 +45,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
+import numpy as np
+
 from autopar.plan_space import DEFAULT_BUCKET_BYTES, chunk_rank, chunks_per_rank, kv_replicated, pack_buckets
 
 from .pipeline import place_layers
@@ -143,32 +145,52 @@ def _owners(spec, pp: int, schedule: str, vpp: int, head_layers: float):
     return layer_chunk, nchunks, (lambda c: chunk_rank(c, pp, schedule) if pp > 1 else 0)
 
 
+@lru_cache(maxsize=64)
+def _packed(spec, tp: int, ep: int, param_bytes: int, bucket_bytes: int):
+    """The packing, which no pipeline layout changes: per kind (dense, routed expert), the indices
+    in :func:`param_tensors` of its tensors in backward's order, their local bytes and the run each
+    falls in; and every tensor's placement code (its layer index; -1: the first chunk's, -2: the
+    last chunk's)."""
+    tensors = param_tensors(spec, tp, ep)
+    kinds = {}
+    for expert in (False, True):
+        order = [j for j in reversed(range(len(tensors))) if tensors[j][2] == expert]
+        sizes = [tensors[j][0] * param_bytes for j in order]
+        run = np.zeros(len(order), dtype=np.int64)
+        for k, cut in enumerate(pack_buckets(sizes, bucket_bytes)):
+            run[cut.start:cut.stop] = k
+        kinds[expert] = (np.array(order, dtype=np.int64), np.array(sizes, dtype=np.float64), run)
+    where = np.array([-1 if w == EMBEDDING else -2 if w == HEAD else w for _, w, _ in tensors], dtype=np.int64)
+    return kinds, where
+
+
 @lru_cache(maxsize=1024)
 def bucket_counts(spec, *, tp: int, ep: int, pp: int, schedule: str, vpp: int, head_layers: float,
                   param_bytes: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> tuple[BucketCounts, ...]:
-    """The :class:`BucketCounts` of every pipeline rank (see the module docstring)."""
+    """The :class:`BucketCounts` of every pipeline rank (see the module docstring).  The runs are
+    packed once per (tp, ep) (:func:`_packed`); a layout only places each tensor on its chunk's
+    rank, and the counts are distinct (run, rank) and (run, rank, chunk) pairs, counted with numpy
+    (the search asks this for every pp, schedule, vpp, tp and ep of a cluster: thousands of layouts)."""
     layer_chunk, nchunks, rank_of = _owners(spec, pp, schedule, vpp, head_layers)
-    tensors = []  # (local bytes, owner chunk, holding ranks, routed expert)
-    for j, (elems, where, expert) in enumerate(param_tensors(spec, tp, ep)):
-        chunk = 0 if where == EMBEDDING else nchunks - 1 if where == HEAD else layer_chunk[where]
-        ranks = {rank_of(chunk)}
-        if j == 0 and spec.tied_embeddings:
-            ranks.add(rank_of(nchunks - 1))  # the tied table is the head's too
-        tensors.append((elems * param_bytes, chunk, ranks, expert))
-    counts = {}
-    largest = [0.0] * pp
-    for expert in (False, True):
-        order = [t for t in reversed(tensors) if t[3] == expert]
-        buckets, units = [0] * pp, [0] * pp
-        for run in pack_buckets([t[0] for t in order], bucket_bytes):
-            pairs = {(r, order[i][1]) for i in run for r in order[i][2]}
-            for r in {r for r, _ in pairs}:
-                buckets[r] += 1
-                if not expert:
-                    held = sum(order[i][0] for i in run if r in order[i][2]) / param_bytes
-                    largest[r] = max(largest[r], held)
-            for r, _ in pairs:
-                units[r] += 1
+    kinds, where = _packed(spec, tp, ep, param_bytes, bucket_bytes)
+    layer_chunk = np.array(layer_chunk + [0], dtype=np.int64)  # (+1: a safe index for -1 and -2)
+    chunk = np.where(where == -1, 0, np.where(where == -2, nchunks - 1, layer_chunk[np.maximum(where, 0)]))
+    ranks = np.array([rank_of(c) for c in range(nchunks)], dtype=np.int64)[chunk]
+    tied_rank = rank_of(nchunks - 1) if spec.tied_embeddings else None  # the tied table is the head's too
+    counts, largest = {}, np.zeros(pp)
+    for expert, (order, sizes, run) in kinds.items():
+        r, c, nbytes, k = ranks[order], chunk[order], sizes, run
+        if tied_rank is not None and not expert and (order == 0).any():
+            first = int(np.nonzero(order == 0)[0][0])
+            if tied_rank != r[first]:
+                r, c = np.append(r, tied_rank), np.append(c, c[first])
+                nbytes, k = np.append(nbytes, nbytes[first]), np.append(k, k[first])
+        held = np.unique(k * pp + r)
+        buckets = np.bincount(held % pp, minlength=pp)
+        units = np.bincount((np.unique((k * pp + r) * nchunks + c) // nchunks) % pp, minlength=pp)
+        if not expert and len(k):
+            sums = np.bincount(k * pp + r, weights=nbytes)[held] / param_bytes
+            np.maximum.at(largest, held % pp, sums)
         counts[expert] = (buckets, units if pp > 1 else buckets)
     (bd, ud), (be, ue) = counts[False], counts[True]
-    return tuple(BucketCounts(bd[r], ud[r], be[r], ue[r], largest[r]) for r in range(pp))
+    return tuple(BucketCounts(int(bd[x]), int(ud[x]), int(be[x]), int(ue[x]), float(largest[x])) for x in range(pp))

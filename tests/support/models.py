@@ -10,6 +10,7 @@ downloads) and needs ``transformers``.
 from __future__ import annotations
 
 import torch
+from torch.export import Dim
 
 from benchmarks.models import (example_model, example_module, example_moe, hf_llama, hf_loss, hf_model,  # noqa: F401
                                lm_loss, make_batch)
@@ -37,6 +38,8 @@ __all__ = [
     "lm_loss",
     "make_batch",
     "MODELS",
+    "dynamic_shapes",
+    "logits_of",
 ]
 
 def _example_tied(seed: int = 0, **overrides):
@@ -250,3 +253,18 @@ def hf_gpt_oss_window(seed: int = 0, **overrides):
 MODELS["hf_qwen2_window"] = (hf_qwen2_window, hf_loss, {"use_cache": False})
 MODELS["hf_gemma2_window"] = (hf_gemma2_window, hf_loss, {"use_cache": False})
 MODELS["hf_gpt_oss_window"] = (hf_gpt_oss_window, hf_loss, {"use_cache": False})
+
+
+def logits_of(out):
+    """A model's logits: a transformers output's ``.logits``, or the tensor itself."""
+    return out.logits if hasattr(out, "logits") else out
+
+
+def dynamic_shapes(kwargs):
+    """Symbolic batch and sequence dimensions of ``input_ids`` (the models' tables hold 64 positions)."""
+    batch, seq = Dim("batch"), Dim("seq", max=64)
+    if kwargs:
+        spec = {"input_ids": {0: batch, 1: seq}}
+        spec.update({k: None for k in kwargs})
+        return spec
+    return ({0: batch, 1: seq},)

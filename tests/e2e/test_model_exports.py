@@ -1,0 +1,30 @@
+"""Every suite model exports with symbolic batch and sequence dimensions, and its exported module
+matches eager at another size: the foundation of a program traced once and run on each rank's
+local shard (dp rows, cp positions).  An export of every model of tests/support/models.py, so
+not in the fast tier; the models' own checks: tests/unit/test_models.py."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.export import export
+
+from tests.support.models import MODELS, dynamic_shapes, logits_of, make_batch
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 128
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_dynamic_export_runs_at_other_sizes(name):
+    factory, _, kwargs = MODELS[name]
+    model = factory(seed=0)
+    ids, _ = make_batch(VOCAB, 4, 16, seed=0)
+    exported = export(model, (ids,), dict(kwargs), strict=False,
+                      dynamic_shapes=dynamic_shapes(kwargs))
+    small, _ = make_batch(VOCAB, 2, 8, seed=5)
+    with torch.no_grad():
+        got = logits_of(exported.module()(small, **kwargs))
+        want = logits_of(model(small, **kwargs))
+    assert got.shape == (2, 8, VOCAB)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
