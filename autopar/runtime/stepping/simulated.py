@@ -91,7 +91,7 @@ def simulate_step(executor, env, inputs: tuple, target: Any, coords: dict[str, i
     executor.recv_buffers = None
     step = _SimulatedStep(executor, env, pieces, me, receive_buffers(pipeline, env, pieces, me))
     executor.recv_buffers = step.buffers
-    for slot in rank_orders(plan.schedule, plan.pp, plan.microbatch_index, plan.vpp)[me]:
+    for slot in rank_orders(plan.schedule, plan.pp, plan.mb, plan.vpp)[me]:
         for act in slot:
             if act.kind == "F":
                 step.forward(act.stage_index, act.microbatch_index)
