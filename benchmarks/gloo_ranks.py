@@ -26,12 +26,13 @@ def _entry(rank: int, world: int, port: int, worker, args: tuple, *, post):
     return worker(rank, world, *args)
 
 
-def run_ranks(worker, world: int, *args):
+def run_ranks(worker, world: int, *args, timeout: float | None = None):
     """``worker(rank, world, *args)`` on ``world`` spawned gloo ranks; rank 0's return value (the
-    one local launcher: :func:`autopar.verification.launch.run_spawned`)."""
+    one local launcher: :func:`autopar.verification.launch.run_spawned`; ``timeout``: its default)."""
     from autopar.verification.launch import run_spawned
 
-    return run_spawned(_entry, world, (worker, args), what=f"running {worker.__name__}")[0]
+    limit = {} if timeout is None else {"timeout": timeout}
+    return run_spawned(_entry, world, (worker, args), what=f"running {worker.__name__}", **limit)[0]
 
 
 def slowest(fn, *args, **kwargs):

@@ -368,18 +368,15 @@ def _read(workdir: str, i: int) -> tuple[list, dict | None]:
 def spawned_runner(job: str, *args, world: int, timeout: float):
     """Run ``job`` (``"module:function"``) with ``args`` on a fresh gloo world of ``world`` local
     processes; a failure, a dead rank or the timeout raises :class:`autopar.errors.AutoparError`."""
-    from autopar.verification.launch import run_spawned
+    from benchmarks.gloo_ranks import run_ranks
 
-    return run_spawned(_spawned_job, world, (job, args), timeout=timeout, what=f"running {job}")
+    return run_ranks(_named_job, world, job, args, timeout=timeout)
 
 
-def _spawned_job(rank: int, world: int, port: int, job: str, args: tuple, *, post):
+def _named_job(rank: int, world: int, job: str, args: tuple):
+    """``job`` (``"module:function"``) called with ``args`` on one rank of the gloo world."""
     import importlib
 
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     module, _, name = job.partition(":")
     return getattr(importlib.import_module(module), name)(*args)
 

@@ -51,10 +51,10 @@ def _spec_and_cluster(structure, world_size: int):
     local = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
     if os.environ.get(PROFILE_ENV):
         path = os.environ[PROFILE_ENV]
-        base = Cluster.from_profile(path)
-        if load_profile(path).get("host_cores"):  # a CPU host: the ranks started on it share its cores
+        data = load_profile(path)
+        if data.get("host_cores"):  # a CPU host: the ranks started on it share its cores
             local = local or world_size
-        num_nodes, per_node = whole_nodes(world_size, local or base.gpus_per_node)
+        num_nodes, per_node = whole_nodes(world_size, local or data["gpus_per_node"])
         return spec, Cluster.from_profile(path, num_nodes=num_nodes, gpus_per_node=per_node)
     return spec, Cluster.for_world(local_gpu(), world_size, gpus_per_node=local or None)
 
