@@ -28,7 +28,6 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import autopar
-from tests.support import trace_cache
 from tests.support.harness import OPTIMIZERS, make_batches
 from tests.support.jobs import VOCAB, build
 
@@ -70,7 +69,6 @@ def peak_job(model_name: str, plan: str, batch: int, seq: int = 16, warmup: int 
         pm = autopar.parallelize(model, example_inputs=batches[0][0], example_kwargs=kwargs, plan=plan,
                                  loss_fn=loss_fn, optimizer=OPTIMIZERS["adamw"], **extra)
         del model  # the program holds what it needs; the caller's model is not the program's memory
-        trace_cache.clear()  # the suite's trace cache would hold this model's weights (tests/support/trace_cache.py)
         for i in range(warmup + measured):
             gc.collect()
             with record_function(_STEP if i >= warmup else "peak_probe:warmup"):

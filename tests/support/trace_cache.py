@@ -16,10 +16,10 @@ Why a hit is the trace the real call would return:
     call's example inputs and target (shape, dtype), example kwargs (tensors by value: the
     wrapper captures them as constants), loss function, flags and default dtype;
   * parameter and buffer values are not in the key because the export treats them as
-    inputs; the graph a hit returns is a deep copy of the first one in which every tensor
-    the first model lent the graph is replaced by the same-named tensor of this model
-    (``copy.deepcopy``'s memo), so the program aliases this model's tensors exactly as a
-    fresh export would;
+    inputs; the stored graph holds a meta stand-in for every tensor the first model lent it
+    (no model's memory stays alive), and the graph a hit returns is a deep copy in which each
+    stand-in is replaced by the same-named tensor of this model (``copy.deepcopy``'s memo),
+    so the program aliases this model's tensors exactly as a fresh export would;
   * a failing export is not cached, and a model with anything the key cannot see (a
     tensor attribute the graph holds that is not the first model's) is traced afresh.
 The cache is a test-suite device, not product behaviour: the product traces on every
@@ -152,11 +152,23 @@ def memo(export, model, example_inputs, example_kwargs=None, loss_fn=None, examp
     lent = _lent(traced.gm, model) if key is not None else None
     if lent is not None:
         own = {id(t): t for t in _graph_tensors(traced.gm)}
-        pristine = _deepcopy(traced.gm, dict(own))  # the graph copied, the lent tensors shared
+        stand_ins = {tid: _stand_in(own[tid]) for tid in lent}
+        pristine = _deepcopy(traced.gm, dict(stand_ins))  # the graph copied, the lent tensors on meta
         if len(_CACHE) >= _MAX_ENTRIES:
             _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = (pristine, lent, dataclasses.replace(traced, gm=None))
+        _CACHE[key] = (pristine, {id(stand_ins[tid]): name for tid, name in lent.items()},
+                       dataclasses.replace(traced, gm=None))
     return traced
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor in the place of a tensor the model lent the graph: the stored graph keeps no
+    model's values or memory alive (the peak-memory jobs meter the allocator with the cache on), and
+    a hit replaces it by the new model's tensor of the same name."""
+    meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(meta, requires_grad=t.requires_grad)
+    return meta.requires_grad_(t.requires_grad)
 
 
 def _deepcopy(gm, memo: dict):

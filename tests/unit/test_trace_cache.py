@@ -102,3 +102,21 @@ def test_the_memo_is_explicit_and_scoped():
     assert calls == [model, model]
     assert compile_module.trace_model is trace.trace_model
 
+
+
+def test_the_cache_keeps_no_model_tensor_alive():
+    """The stored graph holds meta stand-ins, never the first model's tensors: the peak-memory
+    jobs (tests/support/peak_jobs.py) meter the allocator with the cache on."""
+    import weakref
+
+    (ids,), _ = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)[0]
+    model, loss_fn, kwargs = build("example", {"num_layers": 5})
+    _trace(model, kwargs, loss_fn, ids)
+    refs = [weakref.ref(t) for t in list(model.parameters()) + list(model.buffers())]
+    del model
+    import gc
+    gc.collect()
+    assert all(r() is None for r in refs), "the cache holds a model's tensor"
+    stored = [entry for entry in trace_cache._CACHE.values()]
+    assert all(t.device.type == "meta" for pristine, _, _ in stored
+               for t in list(pristine.parameters()) + list(pristine.buffers()))
