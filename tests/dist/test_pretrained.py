@@ -4,10 +4,12 @@ Each case builds the model under ``torch.device("meta")`` on every rank, then ei
 sharded ``save_pretrained`` directory with ``pm.load_pretrained`` (equal to ``from_pretrained`` +
 one device: loss at each of 3 steps and the state dict after, fp32; and bf16 within the precision
 tests' bounds) or initialises it with ``init_weights=model._init_weights`` after a seed (equal to
-``model.apply(model._init_weights)`` after the same seed on one device).  Plans: ``tp=2,sp,dp=2``,
-``pp=2,mb=2`` on 4 layers, ``dp=2,zero=3``, and ``ep=2,dp=2`` on Mixtral, whose checkpoint keeps
-the experts one by one (transformers' conversion stacks them; load_pretrained applies the same
-rules).  The user's meta model stays on meta.
+``model.apply(model._init_weights)`` after the same seed on one device, bit for bit, for GPT-2,
+Llama and Mixtral under ``tp=2,sp``, ``pp=2,mb=2`` and ``dp=2,zero=3``; GPT-2's parent modules
+write their children's ``c_proj.weight``).  Loading plans: ``tp=2,sp,dp=2``, ``pp=2,mb=2`` on 4
+layers, ``dp=2,zero=3``, and ``ep=2,dp=2`` on Mixtral, whose checkpoint keeps the experts one by
+one (transformers' conversion stacks them; load_pretrained applies the same rules).  The user's
+meta model stays on meta.
 """
 from __future__ import annotations
 
@@ -108,14 +110,27 @@ def test_load_pretrained_in_bf16(dist_pool, checkpoints, world):
         _check_state(got["state"], ref["state"], atol=STATE_ATOL)
 
 
-@pytest.mark.parametrize("plan,world", [("dp=2,zero=3", 2), ("tp=2,sp,dp=2", 4)])
-def test_init_weights_equals_one_device_initialisation(dist_pool, plan, world):
-    results = dist_pool(meta_cases_job, [("hf_llama", LLAMA4, plan, None, None)], world=world)
+INIT_MODELS = [("hf_gpt2", {}), ("hf_llama", LLAMA4), ("hf_mixtral", {})]
+INIT_PLANS = ["tp=2,sp", "pp=2,mb=2", "dp=2,zero=3"]
+
+
+def test_init_weights_equals_model_apply_under_tp_pp_and_zero3(dist_pool):
+    """GPT-2's ``_init_weights`` re-initialises each block's ``c_proj.weight`` from the attention and MLP
+    modules (a parent writing its child's parameter); every shard equals ``model.apply`` bit for bit."""
+    cases = [(name, overrides, plan, None, None, 0) for name, overrides in INIT_MODELS for plan in INIT_PLANS]
+    results = dist_pool(meta_cases_job, cases, world=2)
+    for index, (name, overrides, plan, *_) in enumerate(cases):
+        _check_state(results[0][index]["initial"], _initialised(name, overrides).state_dict(), atol=0.0)
+
+
+@pytest.mark.parametrize("name,overrides,plan,world", [("hf_gpt2", {}, "pp=2,mb=2", 2),
+                                                       ("hf_llama", LLAMA4, "tp=2,sp,dp=2", 4)])
+def test_a_program_from_init_weights_trains_as_model_apply_does(dist_pool, name, overrides, plan, world):
+    results = dist_pool(meta_cases_job, [(name, overrides, plan, None, None)], world=world)
     got = results[0][0]
-    expected = _initialised("hf_llama", LLAMA4)
-    _check_state(got["initial"], expected.state_dict(), atol=0.0)
-    _, loss_fn, kwargs = build("hf_llama", LLAMA4)
-    ref = reference_train(lambda: _initialised("hf_llama", LLAMA4).train(), make_batches(VOCAB, BATCH, SEQ, 3, seed=1),
+    _check_state(got["initial"], _initialised(name, overrides).state_dict(), atol=0.0)
+    _, loss_fn, kwargs = build(name, overrides)
+    ref = reference_train(lambda: _initialised(name, overrides).train(), make_batches(VOCAB, BATCH, SEQ, 3, seed=1),
                           loss_fn, OPTIMIZERS["adamw"], kwargs)
     assert_equivalent(ref, (got["losses"], got["state"]), loss_atol=LOSS_ATOL, param_atol=PARAM_ATOL)
 

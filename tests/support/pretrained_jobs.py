@@ -24,8 +24,10 @@ def _state(pm) -> dict | None:
     return {k: v.detach().cpu().clone() for k, v in state.items()} if dist.get_rank() == 0 else None
 
 
-def meta_job(model_name: str, overrides: dict, plan: str, path: str | None, mixed_precision: str | None = None):
-    """``path``: load it; None: ``init_weights=model._init_weights`` after ``torch.manual_seed(INIT_SEED)``."""
+def meta_job(model_name: str, overrides: dict, plan: str, path: str | None, mixed_precision: str | None = None,
+             steps: int = 3):
+    """``path``: load it; None: ``init_weights=model._init_weights`` after ``torch.manual_seed(INIT_SEED)``;
+    ``steps``: how many to train (0: the state after loading or initialising only)."""
     with torch.device("meta"):
         model, loss_fn, kwargs = build(model_name, overrides)
     batches = make_batches(VOCAB, BATCH, SEQ, 3, seed=1)
@@ -38,13 +40,13 @@ def meta_job(model_name: str, overrides: dict, plan: str, path: str | None, mixe
     if path is not None:
         pm.load_pretrained(path)
     initial = _state(pm)
-    losses = [pm.train_step(inputs, target) for inputs, target in batches]
+    losses = [pm.train_step(inputs, target) for inputs, target in batches[:steps]]
     untouched = all(t.is_meta for t in model.state_dict().values())
-    return {"losses": losses, "initial": initial, "state": _state(pm), "untouched": untouched}
+    return {"losses": losses, "initial": initial, "state": _state(pm) if steps else initial, "untouched": untouched}
 
 
 def meta_cases_job(cases: list):
-    """:func:`meta_job` for each ``(model_name, overrides, plan, path, mixed_precision)`` in one pool call."""
+    """:func:`meta_job` for each ``(model_name, overrides, plan, path, mixed_precision[, steps])`` in one pool call."""
     return [meta_job(*case) for case in cases]
 
 

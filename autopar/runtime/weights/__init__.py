@@ -9,7 +9,7 @@
   ``checkpoint_writer`` (background writes);
 - ``pretrained`` (``pm.load_pretrained``), ``export`` (``pm.export_weights``), ``safetensors_io``
   (slice reads and piecewise writes of safetensors files), ``initialize`` (``init_weights`` on a
-  model built on the meta device).
+  model built on the meta device; ``init_tracker``: what each call of ``fn`` reads and writes).
 
 Neighbours: gradient sync and ZeRO (where a written value lands: the parameter, its fp32
 master, its ZeRO shard) in :mod:`autopar.runtime.gradients`; the step in
