@@ -14,10 +14,12 @@ this file only exposes them as the ``dist_pool`` fixture and shuts them down whe
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 _TESTS_DIR = Path(__file__).resolve().parent
 # Test modules import `tests.support.harness` / `tests.support.models`, examples import from the repo root.
@@ -52,6 +54,14 @@ def dist_pool():
 TIERS = ("unit", "dist", "e2e", "gpu")
 
 
+def pytest_configure(config):
+    """Under ``pytest -n 2`` each worker has a core: one thread for torch in it and in the
+    processes it starts (two threads each on two busy cores spin against one another)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        torch.set_num_threads(1)
+
+
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
 def pytest_collection_modifyitems(config, items):
     """Mark each test with its tier: the first directory of its path under tests/."""
@@ -62,6 +72,22 @@ def pytest_collection_modifyitems(config, items):
             continue
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without it
+def pytest_xdist_make_scheduler(config, log):
+    """``pytest -n 2`` (the README's suite command: two workers, one per core, each with its own
+    pools and trace memo) hands each worker whole scopes: all of ``tests/dist`` (its pools trace
+    each model once for the tier; split, both workers' pools would trace every model on every
+    rank), and otherwise one test file (its module-scoped fixtures are computed once)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class TierScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return "tests/dist" if path.startswith("tests/dist/") else path
+
+    return TierScheduling(config, log)
 
 
 def pytest_sessionfinish(session, exitstatus):
