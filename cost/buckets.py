@@ -17,7 +17,7 @@ Tensors (:func:`param_tensors`), in the parameter order of a transformers Llama 
 moves bucket borders only for models whose gradients fill more than one bucket):
   * the first chunk: the token table ``[ceil(V/tp), H]`` (padded vocabulary), the extra embedding tables (``P_emb``),
     the embedding norm;
-  * each layer: q, k, v (weight, then bias under ``q_b``; MLA: q_a, its norm, q_b (or q),
+  * each layer: q, k, v (weight, then bias under ``q_b``; one weight and one bias for a fused QKV; MLA: q_a, its norm, q_b (or q),
     kv_a, its norm, kv_b), o (its bias under ``p_b``), the q/k norms; a dense MLP's gate, up
     and down (biases under ``p_b``), or a MoE block's router ``[E, H]``, its routed experts
     ``[E/ep, (1 + gated) F_e, H]`` and ``[E/ep, H, F_e]``, its shared experts' gate, up and down
@@ -79,12 +79,13 @@ def _attention(spec, tp: int) -> list[int]:
         rq, rkv, dr = spec.q_lora_rank, spec.kv_lora_rank, spec.qk_rope_head_dim
         q = [H * rq, rq, rq * a * d // tp] if rq else [H * a * d // tp]
         return q + [H * (rkv + dr), rkv, rkv * a * (d - dr + spec.v_dim) // tp, a * spec.v_dim * H // tp]
-    out = []
     kv = 1 if kv_replicated(tp, g) else tp  # KV heads tp does not divide: whole (KV-head replication)
-    for heads, split in ((a, tp), (g, kv), (g, kv)):
-        out.append(heads * d * H // split)
-        if spec.qkv_bias:
-            out.append(heads * d // split)
+    weights = [heads * d * H // split for heads, split in ((a, tp), (g, kv), (g, kv))]
+    biases = [heads * d // split for heads, split in ((a, tp), (g, kv), (g, kv))] if spec.qkv_bias else []
+    if spec.fused_qkv:  # one weight (and one bias) holding the rank's q, k and v rows
+        out = [sum(weights)] + ([sum(biases)] if biases else [])
+    else:
+        out = [x for i, w in enumerate(weights) for x in [w] + biases[i:i + 1]]
     out.append(H * a * spec.v_dim // tp)
     if spec.proj_bias:
         out.append(H)  # o_proj's bias, added after the reduction: whole

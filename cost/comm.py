@@ -14,6 +14,10 @@ Layer structure seen by the rows, per stage (``l_d`` dense and ``l_e`` MoE layer
     save the sequence shard and backward all-gathers it again (but inside a fully
     recomputed layer, whose recomputation gathers anyway);
     norms (and MoE routers / shared experts) get a per-step tp all-reduce of gradients;
+  * KV-head replication (``KV_REPLICATED = min(g mod tp, 1)``): the k/v weights' gradients,
+    ``2 g d (h + q_b)`` elements a layer, join that per-step partial-gradient sum; in a fused QKV
+    (``f_q = 1``) they are summed in backward instead, per layer and micro-batch, one all-reduce of
+    ``2 g d h w`` bytes for the weight and (``q_b``) one of ``2 g d w`` for the bias;
   * MoE blocks run on the rank's 1/tp slice of the tokens with whole experts (expert
     tensor parallelism 1, as in the reference): with SP there is no TP collective around
     them, without SP one all-gather restores the replicated output (and one in backward);
@@ -61,10 +65,11 @@ from dataclasses import dataclass
 
 import sympy
 
-from .symbols import (CPAG, CPRING, CPUL, E, FIRST, NOFF, TIED, Vt, LAST, NBD, NBE, NRECV, NSEND, NUD, NUE, RFULL, RSEL, SP, Z1, Z2, Z3, Pe, Ph, a, en,
-                      b, ccs, cp, d, dp, dv, ep, f, fe, g, gated, gc, h, hb, k, ld, le, lg, lq, m, mla, ncs, nl, nn,
-                      nsh, pb, pp, qb, qkn, qkh, rho, rkv, rq, s, sgate, tp, aux, vpp, w, wgc, wp)
-from .flops import KV_REPLICATED, attention_weights, kv_weights, latent_down_weights
+from .symbols import (CPAG, CPRING, CPUL, E, FIRST, NOFF, TIED, Vt, LAST, NBD, NBE, NRECV, NSEND, NUD, NUE, RFULL,
+                      RSEL, SP, Z1, Z2, Z3, Pe, Ph, a, en, b, ccs, cp, d, dp, dv, ep, g, gc, h, hb, k, ld, le, lg, m,
+                      mla, ncs, nn, pp, qb, qkn, fq, rho, s, tp, aux, vpp, w, wgc, wp)
+from .flops import KV_REPLICATED, kv_weights
+from .params import local_param_elems
 
 __all__ = ["CommRow", "RowSpec", "TOKEN_ROWS", "row_specs", "routed_row_formulas", "routed_all_to_all_rows",
            "activation_bytes", "local_param_elems", "zero3_units"]
@@ -117,47 +122,6 @@ class RowSpec:
 def activation_bytes():
     """One micro-batch's ``[b, S/cp, H]`` activation on this rank (the contract's ``A``)."""
     return b * (s / cp) * h * w
-
-
-def _mlp(width):
-    return (2 + gated) * h * width
-
-
-def local_param_elems():
-    """Parameter elements on the scored pp rank, by replication class.
-
-    Returns ``(dense, expert, tp_replicated_partial)``: ``dense`` are replicated over
-    dp*cp (TP-sharded weights count 1/tp, norms are whole), ``expert`` over tp*dp*cp/ep,
-    and ``tp_replicated_partial`` the replicated weights whose gradients are partial sums
-    over tp (norms under SP; routers and shared experts, which see a token slice; OLMo 2's
-    whole-width q/k norm weights, which each rank reads its slice of; the k and v projections
-    under KV-head replication, ``KV_REPLICATED``, flops.py; multi-head latent attention's
-    down-projections and latent norms, which every rank computes whole for its heads).  Besides the decoder:
-    ``n_ln`` norms per layer; with ``p_b`` the column biases (MLP up/gate) split over tp and the
-    row biases (o_proj, down: h each) whole, added after the reduction; ``P_emb`` (position and
-    token-type tables) and ``emb_norm`` a norm of the embeddings (BERT's) on the first pp rank and
-    ``P_head`` (a head transform) on the last, whole;
-    the LM head's bias ``head_bias * ceil(V/tp)`` (``Vt``: a vocabulary tp does not divide is padded).  Under SP the row biases, the tables and the head
-    transform see a sequence shard, so their gradients are partial too.
-    """
-    # replicated: the norm weights are not split with q and k (whole width, or per head: 2 d)
-    qk_norms = qkn * (a + g) * d + qkh * 2 * d
-    qkv, o = attention_weights()
-    latent_norms = mla * (lq * rq + rkv)  # MLA's norms of its q and kv latents: whole
-    attn = (qkv + qb * (a + 2 * g) * d + o) / tp + qk_norms + latent_norms + pb * h
-    # KV-head replication: the k and v projections (and biases) whole on every tp rank, their
-    # gradients partial over tp (each rank's query heads' share); so are MLA's down-projections
-    kv_whole = KV_REPLICATED * kv_weights(qb) + latent_down_weights()
-    attn += kv_whole * (1 - 1 / tp)
-    norms = nl * h * nn
-    mlp = _mlp(f) / tp + pb * ((1 + gated) * f / tp + h)
-    router_shared = h * E + nsh * _mlp(fe) + sgate * h
-    dense = (ld * (attn + mlp + norms) + le * (attn + norms + router_shared)
-             + FIRST * (Vt * h + Pe + en * h * nn) + LAST * (Vt * h * (1 - TIED * FIRST) + h * nn + hb * Vt + Ph))
-    expert = le * (E / ep) * _mlp(fe)
-    partial = (SP * ((nl * (ld + le) + LAST + en * FIRST) * h * nn + pb * (2 * ld + le) * h + FIRST * Pe + LAST * Ph)
-               + le * router_shared + (ld + le) * (qk_norms + kv_whole + latent_norms))
-    return dense, expert, partial
 
 
 # Rows a rank sends to / receives from the other ep ranks in one MoE dispatch (a (token,
@@ -247,6 +211,15 @@ def _row_collector():
     return rows, add
 
 
+def _fused_kv_rows(add) -> None:
+    """A fused QKV under KV-head replication sums its KV rows' weight (and bias) gradient in backward,
+    one call per tensor and micro-batch (autopar/ops/whole_rows.py), not in the step's buckets."""
+    add("bwd", "tp", "all_reduce", "tp", tp, _ar(kv_weights() * w, tp), fq * KV_REPLICATED * (ld + le), True,
+        "all-reduce of the KV rows of a fused QKV weight's gradient (KV-head replication), [2 g d, h]")
+    add("bwd", "tp", "all_reduce", "tp", tp, _ar(2 * g * d * w, tp), fq * qb * (1 - mla) * KV_REPLICATED * (ld + le),
+        True, "all-reduce of the KV rows of a fused QKV bias's gradient (KV-head replication), [2 g d]")
+
+
 def _tensor_parallel_rows() -> list[RowSpec]:
     """Rows on the tp group: TP, SP, the SP-partial gradient sum and the vocab-parallel loss."""
     A = activation_bytes()
@@ -287,6 +260,7 @@ def _tensor_parallel_rows() -> list[RowSpec]:
     add("grad", "sp", "all_reduce", "tp", tp, _ar(partial * wgc * (1 - Z2 + Z2 / (dp * cp)), tp), 1, False,
         "gradients of tp-replicated weights used on token shards or head slices (norms under SP, MoE routers, "
         "k/v projections under KV-head replication)")
+    _fused_kv_rows(add)
     # A norm over a q or k projection's whole (tp-sharded) width sums its fp32 statistics per token
     # across ranks, and in backward the statistics' gradient (passes/reduction_rules.py _reduce_across_ranks).
     add("fwd", "tp", "all_reduce", "tp", tp, _ar(T * 4, tp), 2 * qkn * (ld + le), True,

@@ -41,7 +41,7 @@ import sympy
 from autopar.plan_space import ZERO_SCATTERS_IN_FLIGHT
 
 from .activations import activation_parts, at_least_two
-from .comm import local_param_elems
+from .params import local_param_elems
 from .symbols import (CBK, KEEP, TIED, UMX, Pe, en, nn, Vt, FIRST, INFL, LAST, NRECV, NSEND, NUD, RFULL, SP,
                       Z1, Z2, Z3, b, cp, d, dp, dr, ep, f, h, ld, le, lg, m, mla, s, tp, vpp, w, wg, wgc, wo,
                       wp, wz)

@@ -183,6 +183,7 @@ def model_values(spec, *, dtype_bytes: int, grad_bytes: int | None, routing_imba
         "E": max(spec.num_experts, 1), "k": max(spec.top_k, 1), "w": dtype_bytes,
         "n_sh": spec.num_shared_experts, "shared_gate": int(spec.shared_expert_gate), "n_norm": spec.norm_vectors, "q_b": int(spec.qkv_bias), "qk_norm": int(spec.qk_norm),
         "aux_loss": int(spec.router_aux_loss and spec.num_experts > 0), "qk_head_norm": int(spec.qk_head_norm),
+        "fused_qkv": int(spec.fused_qkv),
         "mla": int(spec.kv_lora_rank > 0), "l_q": int(spec.q_lora_rank > 0), "r_q": spec.q_lora_rank,
         "r_kv": spec.kv_lora_rank, "d_r": spec.qk_rope_head_dim, "d_v": spec.v_dim,
         "gated": int(spec.gated_mlp), "L": spec.num_layers, "L_e": max(spec.num_moe_layers, 1),

@@ -37,6 +37,8 @@ class ModelSpec:
     rope key shared by every head, v of ``v_head_dim``; tensor parallelism does not split it.
     Beyond the decoder (``ModelSpec.from_module`` reads them, frontend/spec_dims.py): ``layer_norms``
     norms per layer; ``proj_bias``: biases on o_proj and the MLP (q/k/v's are ``qkv_bias``);
+    ``fused_qkv``: q, k and v come from one fused projection (under KV-head replication its KV rows' gradients
+    are summed in backward, cost/comm.py);
     ``embedding_extra_params`` (positions, token types) and ``embedding_norm`` (a norm of the summed
     embeddings, BERT's) on the first pp rank and ``head_extra_params`` (a head transform) on the last,
     replicated over tp; ``lm_head_bias``; ``gathered_logits``: the
@@ -73,6 +75,7 @@ class ModelSpec:
     qk_norm: bool = False
     router_aux_loss: bool = False
     qk_head_norm: bool = False
+    fused_qkv: bool = False  # q, k and v come from one fused projection (GPT-2's c_attn, Phi-3's qkv_proj)
     kv_lora_rank: int = 0  # > 0: multi-head latent attention (DeepSeek), k and v from this latent
     q_lora_rank: int = 0  # MLA: q through a latent of this rank (0: a full q projection)
     qk_rope_head_dim: int = 0  # MLA: the rope part of head_dim (q and k heads are nope + rope)
@@ -336,6 +339,8 @@ _ENCODERS = ("bert", "roberta")
 _LEARNED_POSITIONS = {"gpt2": 0, "gpt_bigcode": 0, "opt": 2}
 # Norms per layer where the attention and MLP outputs are normalised again (Gemma 2 and 3).
 _SANDWICH_NORMS = ("gemma2", "gemma3", "gemma3_text")
+# One projection for q, k and v, cut at its parts (Falcon's is cut by KV group: not parts).
+_FUSED_QKV = ("gpt2", "gpt_bigcode", "phi3")
 # Norms that scale by 1 + weight (Gemma's RMSNorm).
 _OFFSET_NORMS = ("gemma", "gemma2", "gemma3", "gemma3_text")
 
@@ -348,7 +353,8 @@ def _beyond_decoder_fields(cfg: dict, model_type: str, hidden: int, gpt_style: b
     out: dict = {"proj_bias": gpt_style or encoder,
                  "gathered_logits": cfg.get("final_logit_softcapping") is not None,
                  "layer_norms": 4 if model_type in _SANDWICH_NORMS else 2,
-                 "norm_weight_offset": model_type in _OFFSET_NORMS}
+                 "norm_weight_offset": model_type in _OFFSET_NORMS,
+                 "fused_qkv": model_type in _FUSED_QKV}
     if model_type in _LEARNED_POSITIONS or encoder:
         rows = int(_get(cfg, "n_positions", "max_position_embeddings", default=0)) + _LEARNED_POSITIONS.get(model_type, 0)
         rows += int(cfg.get("type_vocab_size") or 0) if encoder else 0

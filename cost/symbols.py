@@ -31,7 +31,7 @@ from __future__ import annotations
 import sympy
 
 __all__ = [
-    "b", "s", "h", "a", "g", "d", "f", "fe", "V", "E", "k", "w", "nsh", "sgate", "nn", "qb", "qkn", "qkh", "aux",
+    "b", "s", "h", "a", "g", "d", "f", "fe", "V", "E", "k", "w", "nsh", "sgate", "nn", "qb", "qkn", "qkh", "fq", "aux",
     "gated", "mla", "lq", "rq", "rkv", "dr", "dv", "nl", "pb", "Pe", "en", "Ph", "hb", "lg", "ncs", "ccs", "gc",
     "ld", "le", "L", "Le", "Vt",
     "tp", "dp", "cp", "pp", "ep", "vpp", "m", "SP", "RSEL", "RFULL",
@@ -54,6 +54,7 @@ nn = sympy.Symbol("n_norm", **_pos)                        # weight vectors per 
 qb = sympy.Symbol("q_b", nonnegative=True)                 # 1 if q/k/v projections have a bias
 qkn = sympy.Symbol("qk_norm", nonnegative=True)            # 1 if q and k are normalised over their whole width
 qkh = sympy.Symbol("qk_head_norm", nonnegative=True)       # 1 if q and k are normalised per head
+fq = sympy.Symbol("fused_qkv", nonnegative=True)           # 1 if q, k and v come from one fused projection
 aux = sympy.Symbol("aux_loss", nonnegative=True)           # 1 if the loss has the MoE load-balancing loss
 gated = sympy.Symbol("gated", nonnegative=True)            # 1 for SwiGLU (3 matrices), 0 for plain (2)
 mla = sympy.Symbol("mla", nonnegative=True)                # 1 for multi-head latent attention (DeepSeek)
@@ -137,7 +138,7 @@ def link_symbols(axis: str, kind: str):
             sympy.Symbol(f"alpha_{kind}_{axis}", nonnegative=True))
 
 
-MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, sgate, nn, qb, qkn, qkh, aux, gated, mla, lq, rq, rkv, dr,
+MODEL_SYMBOLS = (b, s, h, a, g, d, f, fe, V, E, k, w, nsh, sgate, nn, qb, qkn, qkh, fq, aux, gated, mla, lq, rq, rkv, dr,
                  dv, nl, pb, Pe, en, Ph, hb, lg, ncs, ccs, gc, L, Le, TIED, NOFF, XEW)
 PLAN_SYMBOLS = (tp, dp, cp, pp, ep, vpp, m, SP, RSEL, RFULL, Z1, Z2, Z3, CPRING, CPAG, CPUL,
                 FIRST, LAST, INFL, NSEND, NRECV, NBD, NUD, NBE, NUE, UMX, KEEP, ld, le, rho, FLASH)

@@ -44,7 +44,8 @@ from __future__ import annotations
 
 import sympy
 
-from .comm import RowSpec, local_param_elems
+from .comm import RowSpec
+from .params import local_param_elems
 from .flops import gemm_classes
 from .symbols import (XEW, Vt, RING_FACTORS, DPV, FLASH, LAST, RFULL, RSEL, SP, TPOV, Z1, Z2, ZOV, m, x_attn, E, a, b,
                       cp, d, dp, ep, eta_max, f,

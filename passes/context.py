@@ -51,6 +51,14 @@ class ParamShard:
     # Full size along ``dim`` when the axis does not divide it (a vocabulary tp does not divide):
     # each rank holds ceil(size/n) rows, the last ranks' rows past ``size`` are zero padding.
     size: int | None = None
+    # Per block of ``blocks``: kept whole on every rank instead of sharded (a fused QKV's single
+    # KV head under KV-head replication); None: every block sharded.
+    whole: tuple[bool, ...] | None = None
+
+    def local_blocks(self, n: int) -> tuple[int, ...]:
+        """Each block's size along ``dim`` on one of ``n`` ranks."""
+        whole = self.whole or (False,) * len(self.blocks or ())
+        return tuple(b if w else b // n for b, w in zip(self.blocks or (), whole))
 
 
 @dataclasses.dataclass(frozen=True)

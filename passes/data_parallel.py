@@ -14,8 +14,6 @@ they can be printed with the program and counted by the cost model.
 """
 from __future__ import annotations
 
-import math
-
 from torch.fx import GraphModule
 
 from autopar.plan_space import data_axis, pack_buckets
@@ -28,7 +26,12 @@ __all__ = ["data_parallel_pass", "local_param_bytes"]
 def local_param_bytes(gm: GraphModule, ctx: PassContext, name: str) -> int:
     p = gm.get_parameter(name)
     shards = ctx.param_shards.get(name, {})
-    return p.numel() * p.element_size() // math.prod(ctx.axis_sizes[a] for a in shards)  # owner: average
+    nbytes = p.numel() * p.element_size()
+    for axis, shard in shards.items():
+        n = ctx.axis_sizes[axis]
+        # blocks kept whole (a fused QKV's KV head): this rank holds them and its share of the rest
+        nbytes = nbytes * sum(shard.local_blocks(n)) // p.shape[shard.dim] if shard.whole else nbytes // n
+    return nbytes  # an owner-held tensor (an expert): the average over the axis
 
 
 def _buckets(gm: GraphModule, ctx: PassContext, names: list[str], axis: str, average: bool,

@@ -99,6 +99,22 @@ def _combine(node: Node, found: set, forward: Any, rc: RuleContext):
     return grad
 
 
+def _whole_parts(node: Node, forward, grads: dict, rc: RuleContext):
+    """A split (or slice) of a fused projection some of whose blocks every rank keeps whole (a KV
+    head under KV-head replication): each whole part must get a partial gradient, which the
+    ``sum_whole_rows`` on the weight sums over the axis (a replicated one it would count ``tp``
+    times).  Returns the gradient of the parts together (the sharded parts'), or None when
+    ``node`` is no such split."""
+    src = node.args[0] if node.op == "call_function" and node.args else None
+    if not isinstance(src, Node) or not any(src.meta.get("autopar_whole") or ()):
+        return None
+    for i, grad in grads.items():
+        if forward[i] == R and not isinstance(grad, Partial):
+            raise rc.fail(node, f"part {i} of a fused projection is kept whole on every rank but its gradient "
+                                f"is {_name(grad)}: summing it over {rc.axis} would count it {rc.size} times")
+    return next((p for p in forward if isinstance(p, Shard)), None)
+
+
 def _retarget(node: Node, target, reason: str) -> None:
     if node.target is not target:
         node.target = target
@@ -176,9 +192,10 @@ def gradient_placements(gm: GraphModule, rc: RuleContext, placements: dict[Node,
         if isinstance(forward, (tuple, list)):
             per_output = {i: _combine(node, s, forward[i] if isinstance(i, int) else forward, rc)
                           for i, s in by_index.items()}
-            grad = _combine(node, set(per_output.values()), forward, rc)
+            grad = _whole_parts(node, forward, per_output, rc) or _combine(node, set(per_output.values()), forward, rc)
         else:
             grad = _combine(node, set().union(*by_index.values()), forward, rc)
+            _whole_parts(node, (forward,), {0: grad}, rc)
         grads[node] = grad
         node.meta.setdefault(GRAD_PLACEMENT_KEY, {})[rc.axis] = grad
         if node.op != "call_function":

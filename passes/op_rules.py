@@ -13,13 +13,14 @@ from torch.fx import Node
 
 from autopar.ops import collectives
 from autopar.ops import cp_attention
+from autopar.ops.whole_rows import sum_whole_rows
 from .context import META_KEY
 from .op_sets import CP_ATTENTION_OPS
 from .reduction_rules import token_loss
 from .rules import P, R, RuleContext, axis_of, canonical_dim, is_sharded, ndim_of, register
 
 __all__ = ["all_gather_rule", "reduce_scatter_rule", "all_reduce_rule", "region_entry_rule",
-           "vocab_embedding_rule", "vocab_ce_rule", "local_shard_rule", "cp_positions_rule", "cp_table_rows_rule",
+           "vocab_embedding_rule", "vocab_ce_rule", "sum_whole_rows_rule", "local_shard_rule", "cp_positions_rule", "cp_table_rows_rule",
            "cp_attention_rule"]
 
 
@@ -90,6 +91,16 @@ def all_reduce_rule(node: Node, pls: list, rc: RuleContext):
 def region_entry_rule(node: Node, pls: list, rc: RuleContext):
     if axis_of(node) == rc.axis and not isinstance(pls[0], Replicate):
         raise rc.fail(node, f"tensor-parallel region entered with an input placed {pls[0]}")
+    return pls[0]
+
+
+@register(sum_whole_rows)
+def sum_whole_rows_rule(node: Node, pls: list, rc: RuleContext):
+    """A fused projection's weight laid out block by block, some blocks whole on every rank: the
+    identity, on the parameter it was inserted for (sharded along its blocks' dim)."""
+    dim = node.args[1]
+    if axis_of(node) == rc.axis and pls[0] != Shard(dim):
+        raise rc.fail(node, f"sum of the whole blocks of a weight placed {pls[0]}, expected Shard({dim})")
     return pls[0]
 
 

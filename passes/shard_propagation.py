@@ -30,6 +30,7 @@ from torch.distributed.tensor import Partial, Shard
 from torch.fx import GraphModule, Node
 
 from autopar.ops import collectives
+from autopar.ops.whole_rows import sum_whole_rows, whole_numel
 from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult
 from .gradient_placement import gradient_placements
 from .rules import P, R, RuleContext, is_loss_share, is_sharded, lookup, size_expr, tensor_inputs
@@ -40,7 +41,8 @@ __all__ = ["shard_propagation_pass", "propagate", "tensor_inputs", "local_numel"
 
 # The collectives of the TP and SP passes, whose bytes this pass predicts (CP and EP predict their own).
 _TP_COLLECTIVES = {collectives.all_gather, collectives.gather_replicated, collectives.reduce_scatter,
-                   collectives.all_reduce, collectives.region_entry, collectives.vocab_parallel_cross_entropy}
+                   collectives.all_reduce, collectives.region_entry, collectives.vocab_parallel_cross_entropy,
+                   sum_whole_rows}
 
 
 def local_numel(node: Node, ctx: PassContext) -> sympy.Expr:
@@ -145,6 +147,8 @@ def _predict_bytes(node: Node, ctx: PassContext) -> dict:
         return {"fwd": ("all_reduce", numel * itemsize)}
     if node.target is collectives.region_entry:
         return {"bwd": ("all_reduce", numel * itemsize)}
+    if node.target is sum_whole_rows:  # the whole blocks' rows of the weight's gradient
+        return {"bwd": ("all_reduce", whole_numel(src.meta["val"].shape, *node.args[1:4]) * itemsize)}
     # vocab-parallel cross-entropy: three all-reduces of one fp32 value per token
     tokens = numel / sympy.Integer(-(-int(src.meta["val"].shape[-1]) // n))
     return {"fwd": ("all_reduce", 3 * tokens * 4)}

@@ -33,12 +33,15 @@ turns the entry/reduction pairs into all-gather / reduce-scatter.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.fx import GraphModule, Node
 
 from autopar.ops import collectives
+from autopar.ops.whole_rows import sum_whole_rows
 from autopar.frontend.analyze import LinearInfo, ModelStructure
-from autopar.frontend.fx_utils import module_path, reshape_chain, within
+from autopar.frontend.fx_utils import fused_chain, module_path, reshape_chain, within
 from autopar.frontend.op_sets import RESHAPE_OPS
 from autopar.frontend.loss import logits_loss
 from autopar.errors import AutoparError, describe_node
@@ -77,21 +80,26 @@ def _redirect(node: Node, new: Node, only: set[Node] | None = None) -> None:
             user.replace_input_with(node, new)
 
 
-def _shard_column(ctx: PassContext, result: PassResult, info: LinearInfo, vocab: int | None = None) -> None:
+def _shard_column(ctx: PassContext, result: PassResult, info: LinearInfo, vocab: int | None = None,
+                  whole: tuple[bool, ...] | None = None) -> None:
     """``vocab``: the LM head, whose output features (the vocabulary) tp need not divide: the
-    uneven shard is padded to ceil(V/tp) rows per rank (``ParamShard.size``)."""
+    uneven shard is padded to ceil(V/tp) rows per rank (``ParamShard.size``).  ``whole``: per
+    part of a fused projection, kept whole on every rank (:func:`_whole_blocks`)."""
     blocks = tuple(info.split_sizes) if info.split_sizes else None
     padded = vocab if vocab is not None and not blocks and info.out_features % ctx.axis_sizes[AXIS] else None
     if padded is None:
-        for size in blocks or (info.out_features,):
-            _check_divisible(f"output features of {info.module} ({'part ' if blocks else ''}size {size})",
-                             size, ctx.axis_sizes[AXIS], info.node)
-    result.shard_param(info.weight, AXIS, ParamShard(1 if info.in_out else 0, blocks, size=padded))
+        for size, kept in zip(blocks or (info.out_features,), whole or (False,) * len(blocks or (0,))):
+            if not kept:
+                _check_divisible(f"output features of {info.module} ({'part ' if blocks else ''}size {size})",
+                                 size, ctx.axis_sizes[AXIS], info.node)
+    result.shard_param(info.weight, AXIS, ParamShard(1 if info.in_out else 0, blocks, size=padded, whole=whole))
     if info.bias:
-        result.shard_param(info.bias, AXIS, ParamShard(0, blocks, size=padded))
+        result.shard_param(info.bias, AXIS, ParamShard(0, blocks, size=padded, whole=whole))
     if blocks:
-        for node in reshape_chain(info.node):
+        for node in fused_chain(info.node):
             node.meta["autopar_blocks"] = blocks
+            if whole:
+                node.meta["autopar_whole"] = whole
 
 
 def _shard_row(gm: GraphModule, ctx: PassContext, result: PassResult, info: LinearInfo, region: str) -> Node:
@@ -122,6 +130,29 @@ def _shard_row(gm: GraphModule, ctx: PassContext, result: PassResult, info: Line
         _redirect(reduced, out)
         out.args = (reduced, bias)
     return out
+
+
+def _sum_whole_blocks(gm: GraphModule, result: PassResult, info: LinearInfo, whole: tuple[bool, ...]) -> None:
+    """A fused projection whose KV blocks every rank keeps whole: their rows' gradient is a partial
+    sum over tp (each rank's query heads' share), so the weight and the bias enter the projection
+    through ``sum_whole_rows``, whose backward sums those rows alone (the query rows are the rank's)."""
+    for name, dim in ((info.weight, 1 if info.in_out else 0), (info.bias, 0)):
+        param = next((a for a in info.node.all_input_nodes if a.op == "get_attr" and a.target == name), None)
+        if name is not None and param is None:  # e.g. ``x @ w.T``: the weight reaches the op through a view
+            raise AutoparError(f"autopar: {info.module} ({describe_node(info.node)}) keeps its KV heads whole on "
+                               f"every tp rank, but its parameter {name} is not an operand of the projection, so "
+                               f"its KV rows' gradient cannot be summed; use {_kv_hint(1)}.")
+        if name is None:
+            continue
+        with gm.graph.inserting_before(info.node):
+            new = gm.graph.call_function(sum_whole_rows, (param, dim, list(info.split_sizes), list(whole), AXIS,
+                                                          f"{name}: KV rows"))
+        for key in ("val", "nn_module_stack", "stack_trace"):
+            new.meta[key] = param.meta.get(key) if key == "val" else info.node.meta.get(key)
+        provenance(new, _PASS, AXIS, f"sum the KV rows of {name} (kept whole on every rank) over tp in backward",
+                   role="whole_rows")
+        info.node.replace_input_with(param, new)
+        result.notes.append(f"{name}: query rows split by heads, KV rows whole on every tp rank")
 
 
 def _region_input(node: Node) -> tuple[Node, Node]:
@@ -219,24 +250,64 @@ def _attention_operands(start: Node, region) -> set[int]:
             for i, a in enumerate(user.args[:3]) if a is node}
 
 
-def _kv_columns(region, tp: int) -> set[str]:
-    """The columns of an attention region to keep whole on every rank (KV-head replication): those
-    whose output reaches only the key and value operands.  A fused projection that feeds the query
-    as well (QKV in one weight) is refused: its parts would need different layouts."""
+def _part_nodes(c: LinearInfo) -> list[list[Node]] | None:
+    """The nodes reading each part of fused projection ``c``: the getitems of a split at exactly its
+    parts, or the slices that cut them (the analysis checked that those cover it exactly)."""
+    last = fused_chain(c.node)[-1]
+    users, sizes = list(last.users), list(c.split_sizes)
+    edges = [sum(sizes[:i]) for i in range(len(sizes))]
+    parts: list[list[Node]] = [[] for _ in sizes]
+    if len(users) == 1 and users[0].target is aten.split_with_sizes.default and list(users[0].args[1]) == sizes:
+        for item in users[0].users:
+            if item.target is not operator.getitem:
+                return None
+            parts[item.args[1]].append(item)
+        return parts
+    for sl in users:
+        start = (sl.args[2] if len(sl.args) > 2 else 0) or 0
+        if sl.target is not aten.slice.Tensor or start not in edges:
+            return None
+        parts[edges.index(start)].append(sl)
+    return parts
+
+
+def _whole_blocks(c: LinearInfo, region) -> tuple[bool, ...] | None:
+    """Per part of a fused QKV projection under KV-head replication: True where the part reaches only
+    the key and value operands (kept whole on every rank), False where it reaches only the query
+    (split by heads); None when a part reaches both or the parts are not found."""
+    parts = _part_nodes(c) if c.split_sizes else None
+    whole = []
+    for nodes in parts or []:
+        operands = set().union(*(_attention_operands(n, region) for n in nodes))
+        if not operands or (0 in operands and operands & {1, 2}):
+            return None
+        whole.append(0 not in operands)
+    return tuple(whole) if any(whole) and not all(whole) else None
+
+
+def _kv_columns(region, tp: int) -> dict[str, tuple[bool, ...] | None]:
+    """The columns of an attention region that keep KV heads whole on every rank (KV-head
+    replication): those whose output reaches only the key and value operands (None: the whole
+    column), and fused QKV projections, whose parts reaching only K and V stay whole while the
+    query part is split (the parts per :func:`_whole_blocks`)."""
     if region.attention is None or not kv_replicated(tp, region.num_kv_heads):
-        return set()
-    kv = set()
+        return {}
+    kv: dict[str, tuple[bool, ...] | None] = {}
     for c in region.columns:
         operands = _attention_operands(c.node, region)
         if operands and operands <= {1, 2}:
-            kv.add(c.weight)
+            kv[c.weight] = None
         elif 0 in operands and operands & {1, 2}:
+            kv[c.weight] = _whole_blocks(c, region)
+            if kv[c.weight] is not None:
+                continue
             raise AutoparError(
                 f"autopar: tp={tp} does not divide the {region.num_kv_heads} KV heads of {region.module}, so "
                 f"every tp rank keeps all of them (KV-head replication), but {c.module} "
                 f"({describe_node(c.node)}) projects the query and the key/value heads in one fused weight, "
-                "whose parts would need different layouts (the query heads split, the KV heads whole); this is "
-                f"not supported yet. Use {_kv_hint(region.num_kv_heads)}.")
+                "whose parts would need different layouts (the query heads split, the KV heads whole), and no "
+                "split of its output at its parts feeds the query alone or the key and value alone; this is not "
+                f"supported. Use {_kv_hint(region.num_kv_heads)}.")
     return kv
 
 
@@ -276,14 +347,16 @@ def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
             raise AutoparError(
                 f"autopar: tp={tp} does not divide the {region.num_kv_heads} heads of the latent attention "
                 f"{region.module}; expected a tp that divides them. Use {_kv_hint(region.num_kv_heads)}.")
-        whole = {c.weight for c in downs} or _kv_columns(region, tp)
+        whole = {c.weight: None for c in downs} or _kv_columns(region, tp)
         for c in region.columns:
-            if c.weight in whole:
+            if c.weight in whole and whole[c.weight] is None:
                 result.notes.append(f"{c.module}: kept whole on every tp rank " + (
                     "(the latent of multi-head latent attention, shared by all heads)" if downs else
                     f"(KV heads replicated: {region.num_kv_heads} KV heads, tp={tp})"))
                 continue
-            _shard_column(ctx, result, c)
+            _shard_column(ctx, result, c, whole=whole.get(c.weight))
+            if whole.get(c.weight):
+                _sum_whole_blocks(gm, result, c, whole[c.weight])
         for u in ups:  # the latent's up-projections to the heads: split by heads, as columns
             _shard_column(ctx, result, u)
         _enter_region(gm, region.columns, region.module, "column_input")

@@ -240,6 +240,14 @@ def permute_rule(node: Node, pl: Shard, rc: RuleContext):
     return Shard(dims.index(pl.dim))
 
 
+def _block_edges(node: Node, blocks, rc: RuleContext) -> tuple[list, list, tuple]:
+    """Global and local offsets of a fused projection's blocks, which are whole on every rank (a KV head)."""
+    whole = node.args[0].meta.get("autopar_whole") or (False,) * len(blocks)
+    local = [b if w else rc.local_size(node, b) for b, w in zip(blocks, whole)]
+    return ([sum(blocks[:i]) for i in range(len(blocks) + 1)], [sum(local[:i]) for i in range(len(local) + 1)],
+            tuple(whole))
+
+
 @register(aten.slice.Tensor)
 @_on_shard
 def slice_rule(node: Node, pl: Shard, rc: RuleContext):
@@ -256,14 +264,14 @@ def slice_rule(node: Node, pl: Shard, rc: RuleContext):
         return pl
     blocks = node.args[0].meta.get("autopar_blocks")
     if blocks and step == 1:  # one part of a fused projection sharded block by block (Phi-3's qkv)
-        edges = [sum(blocks[:i]) for i in range(len(blocks) + 1)]
+        edges, local, whole = _block_edges(node, blocks, rc)
         lo = start or 0
         hi = edges[-1] if full_end else end
         if lo in edges and hi in edges and edges.index(hi) == edges.index(lo) + 1:
             args = list(node.args) + [None] * (4 - len(node.args))
-            args[2], args[3] = rc.local_size(node, lo), rc.local_size(node, hi)
+            args[2], args[3] = local[edges.index(lo)], local[edges.index(hi)]
             node.args = tuple(args[:4]) + tuple(node.args[4:])
-            return pl
+            return R if whole[edges.index(lo)] else pl
     raise rc.fail(node, f"slices the sharded dim {dim}",
                   "Slicing along a sharded dim is only supported when it keeps the whole dim, or takes one "
                   "whole part of a fused projection that the TP pass sharded part by part.")
@@ -377,12 +385,18 @@ def split_rule(node: Node, pls: list, rc: RuleContext):
         raise rc.fail(node, f"splits the sharded dim {dim} of a tensor that was not sharded block-wise",
                       "Fused projections must be recognised by the TP pass; report the model.")
     args = list(node.args)
-    if node.target == aten.split_with_sizes.default:
+    blocks = node.args[0].meta["autopar_blocks"]
+    _, local, whole = _block_edges(node, blocks, rc)
+    if any(whole):  # parts kept whole on every rank: only a split at exactly the blocks is known
+        if node.target != aten.split_with_sizes.default or list(node.args[1]) != list(blocks):
+            raise rc.fail(node, f"splits a fused projection with whole blocks {blocks} other than at them")
+        args[1] = [b - a for a, b in zip(local, local[1:])]
+    elif node.target == aten.split_with_sizes.default:
         args[1] = [rc.local_size(node, s) for s in node.args[1]]
     elif node.target == aten.split.Tensor:
         args[1] = rc.local_size(node, node.args[1])
     node.args = tuple(args)
-    return tuple([pl] * num_out)
+    return tuple(R if w else pl for w in whole) if any(whole) else tuple([pl] * num_out)
 
 
 def _legacy_empty(node: Node) -> bool:

@@ -35,7 +35,7 @@ from torch.fx import GraphModule, Node
 from autopar.errors import AutoparError
 from autopar.frontend.analyze_moe import find_moe_blocks
 from autopar.frontend.attention_dims import attention_dims, eager_attention_dims
-from autopar.frontend.fx_utils import module_path, reshape_chain, within as _within
+from autopar.frontend.fx_utils import fused_chain, module_path, reshape_chain, within as _within
 from autopar.frontend.loss import LossReduction, loss_reduction
 from autopar.frontend.op_sets import ATTENTION_OPS, RESHAPE_OPS, SPLIT_OPS
 
@@ -193,7 +193,7 @@ def _ancestors(node: Node, stop: set[Node]) -> set[Node]:
 
 def _split_sizes(linear: Node) -> list[int] | None:
     """Sizes of the parts if ``linear``'s output is split on its last dim (fused projection)."""
-    last = reshape_chain(linear)[-1]
+    last = fused_chain(linear)[-1]
     users = list(last.users)
     if users and all(u.target is aten.slice.Tensor for u in users):
         return _slice_sizes(last, users)

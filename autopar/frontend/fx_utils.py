@@ -5,11 +5,12 @@ between a projection and its users (the op families themselves are ``op_sets``).
 """
 from __future__ import annotations
 
+import torch
 from torch.fx import Node
 
 from autopar.frontend.op_sets import RESHAPE_OPS
 
-__all__ = ["module_path", "within", "reshape_chain"]
+__all__ = ["module_path", "within", "reshape_chain", "fused_chain"]
 
 
 def module_path(node: Node) -> str:
@@ -31,4 +32,17 @@ def reshape_chain(node: Node) -> list[Node]:
     chain = [node]
     while len(chain[-1].users) == 1 and next(iter(chain[-1].users)).target in RESHAPE_OPS:
         chain.append(next(iter(chain[-1].users)))
+    return chain
+
+
+def fused_chain(node: Node) -> list[Node]:
+    """:func:`reshape_chain`, then single-user unsqueezes in front of the last dim: what sits between
+    a fused projection and the split of its parts (GPT-BigCode's ``c_attn(x).unsqueeze(1).split(...)``)."""
+    chain = reshape_chain(node)
+    while len(chain[-1].users) == 1:
+        user = next(iter(chain[-1].users))
+        ndim = user.meta["val"].dim() if hasattr(user.meta.get("val"), "dim") else 0
+        if user.target is not torch.ops.aten.unsqueeze.default or user.args[1] % max(ndim, 1) == ndim - 1:
+            break
+        chain.append(user)
     return chain

@@ -43,6 +43,7 @@ def structure_dims(s: ModelStructure) -> dict:
     gated = bool(mlp and (len(mlp.columns) >= 2 or any(c.split_sizes for c in mlp.columns)))
     attention = next((r for r in s.regions if r.kind == "attention"), None)
     qkv_bias = bool(attention and any(c.bias for c in attention.columns))  # Qwen2's q, k, v biases
+    fused_qkv = bool(attention and any(c.split_sizes for c in attention.columns))  # GPT-2's c_attn
     qk_norm = bool(attention) and sum(normalised_whole(c) for c in attention.columns) >= 2  # OLMo 2
     qk_head_norm = bool(attention) and not qk_norm and s.head_dim > 0 and sum(  # Qwen3
         normalised_per_head(c, s.head_dim) for c in attention.columns) >= 2
@@ -72,6 +73,7 @@ def structure_dims(s: ModelStructure) -> dict:
         "qkv_bias": qkv_bias,
         "qk_norm": qk_norm,
         "qk_head_norm": qk_head_norm,
+        "fused_qkv": fused_qkv,
         "norm": "layernorm" if s.norm_biases else "rmsnorm",
         **moe,
     }

@@ -25,9 +25,9 @@ E, R, T = "equal", "refused", "refused (trace)"
 EXPECTED: dict[str, dict[str, object]] = {
     # dense, grouped-query attention
     "llama": {"tp=2,sp": E, "cp=2:ring": E, "pp=2,mb=2": E},
-    # multi-query attention: one KV head, which tp replicates, but fused with the query heads in c_attn
+    # multi-query attention: one KV head fused with the query heads in c_attn, whose KV rows tp keeps whole
     # (the odd vocabulary 50257 is padded)
-    "gpt_bigcode": {"tp=2,sp": (R, "projects the query and the key/value heads in one fused weight"), "cp=2:ring": E},
+    "gpt_bigcode": {"tp=2,sp": E, "cp=2:ring": E},
     # 5 KV heads, which tp=2 does not divide: replicated on both ranks (KV-head replication)
     "bitnet": {"tp=2,sp": E},
     # mixtures of experts: stacked experts; shared experts

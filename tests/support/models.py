@@ -27,6 +27,7 @@ __all__ = [
     "hf_gemma2",
     "hf_opt",
     "hf_phi3",
+    "hf_gpt_bigcode",
     "hf_olmo2",
     "hf_mixtral_aux",
     "hf_qwen3",
@@ -107,6 +108,15 @@ def hf_phi3(seed: int = 0, **overrides):
         resid_pdrop=0.0, embd_pdrop=0.0, attention_dropout=0.0, attn_implementation="sdpa"), overrides)
 
 
+def hf_gpt_bigcode(seed: int = 0, **overrides):
+    """A tiny ``transformers.GPTBigCodeForCausalLM``: multi-query attention (one KV head) whose
+    ``c_attn`` projects the query heads and the KV head in one fused weight, cut by ``split``
+    (vocab 128, hidden 64, 2 layers, 4 heads)."""
+    return hf_model("GPTBigCodeConfig", "GPTBigCodeForCausalLM", seed, dict(
+        vocab_size=128, n_embd=64, n_inner=128, n_layer=2, n_head=4, n_positions=64, multi_query=True,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa"), overrides)
+
+
 MODELS = {
     "example": (example_model, lm_loss, {}),
     "example_tied": (_example_tied, lm_loss, {}),
@@ -119,6 +129,7 @@ MODELS = {
     "hf_gemma2": (hf_gemma2, hf_loss, {"use_cache": False}),
     "hf_opt": (hf_opt, hf_loss, {"use_cache": False}),
     "hf_phi3": (hf_phi3, hf_loss, {"use_cache": False}),
+    "hf_gpt_bigcode": (hf_gpt_bigcode, hf_loss, {"use_cache": False}),
 }
 
 

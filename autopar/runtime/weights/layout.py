@@ -2,7 +2,8 @@
 
 A parameter's layout is a :class:`autopar.passes.context.ParamShard` per mesh axis: the
 dim it is sharded along and, for fused projections, the blocks of that dim that are each
-sharded on their own (so rank r keeps its part of q, of k and of v).  The runtime uses
+sharded on their own (so rank r keeps its part of q, of k and of v), or kept whole on every
+rank (``ParamShard.whole``: a fused QKV's single KV head under KV-head replication).  The runtime uses
 :func:`shard_local` to build its parameters from the user's model and to load state
 dicts, and :func:`gather_full` to rebuild the full tensors for ``state_dict()``.
 """
@@ -33,6 +34,11 @@ def _blocks(t: torch.Tensor, shard) -> list[torch.Tensor]:
     return list(torch.split(t, list(shard.blocks), dim=shard.dim)) if shard.blocks else [t]
 
 
+def _whole(shard) -> tuple[bool, ...]:
+    """Per block: kept whole on every rank (``ParamShard.whole``) rather than sharded."""
+    return shard.whole or (False,) * len(shard.blocks or (None,))
+
+
 def shard_local(full: torch.Tensor, shards: dict, coords: dict[str, tuple[int, int]]) -> torch.Tensor:
     """This rank's piece of ``full``; ``coords`` maps axis -> (rank on axis, axis size)."""
     t = full
@@ -43,7 +49,8 @@ def shard_local(full: torch.Tensor, shards: dict, coords: dict[str, tuple[int, i
             continue
         if shard.size is not None:
             t = _pad(t, shard, size)
-        parts = [torch.chunk(b, size, dim=shard.dim)[rank] for b in _blocks(t, shard)]
+        parts = [b if whole else torch.chunk(b, size, dim=shard.dim)[rank]
+                 for b, whole in zip(_blocks(t, shard), _whole(shard))]
         t = torch.cat(parts, dim=shard.dim) if len(parts) > 1 else parts[0]
     return t.contiguous()
 
@@ -64,7 +71,7 @@ def local_index(shape: tuple[int, ...], shards: dict, coords: dict[str, tuple[in
             idx = idx[rank * per:(rank + 1) * per]
         else:
             blocks = list(torch.split(idx, list(shard.blocks))) if shard.blocks else [idx]
-            idx = torch.cat([torch.chunk(b, size)[rank] for b in blocks])
+            idx = torch.cat([b if whole else torch.chunk(b, size)[rank] for b, whole in zip(blocks, _whole(shard))])
         kept[dim] = idx
     return [None if k is not None and len(k) == n and bool((k == torch.arange(n)).all()) else k
             for k, n in zip(kept, shape)]
@@ -115,10 +122,9 @@ def gather_full(local: torch.Tensor, shards: dict, groups: dict, coords: dict,
         pieces = [torch.empty_like(t) for _ in range(size)]
         dist.all_gather(pieces, t.contiguous(), group=groups[axis].group)
         if shard.blocks:
-            local_blocks = [b // size for b in shard.blocks]
-            per_rank = [torch.split(p, local_blocks, dim=shard.dim) for p in pieces]
-            t = torch.cat([torch.cat([pr[i] for pr in per_rank], dim=shard.dim)
-                           for i in range(len(shard.blocks))], dim=shard.dim)
+            per_rank = [torch.split(p, list(shard.local_blocks(size)), dim=shard.dim) for p in pieces]
+            t = torch.cat([per_rank[0][i] if whole else torch.cat([pr[i] for pr in per_rank], dim=shard.dim)
+                           for i, whole in enumerate(_whole(shard))], dim=shard.dim)
         else:
             t = torch.cat(pieces, dim=shard.dim)
         if shard.size is not None and t.shape[shard.dim] != shard.size:

@@ -1,0 +1,66 @@
+"""The gradient sum of a fused projection's blocks that every tensor-parallel rank keeps whole.
+
+A fused QKV projection with a single KV head (multi-query attention, GPT-BigCode's ``c_attn``)
+under KV-head replication is laid out block by block (``ParamShard.whole``,
+``passes/tensor_parallel.py``): each rank holds its share of the query block and the key and
+value blocks whole.  The query rows' gradient is then this rank's own, but the key and value
+rows' gradient is a partial sum over tp (each rank's query heads read the whole KV head), so
+those rows alone must be summed over the axis.  The passes insert :func:`sum_whole_rows` on the
+parameter right before its use: forward is the identity, backward all-reduces the whole blocks'
+rows of the gradient (one call per tensor, phase ``bwd``) and passes the sharded rows as they are.
+
+Neighbours: :mod:`autopar.ops.collectives` (the recorder, the groups), its placement rule in
+``passes/op_rules.py``, its gradient check in ``passes/gradient_placement.py``, and the cost
+model's row for it (``cost/comm.py``, ``FUSED_KV``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from autopar.ops.collectives import find_group, record
+
+__all__ = ["sum_whole_rows", "whole_numel"]
+
+
+def _local_sizes(sizes, whole, n: int) -> list[int]:
+    return [s if w else s // n for s, w in zip(sizes, whole)]
+
+
+def whole_numel(shape, dim: int, sizes, whole) -> int:
+    """Elements of the whole blocks of a tensor of ``shape`` (blocks ``sizes`` along ``dim``)."""
+    rest = 1
+    for i, s in enumerate(shape):
+        rest *= int(s) if i != dim else 1
+    return rest * sum(s for s, w in zip(sizes, whole) if w)
+
+
+class _SumWholeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, dim, sizes, whole, axis, tag):
+        ctx.dim, ctx.sizes, ctx.whole, ctx.axis, ctx.tag = dim, sizes, whole, axis, tag
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = find_group(ctx.axis)
+        if g is None or g.size == 1:
+            return grad, None, None, None, None, None
+        out = grad.contiguous().clone()
+        parts = out.split(_local_sizes(ctx.sizes, ctx.whole, g.size), dim=ctx.dim)
+        kept = [p for p, w in zip(parts, ctx.whole) if w]
+        flat = torch.cat([p.reshape(-1) for p in kept])
+        record("all_reduce", ctx.axis, flat, "bwd", ctx.tag)
+        dist.all_reduce(flat, group=g.group)
+        offset = 0
+        for p in kept:
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return out, None, None, None, None, None
+
+
+def sum_whole_rows(w: torch.Tensor, dim: int, sizes: list[int], whole: list[bool], axis: str,
+                   tag: str = "") -> torch.Tensor:
+    """``w`` as is; backward sums the gradient of its whole blocks (``sizes`` along ``dim``, global
+    sizes; ``whole`` per block) over ``axis`` and keeps the sharded blocks' rows."""
+    return _SumWholeRows.apply(w, dim, list(sizes), list(whole), axis, tag)
