@@ -74,19 +74,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, tier))
 
 
+# tests/dist files that run on either worker with pools of its own: their cost is mostly their own
+# (models no other file traces, torch.compile, the profiler), so they balance the two workers
+# without tracing much twice.
+_DIST_ON_THEIR_OWN = frozenset(f"tests/dist/{name}.py" for name in (
+    "test_architectures", "test_compile", "test_memory_peak", "test_fused_kv_replication", "test_sliding_window"))
+
+
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without it
 def pytest_xdist_make_scheduler(config, log):
     """``pytest -n 2`` (the README's suite command: two workers, one per core, each with its own
-    pools and trace memo) hands each worker whole scopes: all of ``tests/dist`` (its pools trace
-    each model once for the tier; split, both workers' pools would trace every model on every
-    rank), and otherwise one test file (its module-scoped fixtures are computed once)."""
+    pools and trace memo) hands each worker whole scopes, in the order collected (tests/dist,
+    then tests/e2e, then the many small files of tests/unit, which fill in at the end): all of
+    ``tests/dist`` but :data:`_DIST_ON_THEIR_OWN` is one scope (its pools trace each model once
+    for the tier; split, both workers' pools would trace every shared model on every rank), and
+    otherwise a test file is one (its module-scoped fixtures are computed once)."""
     from xdist.scheduler import LoadScopeScheduling
 
     class TierScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             path = nodeid.split("::", 1)[0]
-            return "tests/dist" if path.startswith("tests/dist/") else path
+            return "tests/dist" if path.startswith("tests/dist/") and path not in _DIST_ON_THEIR_OWN else path
 
+    config.option.loadscopereorder = False  # not by test count: the big scopes are collected first
     return TierScheduling(config, log)
 
 
