@@ -25,6 +25,9 @@ __all__ = ["kept_layers", "cut_layers", "RECURRENT_HIDDEN", "shrink_state_space"
 
 RECURRENT_HIDDEN = 64  # hidden size of a shrunk model without attention heads (4 x HEAD_DIM)
 MAX_STATE = 16         # state size per channel of a shrunk state-space mixer
+# Model type -> the layer kind whose layers share one block (Zamba's hybrid layers: one shared
+# attention block, its weights tied across them), kept twice (:func:`_tied_twice`).
+TIED_KINDS = {"zamba": "hybrid"}
 
 
 def _is_int(v) -> bool:
@@ -92,10 +95,12 @@ def cut_layers(s: Shrink, original: int, layers: int, why: str) -> None:
              | {(k, v[i] == i) for k, v in sources.items()}       # reads its own keys and values, or another's
              | {(k, i in v) for k, v in indices.items()}
              | {(k, str(i) in map(str, v)) for k, v in dicts.items()} for i in range(original)]
-    keep = kept_layers(kinds, layers, {i: src for v in sources.values() for i, src in enumerate(v) if src != i})
+    varied = kept_layers(kinds, layers, {i: src for v in sources.values() for i, src in enumerate(v) if src != i})
+    tied = TIED_KINDS.get(s.cfg.get("model_type"))
+    keep = _tied_twice(varied, lists.get("layers_block_type"), tied)
     if lists or sources or indices or dicts:
-        s.notes.append(f"layers 0-{original - 1} -> {', '.join(map(str, keep))} kept (every kind of layer, "
-                       f"where {layers} allow)")
+        why = f"every kind of layer, where {layers} allow" if keep == varied else f"two {tied} layers: they share a block"
+        s.notes.append(f"layers 0-{original - 1} -> {', '.join(map(str, keep))} kept ({why})")
     for k, v in lists.items():
         s.set(k, [v[i] for i in keep], "one entry per kept layer")
     for k, v in sources.items():  # a source layer not kept: the layer reads its own keys and values
@@ -108,6 +113,18 @@ def cut_layers(s: Shrink, original: int, layers: int, why: str) -> None:
         s.set(k, {(str(j) if isinstance(by_layer[i], str) else j): v[by_layer[i]]
                   for j, i in enumerate(keep) if i in by_layer}, "the kept layers', renumbered")
     _cut_patterns(s, layers)
+
+
+def _tied_twice(keep: list[int], kinds: list | None, tied: str | None) -> list[int]:
+    """Two layers of a kind whose layers share one block's weights, where one was kept: transformers
+    ties the block from the first such layer to the others, and fails on a model with one."""
+    if not kinds or tied is None or [kinds[i] for i in keep].count(tied) != 1 or len(keep) < 2:
+        return keep
+    other = next((i for i in range(len(kinds)) if kinds[i] == tied and i not in keep), None)
+    if other is None:
+        return keep
+    drop = max(i for i in keep if kinds[i] != tied)
+    return sorted([i for i in keep if i != drop] + [other])
 
 
 def _cut_patterns(s: Shrink, layers: int) -> None:

@@ -168,6 +168,7 @@ def test_default_configs_of_formerly_unshrinkable_types():
         ("kimi_linear", lambda c: sorted(set(c["layer_types"])) == ["full_attention", "linear_attention"]),
         ("xlstm", lambda c: c["num_hidden_layers"] == c["num_blocks"] == 2 and c["embedding_dim"] == 64),
         ("zamba2", lambda c: c["mamba_expand"] * c["hidden_size"] % c["n_mamba_heads"] == 0),
+        ("zamba", lambda c: c["layers_block_type"] == ["hybrid", "hybrid"]),  # its shared block needs two
         ("falcon_h1", lambda c: c["mamba_d_ssm"] == c["mamba_n_heads"] * c["mamba_d_head"]),
         ("longcat_flash", lambda c: c["qk_head_dim"] == c["qk_nope_head_dim"] + c["qk_rope_head_dim"]),
         ("xlnet", lambda c: c["d_head"] * c["n_head"] == c["d_model"]),
