@@ -61,6 +61,18 @@ def shrink_config(cfg: dict, plan: Plan, layers: int | None = None, seq_len: int
     sequence length verify trains on (a sliding window is cut below it so that it matters).
     A multimodal config gives its causal LM, the model of its ``text_config``
     (:func:`~autopar.verification.shrink_fields.text_model`)."""
+    try:
+        return _shrink(cfg, plan, layers, seq_len)
+    except AutoparError:
+        raise
+    except Exception as exc:  # a field of a form no rule expects: say so, not a bare TypeError
+        raise AutoparError(f"autopar: could not shrink this {cfg.get('model_type', '')} config ({type(exc).__name__}: "
+                           f"{exc}); expected the fields of a transformers causal LM config: write a small "
+                           "config.json yourself (--layers and widths as you want them) or pass a MODULE:FUNCTION."
+                           ) from exc
+
+
+def _shrink(cfg: dict, plan: Plan, layers: int | None, seq_len: int) -> tuple[dict, list[str]]:
     text, where, standalone = text_model(cfg)
     missing = [f for f in ("hidden", "vocab") if _key(text, f) is None]
     missing = (["layers"] if layer_count(text) is None else []) + missing

@@ -94,6 +94,11 @@ def test_a_config_without_layers_or_a_text_model_is_an_autopar_error():
         shrink_config(dict(model_type="x", vision_config=dict(num_hidden_layers=2), vocab_size=10), DP)
 
 
+def test_a_field_no_rule_expects_is_an_autopar_error():
+    with pytest.raises(AutoparError, match="autopar: could not shrink this llama config \\(ValueError"):
+        shrink_config(dict(_llama(), num_key_value_heads="four"), DP)
+
+
 @pytest.mark.parametrize("tp", [1, 2])
 def test_mamba2_widths_stay_consistent(tp):
     """Mamba-2 has no attention heads: its own heads x head width = expand x hidden, its groups
