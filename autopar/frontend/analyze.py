@@ -195,6 +195,10 @@ def _split_sizes(linear: Node) -> list[int] | None:
     """Sizes of the parts if ``linear``'s output is split on its last dim (fused projection)."""
     last = fused_chain(linear)[-1]
     users = list(last.users)
+    # Parts of the projection's own output only: slices of a per-head view (GPT-J's rotary part,
+    # q[..., :rotary_dim]) cut every head alike and are not parts of the weight.
+    if last.meta["val"].shape[-1] != linear.meta["val"].shape[-1]:
+        return None
     if users and all(u.target is aten.slice.Tensor for u in users):
         return _slice_sizes(last, users)
     if len(users) != 1 or users[0].target not in SPLIT_OPS:
@@ -202,7 +206,7 @@ def _split_sizes(linear: Node) -> list[int] | None:
     split = users[0]
     ndim = last.meta["val"].dim()
     dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    if dim % ndim != ndim - 1 or last.meta["val"].shape[-1] != linear.meta["val"].shape[-1]:
+    if dim % ndim != ndim - 1:
         return None
     width = int(linear.meta["val"].shape[-1])
     if split.target == aten.split_with_sizes.default:

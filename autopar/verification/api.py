@@ -149,6 +149,14 @@ def verify(model: str | os.PathLike, plan: str | Plan, *, world_size: int | None
         procs = start_ranks(workdir, world)
         try:
             ref = _reference(reference_model, kwargs, batches, optimizer)  # while the ranks start up
+        except Exception as exc:
+            stop_ranks(procs)
+            if isinstance(exc, AutoparError):
+                raise
+            raise AutoparError(f"autopar: the model does not train on one process ({type(exc).__name__}: {exc}); "
+                               "verify compares the plan against that run, so it expects a model whose forward "
+                               "and backward run on token ids alone: fix the model or its config, or pass a "
+                               "MODULE:FUNCTION that returns the inputs it needs.") from exc
         except BaseException:
             stop_ranks(procs)
             raise

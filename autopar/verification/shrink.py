@@ -2,13 +2,19 @@
 
 :func:`shrink_config` takes a transformers ``config.json`` (as a dict) and a :class:`~autopar.plan.Plan`
 and returns a copy with few layers and small widths, plus one note per change, for
-``autopar verify`` (:mod:`autopar.verification.api`).  The architecture stays what it was
-(model type, GQA grouping, MoE routing, tied embeddings, norms, biases, rotary setup); the
-widths are cut so that everything the plan splits still splits: the query and KV heads by
-``tp`` (``tp*cp`` under Ulysses; KV heads that tp does not divide stay so, replicated), the
-experts by ``ep``, the vocabulary and MLP widths by
-``tp``.  Whether the plan fits the *original* model is checked before shrinking
-(:func:`autopar.plan.Plan.validate`), so shrinking never hides a refusal.
+``autopar verify`` (:mod:`autopar.verification.api`) and the zoo (benchmarks/zoo_engine.py).  The
+architecture stays what it was (model type, GQA grouping, MoE routing, tied embeddings, norms,
+biases, rotary setup, every kind of layer where the layer count allows); the widths are cut so
+that everything the plan splits still splits: the query and KV heads by ``tp`` (``tp*cp`` under
+Ulysses; KV heads that tp does not divide stay so, replicated), the experts by ``ep``, the
+vocabulary and MLP widths by ``tp``.  Whether the plan fits the *original* model is checked before
+shrinking (:func:`autopar.plan.Plan.validate`), so shrinking never hides a refusal.
+
+Here: the attention, MLP, MoE and vocabulary widths and the run-length fixups.  Its neighbours:
+:mod:`autopar.verification.shrink_fields` (the keys families use for each quantity, the record
+of changes, a multimodal config's text model, rotary widths, towers, unset fields) and
+:mod:`autopar.verification.shrink_layers` (the layer cut with every per-layer entry, and
+state-space widths: Mamba, RWKV, hybrids).
 
 :func:`preset_config` writes a cost-model preset (``autopar.cost`` ``PRESETS``) as a
 transformers config (Llama for dense presets, Mixtral for MoE ones).  No torch here.
@@ -21,41 +27,25 @@ import math
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.plan_space import head_split, kv_replicated
+from autopar.verification.shrink_fields import (HEAD_DIM, KEYS, Shrink, fill_unset, fit_rotary, layer_count,
+                                                round_up, scale_overrides, shrink_towers, text_model)
+from autopar.verification.shrink_fields import key as _key
+from autopar.verification.shrink_fields import value as _value
+from autopar.verification.shrink_layers import cut_layers, shrink_state_space
 
 __all__ = ["shrink_config", "preset_config", "default_layers", "KEYS", "LENGTH_KEYS"]
 
-# Canonical field -> the config keys different model families use for it (first present wins).
-KEYS = {
-    "layers": ("num_hidden_layers", "n_layer", "num_layers"),
-    "hidden": ("hidden_size", "n_embd", "d_model"),
-    "heads": ("num_attention_heads", "n_head"),
-    "kv_heads": ("num_key_value_heads", "num_kv_heads"),
-    "head_dim": ("head_dim",),
-    "ffn": ("intermediate_size", "n_inner", "ffn_dim"),
-    "moe_ffn": ("moe_intermediate_size",),
-    "shared_ffn": ("shared_expert_intermediate_size",),
-    "experts": ("num_local_experts", "num_experts", "n_routed_experts"),
-    "top_k": ("num_experts_per_tok", "top_k"),
-    "vocab": ("vocab_size",),
-}
 # Lengths a config holds that act only on sequences longer than them (attention windows, local
 # attention chunks, a state-space scan's chunks): cut below the test sequence, so that a
 # certificate covers what they do at the user's length.
 LENGTH_KEYS = ("sliding_window", "sliding_window_size", "attention_chunk_size", "local_attention_window_len",
-               "chunk_size", "mamba_chunk_size")
-HEAD_DIM = 16      # per-head width of the shrunk model
+               "chunk_size", "mamba_chunk_size", "local_attn_chunk_length", "lsh_attn_chunk_length")
 MAX_GROUP = 4      # query heads per KV head, at most
 MIN_VOCAB = 128    # vocabulary of the shrunk model (rounded up to a multiple of tp)
 MAX_EXPERTS = 4    # experts of the shrunk model, at least ep
-
-
-def _key(cfg: dict, field: str) -> str | None:
-    return next((k for k in KEYS[field] if cfg.get(k) is not None), None)
-
-
-def _value(cfg: dict, field: str, default=None):
-    key = _key(cfg, field)
-    return cfg[key] if key is not None else default
+# Model types whose causal LM class refuses a config that is not marked a decoder (an assertion in
+# Reformer's); others with that flag (BERT-likes) build either way and are left as they are.
+DECODER_ONLY = ("reformer",)
 
 
 def default_layers(plan: Plan) -> int:
@@ -64,96 +54,59 @@ def default_layers(plan: Plan) -> int:
     return max(2, plan.pp * plan.num_chunks_per_rank)
 
 
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def _short(value) -> str:
-    """A config value for a note: long lists by their length and first entries."""
-    if isinstance(value, list) and len(value) > 4:
-        return f"[{', '.join(map(repr, value[:2]))}, ... ({len(value)} entries)]"
-    return repr(value) if isinstance(value, str) else str(value)
-
-
-class _Shrink:
-    """One config being shrunk: ``set`` records each change as a note."""
-
-    def __init__(self, cfg: dict):
-        self.cfg = copy.deepcopy(cfg)
-        self.notes: list[str] = []
-
-    def set(self, key: str, value, why: str = "") -> None:
-        old = self.cfg.get(key)
-        if old == value:
-            return
-        self.cfg[key] = value
-        self.notes.append(f"{key} {_short(old)} -> {_short(value)}" + (f" ({why})" if why else ""))
-
-    def field(self, field: str, value, why: str = "") -> None:
-        """Set ``field``'s key, and every other key of it that holds the same value (a config
-        saved by transformers >= 5.25 writes Falcon's KV heads as both ``num_kv_heads`` and
-        ``num_key_value_heads``); a key of it holding another value means something else."""
-        key = _key(self.cfg, field)
-        if key is None:
-            return
-        old = self.cfg[key]
-        for alias in KEYS[field]:
-            if alias == key or self.cfg.get(alias) == old:
-                self.set(alias, value, why)
-
-
 def shrink_config(cfg: dict, plan: Plan, layers: int | None = None, seq_len: int = 16) -> tuple[dict, list[str]]:
     """A small copy of transformers config ``cfg`` that ``plan`` still splits; and what changed.
 
     ``layers``: decoder layers to build (default :func:`default_layers`); ``seq_len``: the
-    sequence length verify trains on (a sliding window is cut below it so that it matters)."""
-    if "text_config" in cfg and _key(cfg, "layers") is None:
-        raise AutoparError("autopar: this config describes a multimodal model (it has a text_config); "
-                           "verify builds causal language models, so pass the text model's config.json "
-                           "(the text_config part, with its model_type).")
-    missing = [f for f in ("layers", "hidden", "heads", "vocab") if _key(cfg, f) is None]
+    sequence length verify trains on (a sliding window is cut below it so that it matters).
+    A multimodal config gives its causal LM, the model of its ``text_config``
+    (:func:`~autopar.verification.shrink_fields.text_model`)."""
+    try:
+        return _shrink(cfg, plan, layers, seq_len)
+    except AutoparError:
+        raise
+    except Exception as exc:  # a field of a form no rule expects: say so, not a bare TypeError
+        raise AutoparError(f"autopar: could not shrink this {cfg.get('model_type', '')} config ({type(exc).__name__}: "
+                           f"{exc}); expected the fields of a transformers causal LM config: write a small "
+                           "config.json yourself (--layers and widths as you want them) or pass a MODULE:FUNCTION."
+                           ) from exc
+
+
+def _shrink(cfg: dict, plan: Plan, layers: int | None, seq_len: int) -> tuple[dict, list[str]]:
+    text, where, standalone = text_model(cfg)
+    missing = [f for f in ("hidden", "vocab") if _key(text, f) is None]
+    missing = (["layers"] if layer_count(text) is None else []) + missing
     if missing:
-        raise AutoparError(f"autopar: the model config lacks {', '.join(KEYS[f][0] for f in missing)}; "
-                           "expected a transformers decoder config (e.g. a Llama or Qwen2 config.json).")
-    s = _Shrink(cfg)
-    original = int(_value(cfg, "layers"))
+        raise AutoparError(f"autopar: the model config lacks {', '.join(KEYS[f][0] for f in missing)}"
+                           f"{' (and has no text_config that has them)' if where is None else ''}; expected a "
+                           "transformers decoder config (e.g. a Llama, Qwen2 or Mamba config.json).")
+    s = Shrink(text)
+    if where is not None:
+        how = ("built as its own causal LM" if standalone else
+               f"built inside the {cfg.get('model_type')} config, as transformers' AutoModelForCausalLM builds it")
+        s.notes.append(f"multimodal {cfg.get('model_type')} config: verifying its language model, {where} "
+                       f"(model_type {text.get('model_type')}, {how}); the other towers are not verified")
+    original = layer_count(text)
     num_layers = layers if layers is not None else min(default_layers(plan), original)
-    _shrink_layers(s, num_layers, "--layers" if layers is not None else "default: one per pipeline chunk, at least 2")
-    _shrink_attention(s, plan)
+    cut_layers(s, original, num_layers, "--layers" if layers is not None else "default: one per pipeline chunk, at least 2")
+    # A model without attention heads (Mamba, RWKV), or whose only heads are a state-space mixer's
+    # (Mamba-2's num_heads), is shrunk by its state-space widths alone.
+    pure = _key(text, "heads") is None or (_key(text, "state") is not None and _key(text, "heads") == "num_heads")
+    head_dims = (None, None) if pure else _shrink_attention(s, plan)
+    shrink_state_space(s, plan, pure)
+    if head_dims[0]:
+        fit_rotary(s, *head_dims)
     _shrink_mlp(s, plan)
     _shrink_vocab(s, plan)
+    scale_overrides(s)
+    shrink_towers(s)
+    fill_unset(s, head_dims[1])
     _fixups(s, seq_len)
-    return s.cfg, s.notes
-
-
-def _shrink_layers(s: _Shrink, layers: int, why: str) -> None:
-    cfg = s.cfg
-    s.field("layers", layers, why)
-    for key in ("layer_types", "no_rope_layers"):  # per-layer lists (attention kinds, NoPE layers)
-        if isinstance(cfg.get(key), list) and len(cfg[key]) != layers:
-            s.set(key, _every_kind(cfg[key], layers), "one entry per layer, every kind kept")
-    if isinstance(cfg.get("mlp_only_layers"), list):
-        s.set("mlp_only_layers", [i for i in cfg["mlp_only_layers"] if i < layers])
-    if isinstance(cfg.get("first_k_dense_replace"), int) and cfg["first_k_dense_replace"] >= layers:
-        s.set("first_k_dense_replace", layers // 2, "keep a mixture-of-experts layer")
-    for key in ("decoder_sparse_step", "moe_layer_freq"):
-        if isinstance(cfg.get(key), int) and cfg[key] > layers:
-            s.set(key, layers, "keep a mixture-of-experts layer")
-    if isinstance(cfg.get("max_window_layers"), int) and cfg["max_window_layers"] >= layers:
-        # Qwen2-style: layers from max_window_layers on slide; keep both kinds where it had both.
-        s.set("max_window_layers", layers // 2 if cfg.get("use_sliding_window") else layers,
-              "sliding and full layers both" if cfg.get("use_sliding_window") else "")
-
-
-def _every_kind(pattern: list, layers: int) -> list:
-    """``layers`` entries of a per-layer list, repeating its pattern, with every kind of entry it
-    has kept where the layers allow (a model whose sliding layers come last keeps one)."""
-    out = [pattern[i % len(pattern)] for i in range(layers)]
-    kinds = list(dict.fromkeys(map(repr, pattern)))
-    missing = [next(v for v in pattern if repr(v) == k) for k in kinds if k not in set(map(repr, out))]
-    if missing and len(kinds) <= layers:
-        out[len(out) - len(missing):] = missing
-    return out
+    if where is None or standalone:
+        return s.cfg, s.notes
+    outer = copy.deepcopy(cfg)
+    outer[where] = s.cfg
+    return outer, s.notes
 
 
 def _shrunk_heads(kv: int, group: int, split: int) -> tuple[int, int]:
@@ -164,13 +117,14 @@ def _shrunk_heads(kv: int, group: int, split: int) -> tuple[int, int]:
     shrunk model keeps a KV-head count tp does not divide -- so the certificate covers the
     replicated path -- and query heads it does."""
     if not kv_replicated(split, kv):
-        new_kv = _round_up(min(kv, 2 if group > 1 else 4), split)
+        new_kv = round_up(min(kv, 2 if group > 1 else 4), split)
         return new_kv, new_kv * min(group, MAX_GROUP)
     new_kv = next((n for n in range(min(kv, 2), kv + 1) if kv_replicated(split, n)), 1)
-    return new_kv, new_kv * _round_up(min(group, MAX_GROUP), split // math.gcd(new_kv, split))
+    return new_kv, new_kv * round_up(min(group, MAX_GROUP), split // math.gcd(new_kv, split))
 
 
-def _shrink_attention(s: _Shrink, plan: Plan) -> None:
+def _shrink_attention(s: Shrink, plan: Plan) -> tuple[int, int]:
+    """Heads, KV heads, hidden size and head dim; returns (old, new) head dim."""
     cfg = s.cfg
     heads = int(_value(cfg, "heads"))
     kv = int(_value(cfg, "kv_heads", heads))
@@ -187,28 +141,46 @@ def _shrink_attention(s: _Shrink, plan: Plan) -> None:
     s.field("head_dim", new_head_dim)
     if cfg.get("query_pre_attn_scalar") == head_dim:  # Gemma: scores scaled by head_dim
         s.set("query_pre_attn_scalar", new_head_dim)
+    if isinstance(cfg.get("index_num_heads"), int) and cfg["index_num_heads"] > new_heads // new_kv:
+        # Kolibri's sparse-attention indexer: heads within one KV group (its config checks it)
+        s.set("index_num_heads", new_heads // new_kv, "at most the query heads of a KV head")
     if isinstance(cfg.get("word_embed_proj_dim"), int):  # OPT
         s.set("word_embed_proj_dim", new_heads * new_head_dim)
     if isinstance(cfg.get("qk_rope_head_dim"), int):  # MLA (DeepSeek): head_dim is the rope part
-        _shrink_mla(s, new_head_dim)
+        _shrink_mla(s, head_dim, new_head_dim)
+    return head_dim, new_head_dim
 
 
-def _shrink_mla(s: _Shrink, rope_dim: int) -> None:
-    """Multi-head latent attention's widths: the rope part of q/k is ``head_dim``; the no-rope
-    part, the value head and the low-rank q and kv projections shrink alike."""
+def _shrink_mla(s: Shrink, old_head_dim: int, new_head_dim: int) -> None:
+    """Multi-head latent attention's widths.  Where the rope part of q/k is ``head_dim`` (DeepSeek),
+    it is the shrunk head dim, and the no-rope part, the value head and the low-rank q and kv
+    projections shrink alike.  Where the config's ``head_dim`` is wider than the rope part and a
+    no-rope part is given (dots3, whose sliding layers' heads are the two parts together), every
+    part keeps its share of the head."""
     cfg = s.cfg
-    s.set("qk_rope_head_dim", rope_dim, "the rope part of each q/k head (= head_dim)")
-    for key, width in (("qk_nope_head_dim", 2 * rope_dim), ("v_head_dim", 2 * rope_dim),
-                       ("kv_lora_rank", 2 * rope_dim), ("q_lora_rank", 4 * rope_dim)):
+    rope = cfg["qk_rope_head_dim"]
+    if rope == old_head_dim or not isinstance(cfg.get("head_dim"), int) or not isinstance(cfg.get("qk_nope_head_dim"), int):
+        s.set("qk_rope_head_dim", new_head_dim, "the rope part of each q/k head (= head_dim)")
+        caps = (("qk_nope_head_dim", 2 * new_head_dim), ("v_head_dim", 2 * new_head_dim))
+    else:
+        share = new_head_dim / old_head_dim
+        s.set("qk_rope_head_dim", max(2, 2 * round(rope * share / 2)), f"its share of the {new_head_dim}-wide head")
+        caps = tuple((k, max(2, round(cfg[k] * share))) for k in ("qk_nope_head_dim", "v_head_dim")
+                     if isinstance(cfg.get(k), int))
+    for key, width in caps + (("kv_lora_rank", 2 * new_head_dim), ("q_lora_rank", 4 * new_head_dim)):
         if isinstance(cfg.get(key), int) and cfg[key] > width:
             s.set(key, width)
+    if isinstance(cfg.get("qk_head_dim"), int):  # stored by some configs (LongCat-Flash): rope + no-rope parts
+        s.set("qk_head_dim", cfg["qk_rope_head_dim"] + cfg.get("qk_nope_head_dim", 0), "the no-rope and rope parts")
 
 
-def _shrink_mlp(s: _Shrink, plan: Plan) -> None:
+def _shrink_mlp(s: Shrink, plan: Plan) -> None:
     cfg = s.cfg
     hidden = int(_value(cfg, "hidden"))  # already shrunk; a multiple of tp (heads are)
-    if _value(cfg, "ffn") is not None:
-        s.field("ffn", min(int(_value(cfg, "ffn")), 2 * hidden), f"divisible by tp={plan.tp}" if plan.tp > 1 else "")
+    ffn = _value(cfg, "ffn")
+    if ffn is not None:  # a list: one width per layer (Gemma 3n), already cut with the layers
+        s.field("ffn", [min(int(w), 2 * hidden) for w in ffn] if isinstance(ffn, list) else min(int(ffn), 2 * hidden),
+                f"divisible by tp={plan.tp}" if plan.tp > 1 else "")
     if _value(cfg, "moe_ffn") is not None:
         s.field("moe_ffn", min(int(_value(cfg, "moe_ffn")), hidden))
     if _value(cfg, "shared_ffn"):
@@ -216,25 +188,28 @@ def _shrink_mlp(s: _Shrink, plan: Plan) -> None:
     experts = int(_value(cfg, "experts", 0) or 0)
     if experts:
         # ep divides the original experts (checked before shrinking), so new <= experts.
-        new = _round_up(min(experts, MAX_EXPERTS), plan.ep)
+        new = round_up(min(experts, MAX_EXPERTS), plan.ep)
         s.field("experts", new, f"divisible by ep={plan.ep}" if plan.ep > 1 else "")
         top_k = _value(cfg, "top_k")
         if top_k is not None and int(top_k) > new:
             s.field("top_k", new, "at most the experts")
-        for key in ("n_group", "topk_group"):  # DeepSeek's grouped routing: one group
+        for key in ("n_group", "topk_group", "num_expert_group"):  # DeepSeek's grouped routing: one group
             if isinstance(cfg.get(key), int) and cfg[key] > 1:
                 s.set(key, 1)
     first_dense = cfg.get("first_k_dense_replace")
-    layers = int(_value(cfg, "layers"))  # already shrunk
+    layers = layer_count(cfg)  # already shrunk
     if isinstance(first_dense, int) and first_dense >= layers > 1:  # keep dense and MoE layers both
         s.set("first_k_dense_replace", 1, "one dense layer, then MoE layers")
 
 
-def _shrink_vocab(s: _Shrink, plan: Plan) -> None:
+def _shrink_vocab(s: Shrink, plan: Plan) -> None:
     cfg = s.cfg
     vocab = int(_value(cfg, "vocab"))
-    new = min(vocab, _round_up(MIN_VOCAB, plan.tp))
+    new = min(vocab, round_up(MIN_VOCAB, plan.tp))
     s.field("vocab", new, f"divisible by tp={plan.tp}" if plan.tp > 1 else "")
+    for key, value in list(cfg.items()):  # other token tables (Gemma 3n's per-layer inputs): within it
+        if key.startswith("vocab_size") and isinstance(value, int) and value > new:
+            s.set(key, new, "a token table within the vocabulary")
     for key in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
         value = cfg.get(key)
         if isinstance(value, list):
@@ -245,7 +220,7 @@ def _shrink_vocab(s: _Shrink, plan: Plan) -> None:
             s.set(key, new - 1, "inside the vocabulary")
 
 
-def _fixups(s: _Shrink, seq_len: int) -> None:
+def _fixups(s: Shrink, seq_len: int) -> None:
     cfg = s.cfg
     for key, value in list(cfg.items()):
         if ("dropout" in key or "pdrop" in key) and isinstance(value, float) and value > 0:
@@ -254,12 +229,28 @@ def _fixups(s: _Shrink, seq_len: int) -> None:
         value = cfg.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > seq_len // 2 > 0:
             s.set(key, seq_len // 2, "shorter than the sequence, so it applies")
+    _axial_positions(s, seq_len)
+    if cfg.get("model_type") in DECODER_ONLY and not cfg.get("is_decoder"):
+        s.set("is_decoder", True, "its causal LM class requires it")
     for key in ("dtype", "torch_dtype"):
         if cfg.get(key) not in (None, "float32"):
             s.set(key, "float32", "verify runs in fp32")
     if "quantization_config" in cfg:
         del cfg["quantization_config"]
         s.notes.append("quantization_config dropped (verify trains fp32 weights)")
+
+
+def _axial_positions(s: Shrink, seq_len: int) -> None:
+    """Reformer's axial position embeddings: their widths add up to the hidden size, and in training
+    their shape multiplies out to the sequence length (its model checks both)."""
+    cfg = s.cfg
+    dims, shape = cfg.get("axial_pos_embds_dim"), cfg.get("axial_pos_shape")
+    if not (cfg.get("axial_pos_embds") and isinstance(dims, list) and isinstance(shape, list) and len(dims) == 2):
+        return
+    hidden, total = int(_value(cfg, "hidden")), sum(dims)
+    first = max(1, hidden * dims[0] // total)
+    s.set("axial_pos_embds_dim", [first, hidden - first], f"adding up to the hidden size {hidden}")
+    s.set("axial_pos_shape", [2, seq_len // 2], f"multiplying out to the sequence length {seq_len}")
 
 
 def preset_config(spec) -> dict:

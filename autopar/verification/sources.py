@@ -28,6 +28,7 @@ from autopar.frontend.target import load_function, split_target
 from autopar.plan import Plan
 from autopar.plan_space import batch_ok, cp_seq_ok, sp_seq_ok
 from autopar.verification.shrink import KEYS, preset_config, shrink_config
+from autopar.verification.shrink_fields import text_model
 
 __all__ = ["ModelSource", "resolve_source", "batch_shape", "make_batches", "next_token_loss",
            "OPTIMIZERS", "SGD_LR", "vocab_size"]
@@ -75,20 +76,29 @@ def _build_hf(config: dict) -> nn.Module:
         raise AutoparError("autopar: this config names custom model code (auto_map, trust_remote_code); verify "
                            "builds transformers' own architectures only. Write a MODULE:FUNCTION that builds the "
                            "model and pass that to --model.")
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise AutoparError(f"autopar: transformers {transformers.__version__} does not know model_type "
+                           f"{model_type!r}; upgrade transformers or pass a MODULE:FUNCTION.")
     try:
         hf_config = transformers.AutoConfig.for_model(model_type, **cfg)
-    except (ValueError, KeyError) as exc:
-        raise AutoparError(f"autopar: transformers {transformers.__version__} does not know model_type "
-                           f"{model_type!r} ({exc}); upgrade transformers or pass a MODULE:FUNCTION.") from None
+    except Exception as exc:  # noqa: BLE001 - its validators raise their own classes (StrictDataclass...)
+        raise AutoparError(f"autopar: transformers refused the shrunk {model_type} config "
+                           f"({type(exc).__name__}: {_one_line(exc)}); expected a config its validators accept: "
+                           "write a small config.json yourself or pass a MODULE:FUNCTION.") from None
     try:
         model = transformers.AutoModelForCausalLM.from_config(hf_config)
     except Exception as exc:  # noqa: BLE001 - any failure of the shrunk config is reported the same way
         raise AutoparError(f"autopar: transformers could not build a causal LM from the shrunk {model_type} "
-                           f"config ({type(exc).__name__}: {exc}); write a small config.json yourself or pass "
-                           "a MODULE:FUNCTION.") from None
+                           f"config ({type(exc).__name__}: {_one_line(exc)}); write a small config.json yourself "
+                           "or pass a MODULE:FUNCTION.") from None
     model.float()
     model.train()
     return model
+
+
+def _one_line(exc: BaseException) -> str:
+    """An exception's message on one line (transformers' validation errors span several)."""
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def vocab_size(model: nn.Module) -> int:
@@ -163,7 +173,10 @@ def resolve_source(model: str, plan: Plan, layers: int | None, seq_len: int) -> 
 
 
 def _check_original(cfg: dict, plan: Plan, layers: int | None) -> None:
-    """Refuse a plan that the full-size model would refuse (shrinking must not hide it)."""
+    """Refuse a plan that the full-size model would refuse (shrinking must not hide it); a
+    multimodal config's language model is what is checked (and verified)."""
+    cfg = text_model(cfg)[0]
+
     def get(field, default=None):
         return next((cfg[k] for k in KEYS[field] if cfg.get(k) is not None), default)
 

@@ -199,3 +199,26 @@ def test_a_window_longer_than_the_test_sequence_is_exercised(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "shrunk: sliding_window 4096 -> 8" in out
     assert _line(out, "verdict:").startswith("verdict: EQUAL")
+
+
+def test_a_multimodal_gemma3_config_verifies_its_language_model(tmp_path, capsys):
+    """Gemma 3's config.json (a text_config beside a vision_config): verify certifies its causal
+    LM, the gemma3_text model, with a sliding and a full-attention layer kept."""
+    config = tmp_path / "config.json"
+    config.write_text(transformers.Gemma3Config().to_json_string(use_diff=False))
+    assert main(["verify", "--model", str(config), "--plan", "tp=2,sp"]) == 0
+    out = capsys.readouterr().out
+    assert "note: multimodal gemma3 config: verifying its language model, text_config (model_type gemma3_text" in out
+    assert _line(out, "shrunk: layer_types").endswith("-> ['sliding_attention', 'full_attention'] "
+                                                      "(one entry per kept layer)")
+    assert _line(out, "verdict:").startswith("verdict: EQUAL - plan 'tp=2,sp' on 2 ranks")
+
+
+def test_a_mamba2_model_without_attention_heads_verifies(capsys):
+    """Mamba-2 (no attention heads): its own heads, head width, groups and state are shrunk
+    consistently (heads x head width = expand x hidden) and dp=2 is certified."""
+    assert main(["verify", "--model", "mamba2", "--plan", "dp=2"]) == 0
+    out = capsys.readouterr().out
+    assert "shrunk: hidden_size 4096 -> 64 (no attention heads: 4 x 16 wide)" in out
+    assert "shrunk: num_heads 128 -> 8 (x head width 16 = the mixer's width 128)" in out
+    assert _line(out, "verdict:").startswith("verdict: EQUAL - plan 'dp=2' on 2 ranks")

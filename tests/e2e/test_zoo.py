@@ -71,6 +71,8 @@ EXPECTED: dict[str, dict[str, object]] = {
     "apertus": {"tp=2,sp": E},
     # a layer whose output crossing the pipeline cut is a strided view (made contiguous to be sent)
     "inkling2_text": {"pp=2,mb=2": E},
+    # rotary over part of each head (q[..., :rotary_dim] of the per-head view): not parts of the weight
+    "gptj": {"tp=2,sp": E},
 }
 
 GROUP = 4  # model types per pool call
