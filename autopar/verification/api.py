@@ -54,6 +54,23 @@ def _plan(plan: str | Plan, world_size: int | None) -> tuple[Plan, int]:
     return p, world_size
 
 
+def _reference_beside(procs, model, kwargs, batches, optimizer: str):
+    """The one-process run, trained while the ranks start up; the ranks stopped if it fails."""
+    try:
+        return _reference(model, kwargs, batches, optimizer)
+    except Exception as exc:
+        stop_ranks(procs)
+        if isinstance(exc, AutoparError):
+            raise
+        raise AutoparError(f"autopar: the model does not train on one process ({type(exc).__name__}: {exc}); "
+                           "verify compares the plan against that run, so it expects a model whose forward "
+                           "and backward run on token ids alone: fix the model or its config, or pass a "
+                           "MODULE:FUNCTION that returns the inputs it needs.") from exc
+    except BaseException:
+        stop_ranks(procs)
+        raise
+
+
 def _reference(model: torch.nn.Module, kwargs: dict, batches, optimizer: str, parts: int = 1) -> dict:
     """Single-process training of ``model`` (modified): losses, state dicts (step 0..K), step 1's gradients.
 
@@ -147,19 +164,7 @@ def verify(model: str | os.PathLike, plan: str | Plan, *, world_size: int | None
         torch.save(job, os.path.join(workdir, "job.pt"))
         torch.save(init, os.path.join(workdir, "init.pt"))
         procs = start_ranks(workdir, world)
-        try:
-            ref = _reference(reference_model, kwargs, batches, optimizer)  # while the ranks start up
-        except Exception as exc:
-            stop_ranks(procs)
-            if isinstance(exc, AutoparError):
-                raise
-            raise AutoparError(f"autopar: the model does not train on one process ({type(exc).__name__}: {exc}); "
-                               "verify compares the plan against that run, so it expects a model whose forward "
-                               "and backward run on token ids alone: fix the model or its config, or pass a "
-                               "MODULE:FUNCTION that returns the inputs it needs.") from exc
-        except BaseException:
-            stop_ranks(procs)
-            raise
+        ref = _reference_beside(procs, reference_model, kwargs, batches, optimizer)
         got = wait_ranks(procs, workdir, timeout)
     corrupted = (f"gradient of {corrupt} doubled on rank {got['corrupted_rank']} (--corrupt)"
                  if corrupt is not None else None)
