@@ -41,7 +41,9 @@ The passes, in the order they run:
 
 The sharding-rule registry: ``rules`` (the table, ``RuleContext``, shared helpers) and the
 families registered into it: ``pointwise_rules``, ``reduction_rules``, ``matmul_rules``,
-``view_rules``, ``moe_rules``, ``op_rules`` (autopar's own operators); ``op_sets`` holds the
+``view_rules``, ``moe_rules``, ``op_rules`` (autopar's own operators), and the data axes'
+token-order rules (``token_order`` the placements, ``token_order_rules``, ``token_order_rowwise``:
+a rank's tokens regrouped by an MoE block run as traced); ``op_sets`` holds the
 op sets that include autopar's operators (the aten ones are :mod:`autopar.frontend.op_sets`).
 Imports: :mod:`autopar.ops`, :mod:`autopar.frontend`, :mod:`autopar.cost` and layer 0
 (docs/architecture.md).

@@ -18,6 +18,11 @@ it the batch's value.  Micro-batches (``mb``, pipeline micro-batches) also split
 one after another on one rank: no all-reduce can join them, so a statistic over the batch under
 micro-batches is refused.  Predicted bytes of the inserted all-reduces are set here and by the
 CP pass (:func:`predict_token_bytes`).
+
+An MoE block run as traced (no ``ep``) sorts, counts and scatters back the rank's tokens: the
+token-order rules (``passes/token_order.py``) place each of those steps and prove that the
+block's output holds the rank's rows, or refuse the node where tokens of different ranks would
+mix.  Everything else row by row is placed from its shape (:func:`_by_shape`).
 """
 from __future__ import annotations
 
@@ -31,8 +36,8 @@ from autopar.frontend.op_sets import SHAPED_FILLS
 from autopar.ops import collectives
 from .context import META_KEY, PassContext, PassResult
 from .gradient_placement import requires_grad_nodes
-from .rules import R, RuleContext
-from .shard_propagation import local_numel, propagate
+from .rules import R, RuleContext, lookup_token_order, tensor_inputs
+from .shard_propagation import BY_RULES, local_numel, propagate
 
 __all__ = ["batch_propagation_pass", "needs_batch_propagation", "predict_token_bytes", "sums_loss"]
 
@@ -93,9 +98,7 @@ def batch_propagation_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     # Micro-batches without dp: propagate on a one-rank "dp" axis only to find the statistics.
     rc = RuleContext(gm, "dp", plan.dp, {}, local_sizes=True, token_symbols=frozenset(rows.values()),
                      pass_name=_PASS, sum_loss=sums_loss(ctx))
-    fixed = _traced_moe(gm, ctx, rc)
-    fixed.update(_row_wise(gm, rc, fixed))
-    placements = propagate(gm, rc, lambda node: Shard(0) if node in rows else R, fixed)
+    placements = propagate(gm, rc, lambda node: Shard(0) if node in rows else R, _by_shape(rc))
     if plan.mb > 1 or plan.pp > 1:
         _refuse_under_microbatches(gm, plan)
     result.num_inserted = predict_token_bytes(gm, ctx, "dp") if plan.dp > 1 else 0
@@ -105,14 +108,21 @@ def batch_propagation_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     return result
 
 
-def _row_wise(gm: GraphModule, rc: RuleContext, fixed: dict) -> dict[Node, object]:
-    """Placements of the nodes no statistic of the batch reaches, from their shapes alone.
+def _by_shape(rc: RuleContext):
+    """A ``propagate`` shortcut: the nodes no statistic of the batch and no rank-local order of its
+    tokens reaches, placed from their shapes alone.
 
     A node whose tensor inputs hold the batch symbol and whose output holds none reduces over the
-    rows (a loss, a sum over tokens, a histogram); it and everything computed from it are placed
-    by the rules.  Every other node works row by row: its rows, if its shape holds the batch
-    symbol, are this rank's (placed on that dim), and it is replicated otherwise.  A shape the
-    symbol cannot be read from (it in several dims) is left to the rules too."""
+    rows (a loss, a sum over tokens, a histogram); a node that a token-order rule places (a sort
+    or selection of the rank's tokens, an ``arange`` over them: passes/token_order_rules.py); and
+    a node with an input placed otherwise than its shape says (a share, regrouped rows): these
+    are placed by the rules.  Every other node works row by row: its rows, if its shape holds the
+    batch symbol, are this rank's (placed on that dim), and it is replicated otherwise.  A shape
+    the symbol cannot be read from (it in several dims) is left to the rules too.  Once the rules
+    place a value on its rows again (an MoE block's output scattered back to its tokens), what
+    follows is read from shapes again."""
+    shapes: dict[Node, object] = {}
+
     def rows_of(node: Node):
         """The row placement of each of ``node``'s values (None: not readable from the shape)."""
         val = node.meta.get("val")
@@ -126,57 +136,39 @@ def _row_wise(gm: GraphModule, rc: RuleContext, fixed: dict) -> dict[Node, objec
             out.append(R if dim is None else Shard(dim))
         return tuple(out) if isinstance(val, (tuple, list)) else out[0]
 
-    def has_rows(pl) -> bool:
-        return pl is None or any(isinstance(p, Shard) for p in (pl if isinstance(pl, tuple) else (pl,)))
-
-    placed: dict[Node, object] = {}
-    reached: set[Node] = set()
-    for node in gm.graph.nodes:
-        if node in fixed or node.op not in ("placeholder", "get_attr", "call_function"):
-            continue
-        pl = rows_of(node)
-        inputs = [a for a in node.all_input_nodes if a not in fixed]
+    def place(node: Node):
+        pl = shapes[node] = rows_of(node)
+        if pl is None or node.op not in ("placeholder", "get_attr", "call_function"):
+            return BY_RULES
+        if node.op != "call_function":
+            return pl
+        inputs = node.all_input_nodes
+        # an input the rules placed otherwise than its shape says (a share, regrouped tokens): its
+        # readers are the rules' too, until one places a value as its shape says again
+        if any(rc.placements.get(a, R) != shapes.get(a, R) for a in inputs):
+            return BY_RULES
         # a size read from a shape, or a fill shaped like an input, reads no row's values
         sizes = not _holds_tensor(node.meta.get("val")) or node.target in SHAPED_FILLS
-        if pl is None or any(a in reached for a in inputs) or (
-                not sizes and not has_rows(pl) and any(has_rows(placed.get(a, R)) for a in inputs)):
-            reached.add(node)
-        else:
-            placed[node] = pl
-    return placed
+        if not sizes and not _has_rows(pl) and any(_has_rows(shapes.get(a, R)) for a in inputs):
+            return BY_RULES
+        # a sort or selection of the rank's tokens keeps the batch symbol in its shape, but its rows
+        # are in a rank-local order: the token-order rules place it (they are pure: asked twice)
+        order_rule = lookup_token_order(node.target)
+        if order_rule is not None and order_rule(node, [rc.placements.get(a, R) for a in tensor_inputs(node)],
+                                                 rc) is not None:
+            return BY_RULES
+        return pl
+
+    return place
+
+
+def _has_rows(pl) -> bool:
+    return pl is None or any(isinstance(p, Shard) for p in (pl if isinstance(pl, tuple) else (pl,)))
 
 
 def _holds_tensor(val) -> bool:
     vals = val if isinstance(val, (tuple, list)) else (val,)
     return any(isinstance(v, torch.Tensor) for v in vals)
-
-
-def _traced_moe(gm: GraphModule, ctx: PassContext, rc: RuleContext) -> dict[Node, object]:
-    """Placements of the MoE blocks the EP pass left as traced (dp only): the routing glue sorts
-    the rank's tokens by expert, which no rule follows, but the block as a whole is token-wise
-    (:mod:`autopar.frontend.analyze_moe` proved it, as the EP rewrite relies on): its output is
-    placed like its tokens, its inner nodes are used only inside it."""
-    nodes = set(gm.graph.nodes)
-    fixed: dict[Node, object] = {}
-    for block in ctx.structure.moe if ctx.structure is not None else ():
-        if block.output not in nodes:
-            continue  # rewritten into dispatch / experts / combine, which have rules
-        region = set(block.region)
-        for n in block.region:
-            outside = [u for u in n.users if u not in region]
-            if outside and n is not block.output:
-                raise AutoparError(
-                    f"autopar: {describe_node(n)} inside the MoE block '{block.module}' is also used by "
-                    f"{describe_node(outside[0])}; expected the block to feed only its output. Use ep=2 (the "
-                    "rewritten block), or a plan without dp.")
-        # constants built for the glue only (the aranges of its token permutation) belong to it
-        made = [n for n in gm.graph.nodes if n.op == "call_function" and n not in region and n.users
-                and all(u in region for u in n.users)
-                and not any(isinstance(a.meta.get("val"), torch.Tensor) for a in n.all_input_nodes)]
-        fixed.update({n: None for n in block.region + made})
-        dim = rc.token_dim(block.output)
-        fixed[block.output] = R if dim is None else Shard(dim)
-    return fixed
 
 
 def sums_loss(ctx: PassContext) -> bool:

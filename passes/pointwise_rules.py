@@ -23,7 +23,7 @@ from autopar.ops import rng
 from .context import provenance
 from .rules import P, R, RuleContext, is_loss_share, ndim_of, register, shape_of
 
-__all__ = ["pointwise_rule", "fill_rule", "fill_like_rule"]
+__all__ = ["POINTWISE_OPS", "pointwise_rule", "fill_rule", "fill_like_rule"]
 
 aten = torch.ops.aten
 
@@ -38,7 +38,8 @@ _PARTIAL_SAFE = {
 }
 
 
-@register(
+# The element-wise ops (this rule; the token-order rules of passes/token_order_rules.py read the set too).
+POINTWISE_OPS = (
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.add.Scalar, aten.sub.Scalar,
     aten.mul.Scalar, aten.div.Scalar, aten.neg.default, aten.silu.default, aten.gelu.default, aten.relu.default,
     aten.tanh.default, aten.sigmoid.default, aten.rsqrt.default, aten.sqrt.default, aten.exp.default,
@@ -60,6 +61,9 @@ _PARTIAL_SAFE = {
     aten.logical_or.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.isnan.default,
     aten.rsub.Scalar, aten.leaky_relu.default, aten.elu.default, aten.hardtanh.default, aten.mish.default,
 )
+
+
+@register(*POINTWISE_OPS)
 def pointwise_rule(node: Node, pls: list, rc: RuleContext):
     out_ndim = ndim_of(node)
     out_shape = shape_of(node)

@@ -21,6 +21,9 @@ this one table with :func:`register`:
 - ``passes/moe_rules.py``: MoE routing and the EP operators;
 - ``passes/op_rules.py``: autopar's own operators (collectives, CP attention and positions,
   the vocabulary-parallel embedding and loss);
+- ``passes/token_order_rules.py`` and ``token_order_rowwise.py`` (data axes only, asked first,
+  :func:`register_token_order`): a rank's tokens regrouped in a rank-local order by an MoE
+  block run as traced, their counts, and the way back (placements: ``passes/token_order.py``);
 - here: the graph's plumbing (``sym_size``, ``getitem``).
 
 ``passes/shard_propagation.py``, the registry's one reader, imports every family, so a lookup
@@ -45,30 +48,55 @@ from .context import provenance
 
 aten = torch.ops.aten
 
-__all__ = ["RuleContext", "register", "lookup", "ShardingError", "is_sharded", "is_loss_share", "tensor_inputs",
-           "axis_of", "shape_of", "ndim_of", "size_expr", "canonical_dim", "R", "P", "sym_size_rule", "getitem_rule"]
+__all__ = ["RuleContext", "register", "lookup", "register_token_order", "lookup_token_order", "TokenOrder",
+           "ShardingError", "is_sharded", "is_loss_share", "tensor_inputs", "axis_of", "shape_of", "ndim_of",
+           "size_expr", "canonical_dim", "R", "P", "sym_size_rule", "getitem_rule"]
 
 R = Replicate()
 P = Partial()
 
 _REGISTRY: dict[Any, Callable] = {}
+# Data axes only (``RuleContext.local_sizes``): rules that follow this rank's tokens through a
+# rank-local order (passes/token_order.py), asked before the op's rule in _REGISTRY.  Keyed by op,
+# or by an op's qualified name for a library's custom op (``transformers::grouped_mm_fallback``).
+_TOKEN_ORDER: dict[Any, Callable] = {}
+
+
+class TokenOrder:
+    """A data axis's placement of this rank's tokens in a rank-local order, or counted
+    (passes/token_order.py): neither Shard nor Partial, and refused by every rule but its own."""
 
 
 class ShardingError(AutoparError):
     pass
 
 
-def register(*ops):
-    def deco(fn):
-        for op in ops:
-            _REGISTRY[op] = fn
-        return fn
+def _registrar(table: dict):
+    def register_ops(*ops):
+        def deco(fn):
+            for op in ops:
+                table[op] = fn
+            return fn
 
-    return deco
+        return deco
+
+    return register_ops
+
+
+register = _registrar(_REGISTRY)
+register_token_order = _registrar(_TOKEN_ORDER)
 
 
 def lookup(op) -> Callable | None:
     return _REGISTRY.get(op)
+
+
+def lookup_token_order(op) -> Callable | None:
+    rule = _TOKEN_ORDER.get(op)
+    name = getattr(op, "name", None)  # an op overload's qualified name
+    if rule is None and callable(name):
+        rule = _TOKEN_ORDER.get(name())
+    return rule
 
 
 def tensor_inputs(node: Node) -> list[Node]:
@@ -91,7 +119,7 @@ def tensor_inputs(node: Node) -> list[Node]:
 def is_sharded(p: Any) -> bool:
     if isinstance(p, (tuple, list)):
         return any(is_sharded(x) for x in p)
-    return isinstance(p, (Shard, Partial))
+    return isinstance(p, (Shard, Partial, TokenOrder))
 
 
 @dataclasses.dataclass
@@ -170,8 +198,8 @@ class RuleContext:
         vals, pls = (val, pl) if isinstance(val, (tuple, list)) else ((val,), (pl,))
         for v, p in zip(vals, pls if isinstance(pls, (tuple, list)) else [pls] * len(vals)):
             dim = self.token_dim(node, v)
-            if dim is None or p == Shard(dim):
-                continue
+            if dim is None or p == Shard(dim) or (isinstance(p, TokenOrder) and getattr(p, "dim", None) == dim):
+                continue  # this rank's tokens, in their order or a rank-local one (passes/token_order.py)
             if self.axis == "dp":  # batch rows (passes/batch_propagation.py)
                 raise self.fail(node, f"its shape {tuple(v.shape)} has the batch size in dim {dim} but it is "
                                       f"placed {p}, not on this rank's rows: it reduces or mixes the rows of "

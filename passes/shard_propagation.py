@@ -33,11 +33,16 @@ from autopar.ops import collectives
 from autopar.ops.whole_rows import sum_whole_rows, whole_numel
 from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult
 from .gradient_placement import gradient_placements
-from .rules import P, R, RuleContext, is_loss_share, is_sharded, lookup, size_expr, tensor_inputs
+from .rules import P, R, RuleContext, is_loss_share, is_sharded, lookup, lookup_token_order, size_expr, tensor_inputs
+from .token_order import as_share, is_token_order
 # Every rule family registers into the one table when imported (passes/rules.py lists them).
-from . import matmul_rules, moe_rules, op_rules, pointwise_rules, reduction_rules, view_rules  # noqa: F401
+from . import matmul_rules, moe_rules, op_rules, pointwise_rules, reduction_rules, token_order_rules  # noqa: F401
+from . import view_rules  # noqa: F401
 
-__all__ = ["shard_propagation_pass", "propagate", "tensor_inputs", "local_numel"]
+__all__ = ["shard_propagation_pass", "propagate", "tensor_inputs", "local_numel", "BY_RULES"]
+
+# What a ``propagate`` shortcut returns for a node it leaves to the rules.
+BY_RULES = object()
 
 # The collectives of the TP and SP passes, whose bytes this pass predicts (CP and EP predict their own).
 _TP_COLLECTIVES = {collectives.all_gather, collectives.gather_replicated, collectives.reduce_scatter,
@@ -64,35 +69,25 @@ def _simplified_product(sizes: tuple) -> sympy.Expr:
 
 
 def propagate(gm: GraphModule, rc: RuleContext, start: Callable[[Node], Any],
-              fixed: dict[Node, Any] | None = None) -> dict[Node, Any]:
+              shortcut: Callable[[Node], Any] | None = None) -> dict[Node, Any]:
     """Forward placements on ``rc.axis`` of every node, by the rule registry, in graph order.
 
-    ``start(node)`` places the placeholders and parameters; ``fixed`` places nodes whose
-    placement an analysis proved (an MoE block run as traced: token-wise as a whole, though its
-    routing glue sorts tokens), which no rule is asked for.  Raises where an op without a rule
-    sees a sharded input, and where the graph returns anything but a replicated value (a
-    data-sharded axis, ``rc.local_sizes``: anything but the rank's share of the loss)."""
+    ``start(node)`` places the placeholders and parameters; ``shortcut(node)``, where given, places
+    a node without a rule (the batch propagation's rows read from shapes) or returns ``BY_RULES``.
+    Raises where an op without a rule sees a sharded input, and where the graph returns anything
+    but a replicated value (a data-sharded axis, ``rc.local_sizes``: anything but the rank's share
+    of the loss)."""
     placements: dict[Node, Any] = {}
     rc.placements = placements
-    fixed = fixed or {}
     for node in list(gm.graph.nodes):
-        if node in fixed:
-            pl = fixed[node]
+        if shortcut is not None and node.op != "output" and (pl := shortcut(node)) is not BY_RULES:
+            pass
         elif node.op in ("placeholder", "get_attr"):
             pl = start(node)
             if rc.local_sizes:
                 rc.check_tokens(node, pl)
         elif node.op == "call_function":
-            pls = [placements.get(a, R) for a in tensor_inputs(node)]
-            rule = lookup(node.target)
-            if rule is not None:
-                pl = rule(node, pls, rc)
-            elif is_sharded(pls):
-                raise rc.fail(node, f"no sharding rule for {getattr(node.target, '__name__', node.target)} "
-                                    f"with inputs placed {pls}",
-                              "Add a rule to passes/rules.py, or use a plan without this dimension.")
-            else:
-                pl = R
+            pl = place_node(node, [placements.get(a, R) for a in tensor_inputs(node)], rc)
             if rc.local_sizes:
                 rc.check_tokens(node, pl)
         elif node.op == "output":
@@ -110,6 +105,35 @@ def propagate(gm: GraphModule, rc: RuleContext, start: Callable[[Node], Any],
             raise rc.fail(node, f"unsupported node kind {node.op}")
         placements[node] = pl
     return placements
+
+
+def place_node(node: Node, pls: list, rc: RuleContext) -> Any:
+    """``node``'s placement by its rule.  On a data axis a token-order rule (passes/token_order.py)
+    is asked first; an input in a rank-local token order that it does not place is refused, and
+    the op's own rule reads counts of the rank's rows as their share of the batch's."""
+    if rc.local_sizes:
+        order_rule = lookup_token_order(node.target)
+        pl = order_rule(node, pls, rc) if order_rule is not None else None
+        if pl is not None:
+            return pl
+        pls = [as_share(p) for p in pls]
+        regrouped = [(a, p) for a, p in zip(tensor_inputs(node), pls) if is_token_order(p)]
+        if regrouped:
+            arg, where = regrouped[0]
+            raise rc.fail(node, f"it reads '{arg.name}', placed {where}: this rank's tokens in a rank-local order "
+                                "(a sort or selection of its tokens), which this op would let mix with other "
+                                "tokens or leave the region in that order",
+                          "A region of the rank's tokens (an MoE block's routing) may only permute, count and "
+                          "scatter them back to their positions; use a plan that rewrites the experts (ep), a "
+                          f"plan without {rc.axis}, or report the model.")
+    rule = lookup(node.target)
+    if rule is not None:
+        return rule(node, pls, rc)
+    if is_sharded(pls):
+        raise rc.fail(node, f"no sharding rule for {getattr(node.target, '__name__', node.target)} "
+                            f"with inputs placed {pls}",
+                      "Add a rule to passes/rules.py, or use a plan without this dimension.")
+    return R
 
 
 def _propagate_axis(gm: GraphModule, ctx: PassContext, result: PassResult, axis: str, local_syms: dict) -> None:

@@ -12,7 +12,7 @@ import torch
 from torch.fx import Node
 
 __all__ = ["SDPA", "SDPA_ARGS", "sdpa_args", "ATTENTION_OPS", "SOFTMAX_OPS", "LOG_SOFTMAX_OPS", "RESHAPE_OPS",
-           "SIZED_RESHAPE_OPS", "SPLIT_OPS", "PROJECTION_OPS", "SHAPED_FILLS"]
+           "SIZED_RESHAPE_OPS", "SPLIT_OPS", "PROJECTION_OPS", "SHAPED_FILLS", "RANDOM_DRAWS"]
 
 aten = torch.ops.aten
 
@@ -41,6 +41,16 @@ PROJECTION_OPS = frozenset({aten.linear.default, aten.addmm.default, aten.mm.def
 SHAPED_FILLS = frozenset({aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
                           aten.full_like.default, aten.new_zeros.default, aten.new_ones.default,
                           aten.new_empty.default, aten.new_full.default})
+
+# Ops that draw from the default generator (dropout has its own streams: autopar/ops/rng.py).
+RANDOM_DRAWS = frozenset({
+    aten.rand_like.default, aten.randn_like.default, aten.randint_like.default, aten.randint_like.low_dtype,
+    aten.exponential_.default, aten.uniform_.default, aten.normal_.default, aten.bernoulli_.float,
+    aten.bernoulli_.Tensor, aten.bernoulli.default, aten.bernoulli.p, aten.multinomial.default, aten.rand.default,
+    aten.randn.default, aten.randint.default, aten.randint.low, aten.randperm.default, aten.cauchy_.default,
+    aten.geometric_.default, aten.log_normal_.default, aten.random_.default, getattr(aten.random_, "from"), aten.random_.to,
+    aten.normal.Tensor_float, aten.poisson.default,
+})
 
 
 def sdpa_args(node: Node) -> dict:

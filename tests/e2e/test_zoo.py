@@ -34,6 +34,12 @@ EXPECTED: dict[str, dict[str, object]] = {
     "mixtral": {"tp=2,sp": E, "pp=2,mb=2": E},
     "qwen2_moe": {"dp=2,zero=3": E},
     "qwen3_moe": {"tp=2,sp": E, "cp=2:ring": E},
+    # experts run as traced under dp, their routing proven per token (passes/token_order.py): GPT-OSS
+    # (expert biases gathered by the sorted expert ids; sliding windows of 16 below the sequence);
+    # PhiMoE's router samples its experts in train mode (Gumbel noise per token), which no rank
+    # draws as one device does: refused at the draw, never silently wrong
+    "gpt_oss": {"dp=2,zero=3": E},
+    "phimoe": {"dp=2,zero=3": (R, "draws random numbers for this rank's tokens")},
     # sliding-window attention: the mask proven a causal window, which ring attention applies by
     # position, skipping the blocks out of every query's window (cohere2: windowed and full layers)
     "mistral": {"tp=2,sp": E, "cp=2:ring": E},

@@ -1,0 +1,122 @@
+"""Token order on a data axis (passes/token_order.py): an experts region's routing in one process.
+
+A tiny language model whose MoE block is written the way transformers 5.x writes its experts
+(sort the (token, slot) pairs by expert, gather each pair's token, count the pairs per expert with
+a histogram, a grouped matmul over the sorted rows, the inverse permutation, the sum over slots)
+is compiled under ``dp=2`` and micro-batches: placement propagation proves the region per-token,
+with every step of the glue placed by a token-order rule.  The same region altered so that the
+tokens of different ranks would mix (sorted rows read as if in token order, a prefix sum along the
+sorted rows, keys whose range the graph does not bound, a constant paired with sorted positions)
+is refused with an ``autopar:`` error naming the node, its module and its source line, and so
+is random noise drawn per token (a sampling router: one device draws it for the whole batch).  The
+multi-rank half (models trained against one device) is the zoo subset, tests/e2e/test_zoo.py.
+"""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autopar.errors import AutoparError
+from autopar.runtime import compile_program
+
+transformers = pytest.importorskip("transformers")
+from transformers.integrations import moe as _hf_moe  # noqa: E402,F401  (registers grouped_mm_fallback)
+
+VOCAB, HIDDEN, EXPERTS, TOP_K = 32, 16, 4, 2
+
+
+class Experts(nn.Module):
+    """Stacked experts on the tokens sorted by expert; ``mix`` alters the region."""
+
+    def __init__(self, mix: str):
+        super().__init__()
+        self.mix = mix
+        self.weight = nn.Parameter(torch.randn(EXPERTS, HIDDEN, HIDDEN) / HIDDEN ** 0.5)
+        self.table = nn.Parameter(torch.zeros(VOCAB, TOP_K), requires_grad=False)
+
+    def forward(self, x, index, weights, ids):
+        if self.mix.startswith("loop"):
+            return self.loop(x, index, weights)
+        if self.mix == "lookup":  # keys read from a table: no bound the graph proves
+            index = self.table[ids.reshape(-1)].long()
+        if self.mix == "noise":  # sampling noise per token: one device draws it for the whole batch
+            weights = weights * (1 + 0.01 * torch.rand_like(weights))
+        keys, perm = index.reshape(-1).sort()
+        rows = x[perm // TOP_K]
+        offsets = torch.histc(keys.float(), bins=EXPERTS, min=0, max=EXPERTS - 1).cumsum(0, dtype=torch.int32)
+        out = torch.ops.transformers.grouped_mm_fallback(rows, self.weight, offsets)
+        out = out * weights.reshape(-1)[perm].unsqueeze(-1)
+        if self.mix == "prefix":  # a running sum along the sorted rows
+            out = out.cumsum(0)
+        if self.mix == "positions":  # each sorted row scaled by its rank-local position
+            out = out * torch.arange(out.shape[0], dtype=out.dtype).unsqueeze(-1)
+        if self.mix == "escape":  # sorted rows summed as if they were in token order
+            return out.view(-1, TOP_K, HIDDEN).sum(1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.shape[0])
+        return out[inverse].view(-1, TOP_K, HIDDEN).sum(1)
+
+    def loop(self, x, index, weights):
+        """The older style: each expert on the tokens ``where`` selects, added back at them."""
+        out = torch.zeros_like(x)
+        for e in range(EXPERTS):
+            token, slot = torch.where(index == e)
+            rows = (x[token] @ self.weight[e]) * weights[token, slot].unsqueeze(-1)
+            # "loop-slot": added at the slot coordinates, not at the tokens
+            out = out.index_add(0, slot if self.mix == "loop-slot" else token, rows)
+        return out
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, mix: str = ""):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.experts = Experts(mix)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        x = h.reshape(-1, HIDDEN)
+        weights, index = self.router(x).softmax(-1).topk(TOP_K, dim=-1)
+        return self.head(h + self.experts(x, index, weights, ids).view(h.shape))
+
+
+def _loss(logits, target):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _compile(mix: str, plan: str = "dp=2"):
+    torch.manual_seed(0)
+    ids = torch.randint(0, VOCAB, (4, 8))
+    return compile_program(TinyMoE(mix), (ids,), {}, plan, _loss, world_size=2)
+
+
+@pytest.mark.parametrize("mix,plan", [("", "dp=2"), ("", "dp=2,mb=2"), ("loop", "dp=2")])
+def test_a_per_token_experts_region_is_proven_and_kept_as_traced(mix, plan):
+    traced, _ = _compile(mix, plan)
+    targets = {n.target for n in traced.gm.graph.nodes if n.op == "call_function"}
+    # the region runs as traced on the rank's tokens: no rewrite, no collective inside it
+    glue = {torch.ops.aten.where.default, torch.ops.aten.index_add.default} if mix else \
+        {torch.ops.aten.sort.default, torch.ops.aten.histc.default, torch.ops.aten.index_put_.default}
+    assert glue <= targets
+
+
+@pytest.mark.parametrize("mix,node,found", [
+    ("escape", "view", r"placed Regrouped\(0, by sort\)"),
+    ("prefix", "cumsum_1", r"placed Regrouped\(0, by sort\)"),
+    ("positions", "mul_1", r"placed Regrouped\(0, by sort\)"),
+    ("lookup", "cumsum", r"does not prove inside its range \[0, 3\]"),
+    ("loop-slot", "index_add", r"placed Regrouped\(0, by where\)"),
+    ("noise", "rand_like", r"draws random numbers for this rank's tokens"),
+])
+def test_a_region_that_mixes_the_ranks_tokens_is_refused(mix, node, found):
+    with pytest.raises(AutoparError) as info:
+        _compile(mix)
+    message = str(info.value)
+    assert message.startswith(f"autopar: cannot shard node '{node}'"), message
+    assert "in module 'model.experts' (Experts)" in message and "test_token_order.py" in message, message
+    assert "on mesh axis 'dp'" in message and re.search(found, message), message
