@@ -26,6 +26,7 @@ from autopar.runtime.stepping.inductor import torch_compile_options
 from autopar.runtime.mesh import world
 from autopar.runtime.module import ParallelModule
 from autopar.runtime.stepping.precision import cast_inputs, low_precision_copy, mixed_precision_dtype
+from autopar.runtime.exit_drain import drain_at_exit
 from autopar.runtime.rendezvous import as_timedelta, init_process_group
 
 __all__ = ["init_distributed", "parallelize"]
@@ -49,6 +50,7 @@ def init_distributed(backend: str | None = None, *,
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     init_process_group(backend, timeout)
+    drain_at_exit()
 
 
 def parallelize(model: nn.Module, example_inputs: Sequence[Any], *, example_kwargs: dict | None = None,
@@ -93,6 +95,8 @@ def parallelize(model: nn.Module, example_inputs: Sequence[Any], *, example_kwar
     or from ``pm.load(checkpoint)``; under a fake process group it is the scale simulation.
     """
     _check_arguments(loss_fn, max_grad_norm)
+    if dist.is_initialized():
+        drain_at_exit()  # a process group the caller made: its gloo workers finish before exit too
     world_size, _ = world()
     dtype = mixed_precision_dtype(mixed_precision)
     auto = isinstance(plan, str) and plan.strip().lower() == "auto"

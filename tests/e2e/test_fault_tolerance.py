@@ -55,7 +55,10 @@ def _elastic(port: int, *extra: str) -> list[str]:
 
 
 def _script_args(ckpt: str, steps: int = STEPS) -> list[str]:
-    return ["--ckpt-dir", ckpt, "--steps", str(steps), "--save-every", str(EVERY), "--keep", "0", "--timeout", "60"]
+    # The collective timeout bounds only a hang (a killed peer's sockets close, and the survivors
+    # fail at once); 60 s was once too short for the first rendezvous on a machine loaded by
+    # another pytest worker's 8-rank pool.
+    return ["--ckpt-dir", ckpt, "--steps", str(steps), "--save-every", str(EVERY), "--keep", "0", "--timeout", "180"]
 
 
 def _steps(lines, start: int = 0) -> dict[int, tuple[float, float]]:
