@@ -15,7 +15,9 @@ this file only exposes them as the ``dist_pool`` fixture and shuts them down whe
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -28,7 +30,7 @@ for _path in (str(_TESTS_DIR.parent), str(_TESTS_DIR)):
         sys.path.insert(0, _path)
 
 from tests.support.harness import run_distributed, shutdown_pools  # noqa: E402
-from tests.support import trace_cache  # noqa: E402
+from tests.support import trace_cache, trace_disk  # noqa: E402
 
 __all__ = ["dist_pool"]
 
@@ -56,10 +58,25 @@ TIERS = ("unit", "dist", "e2e", "gpu")
 
 def pytest_configure(config):
     """Under ``pytest -n 2`` each worker has a core: one thread for torch in it and in the
-    processes it starts (two threads each on two busy cores spin against one another)."""
+    processes it starts (two threads each on two busy cores spin against one another).
+
+    The session's folder of traces (tests/support/trace_disk.py) is made here, by the process that
+    starts the session (xdist's controller, or the one pytest process), before any worker or pool:
+    they inherit it through the environment.  A folder already named there is someone else's
+    (a pytest inside a test): used, not removed."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         torch.set_num_threads(1)
+    elif not os.environ.get(trace_disk.ENV) and os.environ.get("AUTOPAR_TEST_TRACE_CACHE", "1") != "0":
+        config._autopar_trace_dir = tempfile.mkdtemp(prefix="autopar-traces-")
+        os.environ[trace_disk.ENV] = config._autopar_trace_dir
+
+
+def pytest_unconfigure(config):
+    folder = getattr(config, "_autopar_trace_dir", None)
+    if folder is not None:
+        os.environ.pop(trace_disk.ENV, None)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker

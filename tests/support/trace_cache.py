@@ -38,11 +38,12 @@ import warnings
 import torch
 
 from autopar.frontend.trace import default_target, trace_memo
+from tests.support import trace_disk
 
 __all__ = ["session", "memo", "model_key", "clear", "STATS"]
 
 _CACHE: dict = {}
-STATS = {"hits": 0, "misses": 0}
+STATS = {"hits": 0, "misses": 0, "loaded": 0}
 _MAX_ENTRIES = 64
 _SKIP = frozenset({"_parameters", "_buffers", "_modules", "training"})
 
@@ -130,35 +131,72 @@ def _call_key(model, example_inputs, example_kwargs, loss_fn, example_target, up
 
 def memo(export, model, example_inputs, example_kwargs=None, loss_fn=None, example_target=None,
          upcast_outputs=False, stamp_layers=True):
-    """What ``export(model, ...)`` returns (the trace), from the cache when the key matches."""
+    """What ``export(model, ...)`` returns (the trace), from the cache when the key matches: this
+    process's, else the session's files (tests/support/trace_disk.py), else a fresh export."""
+    args = (model, example_inputs, example_kwargs, loss_fn, example_target, upcast_outputs, stamp_layers)
     try:
         key = _call_key(model, tuple(example_inputs), example_kwargs, loss_fn, example_target,
                         upcast_outputs, stamp_layers)
         hash(key)
     except Exception:  # something unhashable or unreadable: trace as usual
         key = None
-    entry = _CACHE.get(key) if key is not None else None
-    if entry is not None:
-        pristine, lent, traced = entry
-        current = _model_tensors(model)
-        memo = {tid: current[name] for tid, name in lent.items()}
-        gm = _deepcopy(pristine, memo)
-        STATS["hits"] += 1
-        inputs = tuple(example_inputs)
-        target = default_target(inputs, loss_fn, example_target)
-        return dataclasses.replace(traced, gm=gm, example_inputs=inputs, example_target=target)
+    if key is not None and key in _CACHE:
+        return _hit(_CACHE[key], model, example_inputs, loss_fn, example_target)
+    name = trace_disk.digest(key) if key is not None and trace_disk.folder() else None
+    if name is None:
+        return _miss(key, export, args)
+    with trace_disk.exclusive(name):
+        stored = trace_disk.read(name)
+        if stored is None:
+            traced = _miss(key, export, args)
+            if key in _CACHE:
+                pristine, lent, meta = _CACHE[key]
+                slots = _tensor_slots(pristine)
+                trace_disk.write(name, pristine, {slot: lent[id(t)] for slot, t in slots.items()}, meta)
+            return traced
+    gm, names, meta = stored
+    STATS["loaded"] += 1
+    _store(key, (gm, {id(t): names[slot] for slot, t in _tensor_slots(gm).items()}, meta))
+    return _hit(_CACHE[key], model, example_inputs, loss_fn, example_target)
+
+
+def _hit(entry, model, example_inputs, loss_fn, example_target):
+    pristine, lent, traced = entry
+    current = _model_tensors(model)
+    gm = _deepcopy(pristine, {tid: current[name] for tid, name in lent.items()})
+    STATS["hits"] += 1
+    inputs = tuple(example_inputs)
+    target = default_target(inputs, loss_fn, example_target)
+    return dataclasses.replace(traced, gm=gm, example_inputs=inputs, example_target=target)
+
+
+def _miss(key, export, args):
+    """A fresh export, kept (its lent tensors as meta stand-ins) when the key sees everything."""
     STATS["misses"] += 1
-    traced = export(model, example_inputs, example_kwargs, loss_fn, example_target, upcast_outputs, stamp_layers)
+    traced = export(*args)
+    model = args[0]
     lent = _lent(traced.gm, model) if key is not None else None
     if lent is not None:
         own = {id(t): t for t in _graph_tensors(traced.gm)}
         stand_ins = {tid: _stand_in(own[tid]) for tid in lent}
         pristine = _deepcopy(traced.gm, dict(stand_ins))  # the graph copied, the lent tensors on meta
-        if len(_CACHE) >= _MAX_ENTRIES:
-            _CACHE.pop(next(iter(_CACHE)))
-        _CACHE[key] = (pristine, {id(stand_ins[tid]): name for tid, name in lent.items()},
-                       dataclasses.replace(traced, gm=None))
+        _store(key, (pristine, {id(stand_ins[tid]): name for tid, name in lent.items()},
+                     dataclasses.replace(traced, gm=None)))
     return traced
+
+
+def _store(key, entry) -> None:
+    if len(_CACHE) >= _MAX_ENTRIES:
+        _CACHE.pop(next(iter(_CACHE)))
+    _CACHE[key] = entry
+
+
+def _tensor_slots(gm) -> dict[tuple[str, str], torch.Tensor]:
+    """Where each tensor of ``gm`` sits (what :func:`_graph_tensors` lists, by name)."""
+    slots = {("param", k): t for k, t in gm.named_parameters(remove_duplicate=False)}
+    slots.update({("buffer", k): t for k, t in gm.named_buffers(remove_duplicate=False)})
+    slots.update({("attr", k): v for k, v in gm.__dict__.items() if isinstance(v, torch.Tensor)})
+    return slots
 
 
 def _stand_in(t: torch.Tensor) -> torch.Tensor:
