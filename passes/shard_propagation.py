@@ -31,13 +31,14 @@ from torch.fx import GraphModule, Node
 
 from autopar.ops import collectives
 from autopar.ops.whole_rows import sum_whole_rows, whole_numel
+from .block_layout import carry_blocks
 from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult
 from .gradient_placement import gradient_placements
 from .rules import P, R, RuleContext, is_loss_share, is_sharded, lookup, lookup_token_order, size_expr, tensor_inputs
 from .token_order import as_share, is_token_order
 # Every rule family registers into the one table when imported (passes/rules.py lists them).
 from . import matmul_rules, moe_rules, op_rules, pointwise_rules, reduction_rules, token_order_rules  # noqa: F401
-from . import view_rules  # noqa: F401
+from . import join_rules, view_rules  # noqa: F401
 
 __all__ = ["shard_propagation_pass", "propagate", "tensor_inputs", "local_numel", "BY_RULES"]
 
@@ -87,7 +88,9 @@ def propagate(gm: GraphModule, rc: RuleContext, start: Callable[[Node], Any],
             if rc.local_sizes:
                 rc.check_tokens(node, pl)
         elif node.op == "call_function":
-            pl = place_node(node, [placements.get(a, R) for a in tensor_inputs(node)], rc)
+            pls = [placements.get(a, R) for a in tensor_inputs(node)]
+            pl = place_node(node, pls, rc)
+            carry_blocks(node, pls, pl, rc)
             if rc.local_sizes:
                 rc.check_tokens(node, pl)
         elif node.op == "output":
