@@ -59,7 +59,10 @@ def cat_blocks(node: Node, parts: list, dim: int, rc: RuleContext) -> Shard:
     return Shard(dim)
 
 
-def _layout(node: Node):
+def _layout(node: Node, rc: RuleContext):
+    if node.op == "get_attr":  # a parameter: as the TP pass laid it out
+        blocks = rc.param_blocks.get(node.target)
+        return ("blocks", *blocks) if blocks else None
     if node.meta.get(BLOCKS_KEY):
         return "blocks", tuple(node.meta[BLOCKS_KEY]), tuple(node.meta.get(WHOLE_KEY) or ())
     if node.meta.get(EVERY_KEY) is not None:
@@ -69,18 +72,18 @@ def _layout(node: Node):
 
 def carry_blocks(node: Node, pls: list, pl, rc: RuleContext) -> None:
     """After ``node``'s rule placed it ``pl``: refuse inputs laid out differently (by other blocks, or by
-    blocks beside one split evenly on the same size), and a collective or a change of the sharded dim's
-    size on a dim merged behind others; give ``node`` its inputs' layout when it is sharded on a dim of
-    the same size.  (Parameters are laid out by the TP pass with the projection they feed, which it
-    marks itself; views and the rules that set a layout place it themselves.)"""
-    if rc.local_sizes or _layout(node) is not None or node.target in SIZED_RESHAPE_OPS:
+    blocks beside one split evenly on the same size: a parameter too, as the TP pass laid it out), and
+    a collective or a change of the sharded dim's size on a dim merged behind others; give ``node`` its
+    inputs' layout when it is sharded on a dim of the same size.  (The TP pass marks a fused projection
+    and its chain itself; views and the rules that set a layout place it themselves.)"""
+    if rc.local_sizes or _layout(node, rc) is not None or node.target in SIZED_RESHAPE_OPS:
         return
-    placed = {a: p for a, p in zip(tensor_inputs(node), pls) if isinstance(p, Shard) and a.op != "get_attr"}
+    placed = {a: p for a, p in zip(tensor_inputs(node), pls) if isinstance(p, Shard)}
     sizes = {a: size_expr(shape_of(a)[p.dim]) for a, p in placed.items()}
-    layouts = {(_layout(a), sizes[a]) for a in placed if _layout(a) is not None}
+    layouts = {(_layout(a, rc), sizes[a]) for a in placed if _layout(a, rc) is not None}
     if not layouts:
         return
-    even = [a.name for a in placed if _layout(a) is None and sizes[a] in {size for _, size in layouts}]
+    even = [a.name for a in placed if _layout(a, rc) is None and sizes[a] in {size for _, size in layouts}]
     ((layout, size), *more) = layouts
     if more or even:
         raise rc.fail(node, f"it joins values laid out differently ({sorted(map(str, layouts))}"

@@ -150,6 +150,8 @@ class RuleContext:
     # global sizes the axis splits unevenly, padded to ceil(size / axis size) per rank: a vocabulary
     # tp does not divide (the parameters laid out with ``ParamShard.size``)
     uneven: frozenset = frozenset()
+    # parameters laid out by blocks on the axis (``ParamShard.blocks``): name -> (blocks, whole)
+    param_blocks: dict = dataclasses.field(default_factory=dict)
 
     def fail(self, node: Node, found: str, hint: str = "") -> ShardingError:
         return ShardingError(

@@ -142,7 +142,9 @@ def place_node(node: Node, pls: list, rc: RuleContext) -> Any:
 def _propagate_axis(gm: GraphModule, ctx: PassContext, result: PassResult, axis: str, local_syms: dict) -> None:
     rc = RuleContext(gm, axis, ctx.axis_sizes[axis], local_syms,
                      uneven=frozenset(sh[axis].size for sh in ctx.param_shards.values()
-                                      if axis in sh and sh[axis].size is not None))
+                                      if axis in sh and sh[axis].size is not None),
+                     param_blocks={name: (tuple(sh[axis].blocks), tuple(sh[axis].whole or ()))
+                                   for name, sh in ctx.param_shards.items() if axis in sh and sh[axis].blocks})
 
     def start(node: Node):
         shard = ctx.param_shards.get(node.target, {}).get(axis) if node.op == "get_attr" else None
