@@ -36,11 +36,20 @@ def describe_node(node) -> str:
         lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
         frames = [(lines[i][5:], lines[i + 1] if i + 1 < len(lines) else "")
                   for i in range(len(lines)) if lines[i].startswith("File ")]
-        # The innermost frame outside torch itself is the user's source line.
-        user = [f for f in frames if _torch_dir() not in f[0]] or frames
+        # The innermost frame outside torch itself (and the Hugging Face kernels hub's dispatch
+        # wrapper, which forwards a model's own function: a mixer's convolution) is the user's line.
+        user = [f for f in frames if not any(d in f[0] for d in _library_dirs())] or frames
         if user:
             parts.append(f"at {user[-1][0]}: {user[-1][1]}")
     return ", ".join(parts)
+
+
+@functools.lru_cache(maxsize=1)
+def _library_dirs() -> tuple[str, ...]:
+    """torch's directory, and the ``kernels`` package's where it is installed (found without importing)."""
+    spec = importlib.util.find_spec("kernels")
+    hub = os.path.dirname(spec.origin) + os.sep if spec and spec.origin else None
+    return (_torch_dir(),) + ((hub,) if hub else ())
 
 
 @functools.lru_cache(maxsize=1)

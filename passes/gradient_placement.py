@@ -40,6 +40,7 @@ from torch.fx import GraphModule, Node
 from autopar.compat import rename_node
 from autopar.frontend.op_sets import SHAPED_FILLS
 from autopar.ops import collectives
+from autopar.ops.whole_rows import local_blocks
 from .context import META_KEY
 from .rules import P, R, RuleContext, axis_of, tensor_inputs
 
@@ -53,7 +54,10 @@ GRAD_PLACEMENT_KEY = "autopar_grad_placement"
 _NO_GRAD = SHAPED_FILLS | {aten.detach.default, aten.sym_size.int}
 # Ops on one mesh axis whose inputs' gradient placement is their backward's, not the general rule's.
 _AXIS_OPS = {collectives.region_entry, collectives.all_gather, collectives.gather_replicated,
-             collectives.reduce_scatter, collectives.local_shard}
+             collectives.reduce_scatter, collectives.local_shard, local_blocks}
+# Views through which ``copy_`` writes into a tensor (:func:`_written`).
+_VIEWS = {aten.select.int, aten.slice.Tensor, aten.view.default, aten.unsqueeze.default, aten.squeeze.dim,
+          aten.transpose.int, aten.permute.default, aten.diagonal.default, aten.narrow.default}
 
 
 def _floating(val: Any) -> bool:
@@ -64,17 +68,39 @@ def _floating(val: Any) -> bool:
     return False
 
 
-def requires_grad_nodes(gm: GraphModule) -> set[Node]:
-    """Nodes whose value depends differentiably on a trainable parameter."""
-    trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
-    out: set[Node] = set()
+def _written(gm: GraphModule) -> dict[Node, list[Node]]:
+    """Tensors written in place: base -> the ``copy_`` nodes that write into it through views (a
+    recurrence's output filled step by step: ``out = zeros_like(x); out[:, :, i] = ...``).  Later
+    reads of the base carry what was written, which the graph's edges do not show."""
+    writes: dict[Node, list[Node]] = {}
     for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            if node.target in trainable:
+        if node.op == "call_function" and node.target is aten.copy_.default:
+            base = node.args[0]
+            while isinstance(base, Node) and base.op == "call_function" and base.target in _VIEWS:
+                base = base.args[0]
+            writes.setdefault(base, []).append(node)
+    return writes
+
+
+def requires_grad_nodes(gm: GraphModule) -> set[Node]:
+    """Nodes whose value depends differentiably on a trainable parameter (a tensor written in place
+    with such a value too, and what reads it)."""
+    trainable = {name for name, p in gm.named_parameters(remove_duplicate=False) if p.requires_grad}
+    writes = _written(gm)
+    out: set[Node] = set()
+    size = -1
+    while size != len(out):  # a write marks its base, which nodes before the write read: once more
+        size = len(out)
+        for node in gm.graph.nodes:
+            if node in out:
+                continue
+            if node.op == "get_attr":
+                if node.target in trainable:
+                    out.add(node)
+            elif node.op == "call_function" and _floating(node.meta.get("val")) and (
+                    (node.target not in _NO_GRAD and any(a in out for a in node.all_input_nodes))
+                    or any(c in out for c in writes.get(node, ()))):
                 out.add(node)
-        elif (node.op == "call_function" and node.target not in _NO_GRAD and _floating(node.meta.get("val"))
-              and any(a in out for a in node.all_input_nodes)):
-            out.add(node)
     return out
 
 
@@ -152,7 +178,7 @@ def _contributions(node: Node, grad: Any, pls: list, rc: RuleContext) -> list:
         return [pls[0]]
     if on_axis and target is collectives.reduce_scatter:
         return [R]
-    if on_axis and target is collectives.local_shard:
+    if on_axis and target in (collectives.local_shard, local_blocks):
         return [P]
     out = []
     for i, pl in enumerate(pls):
@@ -170,10 +196,24 @@ def _contributions(node: Node, grad: Any, pls: list, rc: RuleContext) -> list:
 def gradient_placements(gm: GraphModule, rc: RuleContext, placements: dict[Node, Any]) -> dict[Node, Any]:
     """Gradient placement on ``rc.axis`` of every node that has a gradient (see the module doc).
 
+    A tensor written in place (:func:`_written`) gives each ``copy_`` into it the gradient it gets
+    from its later reads (their sharded placement on the written view, or the same partial or
+    replicated kind), found by walking again until the writes' gradients no longer change.
+
     May retarget all-gathers (``all_gather`` <-> ``gather_replicated``) to the backward their
     gradient needs; raises for a value whose gradient has no placement."""
-    needs = requires_grad_nodes(gm)
-    found: dict[Node, dict[Any, set]] = {}
+    needs, writes, seeds = requires_grad_nodes(gm), _written(gm), {}
+    while True:
+        grads = _walk(gm, rc, placements, needs, seeds)
+        new = {c: placements.get(c, R) if isinstance(grads[base], Shard) else grads[base]
+               for base, copies in writes.items() if base in grads for c in copies if c in needs}
+        if new == seeds:
+            return grads
+        seeds = new
+
+
+def _walk(gm: GraphModule, rc: RuleContext, placements: dict[Node, Any], needs: set, seeds: dict) -> dict:
+    found: dict[Node, dict[Any, set]] = {c: {None: {pl}} for c, pl in seeds.items()}
 
     def give(node: Node, pl: Any, index: Any = None) -> None:
         if node in needs:
@@ -198,7 +238,7 @@ def gradient_placements(gm: GraphModule, rc: RuleContext, placements: dict[Node,
             _whole_parts(node, (forward,), {0: grad}, rc)
         grads[node] = grad
         node.meta.setdefault(GRAD_PLACEMENT_KEY, {})[rc.axis] = grad
-        if node.op != "call_function":
+        if node.op != "call_function" or node.target in _NO_GRAD:  # a fill written in place passes nothing on
             continue
         inputs = tensor_inputs(node)
         if node.target is operator.getitem and isinstance(placements.get(inputs[0]), (tuple, list)):

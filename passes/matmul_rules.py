@@ -1,11 +1,14 @@
 """Sharding rules where activations meet weights: linear, addmm, mm, batched matmul, outer
-products, attention, and the embedding lookup.
+products, attention, a depthwise convolution, and the embedding lookup.
 
 A column-parallel weight (sharded on its output features) shards the output's last dim; a
 row-parallel one (sharded on its input features, meeting an input sharded alike) leaves a
 partial sum, which the TP pass reduces right after.  Attention keeps its heads' shard
 (replicated K and V, under KV-head replication, are cut to this rank's query heads first).
-Registered in the one registry of ``passes/rules.py``.
+A depthwise convolution (a mixer's ``conv1d`` over its channels, ``groups`` = channels) keeps the
+rank's channels: its weight and bias are cut to them (block by block where the channels are
+parts side by side, ``passes/block_layout.py``); over the sequence it needs every position's
+neighbours, so a sequence shard is refused.  Registered in the one registry of ``passes/rules.py``.
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from .rules import P, R, RuleContext, ndim_of, register, shape_of, size_expr
 from .view_rules import view_rule
 
 __all__ = ["linear_rule", "addmm_rule", "mm_rule", "batched_matmul_rule", "outer_rule", "sdpa_rule",
-           "embedding_rule"]
+           "conv1d_rule", "embedding_rule"]
 
 aten = torch.ops.aten
 
@@ -191,6 +194,34 @@ def sdpa_rule(node: Node, pls: list, rc: RuleContext):
     if all(isinstance(p, Shard) and p.dim == 0 for p in (q, k, v)):
         return Shard(0)
     raise rc.fail(node, f"q/k/v placements {q}, {k}, {v}; expected all sharded on the heads dim {heads}")
+
+
+@register(aten.conv1d.default)
+def conv1d_rule(node: Node, pls: list, rc: RuleContext):
+    """``conv1d(x [b, c, s], w [c_out, c_in / groups, k], bias, stride, padding, dilation, groups)``:
+    batch rows are independent; a depthwise convolution (``groups`` = c = c_out) keeps each channel's
+    own, so channel shards stay (``groups`` becomes the local count); the sequence dim is refused."""
+    x, params = pls[0], pls[1:]
+    if not any(isinstance(p, (Shard, Partial)) for p in pls):
+        return R
+    args = list(node.args) + [None, [1], [0], [1], 1][len(node.args) - 2:]
+    channels, groups = shape_of(node.args[0])[1], args[6]
+    if isinstance(x, Shard) and x.dim == 0 and all(isinstance(p, Replicate) for p in params):
+        return x
+    if isinstance(x, Shard) and x.dim == 1 and groups == channels == shape_of(node.args[1])[0] and \
+            all(isinstance(p, Replicate) for p in params) and not rc.local_sizes:
+        for arg in (a for a in (node.args[1], args[2]) if isinstance(a, Node)):
+            rc.shard_operand(node, arg, 0, f"the channels of depthwise conv weight {arg.name} this rank holds")
+        args[:3] = (list(node.args) + [None])[:3]  # the operands as cut
+        args[6] = rc.local_size(node, groups)
+        node.args = tuple(args)
+        return x
+    if isinstance(x, Shard) and x.dim == 2:
+        raise rc.fail(node, "a convolution along the sharded sequence: each position reads its kernel's "
+                            "neighbours, which another rank holds",
+                      f"The module is a sequence mixer (a state-space or linear-attention layer) that needs the "
+                      f"whole sequence; use a plan without {rc.axis} for this model.")
+    raise rc.fail(node, f"convolution with input, weight and bias placed {pls} (groups={groups}, {channels} channels)")
 
 
 @register(aten.embedding.default)

@@ -23,7 +23,7 @@ from autopar.ops import rng
 from .context import provenance
 from .rules import P, R, RuleContext, is_loss_share, ndim_of, register, shape_of
 
-__all__ = ["POINTWISE_OPS", "pointwise_rule", "fill_rule", "fill_like_rule"]
+__all__ = ["POINTWISE_OPS", "pointwise_rule", "fill_rule", "fill_like_rule", "triangle_rule"]
 
 aten = torch.ops.aten
 
@@ -212,3 +212,14 @@ def fill_rule(node: Node, pls: list, rc: RuleContext):
 def fill_like_rule(node: Node, pls: list, rc: RuleContext):
     """A constant in the shape of a shard is that shard of the constant."""
     return pls[0] if isinstance(pls[0], Shard) else R
+
+
+@register(aten.tril.default, aten.triu.default)
+def triangle_rule(node: Node, pls: list, rc: RuleContext):
+    """``tril`` / ``triu``: zeros by position in the last two dims (a mixer's causal mask within a
+    chunk), element-wise elsewhere: a shard of another dim stays, and so does a partial sum (zeros
+    are linear); a shard of the last two dims would move the diagonal on each rank: refused."""
+    pl = pls[0]
+    if isinstance(pl, Shard) and pl.dim >= ndim_of(node) - 2:
+        raise rc.fail(node, f"masks a triangle of the last two dims, one of them sharded ({pl})")
+    return pl

@@ -16,8 +16,10 @@ this one table with :func:`register`:
 - ``passes/reduction_rules.py``: reductions, softmax, histograms, differences and cumulative
   sums along a dim, normalisation layers, the cross-entropy loss;
 - ``passes/matmul_rules.py``: linear, addmm, mm, batched matmul, outer products, attention,
-  the embedding lookup;
-- ``passes/view_rules.py``: views, reshapes, transposes, slices, splits, concatenation;
+  a depthwise convolution, the embedding lookup;
+- ``passes/view_rules.py``: views, reshapes, transposes, slices;
+- ``passes/join_rules.py``: splits and concatenations (a tensor laid out by blocks:
+  ``passes/block_layout.py``);
 - ``passes/moe_rules.py``: MoE routing and the EP operators;
 - ``passes/op_rules.py``: autopar's own operators (collectives, CP attention and positions,
   the vocabulary-parallel embedding and loss);
@@ -43,6 +45,7 @@ from torch.fx import Node
 
 from autopar.compat import sym_expr
 from autopar.ops import collectives
+from autopar.ops.whole_rows import local_blocks
 from autopar.errors import AutoparError, describe_node
 from .context import provenance
 
@@ -147,6 +150,8 @@ class RuleContext:
     # global sizes the axis splits unevenly, padded to ceil(size / axis size) per rank: a vocabulary
     # tp does not divide (the parameters laid out with ``ParamShard.size``)
     uneven: frozenset = frozenset()
+    # parameters laid out by blocks on the axis (``ParamShard.blocks``): name -> (blocks, whole)
+    param_blocks: dict = dataclasses.field(default_factory=dict)
 
     def fail(self, node: Node, found: str, hint: str = "") -> ShardingError:
         return ShardingError(
@@ -160,14 +165,34 @@ class RuleContext:
         the provenance's reason, by default a generic one)."""
         if self.local_sizes:  # the graph's sizes are local: a replicated operand this long is not a slice
             raise self.fail(node, f"replicated {arg.name} meets this rank's tokens along dim {dim}")
+        blocks = self.operand_blocks(node, arg, dim)
         with self.gm.graph.inserting_before(node):
-            part = self.gm.graph.call_function(collectives.local_shard, (arg, dim, self.axis))
+            part = self.gm.graph.call_function(*((local_blocks, (arg, dim, list(blocks), self.axis)) if blocks else
+                                                 (collectives.local_shard, (arg, dim, self.axis))))
         part.meta["val"] = arg.meta.get("val")
         part.meta["autopar_placement"] = {self.axis: Shard(dim)}
+        if blocks:
+            part.meta["autopar_blocks"] = blocks
         provenance(part, self.pass_name, self.axis,
                    why or f"take this rank's slice of replicated {arg.name} (no communication)")
         node.replace_input_with(arg, part)
         return part
+
+    def operand_blocks(self, node: Node, arg: Node, dim: int) -> tuple | None:
+        """The blocks (``autopar_blocks``: parts each split over the axis, side by side) of the inputs
+        of ``node`` sharded beside replicated ``arg``: ``arg``'s slice must be cut block by block too
+        (:func:`~autopar.ops.whole_rows.local_blocks`).  None when no input is laid out by blocks;
+        refused when the inputs disagree or ``arg``'s dim is not their concatenation."""
+        sharded = [a for a in tensor_inputs(node) if a is not arg and isinstance((self.placements or {}).get(a), Shard)]
+        found = {tuple(a.meta["autopar_blocks"]) if a.meta.get("autopar_blocks") else None for a in sharded}
+        if found <= {None} and all(a.meta.get("autopar_every") is None for a in sharded):
+            return None
+        (blocks,) = found if len(found) == 1 else (None,)
+        if blocks is None or any(a.meta.get("autopar_whole") for a in tensor_inputs(node)) or \
+                size_expr(shape_of(arg)[dim]) != sum(blocks):
+            raise self.fail(node, f"replicated {arg.name} meets inputs sharded block by block {sorted(found, key=str)} "
+                                  f"along its dim {dim}")
+        return blocks
 
     def token_dim(self, node: Node, val: Any = None) -> int | None:
         """Under ``local_sizes``: the dim of ``node``'s value whose size holds the sequence symbol

@@ -31,13 +31,14 @@ from torch.fx import GraphModule, Node
 
 from autopar.ops import collectives
 from autopar.ops.whole_rows import sum_whole_rows, whole_numel
+from .block_layout import carry_blocks
 from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult
 from .gradient_placement import gradient_placements
 from .rules import P, R, RuleContext, is_loss_share, is_sharded, lookup, lookup_token_order, size_expr, tensor_inputs
 from .token_order import as_share, is_token_order
 # Every rule family registers into the one table when imported (passes/rules.py lists them).
 from . import matmul_rules, moe_rules, op_rules, pointwise_rules, reduction_rules, token_order_rules  # noqa: F401
-from . import view_rules  # noqa: F401
+from . import join_rules, view_rules  # noqa: F401
 
 __all__ = ["shard_propagation_pass", "propagate", "tensor_inputs", "local_numel", "BY_RULES"]
 
@@ -87,7 +88,9 @@ def propagate(gm: GraphModule, rc: RuleContext, start: Callable[[Node], Any],
             if rc.local_sizes:
                 rc.check_tokens(node, pl)
         elif node.op == "call_function":
-            pl = place_node(node, [placements.get(a, R) for a in tensor_inputs(node)], rc)
+            pls = [placements.get(a, R) for a in tensor_inputs(node)]
+            pl = place_node(node, pls, rc)
+            carry_blocks(node, pls, pl, rc)
             if rc.local_sizes:
                 rc.check_tokens(node, pl)
         elif node.op == "output":
@@ -139,7 +142,9 @@ def place_node(node: Node, pls: list, rc: RuleContext) -> Any:
 def _propagate_axis(gm: GraphModule, ctx: PassContext, result: PassResult, axis: str, local_syms: dict) -> None:
     rc = RuleContext(gm, axis, ctx.axis_sizes[axis], local_syms,
                      uneven=frozenset(sh[axis].size for sh in ctx.param_shards.values()
-                                      if axis in sh and sh[axis].size is not None))
+                                      if axis in sh and sh[axis].size is not None),
+                     param_blocks={name: (tuple(sh[axis].blocks), tuple(sh[axis].whole or ()))
+                                   for name, sh in ctx.param_shards.items() if axis in sh and sh[axis].blocks})
 
     def start(node: Node):
         shard = ctx.param_shards.get(node.target, {}).get(axis) if node.op == "get_attr" else None

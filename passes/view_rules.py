@@ -1,4 +1,4 @@
-"""Sharding rules for the view family: view/reshape, flatten, expand, transpose, slicing, splits.
+"""Sharding rules for the view family: view/reshape, flatten, expand, transpose, slicing.
 
 These ops move a sharded dim to a new position, and the ones with explicit sizes must have
 those sizes rewritten to the local shard (``view(x, [b, s, 4, 16])`` becomes
@@ -7,24 +7,27 @@ same rules work on graphs traced with symbolic batch and sequence sizes.  On a d
 axis (cp: sizes already local) sizes stay, and a reshape keeps the tokens in the dim that
 keeps the sequence length.
 
-Registered in the one registry of ``passes/rules.py``; the propagation loop is
+Splits and concatenations are ``passes/join_rules.py``.  Registered in the one registry of
+``passes/rules.py``; the propagation loop is
 ``passes/shard_propagation.py``.
 """
 from __future__ import annotations
 
 import functools
+import math
 
 import sympy
 import torch
-from torch.distributed.tensor import Partial, Replicate, Shard
+from torch.distributed.tensor import Replicate, Shard
 from torch.fx import Node
 
-from autopar.frontend.op_sets import SIZED_RESHAPE_OPS, SPLIT_OPS
+from autopar.frontend.op_sets import SIZED_RESHAPE_OPS
+from .block_layout import BLOCKS_KEY, EVERY_KEY
 from .rules import R, RuleContext, canonical_dim, ndim_of, register, shape_of, size_expr
 
 aten = torch.ops.aten
 
-__all__ = ["dim_groups", "view_rule"]
+__all__ = ["dim_groups", "view_rule", "block_edges"]
 
 _INT_MAX = 2**62
 
@@ -74,12 +77,16 @@ def _mapped_dim(node: Node, src: Node, shard: Shard, rc: RuleContext) -> int:
     in_shape, out_shape = shape_of(src), shape_of(node)
     for gi, gj in dim_groups(in_shape, out_shape):
         if shard.dim in gi:
-            if _first_nonunit(gi, in_shape) != shard.dim:
-                raise rc.fail(node, f"the sharded dim {shard.dim} is merged behind another dim of {tuple(in_shape)}",
-                              "Sharding must stay on the outermost dim of a merged group.")
             out = _first_nonunit(gj, out_shape)
             if out is None:
                 raise rc.fail(node, f"the sharded dim {shard.dim} disappears")
+            if _first_nonunit(gi, in_shape) != shard.dim:
+                if [d for d in gj if size_expr(out_shape[d]) != 1] != [out] or src.meta.get(BLOCKS_KEY):
+                    raise rc.fail(node, f"the sharded dim {shard.dim} is merged behind another dim of "
+                                        f"{tuple(in_shape)}", "Sharding must stay on the outermost dim of a "
+                                        "merged group, or the merged dims must become one dim.")
+                node.meta[EVERY_KEY] = math.prod((size_expr(in_shape[d]) for d in gi if d >= shard.dim),
+                                                 start=sympy.Integer(1))
             return out
     raise rc.fail(node, f"cannot map sharded dim {shard.dim} from {tuple(in_shape)} to {tuple(out_shape)}")
 
@@ -116,9 +123,28 @@ def _on_shard(rule):
 def view_rule(node: Node, pl: Shard, rc: RuleContext):
     if rc.local_sizes:
         return _token_shard(node, rc)
-    out = _mapped_dim(node, node.args[0], pl, rc)
+    every = node.args[0].meta.get(EVERY_KEY)
+    out = _mapped_dim(node, node.args[0], pl, rc) if every is None else _unmerged_dim(node, pl, every, rc)
     _rewrite_sizes(node, 1, out, rc)
     return Shard(out)
+
+
+def _unmerged_dim(node: Node, pl: Shard, inner, rc: RuleContext) -> int:
+    """A view of a dim that holds the rank's share of every run of ``inner`` elements (a dim merged
+    behind others, ``passes/block_layout.py``): kept whole, the layout stays; split back so that the
+    dims from one on multiply to ``inner``, that dim is an even shard again; anything else is refused."""
+    in_shape, out_shape = shape_of(node.args[0]), shape_of(node)
+    for gi, gj in dim_groups(in_shape, out_shape):
+        if pl.dim not in gi or [d for d in gi if size_expr(in_shape[d]) != 1] != [pl.dim]:
+            continue
+        if len(gj) == 1:
+            node.meta[EVERY_KEY] = inner
+            return gj[0]
+        for j in gj:
+            if math.prod((size_expr(out_shape[k]) for k in gj if k >= j), start=sympy.Integer(1)) == inner:
+                return j
+    raise rc.fail(node, f"reshapes dim {pl.dim}, which holds this rank's share of every {inner} elements (heads "
+                        f"merged behind other dims), to {tuple(out_shape)} other than back to those dims")
 
 
 @register(aten.flatten.using_ints, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
@@ -153,12 +179,16 @@ def reshape_as_rule(node: Node, pls: list, rc: RuleContext):
 def repeat_interleave_rule(node: Node, pl: Shard, rc: RuleContext):
     """``x.repeat_interleave(r, dim)``: each element repeated ``r`` times in place along ``dim``
     (interleaved rotary tables: ``cos.repeat_interleave(2, dim=-1)``).  A shard on another dim
-    stays, and the op is linear, so a partial sum passes too; along the sharded dim itself the
-    repeated tokens would no longer be one per position, so that is refused."""
+    stays, and the op is linear, so a partial sum passes too.  Along the sharded dim of an even
+    shard each rank's elements repeated in place are its even shard of the result (a mixer's key
+    heads repeated to its value heads: ``q.repeat_interleave(nv // nk, dim=2)``); on a data axis the
+    repeated tokens would no longer be one per position, and a tensor laid out by blocks would not
+    stay even, so those are refused."""
     dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
     if dim is None:
         raise rc.fail(node, "repeat_interleave without a dim flattens a sharded tensor")
-    if canonical_dim(dim, ndim_of(node.args[0])) == pl.dim:
+    if canonical_dim(dim, ndim_of(node.args[0])) == pl.dim and (
+            rc.local_sizes or not isinstance(node.args[1], int) or node.args[0].meta.get("autopar_blocks")):
         raise rc.fail(node, f"repeats the elements of the sharded dim {pl.dim}")
     return pl
 
@@ -240,7 +270,7 @@ def permute_rule(node: Node, pl: Shard, rc: RuleContext):
     return Shard(dims.index(pl.dim))
 
 
-def _block_edges(node: Node, blocks, rc: RuleContext) -> tuple[list, list, tuple]:
+def block_edges(node: Node, blocks, rc: RuleContext) -> tuple[list, list, tuple]:
     """Global and local offsets of a fused projection's blocks, which are whole on every rank (a KV head)."""
     whole = node.args[0].meta.get("autopar_whole") or (False,) * len(blocks)
     local = [b if w else rc.local_size(node, b) for b, w in zip(blocks, whole)]
@@ -264,7 +294,7 @@ def slice_rule(node: Node, pl: Shard, rc: RuleContext):
         return pl
     blocks = node.args[0].meta.get("autopar_blocks")
     if blocks and step == 1:  # one part of a fused projection sharded block by block (Phi-3's qkv)
-        edges, local, whole = _block_edges(node, blocks, rc)
+        edges, local, whole = block_edges(node, blocks, rc)
         lo = start or 0
         hi = edges[-1] if full_end else end
         if lo in edges and hi in edges and edges.index(hi) == edges.index(lo) + 1:
@@ -367,84 +397,3 @@ def _shard_fill(node: Node, dst: Node, dim: int, rc: RuleContext) -> bool:
     for n in [fill, *chain]:
         rc.placements[n] = Shard(dim)
     return True
-
-
-@register(*SPLIT_OPS)
-def split_rule(node: Node, pls: list, rc: RuleContext):
-    pl = pls[0]
-    num_out = len(node.meta["val"])
-    if not isinstance(pl, Shard):
-        return tuple([pl] * num_out)
-    nd = ndim_of(node.args[0])
-    dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % nd
-    if dim != pl.dim:
-        return tuple([pl] * num_out)
-    # Splitting the sharded dim is only right when the producer was sharded block by block
-    # (a fused projection), so each local part is that rank's share of each global part.
-    if not node.args[0].meta.get("autopar_blocks"):
-        raise rc.fail(node, f"splits the sharded dim {dim} of a tensor that was not sharded block-wise",
-                      "Fused projections must be recognised by the TP pass; report the model.")
-    args = list(node.args)
-    blocks = node.args[0].meta["autopar_blocks"]
-    _, local, whole = _block_edges(node, blocks, rc)
-    if any(whole):  # parts kept whole on every rank: only a split at exactly the blocks is known
-        if node.target != aten.split_with_sizes.default or list(node.args[1]) != list(blocks):
-            raise rc.fail(node, f"splits a fused projection with whole blocks {blocks} other than at them")
-        args[1] = [b - a for a, b in zip(local, local[1:])]
-    elif node.target == aten.split_with_sizes.default:
-        args[1] = [rc.local_size(node, s) for s in node.args[1]]
-    elif node.target == aten.split.Tensor:
-        args[1] = rc.local_size(node, node.args[1])
-    node.args = tuple(args)
-    return tuple(R if w else pl for w in whole) if any(whole) else tuple([pl] * num_out)
-
-
-def _legacy_empty(node: Node) -> bool:
-    """A 1-D tensor of size 0, which ``cat`` skips (a KV cache's initial value)."""
-    return shape_of(node) == (0,)
-
-
-@register(aten.cat.default)
-def cat_rule(node: Node, pls: list, rc: RuleContext):
-    parts = [(a, p) for a, p in zip(node.args[0], pls) if not _legacy_empty(a)]
-    if len(parts) == 1:  # a copy of the one part that is not skipped
-        return parts[0][1]
-    pls = [p for _, p in parts]
-    shards = {p for p in pls if isinstance(p, Shard)}
-    if not shards and not any(isinstance(p, Partial) for p in pls):
-        return R
-    nd = ndim_of(node)
-    dim = (node.args[1] if len(node.args) > 1 else 0) % nd
-    if len(shards) == 1 and all(isinstance(p, (Shard, Replicate)) for p in pls):
-        (pl,) = shards
-        if pl.dim != dim:
-            _slice_replicated(node, parts, pl.dim, rc)
-            return pl
-    raise rc.fail(node, f"concatenates inputs placed {pls} along dim {dim}")
-
-
-def _slice_replicated(node: Node, parts: list, dim: int, rc: RuleContext) -> None:
-    """Give ``node`` this rank's slice along ``dim`` of each replicated part of a cat / stack
-    whose other parts are sharded on ``dim`` (a token-type embedding concatenated with sequence
-    shards, a per-head tensor with head shards): every part has the full size on that dim, so
-    the slice is exactly the rank's share (no communication)."""
-    for arg, pl in parts:
-        if isinstance(pl, Replicate):
-            if size_expr(shape_of(arg)[dim]) in rc.uneven:
-                raise rc.fail(node, f"joins replicated {arg.name} with parts split unevenly on dim {dim}")
-            rc.shard_operand(node, arg, dim, f"this rank's slice of replicated {arg.name}, joined with "
-                                             f"parts sharded on dim {dim} (no communication)")
-
-
-@register(aten.stack.default)
-def stack_rule(node: Node, pls: list, rc: RuleContext):
-    shards = {p for p in pls if isinstance(p, Shard)}
-    if not shards and not any(isinstance(p, Partial) for p in pls):
-        return R
-    dim = (node.args[1] if len(node.args) > 1 else 0) % ndim_of(node)
-    if len(shards) == 1 and all(isinstance(p, (Shard, Replicate)) for p in pls):
-        (pl,) = shards
-        _slice_replicated(node, list(zip(node.args[0], pls)), pl.dim, rc)
-        return Shard(pl.dim + (1 if dim <= pl.dim else 0))
-    raise rc.fail(node, f"stacks inputs placed {pls}")
-

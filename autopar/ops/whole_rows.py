@@ -9,6 +9,12 @@ those rows alone must be summed over the axis.  The passes insert :func:`sum_who
 parameter right before its use: forward is the identity, backward all-reduces the whole blocks'
 rows of the gradient (one call per tensor, phase ``bwd``) and passes the sharded rows as they are.
 
+A tensor whose channels are a concatenation of parts each split over tp (a linear-attention mixer's
+``cat((q, k, v))`` before its depthwise convolution) is laid out block by block as well: a
+replicated operand that meets it (the convolution's weight) is cut by :func:`local_blocks`, this
+rank's share of every block, side by side; backward puts the gradient back at those rows and
+zeros elsewhere (a partial sum over tp, which gradient placement marks and the DP pass sums).
+
 Neighbours: :mod:`autopar.ops.collectives` (the recorder, the groups), its placement rule in
 ``passes/op_rules.py``, its gradient check in ``passes/gradient_placement.py``, and the cost
 model's row for it (``cost/comm.py``, ``FUSED_KV``).
@@ -20,7 +26,7 @@ import torch.distributed as dist
 
 from autopar.ops.collectives import find_group, record
 
-__all__ = ["sum_whole_rows", "whole_numel"]
+__all__ = ["sum_whole_rows", "whole_numel", "local_blocks"]
 
 
 def _local_sizes(sizes, whole, n: int) -> list[int]:
@@ -64,3 +70,30 @@ def sum_whole_rows(w: torch.Tensor, dim: int, sizes: list[int], whole: list[bool
     """``w`` as is; backward sums the gradient of its whole blocks (``sizes`` along ``dim``, global
     sizes; ``whole`` per block) over ``axis`` and keeps the sharded blocks' rows."""
     return _SumWholeRows.apply(w, dim, list(sizes), list(whole), axis, tag)
+
+
+class _LocalBlocks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, sizes, axis):
+        g = find_group(axis)
+        n, rank = (g.size, g.rank) if g is not None else (1, 0)
+        ctx.dim, ctx.shape, ctx.sizes, ctx.n, ctx.rank = dim, x.shape, sizes, n, rank
+        parts = [p.chunk(n, dim=dim)[rank] for p in x.split(sizes, dim=dim)]
+        return torch.cat(parts, dim=dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_zeros(ctx.shape)
+        pieces = grad.split([s // ctx.n for s in ctx.sizes], dim=ctx.dim)
+        start = 0
+        for size, piece in zip(ctx.sizes, pieces):
+            out.narrow(ctx.dim, start + ctx.rank * piece.shape[ctx.dim], piece.shape[ctx.dim]).copy_(piece)
+            start += size
+        return out, None, None, None
+
+
+def local_blocks(x: torch.Tensor, dim: int, sizes: list[int], axis: str) -> torch.Tensor:
+    """This rank's share of each block (``sizes`` along ``dim``, global sizes) of a replicated ``x``,
+    concatenated in block order (no communication); backward scatters the gradient back to those
+    rows, zeros elsewhere."""
+    return _LocalBlocks.apply(x, dim, list(sizes), axis)

@@ -5,7 +5,8 @@ under four plans on 2 gloo ranks against one process, and docs/zoo.md is its tab
 runs the same code (``benchmarks.zoo_engine.run_types``: the same shrinking, batches, reference and
 comparison) on pairs chosen to cover the classes of architecture -- dense GQA, multi-query
 attention, mixtures of experts, sliding windows, ALiBi, Conv1D weights, parallel attention and
-MLP, tied heads, an encoder used as a causal LM, state-space and hybrid models that are refused
+MLP, tied heads, an encoder used as a causal LM, a linear-attention mixer, state-space and hybrid
+models that are refused
 -- a handful of model types per pool call on the session's pooled gloo workers
 (tests/support/harness.py), and checks that each pair's outcome is the one the sweep recorded:
 ``equal`` stays equal, ``refused`` stays refused (with an ``autopar:`` message) and nothing
@@ -65,6 +66,10 @@ EXPECTED: dict[str, dict[str, object]] = {
     "bert": {"tp=2,sp": E},
     # a hybrid of attention and state-space layers
     "jamba": {"tp=2,sp": (R, "sequence parallelism needs the sequence dimension")},
+    # a linear-attention mixer (Qwen3-Next's gated delta net) split by heads: q|k|v concatenated and
+    # convolved per channel laid out by blocks, its recurrence per head; under cp its causal
+    # convolution needs the whole sequence: refused naming the mixer
+    "qwen3_next": {"tp=2,sp": E, "cp=2:ring": (R, "needs the whole sequence")},
     # multi-head latent attention: the latents whole on every tp rank, the up-projections split by heads
     "deepseek_v3": {"tp=2,sp": E},
     # linears outside the layers (an embedding projection, a generator head) make no region

@@ -31,6 +31,7 @@ __all__ = [
     "hf_olmo2",
     "hf_mixtral_aux",
     "hf_qwen3",
+    "hf_qwen3_next",
     "hf_mistral_window",
     "hf_qwen2_window",
     "hf_gemma2_window",
@@ -170,6 +171,22 @@ def hf_qwen3(seed: int = 0, **overrides):
 
 
 MODELS["hf_qwen3"] = (hf_qwen3, hf_loss, {"use_cache": False})
+
+
+def hf_qwen3_next(seed: int = 0, **overrides):
+    """A tiny dense ``transformers.Qwen3NextForCausalLM``: layer 0 a gated delta net (linear
+    attention: q|k|v|z and b|a projected grouped by key head, q|k|v concatenated and convolved per
+    channel, 2 key heads repeated to 4 value heads, a chunked recurrence, a gated norm per head),
+    layer 1 full attention; dense MLPs, so plain tp runs too (vocab 128, hidden 64)."""
+    return hf_model("Qwen3NextConfig", "Qwen3NextForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+        layer_types=["linear_attention", "full_attention"], num_experts=0, mlp_only_layers=[0, 1],
+        max_position_embeddings=64, attn_implementation="sdpa"), overrides)
+
+
+MODELS["hf_qwen3_next"] = (hf_qwen3_next, hf_loss, {"use_cache": False})
 
 
 def hf_falcon(seed: int = 0, **overrides):
