@@ -100,8 +100,8 @@ _DIST_ON_THEIR_OWN = frozenset(f"tests/dist/{name}.py" for name in (
 
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: absent without it
 def pytest_xdist_make_scheduler(config, log):
-    """``pytest -n 2`` (an option beside the README's serial command: two workers, one per core, each with its own
-    pools and trace memo) hands each worker whole scopes, in the order collected (tests/dist,
+    """``pytest -n 2`` (the README's and CI's command: two workers, one per core, each with its own
+    pools and trace memo, sharing the session's folder of traces) hands each worker whole scopes, in the order collected (tests/dist,
     then tests/e2e, then the many small files of tests/unit, which fill in at the end): all of
     ``tests/dist`` but :data:`_DIST_ON_THEIR_OWN` is one scope (its pools trace each model once
     for the tier; split, both workers' pools would trace every shared model on every rank), and

@@ -15,7 +15,17 @@ transformers = pytest.importorskip("transformers")
 VOCAB = 128
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
+# Models whose export cannot keep the sequence symbolic, and why (strict: an xpass fails, so the
+# entry goes when the model exports).
+SEQUENCE_SPECIALISED = {
+    "hf_qwen3_next": "its gated delta net pads the sequence to chunks of 64 (a size fixed in transformers' "
+                     "torch_chunk_gated_delta_rule), so the export guards the sequence length",
+}
+
+
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=pytest.mark.xfail(reason=SEQUENCE_SPECIALISED[name], strict=True))
+    if name in SEQUENCE_SPECIALISED else name for name in sorted(MODELS)])
 def test_dynamic_export_runs_at_other_sizes(name):
     factory, _, kwargs = MODELS[name]
     model = factory(seed=0)

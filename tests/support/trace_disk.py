@@ -82,7 +82,10 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 def _ours(module: str) -> bool:
     """Whether ``module`` is the project's own code (a test, an example, ``__main__``), not a library's."""
     path = getattr(sys.modules.get(module), "__file__", None)
-    return path is None or os.path.abspath(path).startswith(_REPO + os.sep)
+    if path is None:
+        return True
+    path = os.path.abspath(path)  # an installed library may sit inside the checkout (.venv/): not ours
+    return path.startswith(_REPO + os.sep) and f"{os.sep}site-packages{os.sep}" not in path
 
 
 def _name(obj) -> str:
