@@ -104,10 +104,7 @@ def _model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _graph_tensors(gm: torch.nn.Module) -> list[torch.Tensor]:
-    out = [t for _, t in gm.named_parameters(remove_duplicate=False)]
-    out += [t for _, t in gm.named_buffers(remove_duplicate=False)]
-    out += [v for v in gm.__dict__.values() if isinstance(v, torch.Tensor)]
-    return out
+    return list(_tensor_slots(gm).values())
 
 
 def _lent(gm, model) -> dict[int, str] | None:
