@@ -14,6 +14,7 @@ this file only exposes them as the ``dist_pool`` fixture and shuts them down whe
 """
 from __future__ import annotations
 
+import gc
 import os
 import shutil
 import sys
@@ -89,6 +90,15 @@ def pytest_collection_modifyitems(config, items):
             continue
         if tier in TIERS:
             item.add_marker(getattr(pytest.mark, tier))
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection made (torch, transformers and every test module, imported for good):
+    the interpreter's full collections, many in a session that makes programs by the thousand,
+    then walk only what the tests make (about 15 CPU-s of the unit tier otherwise).  The pool
+    workers freeze what outlives each job the same way (tests/support/harness.py)."""
+    gc.collect()
+    gc.freeze()
 
 
 # tests/dist files that run on either worker with pools of its own: their cost is mostly their own

@@ -141,6 +141,26 @@ def _seed_job() -> None:
         sys.modules["numpy"].random.seed(JOB_SEED)
 
 
+_JOBS_SINCE_THAW = [0]
+_THAW_EVERY = 32
+
+
+def _collect_job_garbage() -> None:
+    """Free the job's reference cycles; :func:`_reset_after_job` then freezes what survives.
+
+    A worker that served many jobs holds hundreds of thousands of long-lived objects (traced
+    programs in the trace memo, imported modules); a full collection walks them all, about a
+    third of a second each time, and jobs collect once per job and once per measured step
+    (peak_jobs.py).  Frozen, they are skipped, so a collection walks only what the next job makes.
+    A frozen object that later becomes cyclic garbage (a trace evicted from the memo) is only
+    freed when thawed, so every ``_THAW_EVERY`` jobs the worker thaws and collects everything."""
+    _JOBS_SINCE_THAW[0] += 1
+    if _JOBS_SINCE_THAW[0] >= _THAW_EVERY:
+        _JOBS_SINCE_THAW[0] = 0
+        gc.unfreeze()
+    gc.collect()
+
+
 def _reset_after_job(saved: dict) -> None:
     """Drop what a job left in this process so the next job starts clean."""
     import torch.distributed as dist
@@ -176,7 +196,7 @@ def _reset_after_job(saved: dict) -> None:
         os.chdir(saved["cwd"])
     if "torch._dynamo" in sys.modules:
         sys.modules["torch._dynamo"].reset()
-    gc.collect()
+    _collect_job_garbage()
     # A process group outliving its job means something still holds the job's program (a
     # reference cycle through a C++ hook, a global cache): every later job would then share
     # the cores with its gloo threads, and a suite slows down job by job until it times out.
@@ -185,12 +205,13 @@ def _reset_after_job(saved: dict) -> None:
         if saved["gloo_threads"] < 0 or left <= 0:
             break
         time.sleep(0.05)
-        gc.collect()
+        gc.collect()  # young objects only: the worker's long-lived ones are frozen
         left = _gloo_threads() - saved["gloo_threads"]
     if saved["gloo_threads"] >= 0 and left > 0:
         raise RuntimeError(f"harness: the job left {left} gloo process group(s) alive after it "
                            "returned (their groups were destroyed, so something still references "
                            "them: a hook on a parameter, a module-level cache); free the program")
+    gc.freeze()
 
 
 def _worker_main(rank: int, world_size: int, init_method: str, task_q, result_q) -> None:
