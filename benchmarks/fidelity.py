@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -90,9 +90,16 @@ ARCHS = ("granite", "llama")
 TERMS = ("compute", "comm", "bubble", "optimizer")
 
 
+# The model's size, by transformers' config keys; the CLI's flags that set them.
+MODEL_SIZE = (("hidden_size", 512), ("num_hidden_layers", 4), ("num_attention_heads", 8),
+              ("num_key_value_heads", 4), ("intermediate_size", 1376), ("vocab_size", 4096))
+SIZE_FLAGS = {"hidden": "hidden_size", "layers": "num_hidden_layers", "ffn": "intermediate_size",
+              "vocab": "vocab_size"}
+
+
 @dataclass(frozen=True, kw_only=True)
 class FidelityConfig:
-    """What one run measures."""
+    """What one run measures (``size``: the model's, as :data:`MODEL_SIZE`)."""
 
     plans: tuple[tuple[str, int], ...] = PLANS
     arch: str = "granite"
@@ -100,22 +107,19 @@ class FidelityConfig:
     warmup: int = 3
     batch: int = 8
     seq: int = 256
-    hidden: int = 512
-    layers: int = 4
-    heads: int = 8
-    kv_heads: int = 4
-    ffn: int = 1376
-    vocab: int = 4096
+    size: tuple[tuple[str, int], ...] = MODEL_SIZE
     threads_per_rank: int = 1
     seed: int = 0
     profile: str = ""
     timeout_s: int = 600
 
     def model_config(self) -> dict:
-        return dict(vocab_size=self.vocab, hidden_size=self.hidden, intermediate_size=self.ffn,
-                    num_hidden_layers=self.layers, num_attention_heads=self.heads,
-                    num_key_value_heads=self.kv_heads, max_position_embeddings=self.seq,
-                    tie_word_embeddings=False)
+        return dict(self.size, max_position_embeddings=self.seq, tie_word_embeddings=False)
+
+    def with_sizes(self, **flags: int) -> "FidelityConfig":
+        """This config with the sizes named by :data:`SIZE_FLAGS` (``hidden=1024``) replaced."""
+        size = dict(self.size) | {SIZE_FLAGS[k]: v for k, v in flags.items()}
+        return replace(self, size=tuple(size.items()))
 
 
 def _say(msg: str) -> None:
@@ -276,7 +280,7 @@ def _worker(rank: int, world: int, port: int, cfg: FidelityConfig, plans: list[s
     warnings.filterwarnings("ignore", category=FutureWarning)
     warnings.filterwarnings("ignore", category=UserWarning)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=cfg.timeout_s))
-    batches = [_batch(cfg.vocab, cfg.batch, cfg.seq, cfg.seed + i) for i in range(4)]
+    batches = [_batch(dict(cfg.size)["vocab_size"], cfg.batch, cfg.seq, cfg.seed + i) for i in range(4)]
     timer = TermTimer()
     timer.install()
     results = []
@@ -379,14 +383,16 @@ def format_report(report: dict, markdown: bool = False) -> str:
         widths = [max(len(x) for x in col) for col in zip(head, *rows)]
         lines = ["  ".join(x.ljust(w) for x, w in zip(row, widths)) for row in (head, *rows)]
     c, prof = report["config"], report["profile"]
+    size = dict(map(tuple, c["size"]))
     med, worst = report["median_abs_error"] * 100, report["worst_abs_error"] * 100
     lines += [""] + [f"{w} rank{'s' * (w > 1)}: Kendall tau {r['tau']:+.2f} over {r['plans']} plans; predicted fastest "
                      f"`{r['predicted_best']}`, measured fastest `{r['measured_best']}`, regret {r['regret'] * 100:.1f}%"
                      for w, r in sorted(report["ranking"].items(), key=lambda kv: int(kv[0]))]
     lines += ["", f"median |error| {med:.1f}%, worst {worst:.1f}% "
                   f"over {sum(r['status'] == 'ok' for r in report['plans'])} plans; {report['wall_s']:.0f} s in all",
-              f"model: {c['arch']} hidden {c['hidden']}, {c['layers']} layers, {c['heads']} heads ({c['kv_heads']} KV), "
-              f"FFN {c['ffn']}, vocab {c['vocab']}; batch {c['batch']} x {c['seq']}, fp32, AdamW; "
+              f"model: {c['arch']} hidden {size['hidden_size']}, {size['num_hidden_layers']} layers, "
+              f"{size['num_attention_heads']} heads ({size['num_key_value_heads']} KV), "
+              f"FFN {size['intermediate_size']}, vocab {size['vocab_size']}; batch {c['batch']} x {c['seq']}, fp32, AdamW; "
               f"{c['warmup']} warm-up + {c['steps']} timed steps, medians",
               f"machine: {report['machine']['cpu_count']} cores, {c['threads_per_rank']} thread per rank, gloo, torch "
               f"{report['machine']['torch']}; profile {c['profile']} ({prof['peak_flops'] / 1e9:.0f} GFLOP/s, "
@@ -411,8 +417,10 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the model's family (default: granite, which no test uses)")
     parser.add_argument("--steps", type=int, default=FidelityConfig.steps, help="timed steps per plan")
     parser.add_argument("--warmup", type=int, default=FidelityConfig.warmup, help="untimed steps per plan")
-    for name in ("batch", "seq", "hidden", "layers", "ffn", "vocab"):
+    for name in ("batch", "seq"):
         parser.add_argument(f"--{name}", type=int, default=getattr(FidelityConfig, name))
+    for flag, key in SIZE_FLAGS.items():
+        parser.add_argument(f"--{flag}", type=int, default=dict(MODEL_SIZE)[key], help=f"the model's {key}")
     parser.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     args = parser.parse_args(argv)
@@ -420,7 +428,7 @@ def main(argv: list[str] | None = None) -> dict:
         profile = args.profile or calibrate(args.calibrate_out or os.path.join(tmp, "profile.json"))
         cfg = FidelityConfig(plans=_parse_plans(args.plans) if args.plans else PLANS, steps=args.steps,
                              warmup=args.warmup, profile=os.path.abspath(profile), arch=args.arch,
-                             **{n: getattr(args, n) for n in ("batch", "seq", "hidden", "layers", "ffn", "vocab")})
+                             batch=args.batch, seq=args.seq).with_sizes(**{f: getattr(args, f) for f in SIZE_FLAGS})
         report = run_benchmark(cfg)
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=2))
