@@ -35,7 +35,7 @@ from torch.fx import GraphModule, Node
 from autopar.errors import AutoparError
 from autopar.frontend.analyze_moe import find_moe_blocks
 from autopar.frontend.attention_dims import attention_dims, eager_attention_dims
-from autopar.frontend.fx_utils import fused_chain, module_path, reshape_chain, within as _within
+from autopar.frontend.fx_utils import fused_chain_dim, module_path, reshape_chain, within as _within
 from autopar.frontend.loss import LossReduction, loss_reduction
 from autopar.frontend.op_sets import ATTENTION_OPS, RESHAPE_OPS, SPLIT_OPS
 
@@ -192,21 +192,21 @@ def _ancestors(node: Node, stop: set[Node]) -> set[Node]:
 
 
 def _split_sizes(linear: Node) -> list[int] | None:
-    """Sizes of the parts if ``linear``'s output is split on its last dim (fused projection)."""
-    last = fused_chain(linear)[-1]
-    users = list(last.users)
+    """Sizes of the parts if ``linear``'s output is split along its features (fused projection)."""
+    chain, dim = fused_chain_dim(linear)
+    last, users = chain[-1], list(chain[-1].users)
     # Parts of the projection's own output only: slices of a per-head view (GPT-J's rotary part,
     # q[..., :rotary_dim]) cut every head alike and are not parts of the weight.
-    if last.meta["val"].shape[-1] != linear.meta["val"].shape[-1]:
+    if dim < 0 or last.meta["val"].shape[dim] != linear.meta["val"].shape[-1]:
         return None
     if users and all(u.target is aten.slice.Tensor for u in users):
-        return _slice_sizes(last, users)
+        return _slice_sizes(last, dim, users)
     if len(users) != 1 or users[0].target not in SPLIT_OPS:
         return None
     split = users[0]
     ndim = last.meta["val"].dim()
-    dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
-    if dim % ndim != ndim - 1:
+    at = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+    if at % ndim != dim:
         return None
     width = int(linear.meta["val"].shape[-1])
     if split.target == aten.split_with_sizes.default:
@@ -217,16 +217,17 @@ def _split_sizes(linear: Node) -> list[int] | None:
     return [size] * (width // size)
 
 
-def _slice_sizes(last: Node, slices: list[Node]) -> list[int] | None:
-    """Sizes of the parts when ``slices`` cut the last dim of ``last`` into consecutive pieces
-    that cover it exactly (Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q + kv]``, ``qkv[..., q + kv:]``)."""
+def _slice_sizes(last: Node, feature_dim: int, slices: list[Node]) -> list[int] | None:
+    """Sizes of the parts when ``slices`` cut the features (dim ``feature_dim``) of ``last`` into
+    consecutive pieces that cover them exactly (Phi-3's ``qkv[..., :q]``, ``qkv[..., q:q + kv]``,
+    ``qkv[..., q + kv:]``)."""
     val = last.meta["val"]
-    ndim, width = val.dim(), int(val.shape[-1])
+    ndim, width = val.dim(), int(val.shape[feature_dim])
     ranges = []
     for sl in slices:
         given = list(sl.args[1:5])
         dim, start, end, step = given + [0, 0, None, 1][len(given):]
-        if not isinstance(dim, int) or dim % ndim != ndim - 1 or step != 1:
+        if not isinstance(dim, int) or dim % ndim != feature_dim or step != 1:
             return None
         start, end = start or 0, width if end is None else end
         if not isinstance(start, int) or not isinstance(end, int):

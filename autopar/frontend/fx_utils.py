@@ -10,7 +10,7 @@ from torch.fx import Node
 
 from autopar.frontend.op_sets import RESHAPE_OPS
 
-__all__ = ["module_path", "within", "reshape_chain", "fused_chain"]
+__all__ = ["module_path", "within", "reshape_chain", "fused_chain", "fused_chain_dim"]
 
 
 def module_path(node: Node) -> str:
@@ -36,13 +36,30 @@ def reshape_chain(node: Node) -> list[Node]:
 
 
 def fused_chain(node: Node) -> list[Node]:
-    """:func:`reshape_chain`, then single-user unsqueezes in front of the last dim: what sits between
-    a fused projection and the split of its parts (GPT-BigCode's ``c_attn(x).unsqueeze(1).split(...)``)."""
+    """The nodes of :func:`fused_chain_dim`."""
+    return fused_chain_dim(node)[0]
+
+
+def fused_chain_dim(node: Node) -> tuple[list[Node], int]:
+    """:func:`reshape_chain`, then the single-user unsqueezes and transposes that keep the features
+    whole: what sits between a fused projection and the split of its parts (GPT-BigCode's
+    ``c_attn(x).unsqueeze(1).split(...)``, LFM's ``in_proj(x).transpose(-1, -2).chunk(3, dim=-2)``),
+    and the dim of the chain's last node that holds the projection's features."""
     chain = reshape_chain(node)
-    while len(chain[-1].users) == 1:
+    val = chain[-1].meta.get("val")
+    dim = val.dim() - 1 if hasattr(val, "dim") else -1
+    while dim >= 0 and len(chain[-1].users) == 1:
         user = next(iter(chain[-1].users))
         ndim = user.meta["val"].dim() if hasattr(user.meta.get("val"), "dim") else 0
-        if user.target is not torch.ops.aten.unsqueeze.default or user.args[1] % max(ndim, 1) == ndim - 1:
+        if user.target is torch.ops.aten.unsqueeze.default and ndim:
+            at = user.args[1] % ndim
+            if at == ndim - 1 and dim == ndim - 2:  # a new last dim behind the features
+                break
+            dim += at <= dim
+        elif user.target is torch.ops.aten.transpose.int and ndim:
+            a, b = user.args[1] % ndim, user.args[2] % ndim
+            dim = b if dim == a else a if dim == b else dim
+        else:
             break
         chain.append(user)
-    return chain
+    return chain, dim

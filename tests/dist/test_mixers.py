@@ -1,4 +1,4 @@
-"""Linear-attention mixers under tensor parallelism on gloo ranks (issue 40, item 2: never silently wrong).
+"""Linear-attention and convolution mixers under tensor parallelism on gloo ranks (issue 40, item 2: never silently wrong).
 
 A tiny dense Qwen3-Next (tests/support/models.py ``hf_qwen3_next``: a gated delta net, then full
 attention) trains 3 SGD steps under ``tp=2`` and ``tp=2,sp`` and is compared with single-process
@@ -6,7 +6,10 @@ training on the same global batches (loss per step <= 1e-5, full state dict <= 1
 in-projections column-parallel by key-head groups, ``cat((q, k, v))`` laid out by blocks through
 the depthwise convolution (its weight cut block by block, its gradient summed over tp), the
 recurrence per head, the gated norm per head and the row-parallel out-projection
-(docs/soundness.md, "tensors laid out by blocks").  The shrunk zoo model (full-size heads, mixture
+(docs/soundness.md, "tensors laid out by blocks").  A tiny LFM3 (``hf_lfm3``: a short
+convolution, then full attention) the same way: its ``in_proj`` fused B|C|x, transposed to channels
+first before its ``chunk`` (the parts found where the features went), column-parallel part by part,
+the depthwise convolution over the rank's channels, ``out_proj`` row-parallel.  The shrunk zoo model (full-size heads, mixture
 of experts) is tests/e2e/test_zoo.py; the rules alone, tests/unit/test_mixer_rules.py.
 """
 from __future__ import annotations
@@ -18,7 +21,7 @@ from tests.support.jobs import reference, train_cases_job
 
 pytest.importorskip("transformers")
 
-CASES = [("hf_qwen3_next", "tp=2"), ("hf_qwen3_next", "tp=2,sp")]
+CASES = [("hf_qwen3_next", "tp=2"), ("hf_qwen3_next", "tp=2,sp"), ("hf_lfm3", "tp=2"), ("hf_lfm3", "tp=2,sp")]
 
 
 @pytest.fixture(scope="module")

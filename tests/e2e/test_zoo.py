@@ -70,6 +70,8 @@ EXPECTED: dict[str, dict[str, object]] = {
     # convolved per channel laid out by blocks, its recurrence per head; under cp its causal
     # convolution needs the whole sequence: refused naming the mixer
     "qwen3_next": {"tp=2,sp": E, "cp=2:ring": (R, "needs the whole sequence")},
+    # a short convolution (LFM3): in_proj fused B|C|x, transposed to channels first before its chunk
+    "lfm3": {"tp=2,sp": E},
     # multi-head latent attention: the latents whole on every tp rank, the up-projections split by heads
     "deepseek_v3": {"tp=2,sp": E},
     # linears outside the layers (an embedding projection, a generator head) make no region

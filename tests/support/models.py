@@ -32,6 +32,7 @@ __all__ = [
     "hf_mixtral_aux",
     "hf_qwen3",
     "hf_qwen3_next",
+    "hf_lfm3",
     "hf_mistral_window",
     "hf_qwen2_window",
     "hf_gemma2_window",
@@ -187,6 +188,21 @@ def hf_qwen3_next(seed: int = 0, **overrides):
 
 
 MODELS["hf_qwen3_next"] = (hf_qwen3_next, hf_loss, {"use_cache": False})
+
+
+def hf_lfm3(seed: int = 0, **overrides):
+    """A tiny ``transformers.Lfm3ForCausalLM``: layer 0 a short convolution (``in_proj`` fused
+    B|C|x, transposed to channels first and chunked in three, ``B * x`` convolved per channel over
+    a causal window of 3, gated by C, ``out_proj``), layer 1 full attention; sandwich norms (vocab
+    128, hidden 64)."""
+    return hf_model("Lfm3Config", "Lfm3ForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, layer_types=["conv", "full_attention"], conv_L_cache=3,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0, max_position_embeddings=64,
+        attn_implementation="sdpa"), overrides)
+
+
+MODELS["hf_lfm3"] = (hf_lfm3, hf_loss, {"use_cache": False})
 
 
 def hf_falcon(seed: int = 0, **overrides):

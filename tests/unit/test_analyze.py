@@ -106,3 +106,28 @@ def test_conv1d_style_model_regions():
     assert len(attn) == 2 and all(r.columns[0].in_out for r in attn)
     assert attn[0].columns[0].split_sizes == [64, 64, 64]  # fused c_attn behind a view
     assert s.tied_embeddings and s.lm_head is not None
+
+
+def test_a_fused_projection_transposed_before_its_split_records_its_parts():
+    """LFM's short convolution: ``in_proj(x).transpose(-1, -2).chunk(3, dim=-2)`` splits the
+    features after they moved to dim -2; a split of another dim is not the projection's parts."""
+    pytest.importorskip("transformers")
+    s = _structure("hf_lfm3")
+    (conv,) = [c for r in s.regions for c in r.columns if c.module.endswith("conv.in_proj")]
+    assert conv.split_sizes == [64, 64, 64]
+
+    class ChunkOther(nn.Module):  # the chunk cuts the sequence, not the features
+        def __init__(self):
+            super().__init__()
+            self.emb, self.proj, self.out = nn.Embedding(128, 64), nn.Linear(64, 96), nn.Linear(32, 64)
+
+        def forward(self, ids):
+            parts = self.proj(self.emb(ids)).transpose(-1, -2).chunk(2, dim=-1)
+            return self.out(torch.cat(parts, dim=-2).transpose(-1, -2)[..., :32])
+
+    ids, _ = make_batch(128, 4, 16, 0)
+    gm = trace_model(ChunkOther(), (ids,), None, lambda out, t: out.float().mean()).gm
+    from autopar.frontend.analyze import _split_sizes
+    (linear,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default
+                 and n.meta["val"].shape[-1] == 96]
+    assert _split_sizes(linear) is None

@@ -6,12 +6,13 @@
   (``local_blocks``) and its gradient is a partial sum over tp;
 - a value laid out by blocks never meets one split evenly on the same dim (refused);
 - a dim merged behind others (a gated norm's ``reshape(-1, head_dim)``) is only split back;
-- ``conv1d`` along the sharded sequence (cp, SP) is refused naming the node (Qwen3-Next under cp: the
-  mixer module and its source line);
+- ``conv1d`` along the sharded sequence (cp, SP) is refused naming the node (LFM3's short convolution
+  under cp: the mixer module and its source line);
 - ``local_blocks`` takes the rank's share of each block, and its backward puts the gradient back;
 - a tensor written in place by ``copy_`` gives what was written its gradient (a recurrence's output).
 
-The multi-rank equality (Qwen3-Next under tp=2,sp) is tests/e2e/test_zoo.py.
+The multi-rank equality (Qwen3-Next and LFM3 under tp=2 and tp=2,sp) is tests/dist/test_mixers.py and
+tests/e2e/test_zoo.py.
 """
 from __future__ import annotations
 
@@ -124,15 +125,17 @@ def test_a_tensor_written_in_place_passes_its_gradient_to_what_was_written():
 
 
 def test_a_mixer_under_cp_is_refused_naming_its_module_and_source_line():
-    """Qwen3-Next's gated delta net convolves over the sequence: cp is refused at its ``conv1d``,
-    naming the mixer module and the line of its forward (not the kernels hub's dispatch wrapper)."""
+    """LFM's short convolution convolves over the sequence: cp is refused at its ``conv1d``,
+    naming the mixer module and the line of its forward (not the kernels hub's dispatch wrapper
+    that ``causal_conv1d_forward`` goes through).  Qwen3-Next's gated delta net, refused the same
+    way, is in tests/e2e/test_zoo.py (its export alone takes 25 s)."""
     pytest.importorskip("transformers")
     from autopar.runtime import compile_program
     from tests.support.models import MODELS, make_batch
 
-    factory, loss_fn, kwargs = MODELS["hf_qwen3_next"]
+    factory, loss_fn, kwargs = MODELS["hf_lfm3"]
     ids, _ = make_batch(128, 4, 16, 0)
-    with pytest.raises(AutoparError, match=r"cannot shard node 'conv1d.*in module '[\w.]*layers\.0\.linear_attn' "
-                                           r"\(Qwen3NextGatedDeltaNet\), at .*modeling_qwen3_next\.py.*"
+    with pytest.raises(AutoparError, match=r"cannot shard node 'conv1d.*in module '[\w.]*layers\.0\.conv' "
+                                           r"\(Lfm3ShortConv\), at .*modeling_lfm3\.py.*"
                                            r"needs the whole sequence; use a plan without cp"):
         compile_program(factory(), (ids,), kwargs, "cp=2:ring", loss_fn, world_size=2)
