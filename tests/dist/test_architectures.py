@@ -15,7 +15,10 @@ batches (loss per step <= 1e-5, full state dict <= 1e-4, fp32):
   their gradient);
 - OPT under ``cp=2:allgather`` and ``cp=2:ring``: learned positions from the cumulative sum of
   the attention mask, which on sequence chunks is rewritten to the global cumulative sum
-  (and under ``tp=2``: biased projections, LayerNorm with bias, a tied head);
+  (and under ``tp=2``: biased projections, LayerNorm with bias, a tied head; under ``tp=2,sp`` its
+  layers flatten batch and sequence into one dim before the MLP: the sequence-parallel collectives
+  there split the merged dim back out, and the merged dim holds the rank's share of every run of the
+  sequence in between);
 - Mixtral with its load-balancing loss in the loss (``output_router_logits=True``) under ``dp=2``,
   ``ep=2,dp=2``, ``tp=2,sp`` and ``cp=2``: the loss multiplies per-expert token fractions by mean
   router probabilities over every token of the batch; each rank's share of those statistics is
@@ -43,8 +46,8 @@ batches (loss per step <= 1e-5, full state dict <= 1e-4, fp32):
   at them.
 
 Every architecture of issue 15's list also runs ``pp=2,mb=2`` on 4 layers (two a stage; the
-fourth layer stamped from the third), ``dp=2,zero=3`` and, but for OPT and DeepSeek-V3 (their
-refusals: tests/e2e/test_matrix_refusals.py), ``tp=2,sp,dp=2`` on 4 ranks.
+fourth layer stamped from the third), ``dp=2,zero=3`` and, but for DeepSeek-V3 (its refusal:
+tests/e2e/test_matrix_refusals.py), ``tp=2,sp,dp=2`` on 4 ranks.
 
 The plans run in a few pool jobs of 8 cases each.  The single-process half (the gradient placements, the cp
 refusals) is tests/unit/test_soundness.py; the argument is docs/soundness.md.
@@ -59,7 +62,8 @@ from tests.support.harness import assert_equivalent
 from tests.support.jobs import BATCH, reference, train_cases_job
 
 CASES = [("hf_gemma2", "tp=2"), ("hf_gemma2", "tp=2,sp"), ("hf_gemma2", "pp=2,mb=2"), ("hf_gemma2", "dp=2,zero=3"),
-         ("hf_opt", "cp=2:allgather"), ("hf_opt", "cp=2:ring"), ("hf_opt", "tp=2"), ("hf_opt", "pp=2,mb=2"),
+         ("hf_opt", "cp=2:allgather"), ("hf_opt", "cp=2:ring"), ("hf_opt", "tp=2"), ("hf_opt", "tp=2,sp"),
+         ("hf_opt", "pp=2,mb=2"),
          ("hf_opt", "dp=2,zero=3"), ("hf_phi3", "tp=2,sp"), ("hf_phi3", "cp=2:allgather"), ("hf_phi3", "pp=2,mb=2"),
          ("hf_phi3", "dp=2,zero=3"), ("hf_olmo2", "tp=2"), ("hf_olmo2", "tp=2,sp"), ("hf_olmo2", "cp=2:ring"),
          ("hf_olmo2", "pp=2,mb=2"), ("hf_olmo2", "dp=2,zero=3"), ("hf_mixtral_aux", "dp=2"),
@@ -70,10 +74,10 @@ CASES = [("hf_gemma2", "tp=2"), ("hf_gemma2", "tp=2,sp"), ("hf_gemma2", "pp=2,mb
          ("hf_deepseek_v3", "pp=2,mb=2"), ("hf_deepseek_v3", "dp=2,zero=3"), ("hf_deepseek_v3", "tp=2,sp"),
          ("hf_bert", "tp=2,sp"),
          ("hf_bert", "cp=2:ring"), ("hf_bert", "pp=2,mb=2"), ("hf_bert", "dp=2,zero=3")]
-# tp and sp with data parallelism, on 4 ranks (OPT refuses sp and DeepSeek-V3 tp: tests/e2e/test_matrix_refusals.py)
+# tp and sp with data parallelism, on 4 ranks (DeepSeek-V3 refuses tp without sp: tests/e2e/test_matrix_refusals.py)
 # and BERT's embedding LayerNorm, a first-stage parameter, under pp with dp (its gradient) and ZeRO-3
 # (backward re-gathers the embedding unit for it)
-CASES_4 = [(m, "tp=2,sp,dp=2") for m in ("hf_gemma2", "hf_phi3", "hf_olmo2", "hf_falcon", "hf_bert")] + [
+CASES_4 = [(m, "tp=2,sp,dp=2") for m in ("hf_gemma2", "hf_phi3", "hf_olmo2", "hf_falcon", "hf_bert", "hf_opt")] + [
     ("hf_bert", "pp=2,mb=2,dp=2"), ("hf_bert", "pp=2,mb=2,dp=2,zero=3")]
 WORLD = {**{case: 2 for case in CASES}, **{case: 4 for case in CASES_4}}
 

@@ -60,8 +60,8 @@ EXPECTED: dict[str, dict[str, object]] = {
     # ALiBi: eager attention with a bias, no SDPA op for cp
     "bloom": {"dp=2,zero=3": E, "tp=2,sp": (R, "cannot shard node"),
               "cp=2:ring": (R, "found no scaled_dot_product_attention op")},
-    # decoder layers that flatten batch and sequence
-    "opt": {"tp=2,sp": (R, "sequence parallelism needs the sequence dimension")},
+    # decoder layers that flatten batch and sequence: SP's collectives split the merged dim back out
+    "opt": {"tp=2,sp": E},
     # an encoder built as a causal LM
     "bert": {"tp=2,sp": E},
     # a hybrid of attention and state-space layers
