@@ -39,7 +39,8 @@ EXPECTED: dict[str, dict[str, object]] = {
     # (expert biases gathered by the sorted expert ids; sliding windows of 16 below the sequence);
     # PhiMoE's router samples its experts in train mode (Gumbel noise per token), which no rank
     # draws as one device does: refused at the draw, never silently wrong
-    "gpt_oss": {"dp=2,zero=3": E},
+    # (under tp its experts' offsets are more than one tensor: refused, naming them)
+    "gpt_oss": {"dp=2,zero=3": E, "tp=2,sp": (R, "expected one per-expert offsets tensor")},
     "phimoe": {"dp=2,zero=3": (R, "draws random numbers for this rank's tokens")},
     # sliding-window attention: the mask proven a causal window, which ring attention applies by
     # position, skipping the blocks out of every query's window (cohere2: windowed and full layers)
@@ -64,12 +65,14 @@ EXPECTED: dict[str, dict[str, object]] = {
     "opt": {"tp=2,sp": E},
     # an encoder built as a causal LM
     "bert": {"tp=2,sp": E},
-    # a hybrid of attention and state-space layers
-    "jamba": {"tp=2,sp": (R, "sequence parallelism needs the sequence dimension")},
+    # hybrids of attention and state-space layers (Mamba mixers): equal under ZeRO-3; under SP their
+    # scans unroll over a fixed sequence length, so no activation holds the traced sequence: refused
+    "jamba": {"dp=2,zero=3": E, "tp=2,sp": (R, "sequence parallelism needs the sequence dimension")},
+    "falcon_h1": {"dp=2,zero=3": E, "tp=2,sp": (R, "sequence parallelism needs the sequence dimension")},
     # a linear-attention mixer (Qwen3-Next's gated delta net) split by heads: q|k|v concatenated and
     # convolved per channel laid out by blocks, its recurrence per head; under cp its causal
     # convolution needs the whole sequence: refused naming the mixer
-    "qwen3_next": {"tp=2,sp": E, "cp=2:ring": (R, "needs the whole sequence")},
+    "qwen3_next": {"dp=2,zero=3": E, "tp=2,sp": E, "cp=2:ring": (R, "needs the whole sequence")},
     # a short convolution (LFM3): in_proj fused B|C|x, transposed to channels first before its chunk
     "lfm3": {"tp=2,sp": E},
     # multi-head latent attention: the latents whole on every tp rank, the up-projections split by heads
