@@ -62,11 +62,11 @@ def _no_seq_dim(node: Node, ctx: PassContext) -> AutoparError:
         f"sequence size {ctx.seq_symbol}; use a plan without 'sp' for this model.")
 
 
-def _merged_seq(x: Node, ctx: PassContext) -> tuple[int, Node, list[int]] | None:
+def _merged_seq(x: Node, ctx: PassContext) -> tuple[int, Node, list[int], int] | None:
     """Where ``x`` holds the sequence merged with other dims into one (OPT's layers flatten batch and
-    sequence: ``reshape(-1, hidden)``): ``(dim, src, dims)``, the dim of ``x`` made by the view of
-    ``src`` that merged ``src``'s ``dims`` (the sequence among them), found by following ``x``'s
-    producers through the ops that keep that dim's size.  None where no such view is found."""
+    sequence: ``reshape(-1, hidden)``): ``(dim, src, dims, at)``, the dim of ``x`` made by the view of
+    ``src`` that merged ``src``'s ``dims``, the sequence being ``dims[at]``, found by following
+    ``x``'s producers through the ops that keep that dim's size.  None where no such view is found."""
     ndim = len(shape_of(x))
     merged = [d for d, size in enumerate(shape_of(x)) if ctx.seq_symbol in size_expr(size).free_symbols]
     if len(merged) != 1:
@@ -76,8 +76,9 @@ def _merged_seq(x: Node, ctx: PassContext) -> tuple[int, Node, list[int]] | None
         if node.target in SIZED_RESHAPE_OPS and isinstance(node.args[0], Node):
             src = node.args[0]
             for gi, gj in dim_groups(shape_of(src), shape_of(node)):
-                if gj == [d] and len(gi) > 1 and any(size_expr(shape_of(src)[k]) == ctx.seq_symbol for k in gi):
-                    return d, src, gi
+                seq = [i for i, k in enumerate(gi) if size_expr(shape_of(src)[k]) == ctx.seq_symbol]
+                if gj == [d] and len(gi) > 1 and seq:
+                    return d, src, gi, seq[0]
             return None
         same = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)
                 and len(shape_of(a)) == ndim and size_expr(shape_of(a)[d]) == size_expr(shape_of(node)[d])]
@@ -119,7 +120,7 @@ def _unmerge_around(gm: GraphModule, node: Node, ctx: PassContext) -> int:
     found = _merged_seq(x, ctx)
     if found is None:
         raise _no_seq_dim(x, ctx)
-    d, src, dims = found
+    d, src, dims, at = found
     shape, ndim = shape_of(x), len(shape_of(x))
     sizes = (_size_args(gm, x, list(range(d)), node) + _size_args(gm, src, dims, node)
              + _size_args(gm, x, list(range(d + 1, ndim)), node))
@@ -133,7 +134,7 @@ def _unmerge_around(gm: GraphModule, node: Node, ctx: PassContext) -> int:
     provenance(back, _PASS, AXIS, "merge the sequence back as the model had it", role="sp_view")
     for user in users:
         user.replace_input_with(node, back)
-    return d + next(i for i, k in enumerate(dims) if size_expr(shape_of(src)[k]) == ctx.seq_symbol)
+    return d + at
 
 
 def sequence_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
