@@ -160,7 +160,24 @@ def recording_stage_class(on_ops):
                     "_post_metadata_inference_cleanup": notifying("_post_metadata_inference_cleanup",
                                                                   lambda: "inference")})
     methods["after_backward"] = None
+    if hasattr(PipelineStage, "_to_tensor"):
+        methods["_to_tensor"] = _zeroed_inference_input
     return type("RecordingStage", (PipelineStage,), methods)
+
+
+def _zeroed_inference_input(self, arg):
+    """torch's metadata inference runs a real forward of each later stage on inputs made
+    from the received metadata with ``empty_strided``: uninitialised memory.  An integer
+    input (top-k indices a layer hands to the next, as HY-V4's shared indexer does) then
+    holds garbage, and the stage's ``scatter`` / ``gather`` fails out of bounds before the
+    first step.  Zeros are in range for any index and finite for any float."""
+    from torch.distributed.pipelining import PipelineStage
+
+    tensor = PipelineStage._to_tensor(self, arg)
+    if not isinstance(arg, torch.Tensor):  # made from metadata, not a real tensor
+        with torch.no_grad():
+            tensor.zero_()
+    return tensor
 
 
 def _computation_type():

@@ -36,10 +36,12 @@ from autopar.verification.shrink_layers import cut_layers, shrink_state_space
 __all__ = ["shrink_config", "preset_config", "default_layers", "KEYS", "LENGTH_KEYS"]
 
 # Lengths a config holds that act only on sequences longer than them (attention windows, local
-# attention chunks, a state-space scan's chunks): cut below the test sequence, so that a
+# attention chunks, a state-space scan's chunks, the keys a sparse-attention indexer keeps per
+# query): cut below the test sequence, so that a
 # certificate covers what they do at the user's length.
 LENGTH_KEYS = ("sliding_window", "sliding_window_size", "attention_chunk_size", "local_attention_window_len",
-               "chunk_size", "mamba_chunk_size", "local_attn_chunk_length", "lsh_attn_chunk_length")
+               "chunk_size", "mamba_chunk_size", "local_attn_chunk_length", "lsh_attn_chunk_length",
+               "index_topk")
 MAX_GROUP = 4      # query heads per KV head, at most
 MIN_VOCAB = 128    # vocabulary of the shrunk model (rounded up to a multiple of tp)
 MAX_EXPERTS = 4    # experts of the shrunk model, at least ep

@@ -33,6 +33,7 @@ __all__ = [
     "hf_qwen3",
     "hf_qwen3_next",
     "hf_lfm3",
+    "hf_hy_v4",
     "hf_mistral_window",
     "hf_qwen2_window",
     "hf_gemma2_window",
@@ -240,6 +241,25 @@ def hf_deepseek_v3(seed: int = 0, **overrides):
 
 
 MODELS["hf_deepseek_v3"] = (hf_deepseek_v3, hf_loss, {"use_cache": False})
+
+
+def hf_hy_v4(seed: int = 0, **overrides):
+    """A tiny ``transformers.HYV4ForCausalLM``: sparse attention whose indexer keeps 8 of the 16
+    keys per query (``index_topk`` below the test sequence, so the selection acts), computed by
+    layers 0 and 1 and reused by layers 2 and 3 (``indexer_types`` "shared": the int32 top-k
+    indices are a layer's second output, so a pipeline cut between layers 1 and 2 sends them),
+    low-rank q / kv projections, hyper-connection streams, a dense MLP then MoE layers (vocab 128,
+    hidden 64, 4 layers, 4 heads, 4 experts, top-2)."""
+    return hf_model("HYV4Config", "HYV4ForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=16, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+        mlp_layer_types=["dense", "sparse", "dense", "sparse"], layer_types=["indexed_attention"] * 4,
+        indexer_types=["full", "full", "shared", "shared"], index_topk=8, index_n_heads=2, index_head_dim=16,
+        pad_token_id=127, bos_token_id=127, eos_token_id=127, max_position_embeddings=64), overrides)
+
+
+MODELS["hf_hy_v4"] = (hf_hy_v4, hf_loss, {"use_cache": False})
 
 
 def hf_bert(seed: int = 0, **overrides):
