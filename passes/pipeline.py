@@ -29,9 +29,11 @@ The result's ``pipeline`` is a :class:`PipelineProgram`; the runtime that drives
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
 from typing import Sequence
 
+import sympy
 import torch
 from torch.fx import Graph, GraphModule, Node
 
@@ -221,7 +223,10 @@ def _assign(gm: GraphModule, structure, counts: list[int]):
     return chunk, free, params
 
 
-def _build_chunk(gm, c, last, chunk, free, params, boundary_in, boundary_out, kw_placeholders, out_node):
+def _build_chunk(gm, c, last, chunk, free, params, boundary_in, boundary_out, kw_placeholders, out_node,
+                 rebuilt: dict):
+    """Chunk ``c``'s GraphModule and the parameters it reads; ``rebuilt``: the SymInts of earlier
+    chunks it reads, each -> ``rebuild(g, node, env=...)`` writing it from the inputs' sizes."""
     g = Graph(owning_module=gm)  # dead-code elimination looks up called submodules (recomputed regions)
     env: dict[Node, Node] = {}
     for i, v in enumerate(boundary_in):
@@ -239,6 +244,9 @@ def _build_chunk(gm, c, last, chunk, free, params, boundary_in, boundary_out, kw
             if x.target in params:
                 used_params.append(x.target)
             env[x] = g.node_copy(x, need)
+            return env[x]
+        if x in rebuilt:
+            env[x] = rebuilt[x](g, x, env=env)
             return env[x]
         if _gathers_params(x):
             if x.target is zero_gather:  # ZeRO-3: the gathered unit's parameters
@@ -280,18 +288,89 @@ def _contiguous(g: Graph, value: Node, traced: Node) -> Node:
     return provenance(node, "pipeline", "pp", "a strided activation made contiguous before it is sent")
 
 
-def _check_tensors_cross(boundaries: list[list[Node]]) -> None:
-    """torch.distributed.pipelining sends tensors only between stages: a Python number (an int a
-    model computes from sizes or a config and carries between layers) crossing a cut would fail
-    in the first step, so it is refused here."""
+def _check_tensors_cross(boundaries: list[list[Node]], rebuilt: set[Node]) -> None:
+    """torch.distributed.pipelining sends tensors only between stages.  A SymInt a layer computes
+    from sizes (DeepSeek-V3.2's ``min(index_topk, seq)``, which later layers reuse) is rebuilt in
+    each later chunk from its inputs' sizes (``rebuilt``, :func:`_rebuild_symint`); any other
+    Python number crossing a cut would fail in the first step, so it is refused here."""
     for k, values in enumerate(boundaries):
         for v in values:
-            if not isinstance(v.meta.get("val"), torch.Tensor):
+            if not isinstance(v.meta.get("val"), torch.Tensor) and v not in rebuilt:
                 raise AutoparError(
                     f"autopar: a value that is not a tensor ({type(v.meta.get('val')).__name__}) crosses pipeline "
-                    f"boundary {k} at {describe_node(v)}; expected only tensors between pipeline stages "
+                    f"boundary {k} at {describe_node(v)}, and its value is not a function of the sizes of the "
+                    "model inputs; expected only tensors between pipeline stages "
                     "(torch.distributed.pipelining sends tensors). Use pp=1 for this model, or a "
                     "pipeline_split that keeps the layers using it in one chunk.")
+
+
+def _sizes_symbols(placeholders: Sequence[Node]) -> dict:
+    """Each size symbol of the model inputs -> (placeholder, dim) that holds it."""
+    found = {}
+    for ph in placeholders:
+        val = ph.meta.get("val")
+        for d, size in enumerate(val.shape if isinstance(val, torch.Tensor) else ()):
+            expr = size.node.expr if isinstance(size, torch.SymInt) else None
+            if expr is not None and expr.is_Symbol:
+                found.setdefault(expr, (ph, d))
+    return found
+
+
+def _rebuildable(v: Node, symbols: dict) -> bool:
+    """A SymInt whose expression :func:`_emit_expr` can write over the inputs' size symbols."""
+    val = v.meta.get("val")
+    if not isinstance(val, torch.SymInt):
+        return False
+    expr = val.node.expr
+    return expr.free_symbols <= set(symbols) and _emittable(expr)
+
+
+def _emittable(expr) -> bool:
+    from torch.utils._sympy.functions import FloorDiv, Max, Min
+
+    if expr.is_Integer or expr.is_Symbol:
+        return True
+    return isinstance(expr, (sympy.Add, sympy.Mul, Min, Max, FloorDiv)) and all(_emittable(a) for a in expr.args)
+
+
+def _emit_expr(g: Graph, expr, size_of):
+    """FX nodes computing the integer ``expr``; ``size_of(symbol)`` gives a symbol's node."""
+    from torch.utils._sympy.functions import FloorDiv, Max, Min
+
+    if expr.is_Integer:
+        return int(expr)
+    if expr.is_Symbol:
+        return size_of(expr)
+    args = [_emit_expr(g, a, size_of) for a in expr.args]
+    if isinstance(expr, FloorDiv):
+        return g.call_function(operator.floordiv, tuple(args))
+    fn = {sympy.Add: operator.add, sympy.Mul: operator.mul, Min: torch.sym_min, Max: torch.sym_max}[expr.func]
+    value = args[0]
+    for a in args[1:]:
+        value = g.call_function(fn, (value, a))
+    return value
+
+
+def _rebuild_symint(g: Graph, v: Node, symbols: dict, env: dict) -> Node:
+    """``v`` (a SymInt computed in an earlier chunk) recomputed from this chunk's input sizes."""
+    sizes: dict = {}
+
+    def size_of(symbol):
+        if symbol not in sizes:
+            ph, d = symbols[symbol]
+            sizes[symbol] = g.call_function(torch.ops.aten.sym_size.int, (env[ph], d))
+        return sizes[symbol]
+
+    before = set(g.nodes)
+    out = _emit_expr(g, v.meta["val"].node.expr, size_of)
+    if not isinstance(out, Node):  # the expression folded to a constant
+        return out
+    for n in g.nodes:
+        if n not in before:
+            provenance(n, "pipeline", "pp", f"'{v.name}' (a size an earlier chunk computed) rebuilt from the "
+                                            "inputs' sizes instead of sent")
+    out.meta["val"] = v.meta["val"]
+    return out
 
 
 def pipeline_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
@@ -319,16 +398,21 @@ def pipeline_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         user_chunks = [chunk[u] for u in n.users if u in chunk] + ([last] if n is loss else [])
         if n in chunk and user_chunks:
             last_use[n] = max(user_chunks)
-    boundaries = [[v for v in gm.graph.nodes if v in chunk and chunk[v] <= k < last_use.get(v, -1)]
-                  for k in range(last)]
-    _check_tensors_cross(boundaries)
+    crossing = [[v for v in gm.graph.nodes if v in chunk and chunk[v] <= k < last_use.get(v, -1)]
+                for k in range(last)]
+    symbols = _sizes_symbols(placeholders)
+    rebuilt = {v for values in crossing for v in values if _rebuildable(v, symbols)}
+    _check_tensors_cross(crossing, rebuilt)
+    boundaries = [[v for v in values if v not in rebuilt] for values in crossing]
     param_owner: dict[str, int] = {}
     chunks = []
     start = 0
     for c in range(last + 1):
         b_in = boundaries[c - 1] if c > 0 else []
         b_out = boundaries[c] if c < last else []
-        cgm, used = _build_chunk(gm, c, c == last, chunk, free, params, b_in, b_out, kw, loss)
+        rebuild = functools.partial(_rebuild_symint, symbols=symbols) if rebuilt else None
+        cgm, used = _build_chunk(gm, c, c == last, chunk, free, params, b_in, b_out, kw, loss,
+                                 {v: rebuild for v in rebuilt if chunk[v] < c})
         for p in used:
             if param_owner.setdefault(p, c) != c and not (p == tied and c == last):
                 raise AutoparError(

@@ -132,3 +132,13 @@ def test_integer_indices_cross_the_cut(dist_pool):
     ref = _reference("hf_hy_v4", "sgd", ())
     for r in results:
         assert_equivalent(ref, (r["losses"], r["state"]))
+
+
+def test_a_size_crossing_the_cut_is_rebuilt(dist_pool):
+    # DeepSeek-V3.2's indexer computes min(index_topk, seq) once, as a SymInt later layers reuse;
+    # chunk 1 rebuilds it from its inputs' sizes (passes/pipeline.py, _rebuild_symint), since
+    # torch's pipelining sends tensors only. Refused before the rebuild existed.
+    results = dist_pool(pp_train_job, "hf_deepseek_v32", "pp=2,mb=2", "sgd", {}, world=2)
+    ref = _reference("hf_deepseek_v32", "sgd", ())
+    for r in results:
+        assert_equivalent(ref, (r["losses"], r["state"]))

@@ -34,6 +34,7 @@ __all__ = [
     "hf_qwen3_next",
     "hf_lfm3",
     "hf_hy_v4",
+    "hf_deepseek_v32",
     "hf_mistral_window",
     "hf_qwen2_window",
     "hf_gemma2_window",
@@ -260,6 +261,23 @@ def hf_hy_v4(seed: int = 0, **overrides):
 
 
 MODELS["hf_hy_v4"] = (hf_hy_v4, hf_loss, {"use_cache": False})
+
+
+def hf_deepseek_v32(seed: int = 0, **overrides):
+    """A tiny ``transformers.DeepseekV32ForCausalLM``: latent attention with a sparse-attention
+    indexer keeping 8 of the 16 keys per query (``index_topk`` below the test sequence); the
+    indexer's ``min(index_topk, seq)`` is one SymInt that every later layer reuses, so a pipeline
+    cut carries a size, not a tensor; 2 dense layers then 2 MoE layers (vocab 128, hidden 64,
+    4 layers, 4 heads, 4 experts, top-2)."""
+    return hf_model("DeepseekV32Config", "DeepseekV32ForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=16, q_lora_rank=32, kv_lora_rank=16,
+        qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+        n_group=2, topk_group=1, first_k_dense_replace=2, index_topk=8, index_n_heads=2, index_head_dim=16,
+        max_position_embeddings=64), overrides)
+
+
+MODELS["hf_deepseek_v32"] = (hf_deepseek_v32, hf_loss, {"use_cache": False})
 
 
 def hf_bert(seed: int = 0, **overrides):

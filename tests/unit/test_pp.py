@@ -60,6 +60,40 @@ def test_a_number_crossing_a_pipeline_cut_is_refused():
     graph = torch.fx.Graph()
     hidden, size = graph.placeholder("hidden"), graph.placeholder("size")
     hidden.meta["val"], size.meta["val"] = torch.empty(2, 3), 6
-    _check_tensors_cross([[hidden]])
+    _check_tensors_cross([[hidden]], set())
     with pytest.raises(AutoparError, match=r"^autopar: a value that is not a tensor \(int\) crosses pipeline boundary 0"):
-        _check_tensors_cross([[hidden, size]])
+        _check_tensors_cross([[hidden, size]], set())
+
+
+def test_a_size_is_rebuilt_from_the_input_sizes():
+    """A SymInt an earlier chunk computed (DeepSeek-V3.2's ``min(index_topk, seq)``) is written
+    again from the chunk's own input sizes; its nodes compute the same number at any size."""
+    import torch
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from passes.pipeline import _rebuild_symint, _rebuildable, _sizes_symbols
+
+    env = ShapeEnv()
+    b, s = (env.create_unbacked_symint() for _ in range(2))
+    with torch._subclasses.FakeTensorMode(shape_env=env):
+        ids = torch.empty(b, s, dtype=torch.long)
+    source = torch.fx.Graph()
+    inp = source.placeholder("in_0")
+    inp.meta["val"] = ids
+    size = source.placeholder("size")
+    expr = torch.sym_min(16, s) * 2 + b // 2
+    size.meta["val"] = expr
+    symbols = _sizes_symbols([inp])
+    assert _rebuildable(size, symbols)
+    other = source.placeholder("other")  # a size over a symbol no input holds: not rebuildable
+    other.meta["val"] = env.create_unbacked_symint()
+    assert not _rebuildable(other, symbols)
+
+    g = torch.fx.Graph()
+    chunk_inp = g.placeholder("in_0")
+    out = _rebuild_symint(g, size, symbols=symbols, env={inp: chunk_inp})
+    g.output(out)
+    assert all(n.meta["autopar"].pass_name == "pipeline" for n in g.nodes if n.op == "call_function")
+    fn = torch.fx.GraphModule(torch.nn.Module(), g)
+    for batch, seq in [(2, 8), (3, 40)]:
+        assert fn(torch.zeros(batch, seq, dtype=torch.long)) == min(16, seq) * 2 + batch // 2
