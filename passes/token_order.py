@@ -19,8 +19,8 @@ through the graph, one op at a time (their rules: ``passes/token_order_rules.py`
 - :class:`InversePositions` ``(order)``: natural rows, value ``i`` is where row ``i`` sits in the
   sort ``order`` (the inverse permutation, ``inv[perm] = arange``);
 - :class:`KeyCounts` ``(keys, kind)``: the rank's rows counted per bin of the key tensor ``keys``
-  (``kind``: ``counts``, their cumulative ``offsets``, or one bin's ``item``), with every key
-  inside the bins.  It is also a share of the batch's counts: any other use reads it as ``P``.
+  (``kind``: ``counts``, their cumulative ``offsets``, or one bin's ``item``), with no key
+  below the first bin (a key past the last bin is in no bin and sorts after all of them).  It is also a share of the batch's counts: any other use reads it as ``P``.
 
 Every other use of a regrouped value (a position-dependent op, a value leaving the region in
 the rank's order, an op without a token-order rule) is refused by ``propagate``.  The facts the

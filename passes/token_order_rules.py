@@ -13,8 +13,8 @@ rank-local order that no rule places is refused there.
   ``positions // k`` is the token of a slot when each token's ``k`` slots are consecutive;
 - *gathers*: ``x[positions]`` of the rank's rows takes them into the order; a replicated table
   read at regrouped keys is regrouped; ``y[inverse]`` brings regrouped rows back;
-- *counts*: a histogram or one-hot sum of all the keys, with every key proven inside the bins,
-  is the rank's counts per bin; their cumulative sum the offsets of each bin's rows in the sorted
+- *counts*: a histogram or one-hot sum of all the keys, with every key proven at least the first
+  bin's start (keys past the last bin sort after every bin), is the rank's counts per bin; their cumulative sum the offsets of each bin's rows in the sorted
   order, their items the sizes of each bin's segment;
 - *grouped work*: a grouped matmul on rows sorted by the keys its offsets count gives each row
   its own bin's matrix, so row ``j`` still depends on element ``j`` only; a split by the counts
@@ -199,14 +199,17 @@ def index_add_rule(node: Node, pls: list, rc: RuleContext):
 
 @register_token_order(aten.histc.default)
 def histc_counts_rule(node: Node, pls: list, rc: RuleContext):
-    """A histogram of every key, each proven inside ``[min, max]``: the rank's rows per bin (the
-    bins are monotone in the key, so sorted keys fall in bin order).  Unproven: a share (``P``)."""
+    """A histogram of every key, each proven at least ``min``: the rank's rows per bin (the bins
+    are monotone in the key, so sorted keys fall in bin order; keys above ``max``, LongCat's zero
+    experts, are left out of every bin and sort after all of them, so they shift no bin's offset).
+    One bin over the data's own range (``min == max == 0``) counts every key.  Unproven: a share
+    (``P``)."""
     pl, x = pls[0], node.args[0]
     if not isinstance(pl, (Shard, Regrouped)):
         return None
     bins, lo, hi = _arg(node, 1, "bins", 100), _arg(node, 2, "min", 0), _arg(node, 3, "max", 0)
     keys = key_range(x)  # None unless x holds every element of proven keys (a selection's rows do not)
-    if keys is not None and lo < hi and lo <= keys[0] and keys[1] <= hi:
+    if keys is not None and (lo < hi and lo <= keys[0] or bins == 1 and lo == hi == 0):
         return KeyCounts(key_root(x), "counts", bins)
     # a histogram does not see the order: of regrouped rows it is the rank's share, as of natural ones
     return None if isinstance(pl, Shard) else P
@@ -244,9 +247,9 @@ def offsets_rule(node: Node, pls: list, rc: RuleContext):
     if isinstance(pl, KeyCounts) and pl.kind == "counts" and canonical_dim(node.args[1], 1) == 0:
         return KeyCounts(pl.keys, "offsets", pl.bins)
     if x.target is aten.histc.default and pl == P:
-        raise rc.fail(node, f"it sums up the histogram {x.name} of keys the graph does not prove inside its range "
-                            f"[{_arg(x, 2, 'min', 0)}, {_arg(x, 3, 'max', 0)}] (indices of a top-k or max over that "
-                            "many experts are; a table lookup is not): a key below it would shift every expert's "
+        raise rc.fail(node, f"it sums up the histogram {x.name} of keys the graph does not prove at least the "
+                            f"start of its range [{_arg(x, 2, 'min', 0)}, {_arg(x, 3, 'max', 0)}] (indices of a "
+                            "top-k or max are; a table lookup is not): a key below it would shift every expert's "
                             "rows by a count of this rank's tokens",
                       f"Use a plan without {rc.axis} (and without micro-batches on dp), or route with a top-k "
                       "or max over the experts.")
