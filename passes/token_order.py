@@ -152,6 +152,8 @@ def key_range(node: Node) -> tuple[int, int] | None:
         return min(r[0] for r in ranges), max(r[1] for r in ranges)
     if root.target is aten.masked_fill.Scalar and isinstance(root.args[2], int):
         return _filled_range(root)
+    if root.target is aten.where.self:
+        return _where_range(root)
     inner = _region_output(root)
     if inner is not None:  # computed inside a no_grad region (a higher-order op with its own graph)
         return key_range(inner)
@@ -195,6 +197,58 @@ def _filled_range(node: Node) -> tuple[int, int] | None:
             and lo < hi and mask.args[1] in (lo, hi):
         lo, hi = (lo + 1, hi) if mask.args[1] == lo else (lo, hi - 1)
     return min(lo, value), max(hi, value)
+
+
+# A comparison with an int: the range of ``x`` where it holds (True) and where it does not.
+_SPLITS = {
+    aten.ge.Scalar: lambda lo, hi, c: ((max(lo, c), hi), (lo, min(hi, c - 1))),
+    aten.gt.Scalar: lambda lo, hi, c: ((max(lo, c + 1), hi), (lo, min(hi, c))),
+    aten.lt.Scalar: lambda lo, hi, c: ((lo, min(hi, c - 1)), (max(lo, c), hi)),
+    aten.le.Scalar: lambda lo, hi, c: ((lo, min(hi, c)), (max(lo, c + 1), hi)),
+}
+
+
+def _where_range(node: Node) -> tuple[int, int] | None:
+    """``where(x >= c, f(x), g(x))``: each branch's range with ``x`` narrowed to where it is taken
+    (LongCat folds its zero experts ``x >= n`` onto ``(x - n) * n // z``, inside ``[0, n)`` only
+    because ``x >= n`` there).  The union of the branches taken; None when one is not proven."""
+    cond, then, other = node.args[:3]
+    if not (isinstance(cond, Node) and cond.target in _SPLITS and isinstance(cond.args[0], Node)
+            and isinstance(cond.args[1], int) and not isinstance(cond.args[1], bool)):
+        return None
+    x = cond.args[0]
+    base = key_range(x)
+    if base is None:
+        return None
+    ranges = []
+    for branch, narrowed in zip((then, other), _SPLITS[cond.target](*base, cond.args[1])):
+        if narrowed[0] > narrowed[1]:
+            continue  # never taken
+        r = _arith_range(branch, x, narrowed)
+        if r is None:
+            return None
+        ranges.append(r)
+    return (min(r[0] for r in ranges), max(r[1] for r in ranges)) if ranges else None
+
+
+def _arith_range(node, x: Node, x_range: tuple[int, int]) -> tuple[int, int] | None:
+    """Range of ``node``, an int arithmetic of ``x`` (``+ - *`` an int, ``//`` a positive int)
+    with ``x`` in ``x_range``, or of proven keys."""
+    if isinstance(node, int) and not isinstance(node, bool):
+        return node, node
+    if not isinstance(node, Node):
+        return None
+    if node is x:
+        return x_range
+    ops = {aten.add.Tensor: operator.add, aten.sub.Tensor: operator.sub, aten.mul.Tensor: operator.mul,
+           aten.floor_divide.default: operator.floordiv}
+    if node.target in ops and len(node.args) == 2 and not node.kwargs and isinstance(node.args[1], int):
+        inner, c = _arith_range(node.args[0], x, x_range), node.args[1]
+        if inner is None or (node.target is aten.floor_divide.default and c <= 0):
+            return None
+        ends = [ops[node.target](end, c) for end in inner]  # each op is monotone in its tensor operand
+        return min(ends), max(ends)
+    return key_range(node)
 
 
 def distinct_per_row(node: Node) -> bool:

@@ -193,8 +193,11 @@ def _shrink_mlp(s: Shrink, plan: Plan) -> None:
         new = round_up(min(experts, MAX_EXPERTS), plan.ep)
         s.field("experts", new, f"divisible by ep={plan.ep}" if plan.ep > 1 else "")
         top_k = _value(cfg, "top_k")
-        if top_k is not None and int(top_k) > new:
+        if isinstance(top_k, int) and top_k > new:
             s.field("top_k", new, "at most the experts")
+        zero = cfg.get("zero_expert_num")  # LongCat's identity experts, as many per routed one as before
+        if isinstance(zero, int) and zero > 0:
+            s.set("zero_expert_num", max(1, zero * new // experts), "identity experts in the same proportion")
         for key in ("n_group", "topk_group", "num_expert_group"):  # DeepSeek's grouped routing: one group
             if isinstance(cfg.get(key), int) and cfg[key] > 1:
                 s.set(key, 1)

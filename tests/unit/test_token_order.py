@@ -42,6 +42,10 @@ class Experts(nn.Module):
             return self.loop(x, index, weights)
         if self.mix == "lookup":  # keys read from a table: no bound the graph proves
             index = self.table[ids.reshape(-1)].long()
+        if self.mix == "zero-experts":  # LongCat: choices past the experts folded onto them
+            index = torch.where(index >= EXPERTS, (index - EXPERTS) * EXPERTS // 2, index)
+        if self.mix == "fold-below":  # the same fold, one short: choice EXPERTS lands on key -1
+            index = torch.where(index >= EXPERTS, index - EXPERTS - 1, index)
         if self.mix == "noise":  # sampling noise per token: one device draws it for the whole batch
             weights = weights * (1 + 0.01 * torch.rand_like(weights))
         keys, perm = index.reshape(-1).sort()
@@ -76,7 +80,7 @@ class TinyMoE(nn.Module):
         super().__init__()
         self.embed = nn.Embedding(VOCAB, HIDDEN)
         # "above": two choices past the experts (LongCat's zero experts), left out of every bin
-        self.router = nn.Linear(HIDDEN, EXPERTS + 2 * (mix == "above"), bias=False)
+        self.router = nn.Linear(HIDDEN, EXPERTS + 2 * (mix in ("above", "zero-experts", "fold-below")), bias=False)
         self.experts = Experts(mix)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
@@ -98,7 +102,7 @@ def _compile(mix: str, plan: str = "dp=2"):
 
 
 @pytest.mark.parametrize("mix,plan", [("", "dp=2"), ("", "dp=2,mb=2"), ("loop", "dp=2"),
-                                      ("above", "dp=2"), ("one-bin", "dp=2")])
+                                      ("above", "dp=2"), ("one-bin", "dp=2"), ("zero-experts", "dp=2")])
 def test_a_per_token_experts_region_is_proven_and_kept_as_traced(mix, plan):
     traced, _ = _compile(mix, plan)
     targets = {n.target for n in traced.gm.graph.nodes if n.op == "call_function"}
@@ -114,6 +118,7 @@ def test_a_per_token_experts_region_is_proven_and_kept_as_traced(mix, plan):
     ("positions", "mul_1", r"placed Regrouped\(0, by sort\)"),
     ("lookup", "cumsum", r"does not prove at least the start of its range \[0, 3\]"),
     ("below", "cumsum", r"does not prove at least the start of its range \[1, 3\]"),
+    ("fold-below", "cumsum", r"does not prove at least the start of its range \[0, 3\]"),
     ("loop-slot", "index_add", r"placed Regrouped\(0, by where\)"),
     ("noise", "rand_like", r"draws random numbers for this rank's tokens"),
 ])
