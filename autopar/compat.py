@@ -125,6 +125,8 @@ def recording_stage_class(on_ops):
 
     def recording(name: str, phase: str):
         def method(self, chunk_id):
+            if "recv" in name:
+                _contiguous_buffers(self, name, chunk_id)
             ops = getattr(PipelineStage, name)(self, chunk_id)
             if "send" in name:
                 # A chunk's output (or an input gradient) may be a strided view (a transpose the
@@ -163,6 +165,18 @@ def recording_stage_class(on_ops):
     if hasattr(PipelineStage, "_to_tensor"):
         methods["_to_tensor"] = _zeroed_inference_input
     return type("RecordingStage", (PipelineStage,), methods)
+
+
+def _contiguous_buffers(stage, name: str, chunk_id: int) -> None:
+    """torch makes a receive buffer with the strides the sender's tensor had at metadata
+    inference; an input gradient can be strided (Zamba2's, the gradient of a transposed use), and
+    gloo receives into contiguous buffers only.  The sender sends a contiguous copy (above), so
+    a contiguous buffer of the same shape takes it; autograd accepts either layout."""
+    infos = (stage.args_recv_info if "fwd" in name else stage.grad_recv_info).get(chunk_id) or ()
+    for info in infos:
+        buffer = getattr(info, "buffer", None)
+        if isinstance(buffer, torch.Tensor) and not buffer.is_contiguous():
+            info.buffer = torch.empty(buffer.shape, dtype=buffer.dtype, device=buffer.device)
 
 
 def _zeroed_inference_input(self, arg):

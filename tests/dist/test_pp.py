@@ -142,3 +142,13 @@ def test_a_size_crossing_the_cut_is_rebuilt(dist_pool):
     ref = _reference("hf_deepseek_v32", "sgd", ())
     for r in results:
         assert_equivalent(ref, (r["losses"], r["state"]))
+
+
+def test_a_strided_input_gradient_crosses_the_cut(dist_pool):
+    # The gradient of a layer that reads its input transposed is strided; torch made the first
+    # stage's receive buffer with those strides, and gloo receives into contiguous buffers only
+    # ("input tensor has to be contiguous", Zamba2's case; autopar/compat.py, _contiguous_buffers).
+    results = dist_pool(pp_train_job, "position_mixer", "pp=2,mb=2", "sgd", {}, world=2)
+    ref = _reference("position_mixer", "sgd", ())
+    for r in results:
+        assert_equivalent(ref, (r["losses"], r["state"]))

@@ -35,6 +35,7 @@ __all__ = [
     "hf_lfm3",
     "hf_hy_v4",
     "hf_deepseek_v32",
+    "position_mixer",
     "hf_mistral_window",
     "hf_qwen2_window",
     "hf_gemma2_window",
@@ -350,3 +351,41 @@ def dynamic_shapes(kwargs):
         spec.update({k: None for k in kwargs})
         return spec
     return ({0: batch, 1: seq},)
+
+
+class _PositionMix(torch.nn.Module):
+    """A layer that mixes positions by a linear over the sequence (``h`` read transposed), so the
+    gradient of its input is a strided tensor (a transpose of a contiguous one)."""
+
+    def __init__(self, seq: int, hidden: int):
+        super().__init__()
+        self.mix = torch.nn.Linear(seq, seq, bias=False)
+        self.norm = torch.nn.LayerNorm(hidden)
+
+    def forward(self, h):
+        return self.norm(self.mix(h.transpose(1, 2)).transpose(1, 2))
+
+
+class PositionMixer(torch.nn.Module):
+    """Embedding, ``num_layers`` position-mixing layers, a head (vocab 128, hidden 32, seq 16)."""
+
+    def __init__(self, num_layers: int = 2, seq: int = 16, hidden: int = 32, vocab: int = 128):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.layers = torch.nn.ModuleList(_PositionMix(seq, hidden) for _ in range(num_layers))
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
+def position_mixer(seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    return PositionMixer(**overrides)
+
+
+MODELS["position_mixer"] = (position_mixer, lm_loss, {})
+
