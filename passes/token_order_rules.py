@@ -36,7 +36,8 @@ from .token_order import (InversePositions, KeyCounts, Positions, Regrouped, asc
 from .token_order_rowwise import reduce_rule
 
 __all__ = ["sort_rule", "arange_rule", "selection_rule", "index_rule", "index_put_rule", "index_add_rule",
-           "histc_counts_rule", "one_hot_counts", "draw_rule", "grouped_mm_rule", "segments_rule", "join_rule"]
+           "histc_counts_rule", "one_hot_counts", "draw_rule", "grouped_mm_rule", "segments_rule", "join_rule",
+           "checked_extreme_rule"]
 
 aten = torch.ops.aten
 
@@ -269,20 +270,38 @@ _SIZE_USERS = frozenset({aten.split_with_sizes.default, aten._assert_scalar.defa
                          aten.sym_constrain_range_for_size.default})
 
 
-def _only_sizes(node: Node) -> bool:
+# Where a number may go that only a runtime check reads.
+_CHECK_USERS = frozenset({aten._assert_scalar.default, aten.sym_constrain_range_for_size.default})
+
+
+def _only_sizes(node: Node, allowed: frozenset = _SIZE_USERS) -> bool:
     todo, seen = [node], set()
     while todo:
         for user in todo.pop().users:
             if user in seen:
                 continue
             seen.add(user)
-            if user.target in _SIZE_USERS:
+            if user.target in allowed:
                 continue
             if user.op == "call_function" and getattr(user.target, "__module__", None) in ("_operator", "operator"):
                 todo.append(user)  # SymInt arithmetic and comparisons, checked by the users above
                 continue
             return False
     return True
+
+
+@register_token_order(aten.max.default, aten.min.default)
+def checked_extreme_rule(node: Node, pls: list, rc: RuleContext):
+    """The largest (smallest) element of the rank's rows read only by a runtime check (XLM's
+    ``assert lengths.max().item() <= slen``): every rank checks its own rows, so the checks pass
+    together exactly when the one device's check of all rows passes; the number goes nowhere else."""
+    if not isinstance(pls[0], Shard) or not node.users:
+        return None
+    numbers = list(node.users)
+    if not all(u.target in (aten.item.default, aten._local_scalar_dense.default) and _only_sizes(u, _CHECK_USERS)
+               for u in numbers):
+        return None
+    return R
 
 
 @register_token_order(aten.sym_size.int)

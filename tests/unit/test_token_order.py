@@ -129,3 +129,33 @@ def test_a_region_that_mixes_the_ranks_tokens_is_refused(mix, node, found):
     assert message.startswith(f"autopar: cannot shard node '{node}'"), message
     assert "in module 'model.experts' (Experts)" in message and "test_token_order.py" in message, message
     assert "on mesh axis 'dp'" in message and re.search(found, message), message
+
+
+class Checked(nn.Module):
+    """XLM's input check: the longest row of the batch must fit the sequence."""
+
+    def __init__(self, use: str):
+        super().__init__()
+        self.use = use
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, ids):
+        lengths = (ids >= 0).sum(1)
+        longest = lengths.max()
+        h = self.embed(ids)
+        if self.use == "check":
+            torch._check(longest.item() <= ids.shape[1])
+        else:  # the batch's longest row scales every row: a rank's own maximum is not it
+            h = h * longest
+        return self.head(h)
+
+
+@pytest.mark.parametrize("use", ["check", "scale"])
+def test_a_batch_maximum_only_checked_is_the_ranks_own(use):
+    ids = torch.randint(0, VOCAB, (4, 8))
+    if use == "check":
+        compile_program(Checked(use), (ids,), {}, "dp=2", _loss, world_size=2)
+        return
+    with pytest.raises(AutoparError, match=r"autopar: cannot shard node 'max(_\d+)?'.*on mesh axis 'dp'"):
+        compile_program(Checked(use), (ids,), {}, "dp=2", _loss, world_size=2)
