@@ -24,21 +24,24 @@ Three things read it, and nothing else may treat such a value as an even ``Shard
 """
 from __future__ import annotations
 
+import operator
+
 from torch.distributed.tensor import Shard
 from torch.fx import Node
 
 from autopar.frontend.op_sets import SIZED_RESHAPE_OPS
 from autopar.ops import collectives
 
-from .rules import RuleContext, shape_of, size_expr, tensor_inputs
+from .rules import R, RuleContext, shape_of, size_expr, tensor_inputs
 
-__all__ = ["BLOCKS_KEY", "WHOLE_KEY", "EVERY_KEY", "cat_blocks", "carry_blocks"]
+__all__ = ["BLOCKS_KEY", "WHOLE_KEY", "EVERY_KEY", "LAYOUT_KEYS", "cat_blocks", "carry_blocks"]
 
 BLOCKS_KEY = "autopar_blocks"
 WHOLE_KEY = "autopar_whole"  # per block: kept whole on every rank (KV-head replication)
 # A dim merged from several with the sharded one not first (``x.reshape(-1, head_dim)`` of
 # [b, s, heads, head_dim] sharded on heads): runs of this many elements, of each the rank's share.
 EVERY_KEY = "autopar_every"
+LAYOUT_KEYS = (BLOCKS_KEY, WHOLE_KEY, EVERY_KEY)  # what a value's layout is kept under
 # Operators that move a tensor between ranks, which must see it evenly split.
 _COLLECTIVES = {collectives.all_gather, collectives.gather_replicated, collectives.reduce_scatter}
 
@@ -78,7 +81,12 @@ def carry_blocks(node: Node, pls: list, pl, rc: RuleContext) -> None:
     and its chain itself; views and the rules that set a layout place it themselves.)"""
     if rc.local_sizes or _layout(node, rc) is not None or node.target in SIZED_RESHAPE_OPS:
         return
-    placed = {a: p for a, p in zip(tensor_inputs(node), pls) if isinstance(p, Shard)}
+    inputs = tensor_inputs(node)
+    if node.target is operator.getitem and isinstance(node.args[0], Node) and isinstance(pls[0], tuple):
+        # an item of an op with several outputs (top-k's values and indices): laid out as its inputs
+        inputs = tensor_inputs(node.args[0])
+        pls = [rc.placements.get(a, R) for a in inputs]
+    placed = {a: p for a, p in zip(inputs, pls) if isinstance(p, Shard)}
     sizes = {a: size_expr(shape_of(a)[p.dim]) for a, p in placed.items()}
     layouts = {(_layout(a, rc), sizes[a]) for a in placed if _layout(a, rc) is not None}
     if not layouts:

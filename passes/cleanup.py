@@ -67,21 +67,33 @@ def _drop_identity_slices(gm: GraphModule) -> int:
     return dropped
 
 
+def _drop_checks(gm: GraphModule) -> int:
+    dropped = 0
+    for node in list(gm.graph.nodes):
+        is_check = node.op == "call_function" and node.target in ASSERT_METADATA_OPS
+        if (is_check or is_guards_call(node)) and not node.users:
+            gm.graph.erase_node(node)
+            dropped += 1
+    return dropped
+
+
 def cleanup_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     result = PassResult("cleanup_pass")
     _dedupe_tied(gm, result)
-    for node in list(gm.graph.nodes):
-        is_check = node.op == "call_function" and node.target in ASSERT_METADATA_OPS
-        is_guard = is_guards_call(node)
-        if (is_check or is_guard) and not node.users:
-            gm.graph.erase_node(node)
-            result.num_rewritten += 1
+    # The graph and the graphs of its regions (``torch.no_grad()`` traced as a higher-order op
+    # that runs a GraphModule of its own): their checks see global shapes too.
+    regions = [m for _, m in gm.named_modules() if isinstance(m, GraphModule) and m is not gm]
+    checks = slices = 0
+    for g in [gm, *regions]:
+        checks += _drop_checks(g)
+        slices += _drop_identity_slices(g)
     for name, _ in list(gm.named_children()):
         if name.startswith("_guards_fn"):
             delattr(gm, name)
-    checks = result.num_rewritten
-    slices = _drop_identity_slices(gm)
-    result.num_rewritten += slices
+    for region in regions:
+        region.graph.eliminate_dead_code()
+        region.recompile()
+    result.num_rewritten += checks + slices
     gm.graph.eliminate_dead_code()
     result.notes.append(f"removed {checks} export-time shape/dtype checks and {slices} slices that keep a whole dim")
     return result

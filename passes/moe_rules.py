@@ -9,14 +9,14 @@ propagation marks the router and expert weights as having partial gradients over
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Partial, Shard
 from torch.fx import Node
 
 from autopar.ops import moe
 from .pointwise_rules import pointwise_rule
 from .rules import R, RuleContext, ndim_of, register
 
-__all__ = ["topk_rule", "gather_scatter_rule", "moe_token_rule"]
+__all__ = ["topk_rule", "extreme_dim_rule", "gather_scatter_rule", "moe_token_rule"]
 
 aten = torch.ops.aten
 
@@ -37,6 +37,24 @@ def topk_rule(node: Node, pls: list, rc: RuleContext):
     if dim % ndim == pl.dim:
         raise rc.fail(node, f"selects along the sharded dim {pl.dim}")
     return (pl, pl)
+
+
+@register(aten.max.dim, aten.min.dim)
+def extreme_dim_rule(node: Node, pls: list, rc: RuleContext):
+    """``x.max(dim)`` / ``x.min(dim)`` (values, indices) along a dim other than the sharded one (a
+    router's best expert per token, PhiMoE's sparse mixer): each rank's rows keep their shard."""
+    pl = pls[0]
+    if not isinstance(pl, Shard):
+        if isinstance(pl, Partial):
+            raise rc.fail(node, f"takes the largest or smallest element of a {pl} tensor")
+        return (R, R)
+    ndim = ndim_of(node.args[0])
+    dim = node.args[1] % ndim
+    keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+    if dim == pl.dim:
+        raise rc.fail(node, f"selects along the sharded dim {pl.dim}")
+    out = Shard(pl.dim - (1 if dim < pl.dim and not keepdim else 0))
+    return (out, out)
 
 
 @register(aten.gather.default, aten.scatter.value, aten.scatter_.value, aten.scatter.src, aten.scatter_.src)

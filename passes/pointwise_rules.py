@@ -60,6 +60,12 @@ POINTWISE_OPS = (
     aten.sign.default, aten.expm1.default, aten.log1p.default, aten.logical_and.default,
     aten.logical_or.default, aten.bitwise_and.Tensor, aten.bitwise_or.Tensor, aten.isnan.default,
     aten.rsub.Scalar, aten.leaky_relu.default, aten.elu.default, aten.hardtanh.default, aten.mish.default,
+    # integer arithmetic of indices (LongCat folds its zero experts with ``//``), and more activations
+    aten.floor_divide.default, aten.floor_divide.Scalar, aten.remainder.Scalar, aten.remainder.Tensor,
+    aten.fmod.Scalar, aten.fmod.Tensor, aten.div.Tensor_mode, aten.div.Scalar_mode, aten.bitwise_xor.Tensor,
+    aten.logical_xor.default, aten.log_sigmoid.default, aten.hardsigmoid.default, aten.hardswish.default,
+    aten.logit.default, aten.log2.default, aten.log10.default, aten.atan.default, aten.sinh.default,
+    aten.cosh.default, aten.tan.default, aten.relu6.default, aten.celu.default, aten.selu.default,
 )
 
 

@@ -30,7 +30,7 @@ aten = torch.ops.aten
 # --- reductions and normalisation -----------------------------------------------------
 
 @register(aten.mean.dim, aten.sum.dim_IntList, aten.amax.default, aten.amin.default, aten.var.correction,
-          aten.argmax.default, aten.logsumexp.default, *SOFTMAX_OPS, *LOG_SOFTMAX_OPS)
+          aten.argmax.default, aten.argmin.default, aten.logsumexp.default, *SOFTMAX_OPS, *LOG_SOFTMAX_OPS)
 def reduction_rule(node: Node, pls: list, rc: RuleContext):
     pl = pls[0]
     if not isinstance(pl, Shard):

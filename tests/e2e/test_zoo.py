@@ -42,6 +42,12 @@ EXPECTED: dict[str, dict[str, object]] = {
     # (under tp its experts' offsets are more than one tensor: refused, naming them)
     "gpt_oss": {"dp=2,zero=3": E, "tp=2,sp": (R, "expected one per-expert offsets tensor")},
     "phimoe": {"dp=2,zero=3": (R, "draws random numbers for this rank's tokens")},
+    # LongCat's zero experts: choices past the routed experts folded onto them by a where, whose keys
+    # are ranged branch by branch; its router's top-k runs in torch.no_grad(), a graph of its own
+    # placed node by node on the rank's sequence shard under cp
+    "longcat_flash": {"dp=2,zero=3": E, "cp=2:ring": E},
+    # an input check over the batch (XLM's assert lengths.max() <= slen): each rank checks its rows
+    "xlm": {"dp=2,zero=3": E},
     # sliding-window attention: the mask proven a causal window, which ring attention applies by
     # position, skipping the blocks out of every query's window (cohere2: windowed and full layers)
     "mistral": {"tp=2,sp": E, "cp=2:ring": E},

@@ -19,6 +19,9 @@ from tests.support.models import MODELS, dynamic_shapes, example_model, example_
 transformers = pytest.importorskip("transformers")
 
 VOCAB = 128
+# Parameters a model itself gives no gradient: the sparse-attention indexers of DeepSeek-V3.2 and
+# HY-V4 run under torch.no_grad() in transformers (their real training fits them by a loss of their own).
+NO_GRAD = {"hf_deepseek_v32": ".indexer.", "hf_hy_v4": ".indexer."}
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -34,6 +37,9 @@ def test_forward_backward(name):
     assert abs(loss.item() - torch.log(torch.tensor(float(VOCAB))).item()) < 0.5
     loss.backward()
     for pname, p in model.named_parameters():
+        if name in NO_GRAD and NO_GRAD[name] in pname:
+            assert p.grad is None, pname
+            continue
         assert p.grad is not None, pname
         assert torch.isfinite(p.grad).all(), pname
         assert p.grad.abs().sum() > 0, pname
