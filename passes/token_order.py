@@ -266,7 +266,10 @@ def ascending(order: Node) -> bool:
 
 def order_space(order: Node, rc) -> sympy.Expr | None:
     """How many natural rows the order's positions count: a sort's whole 1-D input; a selection's
-    mask along its token dim."""
+    mask along its token dim; a boolean mask indexing rows, its length."""
+    val = order.meta.get("val")
+    if isinstance(val, torch.Tensor) and val.dtype == torch.bool:  # a 1-D mask used as an index: its rows
+        return size_expr(val.shape[0])
     x = order.args[0]
     if is_sort(order):
         return size_expr(x.meta["val"].shape[0])

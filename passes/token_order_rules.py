@@ -122,7 +122,7 @@ def index_rule(node: Node, pls: list, rc: RuleContext):
     x, indices = node.args[0], list(node.args[1])
     px = _pl(x, rc)
     at = [d for d, i in enumerate(indices) if i is not None]
-    pis = {d: _pl(indices[d], rc) for d in at}
+    pis = {d: _index_pl(indices[d], rc) for d in at}
     if not is_token_order([px, *pis.values()]) or any(ndim_of(indices[d]) != 1 for d in at):
         return None
     length = shape_of(indices[at[0]])[0]
@@ -149,6 +149,16 @@ def index_rule(node: Node, pls: list, rc: RuleContext):
     return None
 
 
+def _index_pl(index: Node, rc: RuleContext):
+    """An index's placement; a 1-D boolean mask of the rank's rows (X-MOD's ``h[lang_ids == k]``)
+    indexes as the positions of its true elements (``where(mask)``), in their natural order."""
+    pl = _pl(index, rc)
+    val = index.meta.get("val") if isinstance(index, Node) else None
+    if pl == Shard(0) and isinstance(val, torch.Tensor) and val.dtype == torch.bool and val.dim() == 1:
+        return Positions(index, 1)
+    return pl
+
+
 def _element_data(index: Node, pl, order) -> bool:
     return (isinstance(pl, Regrouped) and pl.dim == 0 and pl.order is order and pl.segment is None) \
         or _broadcast_const(index, pl)
@@ -166,7 +176,7 @@ def index_put_rule(node: Node, pls: list, rc: RuleContext):
     dest, indices, values = node.args[0], list(node.args[1]), node.args[2]
     accumulate = _arg(node, 3, "accumulate", False)
     pd, pv = _pl(dest, rc), _pl(values, rc)
-    pi = _pl(indices[0], rc) if len(indices) == 1 and indices[0] is not None else None
+    pi = _index_pl(indices[0], rc) if len(indices) == 1 and indices[0] is not None else None
     if not isinstance(pi, Positions) or pi.order is None or pi.div != 1 or pd != Shard(0):
         return None
     if not same_size(order_space(pi.order, rc), shape_of(dest)[0]):

@@ -159,3 +159,37 @@ def test_a_batch_maximum_only_checked_is_the_ranks_own(use):
         return
     with pytest.raises(AutoparError, match=r"autopar: cannot shard node 'max(_\d+)?'.*on mesh axis 'dp'"):
         compile_program(Checked(use), (ids,), {}, "dp=2", _loss, world_size=2)
+
+
+class LanguageAdapters(nn.Module):
+    """X-MOD's adapters: each sample's rows through the adapter of its language, picked by a
+    boolean mask over the batch (``h[lang == k]``, written back with ``out[lang == k] = ...``)."""
+
+    def __init__(self, mix: str):
+        super().__init__()
+        self.mix = mix
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.adapters = nn.ModuleList(nn.Linear(HIDDEN, HIDDEN) for _ in range(2))
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        lang = ids[:, 0] % 2
+        out = torch.zeros_like(h)
+        for k, adapter in enumerate(self.adapters):
+            mask = lang == k
+            picked = adapter(h[mask])
+            if self.mix == "prefix":  # a running sum over the picked samples: they mix across ranks
+                picked = picked.cumsum(0)
+            out[mask] = picked
+        return self.head(h + out)
+
+
+@pytest.mark.parametrize("mix", ["", "prefix"])
+def test_rows_picked_by_a_boolean_mask_are_the_ranks_own(mix):
+    ids = torch.randint(0, VOCAB, (4, 8))
+    if not mix:
+        compile_program(LanguageAdapters(mix), (ids,), {}, "dp=2", _loss, world_size=2)
+        return
+    with pytest.raises(AutoparError, match=r"autopar: cannot shard node 'cumsum.*placed Regrouped\(0, by eq"):
+        compile_program(LanguageAdapters(mix), (ids,), {}, "dp=2", _loss, world_size=2)
