@@ -25,7 +25,7 @@ from torch.export import Dim
 
 from autopar.compat import map_tensors, sym_expr
 from autopar.errors import AutoparError
-from autopar.frontend import stamp, stamp_behaviour
+from autopar.frontend import custom_functions, stamp, stamp_behaviour
 
 log = logging.getLogger("autopar.trace")
 
@@ -222,9 +222,10 @@ class _Exporter:
         self._dynamic = (tuple(_dynamic_spec(a, Dim.AUTO, Dim.AUTO) for a in args),)
 
     def _export(self, model: nn.Module) -> torch.fx.GraphModule:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), custom_functions.watch() as applied:
             warnings.simplefilter("ignore")
             ep = torch.export.export(self._wrap(model), self._args, strict=False, dynamic_shapes=self._dynamic)
+        custom_functions.refuse(self._model, applied)
         return ep.module()
 
     def full(self) -> torch.fx.GraphModule:

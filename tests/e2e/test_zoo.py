@@ -36,12 +36,12 @@ EXPECTED: dict[str, dict[str, object]] = {
     "qwen2_moe": {"dp=2,zero=3": E},
     "qwen3_moe": {"tp=2,sp": E, "cp=2:ring": E},
     # experts run as traced under dp, their routing proven per token (passes/token_order.py): GPT-OSS
-    # (expert biases gathered by the sorted expert ids; sliding windows of 16 below the sequence);
-    # PhiMoE's router samples its experts in train mode (Gumbel noise per token), which no rank
-    # draws as one device does: refused at the draw, never silently wrong
+    # (expert biases gathered by the sorted expert ids; sliding windows of 16 below the sequence)
     # (under tp its experts' offsets are more than one tensor: refused, naming them)
     "gpt_oss": {"dp=2,zero=3": E, "tp=2,sp": (R, "expected one per-expert offsets tensor")},
-    "phimoe": {"dp=2,zero=3": (R, "draws random numbers for this rank's tokens")},
+    # PhiMoE's sparse mixer passes a straight-through estimate through a custom autograd.Function,
+    # whose backward torch.export does not record: refused at the trace, never silently different
+    "phimoe": {"dp=2,zero=3": (R, "custom torch.autograd.Function 'PhimoeMultiplier'")},
     # LongCat's zero experts: choices past the routed experts folded onto them by a where, whose keys
     # are ranged branch by branch; its router's top-k runs in torch.no_grad(), a graph of its own
     # placed node by node on the rank's sequence shard under cp
@@ -64,9 +64,9 @@ EXPECTED: dict[str, dict[str, object]] = {
     "phi": {"tp=2,sp": E},
     "gpt_neox": {"cp=2:ring": E},
     "falcon": {"cp=2:ring": E, "tp=2,sp": (R, "does not divide the 71 attention heads")},
-    # ALiBi: eager attention with a bias, no SDPA op for cp
-    "bloom": {"dp=2,zero=3": E, "tp=2,sp": (R, "cannot shard node"),
-              "cp=2:ring": (R, "found no scaled_dot_product_attention op")},
+    # ALiBi: eager attention with a bias; in train mode its GeLU is a custom autograd.Function,
+    # whose backward the trace would lose: refused under every plan
+    "bloom": {"dp=2,zero=3": (R, "custom torch.autograd.Function 'GeLUFunction'")},
     # decoder layers that flatten batch and sequence: SP's collectives split the merged dim back out
     "opt": {"tp=2,sp": E},
     # an encoder built as a causal LM

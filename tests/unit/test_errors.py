@@ -121,3 +121,46 @@ def test_unknown_mixed_precision_is_refused_clearly():
                              mixed_precision="bf16")
     with pytest.raises(AutoparError, match=r"^autopar: the model was built on the meta device .*load_pretrained"):
         pm.train_step((ids,), ids)
+
+
+class _Doubled(torch.autograd.Function):
+    """The identity whose backward doubles the gradient: not autograd's derivative of its forward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2.0
+
+
+class _WithFunction(torch.nn.Module):
+    def __init__(self, where: str):
+        super().__init__()
+        self.where = where
+        self.embed = torch.nn.Embedding(16, 8)
+        self.head = torch.nn.Linear(8, 16)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        if self.where == "weights":
+            return self.head(_Doubled.apply(h))
+        # applied to a tensor without a gradient, its backward never runs: nothing is lost
+        return self.head(h + _Doubled.apply(ids.float().unsqueeze(-1)))
+
+
+def _ce(logits, target):
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def test_a_custom_autograd_function_is_refused_at_the_trace():
+    """torch.export keeps a Function's forward only; training through it would differ (here the
+    embedding's gradient would be half the model's), so it is refused naming the Function."""
+    ids = torch.randint(0, 16, (2, 4))
+    apply = torch.autograd.Function.__dict__["apply"]
+    with pytest.raises(AutoparError, match=r"^autopar: _WithFunction applies the custom torch.autograd.Function "
+                                           r"'_Doubled' \(called at .*test_errors.py:\d+; its backward at "):
+        compile_program(_WithFunction("weights"), (ids,), {}, "dp=2", _ce, world_size=2)
+    compile_program(_WithFunction("inputs"), (ids,), {}, "dp=2", _ce, world_size=2)
+    assert torch.autograd.Function.__dict__["apply"] is apply  # restored after each export
