@@ -23,18 +23,17 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 from typing import Any, Callable
 
 import sympy
-import torch
 from torch.distributed.tensor import Partial, Shard
 from torch.fx import GraphModule, Node
 
 from autopar.ops import collectives
 from autopar.ops.whole_rows import sum_whole_rows, whole_numel
-from .block_layout import LAYOUT_KEYS, carry_blocks
+from .block_layout import carry_blocks
 from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult
+from .grad_mode_regions import GRAD_MODE_REGION, place_region
 from .gradient_placement import gradient_placements
 from .rules import P, R, RuleContext, is_loss_share, is_sharded, lookup, lookup_token_order, size_expr, tensor_inputs
 from .token_order import as_share, is_token_order
@@ -116,8 +115,8 @@ def place_node(node: Node, pls: list, rc: RuleContext) -> Any:
     """``node``'s placement by its rule.  On a data axis a token-order rule (passes/token_order.py)
     is asked first; an input in a rank-local token order that it does not place is refused, and
     the op's own rule reads counts of the rank's rows as their share of the batch's."""
-    if node.target is _GRAD_MODE_REGION:
-        return _place_region(node, rc)
+    if node.target is GRAD_MODE_REGION:
+        return place_region(node, rc, place_node)
     if rc.local_sizes:
         order_rule = lookup_token_order(node.target)
         pl = order_rule(node, pls, rc) if order_rule is not None else None
@@ -141,55 +140,6 @@ def place_node(node: Node, pls: list, rc: RuleContext) -> Any:
                             f"with inputs placed {pls}",
                       "Add a rule to passes/rules.py, or use a plan without this dimension.")
     return R
-
-
-# ``torch.no_grad()`` inside the model, traced by torch.export as a higher-order op running a
-# graph of its own (a router's top-k): not an aten op, so no rule of the registry; its graph is
-# placed node by node instead (``_place_region``).
-_GRAD_MODE_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled
-
-
-def _place_region(node: Node, rc: RuleContext) -> Any:
-    """The placements of a grad-mode region's outputs: its own graph placed by the rules, its
-    placeholders taking the operands' placements (and block layouts), its outputs giving theirs
-    to the region's items.  A rule may add local work (a slice of a replicated operand) to the
-    region's graph, but no collective: the cost model and the byte checks see the top graph only."""
-    body = getattr(node.graph.owning_module, node.args[1].target)
-    outer, outer_gm = rc.placements, rc.gm
-    inner: dict[Node, Any] = {}
-    before = set(body.graph.nodes)
-    rc.placements, rc.gm = inner, body
-    try:
-        operands = iter(node.args[2:])
-        for n in body.graph.nodes:
-            if n.op == "placeholder":
-                a = next(operands)
-                inner[n] = outer.get(a, R) if isinstance(a, Node) else R
-                if isinstance(a, Node):
-                    n.meta.update({k: a.meta[k] for k in LAYOUT_KEYS if k in a.meta})
-            elif n.op == "call_function":
-                pls = [inner.get(a, R) for a in tensor_inputs(n)]
-                inner[n] = place_node(n, pls, rc)
-                carry_blocks(n, pls, inner[n], rc)
-            elif n.op == "output":
-                results = list(n.args[0])
-            else:
-                inner[n] = R  # constants of the region
-    finally:
-        rc.placements, rc.gm = outer, outer_gm
-    added = [n for n in body.graph.nodes if n not in before and n.op == "call_function"
-             and getattr(n.target, "__module__", "") == collectives.__name__]
-    if added:
-        needs = added[0].args[0] if isinstance(added[0].args[0], Node) else node  # the value it would reduce
-        raise rc.fail(needs, f"it needs a collective on {rc.axis} ({added[0].target.__name__}) inside "
-                             "torch.no_grad(), a region traced as a graph of its own where none can run",
-                      f"Use a plan without {rc.axis} for this model, or compute it outside torch.no_grad().")
-    body.recompile()  # the rules rewrote size arguments to local sizes
-    for user in node.users:  # getitem(region, i): the layout of the region's i-th result
-        result = results[user.args[1]] if user.target is operator.getitem else None
-        if isinstance(result, Node):
-            user.meta.update({k: result.meta[k] for k in LAYOUT_KEYS if k in result.meta})
-    return tuple(inner.get(a, R) if isinstance(a, Node) else R for a in results)
 
 
 def _propagate_axis(gm: GraphModule, ctx: PassContext, result: PassResult, axis: str, local_syms: dict) -> None:

@@ -9,7 +9,10 @@ recurrence per head, the gated norm per head and the row-parallel out-projection
 (docs/soundness.md, "tensors laid out by blocks").  A tiny LFM3 (``hf_lfm3``: a short
 convolution, then full attention) the same way: its ``in_proj`` fused B|C|x, transposed to channels
 first before its ``chunk`` (the parts found where the features went), column-parallel part by part,
-the depthwise convolution over the rank's channels, ``out_proj`` row-parallel.  The shrunk zoo model (full-size heads, mixture
+the depthwise convolution over the rank's channels, ``out_proj`` row-parallel.  A tiny DeepSeek-V3.2
+(``hf_deepseek_v32``): its sparse-attention indexer runs under ``torch.no_grad()`` and scores every
+key, so under SP its sequence shards are gathered before the region (passes/grad_mode_regions.py)
+and every rank picks the same keys, as one device does.  The shrunk zoo model (full-size heads, mixture
 of experts) is tests/e2e/test_zoo.py; the rules alone, tests/unit/test_mixer_rules.py.
 """
 from __future__ import annotations
@@ -21,7 +24,8 @@ from tests.support.jobs import reference, train_cases_job
 
 pytest.importorskip("transformers")
 
-CASES = [("hf_qwen3_next", "tp=2"), ("hf_qwen3_next", "tp=2,sp"), ("hf_lfm3", "tp=2"), ("hf_lfm3", "tp=2,sp")]
+CASES = [("hf_qwen3_next", "tp=2"), ("hf_qwen3_next", "tp=2,sp"), ("hf_lfm3", "tp=2"), ("hf_lfm3", "tp=2,sp"),
+         ("hf_deepseek_v32", "tp=2,sp")]
 
 
 @pytest.fixture(scope="module")
