@@ -29,13 +29,13 @@ The result's ``pipeline`` is a :class:`PipelineProgram`; the runtime that drives
 from __future__ import annotations
 
 import dataclasses
-import functools
 import operator
 from typing import Sequence
 
 import sympy
 import torch
 from torch.fx import Graph, GraphModule, Node
+from torch.utils._sympy.functions import FloorDiv, Max, Min
 
 from autopar.compat import sym_hint
 from autopar.errors import AutoparError, describe_node
@@ -224,9 +224,9 @@ def _assign(gm: GraphModule, structure, counts: list[int]):
 
 
 def _build_chunk(gm, c, last, chunk, free, params, boundary_in, boundary_out, kw_placeholders, out_node,
-                 rebuilt: dict):
+                 rebuilt: set, symbols: dict):
     """Chunk ``c``'s GraphModule and the parameters it reads; ``rebuilt``: the SymInts of earlier
-    chunks it reads, each -> ``rebuild(g, node, env=...)`` writing it from the inputs' sizes."""
+    chunks it may read, written again from the inputs' sizes (``symbols``: :func:`_sizes_symbols`)."""
     g = Graph(owning_module=gm)  # dead-code elimination looks up called submodules (recomputed regions)
     env: dict[Node, Node] = {}
     for i, v in enumerate(boundary_in):
@@ -246,7 +246,7 @@ def _build_chunk(gm, c, last, chunk, free, params, boundary_in, boundary_out, kw
             env[x] = g.node_copy(x, need)
             return env[x]
         if x in rebuilt:
-            env[x] = rebuilt[x](g, x, env=env)
+            env[x] = _rebuild_symint(g, x, symbols, env)
             return env[x]
         if _gathers_params(x):
             if x.target is zero_gather:  # ZeRO-3: the gathered unit's parameters
@@ -326,8 +326,6 @@ def _rebuildable(v: Node, symbols: dict) -> bool:
 
 
 def _emittable(expr) -> bool:
-    from torch.utils._sympy.functions import FloorDiv, Max, Min
-
     if expr.is_Integer or expr.is_Symbol:
         return True
     return isinstance(expr, (sympy.Add, sympy.Mul, Min, Max, FloorDiv)) and all(_emittable(a) for a in expr.args)
@@ -335,8 +333,6 @@ def _emittable(expr) -> bool:
 
 def _emit_expr(g: Graph, expr, size_of):
     """FX nodes computing the integer ``expr``; ``size_of(symbol)`` gives a symbol's node."""
-    from torch.utils._sympy.functions import FloorDiv, Max, Min
-
     if expr.is_Integer:
         return int(expr)
     if expr.is_Symbol:
@@ -410,9 +406,8 @@ def pipeline_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     for c in range(last + 1):
         b_in = boundaries[c - 1] if c > 0 else []
         b_out = boundaries[c] if c < last else []
-        rebuild = functools.partial(_rebuild_symint, symbols=symbols) if rebuilt else None
         cgm, used = _build_chunk(gm, c, c == last, chunk, free, params, b_in, b_out, kw, loss,
-                                 {v: rebuild for v in rebuilt if chunk[v] < c})
+                                 {v for v in rebuilt if chunk[v] < c}, symbols)
         for p in used:
             if param_owner.setdefault(p, c) != c and not (p == tied and c == last):
                 raise AutoparError(
