@@ -20,7 +20,8 @@ through the graph, one op at a time (their rules: ``passes/token_order_rules.py`
   sort ``order`` (the inverse permutation, ``inv[perm] = arange``);
 - :class:`KeyCounts` ``(keys, kind)``: the rank's rows counted per bin of the key tensor ``keys``
   (``kind``: ``counts``, their cumulative ``offsets``, or one bin's ``item``), with no key
-  below the first bin (a key past the last bin is in no bin and sorts after all of them).  It is also a share of the batch's counts: any other use reads it as ``P``.
+  below the first bin (a key past the last bin is in no bin and sorts after all of them).  It
+  is also a share of the batch's counts: any other use reads it as ``P``.
 
 Every other use of a regrouped value (a position-dependent op, a value leaving the region in
 the rank's order, an op without a token-order rule) is refused by ``propagate``.  The facts the
@@ -208,6 +209,11 @@ _SPLITS = {
 }
 
 
+# Integer arithmetic with a constant whose range _arith_range follows.
+_ARITH = {aten.add.Tensor: operator.add, aten.sub.Tensor: operator.sub, aten.mul.Tensor: operator.mul,
+          aten.floor_divide.default: operator.floordiv}
+
+
 def _where_range(node: Node) -> tuple[int, int] | None:
     """``where(x >= c, f(x), g(x))``: each branch's range with ``x`` narrowed to where it is taken
     (LongCat folds its zero experts ``x >= n`` onto ``(x - n) * n // z``, inside ``[0, n)`` only
@@ -240,13 +246,12 @@ def _arith_range(node, x: Node, x_range: tuple[int, int]) -> tuple[int, int] | N
         return None
     if node is x:
         return x_range
-    ops = {aten.add.Tensor: operator.add, aten.sub.Tensor: operator.sub, aten.mul.Tensor: operator.mul,
-           aten.floor_divide.default: operator.floordiv}
-    if node.target in ops and len(node.args) == 2 and not node.kwargs and isinstance(node.args[1], int):
+    fn = _ARITH.get(node.target)
+    if fn is not None and len(node.args) == 2 and not node.kwargs and isinstance(node.args[1], int):
         inner, c = _arith_range(node.args[0], x, x_range), node.args[1]
         if inner is None or (node.target is aten.floor_divide.default and c <= 0):
             return None
-        ends = [ops[node.target](end, c) for end in inner]  # each op is monotone in its tensor operand
+        ends = [fn(end, c) for end in inner]  # each op is monotone in its tensor operand
         return min(ends), max(ends)
     return key_range(node)
 

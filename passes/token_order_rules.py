@@ -14,7 +14,8 @@ rank-local order that no rule places is refused there.
 - *gathers*: ``x[positions]`` of the rank's rows takes them into the order; a replicated table
   read at regrouped keys is regrouped; ``y[inverse]`` brings regrouped rows back;
 - *counts*: a histogram or one-hot sum of all the keys, with every key proven at least the first
-  bin's start (keys past the last bin sort after every bin), is the rank's counts per bin; their cumulative sum the offsets of each bin's rows in the sorted
+  bin's start (keys past the last bin sort after every bin), is the rank's counts per bin;
+  their cumulative sum the offsets of each bin's rows in the sorted
   order, their items the sizes of each bin's segment;
 - *grouped work*: a grouped matmul on rows sorted by the keys its offsets count gives each row
   its own bin's matrix, so row ``j`` still depends on element ``j`` only; a split by the counts
