@@ -34,6 +34,7 @@ from autopar.compat import sym_expr, sym_hint
 from autopar.errors import AutoparError, describe_node
 from autopar.frontend.op_sets import SHAPED_FILLS
 from autopar.ops import collectives
+from .autograd_functions import AUTOGRAD_FUNCTION
 from .context import META_KEY, PassContext, PassResult
 from .gradient_placement import requires_grad_nodes
 from .rules import R, RuleContext, lookup_token_order, tensor_inputs
@@ -142,6 +143,8 @@ def _by_shape(rc: RuleContext):
             return BY_RULES
         if node.op != "call_function":
             return pl
+        if node.target is AUTOGRAD_FUNCTION:  # its code is read by its own rule, never assumed row-wise
+            return BY_RULES
         inputs = node.all_input_nodes
         # an input the rules placed otherwise than its shape says (a share, regrouped tokens): its
         # readers are the rules' too, until one places a value as its shape says again

@@ -31,7 +31,7 @@ follow their backward.  Forward rules are the registry of ``passes/rules.py``; t
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
@@ -41,6 +41,7 @@ from autopar.compat import rename_node
 from autopar.frontend.op_sets import SHAPED_FILLS
 from autopar.ops import collectives
 from autopar.ops.whole_rows import local_blocks
+from .autograd_functions import AUTOGRAD_FUNCTION, function_gradients
 from .context import META_KEY
 from .rules import P, R, RuleContext, axis_of, tensor_inputs
 
@@ -193,18 +194,22 @@ def _contributions(node: Node, grad: Any, pls: list, rc: RuleContext) -> list:
     return out
 
 
-def gradient_placements(gm: GraphModule, rc: RuleContext, placements: dict[Node, Any]) -> dict[Node, Any]:
+def gradient_placements(gm: GraphModule, rc: RuleContext, placements: dict[Node, Any],
+                        place: Callable | None = None) -> dict[Node, Any]:
     """Gradient placement on ``rc.axis`` of every node that has a gradient (see the module doc).
 
     A tensor written in place (:func:`_written`) gives each ``copy_`` into it the gradient it gets
     from its later reads (their sharded placement on the written view, or the same partial or
     replicated kind), found by walking again until the writes' gradients no longer change.
 
+    A custom autograd Function's inputs get what its own backward gives them, placed op by op
+    with ``place`` (shard propagation's ``place_node``; ``passes/autograd_functions.py``).
+
     May retarget all-gathers (``all_gather`` <-> ``gather_replicated``) to the backward their
     gradient needs; raises for a value whose gradient has no placement."""
     needs, writes, seeds = requires_grad_nodes(gm), _written(gm), {}
     while True:
-        grads = _walk(gm, rc, placements, needs, seeds)
+        grads = _walk(gm, rc, placements, needs, seeds, place)
         new = {c: placements.get(c, R) if isinstance(grads[base], Shard) else grads[base]
                for base, copies in writes.items() if base in grads for c in copies if c in needs}
         if new == seeds:
@@ -212,7 +217,8 @@ def gradient_placements(gm: GraphModule, rc: RuleContext, placements: dict[Node,
         seeds = new
 
 
-def _walk(gm: GraphModule, rc: RuleContext, placements: dict[Node, Any], needs: set, seeds: dict) -> dict:
+def _walk(gm: GraphModule, rc: RuleContext, placements: dict[Node, Any], needs: set, seeds: dict,
+          place: Callable | None) -> dict:
     found: dict[Node, dict[Any, set]] = {c: {None: {pl}} for c, pl in seeds.items()}
 
     def give(node: Node, pl: Any, index: Any = None) -> None:
@@ -232,6 +238,14 @@ def _walk(gm: GraphModule, rc: RuleContext, placements: dict[Node, Any], needs: 
         if isinstance(forward, (tuple, list)):
             per_output = {i: _combine(node, s, forward[i] if isinstance(i, int) else forward, rc)
                           for i, s in by_index.items()}
+            if node.target is AUTOGRAD_FUNCTION:  # its outputs' gradients go to its backward one by one
+                grads[node] = tuple(per_output.get(i, R) for i in range(len(forward)))
+                inputs = tensor_inputs(node)
+                for arg, pl in zip(inputs, function_gradients(node, per_output, [placements.get(a, R) for a in inputs],
+                                                              rc, place)):
+                    if pl is not None:
+                        give(arg, pl)
+                continue
             grad = _whole_parts(node, forward, per_output, rc) or _combine(node, set(per_output.values()), forward, rc)
         else:
             grad = _combine(node, set().union(*by_index.values()), forward, rc)

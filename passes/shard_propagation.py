@@ -33,6 +33,7 @@ from autopar.ops import collectives
 from autopar.ops.whole_rows import sum_whole_rows, whole_numel
 from .block_layout import carry_blocks
 from .context import META_KEY, PLACEMENT_KEY, PassContext, PassResult
+from .autograd_functions import AUTOGRAD_FUNCTION, place_function
 from .grad_mode_regions import GRAD_MODE_REGION, place_region
 from .gradient_placement import gradient_placements
 from .rules import P, R, RuleContext, is_loss_share, is_sharded, lookup, lookup_token_order, size_expr, tensor_inputs
@@ -117,6 +118,8 @@ def place_node(node: Node, pls: list, rc: RuleContext) -> Any:
     the op's own rule reads counts of the rank's rows as their share of the batch's."""
     if node.target is GRAD_MODE_REGION:
         return place_region(node, rc, place_node)
+    if node.target is AUTOGRAD_FUNCTION:
+        return place_function(node, pls, rc, place_node)
     if rc.local_sizes:
         order_rule = lookup_token_order(node.target)
         pl = order_rule(node, pls, rc) if order_rule is not None else None
@@ -158,7 +161,7 @@ def _propagate_axis(gm: GraphModule, ctx: PassContext, result: PassResult, axis:
         if pl is not None:
             node.meta.setdefault(PLACEMENT_KEY, {})[axis] = pl
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
-    for node, grad in gradient_placements(gm, rc, placements).items():
+    for node, grad in gradient_placements(gm, rc, placements, place_node).items():
         if node.op == "get_attr" and node.target in params and isinstance(grad, Partial):
             result.grad_partial_axes.setdefault(node.target, set()).add(axis)
 

@@ -222,11 +222,13 @@ class _Exporter:
         self._dynamic = (tuple(_dynamic_spec(a, Dim.AUTO, Dim.AUTO) for a in args),)
 
     def _export(self, model: nn.Module) -> torch.fx.GraphModule:
-        with warnings.catch_warnings(), custom_functions.watch() as applied:
+        with warnings.catch_warnings(), custom_functions.capture() as unkept:
             warnings.simplefilter("ignore")
             ep = torch.export.export(self._wrap(model), self._args, strict=False, dynamic_shapes=self._dynamic)
-        custom_functions.refuse(self._model, applied)
-        return ep.module()
+        custom_functions.refuse(self._model, unkept)
+        gm = ep.module()
+        custom_functions.check_kept(gm)
+        return gm
 
     def full(self) -> torch.fx.GraphModule:
         try:

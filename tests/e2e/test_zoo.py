@@ -39,9 +39,9 @@ EXPECTED: dict[str, dict[str, object]] = {
     # (expert biases gathered by the sorted expert ids; sliding windows of 16 below the sequence)
     # (under tp its experts' offsets are more than one tensor: refused, naming them)
     "gpt_oss": {"dp=2,zero=3": E, "tp=2,sp": (R, "expected one per-expert offsets tensor")},
-    # PhiMoE's sparse mixer passes a straight-through estimate through a custom autograd.Function,
-    # whose backward torch.export does not record: refused at the trace, never silently different
-    "phimoe": {"dp=2,zero=3": (R, "custom torch.autograd.Function 'PhimoeMultiplier'")},
+    # PhiMoE's train-mode router samples experts (Gumbel noise: exponential_ on the rank's rows), which
+    # no rank can draw as one device draws them for the whole batch: refused, naming the draw
+    "phimoe": {"dp=2,zero=3": (R, "cannot shard node 'exponential_'")},
     # LongCat's zero experts: choices past the routed experts folded onto them by a where, whose keys
     # are ranged branch by branch; its router's top-k runs in torch.no_grad(), a graph of its own
     # placed node by node on the rank's sequence shard under cp
@@ -64,9 +64,13 @@ EXPECTED: dict[str, dict[str, object]] = {
     "phi": {"tp=2,sp": E},
     "gpt_neox": {"cp=2:ring": E},
     "falcon": {"cp=2:ring": E, "tp=2,sp": (R, "does not divide the 71 attention heads")},
-    # ALiBi: eager attention with a bias; in train mode its GeLU is a custom autograd.Function,
-    # whose backward the trace would lose: refused under every plan
-    "bloom": {"dp=2,zero=3": (R, "custom torch.autograd.Function 'GeLUFunction'")},
+    # ALiBi: eager attention with a bias; in train mode its GeLU is a custom autograd.Function, run
+    # whole with its own backward (autopar/frontend/custom_functions.py), placed from its traced ops
+    "bloom": {"dp=2,zero=3": E, "pp=2,mb=2": E},
+    # RecurrentGemma bounds a square root's derivative in a custom autograd.Function
+    "recurrent_gemma": {"dp=2,zero=3": E},
+    # Reformer's reversible layers: a Function handed the layer modules, whose parameters it reads
+    "reformer": {"dp=2,zero=3": (R, "it is handed the module")},
     # decoder layers that flatten batch and sequence: SP's collectives split the merged dim back out
     "opt": {"tp=2,sp": E},
     # an encoder built as a causal LM

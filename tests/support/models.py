@@ -36,6 +36,8 @@ __all__ = [
     "hf_hy_v4",
     "hf_deepseek_v32",
     "position_mixer",
+    "hf_llama_functions",
+    "HalfGradient",
     "hf_mistral_window",
     "hf_qwen2_window",
     "hf_gemma2_window",
@@ -390,3 +392,56 @@ def position_mixer(seed: int = 0, **overrides):
 
 MODELS["position_mixer"] = (position_mixer, lm_loss, {})
 
+
+
+class HalfGradient(torch.autograd.Function):
+    """The identity whose backward halves the gradient: not autograd's derivative of its forward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+class _GatedPair(torch.autograd.Function):
+    """``(silu(g) * u, u * slope)`` (a tuple, a float argument), whose backward drops the SiLU's
+    second term and doubles the second output's share: a straight-through estimate."""
+
+    @staticmethod
+    def forward(ctx, g, u, slope):
+        ctx.save_for_backward(g, u)
+        ctx.slope = slope
+        return torch.nn.functional.silu(g) * u, u * slope
+
+    @staticmethod
+    def backward(ctx, grad_a, grad_b):
+        g, u = ctx.saved_tensors
+        return grad_a * u * torch.sigmoid(g), grad_a * torch.nn.functional.silu(g) + 2 * ctx.slope * grad_b, None
+
+
+class _FunctionMLP(torch.nn.Module):
+    """Llama's MLP through two custom Functions, its projections kept (so tp splits them)."""
+
+    def __init__(self, mlp: torch.nn.Module):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+
+    def forward(self, x):
+        x = HalfGradient.apply(x)
+        a, b = _GatedPair.apply(self.gate_proj(x), self.up_proj(x), 0.25)
+        return self.down_proj(a + b)
+
+
+def hf_llama_functions(seed: int = 0, **overrides):
+    """A tiny Llama whose MLPs apply custom ``torch.autograd.Function`` s with their own backward
+    (kept whole by the trace and run as they are: autopar/frontend/custom_functions.py)."""
+    model = hf_llama(seed, **overrides)
+    for layer in model.model.layers:
+        layer.mlp = _FunctionMLP(layer.mlp)
+    return model
+
+
+MODELS["hf_llama_functions"] = (hf_llama_functions, hf_loss, {"use_cache": False})

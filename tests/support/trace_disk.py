@@ -44,6 +44,8 @@ import warnings
 import torch
 from torch.fx._graph_pickler import GraphPickler, Options
 
+from autopar.frontend import custom_functions
+
 __all__ = ["ENV", "folder", "digest", "exclusive", "read", "write", "NoGuards"]
 
 ENV = "AUTOPAR_TEST_TRACE_DIR"
@@ -156,6 +158,7 @@ def read(name: str):
     with warnings.catch_warnings():  # torch's pytree spec pickling warns about its own deprecation
         warnings.simplefilter("ignore", FutureWarning)
         gm = GraphPickler.loads(stored["graph"], FakeTensorMode(shape_env=ShapeEnv()))
+    custom_functions.register(gm)  # the custom autograd Functions the graph calls
     return gm, stored["names"], stored["traced"]
 
 

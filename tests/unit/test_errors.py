@@ -8,7 +8,7 @@ import autopar
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.runtime import compile_program
-from tests.support.models import MODELS, make_batch
+from tests.support.models import MODELS, HalfGradient, make_batch
 
 
 def _compile(name, plan, world, **overrides):
@@ -123,16 +123,30 @@ def test_unknown_mixed_precision_is_refused_clearly():
         pm.train_step((ids,), ids)
 
 
-class _Doubled(torch.autograd.Function):
-    """The identity whose backward doubles the gradient: not autograd's derivative of its forward."""
+class _ThroughModule(torch.autograd.Function):
+    """Handed a module whose parameters it reads (as Reformer's reversible layers are)."""
 
     @staticmethod
-    def forward(ctx, x):
-        return x * 1.0
+    def forward(ctx, x, layer):
+        return layer(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * 2.0
+        return grad, None
+
+
+class _ReadsWeight(torch.autograd.Function):
+    """Reads a tensor it is not handed (a parameter through a closure)."""
+
+    weight = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x * _ReadsWeight.weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
 
 
 class _WithFunction(torch.nn.Module):
@@ -141,26 +155,36 @@ class _WithFunction(torch.nn.Module):
         self.where = where
         self.embed = torch.nn.Embedding(16, 8)
         self.head = torch.nn.Linear(8, 16)
+        self.scale = torch.nn.Parameter(torch.ones(8))
 
     def forward(self, ids):
         h = self.embed(ids)
-        if self.where == "weights":
-            return self.head(_Doubled.apply(h))
-        # applied to a tensor without a gradient, its backward never runs: nothing is lost
-        return self.head(h + _Doubled.apply(ids.float().unsqueeze(-1)))
+        if self.where == "module":
+            return self.head(_ThroughModule.apply(h, self.head)[..., :8])
+        if self.where == "closure":
+            _ReadsWeight.weight = self.scale
+            return self.head(_ReadsWeight.apply(h))
+        return self.head(HalfGradient.apply(h))
 
 
 def _ce(logits, target):
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
 
 
-def test_a_custom_autograd_function_is_refused_at_the_trace():
-    """torch.export keeps a Function's forward only; training through it would differ (here the
-    embedding's gradient would be half the model's), so it is refused naming the Function."""
+def test_a_custom_autograd_function_is_kept_whole_or_refused_at_the_trace():
+    """A Function is one node that runs its own apply (tests/dist/test_custom_functions.py trains
+    it); one handed a module, or reading a tensor it is not handed, would read the user's
+    parameters instead of the rank's: refused naming the Function."""
     ids = torch.randint(0, 16, (2, 4))
     apply = torch.autograd.Function.__dict__["apply"]
+    traced, _ = compile_program(_WithFunction("kept"), (ids,), {}, "dp=2", _ce, world_size=2)
+    kept = [n for n in traced.gm.graph.nodes if n.op == "call_function" and "autograd_function" in str(n.target)]
+    assert len(kept) == 1 and kept[0].meta["autopar_function"].name == "HalfGradient"
     with pytest.raises(AutoparError, match=r"^autopar: _WithFunction applies the custom torch.autograd.Function "
-                                           r"'_Doubled' \(called at .*test_errors.py:\d+; its backward at "):
-        compile_program(_WithFunction("weights"), (ids,), {}, "dp=2", _ce, world_size=2)
-    compile_program(_WithFunction("inputs"), (ids,), {}, "dp=2", _ce, world_size=2)
+                                           r"'_ThroughModule' \(called at .*test_errors.py:\d+; its backward at .*"
+                                           r"handed the module Linear"):
+        compile_program(_WithFunction("module"), (ids,), {}, "dp=2", _ce, world_size=2)
+    with pytest.raises(AutoparError, match=r"^autopar: the custom torch.autograd.Function '_ReadsWeight' .* reads 1 "
+                                           r"tensor\(s\) it is not handed"):
+        compile_program(_WithFunction("closure"), (ids,), {}, "dp=2", _ce, world_size=2)
     assert torch.autograd.Function.__dict__["apply"] is apply  # restored after each export
