@@ -120,6 +120,42 @@ def outer_rule(node: Node, pls: list, rc: RuleContext):
     return Shard(0) if isinstance(a, Shard) else Shard(1) if isinstance(b, Shard) else R
 
 
+@register(aten.einsum.default)
+def einsum_rule(node: Node, pls: list, rc: RuleContext):
+    """``einsum(equation, operands)`` by the letters of the equation: every sharded operand must be
+    split on one letter; a letter the output keeps gives its position's shard (an operand holding
+    the letter unsplit is sliced to the rank's part, where sizes are global), a summed letter split
+    in every operand holding it gives partial sums.  One partial operand among replicated ones
+    stays partial (einsum is linear in each operand)."""
+    equation = node.args[0].replace(" ", "")
+    ins, out = equation.split("->") if "->" in equation else (equation, None)
+    subs = ins.split(",")
+    if out is None or "." in equation or len(subs) != len(pls):
+        raise rc.fail(node, f"einsum '{equation}' without an explicit output or with an ellipsis")
+    partial = [i for i, pl in enumerate(pls) if isinstance(pl, Partial)]
+    if partial:
+        if len(partial) == 1 and all(isinstance(pl, Replicate) for i, pl in enumerate(pls) if i != partial[0]):
+            return pls[partial[0]]
+        raise rc.fail(node, f"einsum '{equation}' of partial operands {pls}")
+    letters = {subs[i][pl.dim] for i, pl in enumerate(pls) if isinstance(pl, Shard)}
+    if not letters:
+        return R
+    if len(letters) > 1:
+        raise rc.fail(node, f"einsum '{equation}' of operands split on different letters {sorted(letters)}")
+    (letter,) = letters
+    holding = [i for i, sub in enumerate(subs) if letter in sub]
+    if any(sub.count(letter) > 1 for sub in subs) or out.count(letter) > 1:
+        raise rc.fail(node, f"einsum '{equation}' repeats the split letter '{letter}'")
+    if letter not in out:
+        if rc.local_sizes or not all(isinstance(pls[i], Shard) for i in holding):
+            raise rc.fail(node, f"einsum '{equation}' sums over the split letter '{letter}' of {pls}")
+        return P
+    for i in holding:
+        if isinstance(pls[i], Replicate) and size_expr(shape_of(node.args[1][i])[subs[i].index(letter)]) != 1:
+            rc.shard_operand(node, node.args[1][i], subs[i].index(letter))
+    return Shard(out.index(letter))
+
+
 # --- attention and the embedding ------------------------------------------------------
 
 def _replicated_kv(node: Node, pls: list, heads: int, rc: RuleContext) -> list:

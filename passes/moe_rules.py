@@ -13,15 +13,11 @@ from torch.distributed.tensor import Partial, Shard
 from torch.fx import Node
 
 from autopar.ops import moe
-from .pointwise_rules import pointwise_rule
 from .rules import R, RuleContext, ndim_of, register
 
 __all__ = ["topk_rule", "extreme_dim_rule", "gather_scatter_rule", "moe_token_rule"]
 
 aten = torch.ops.aten
-
-register(aten.div_.Tensor, aten.mul_.Tensor, aten.add_.Tensor)(pointwise_rule)
-
 
 @register(aten.topk.default, aten.sort.default)
 def topk_rule(node: Node, pls: list, rc: RuleContext):

@@ -23,7 +23,7 @@ from autopar.ops import rng
 from .context import provenance
 from .rules import P, R, RuleContext, is_loss_share, ndim_of, register, shape_of
 
-__all__ = ["POINTWISE_OPS", "pointwise_rule", "fill_rule", "fill_like_rule", "triangle_rule"]
+__all__ = ["POINTWISE_OPS", "INPLACE_POINTWISE_OPS", "pointwise_rule", "inplace_pointwise_rule", "fill_rule", "fill_like_rule", "triangle_rule"]
 
 aten = torch.ops.aten
 
@@ -112,6 +112,26 @@ def pointwise_rule(node: Node, pls: list, rc: RuleContext):
                 # e.g. learned position embeddings added to sequence shards under SP
                 rc.shard_operand(node, arg, d)
     return Shard(shard_dim)
+
+
+# In-place element-wise ops write their result into their first operand: exact only when that
+# operand is already placed as the result is.  (A replicated destination met by a sharded operand
+# would have its slice written instead -- a new tensor -- while later readers read it unchanged.)
+INPLACE_POINTWISE_OPS = (aten.masked_fill_.Scalar, aten.masked_fill_.Tensor, aten.add_.Tensor, aten.sub_.Tensor,
+                         aten.mul_.Tensor, aten.div_.Tensor, aten.mul_.Scalar, aten.div_.Scalar, aten.add_.Scalar,
+                         aten.sub_.Scalar, aten.clamp_.default, aten.clamp_min_.default)
+
+
+@register(*INPLACE_POINTWISE_OPS)
+def inplace_pointwise_rule(node: Node, pls: list, rc: RuleContext):
+    sharded = [p for p in pls[1:] if isinstance(p, Shard)]
+    # checked before the element-wise rule, which would slice a replicated destination
+    pl = sharded[0] if sharded and not isinstance(pls[0], Shard) else pointwise_rule(node, pls, rc)
+    if pl != pls[0]:
+        raise rc.fail(node, f"writes a result placed {pl} into '{node.args[0].name}', placed {pls[0]}",
+                      "An in-place op keeps its destination's placement; write it out of place "
+                      "(x = x.masked_fill(...)), or use a plan without this dimension.")
+    return pl
 
 
 # --- partial values on a data-sharded axis (dp, cp) -----------------------------------

@@ -81,14 +81,37 @@ def _mapped_dim(node: Node, src: Node, shard: Shard, rc: RuleContext) -> int:
             if out is None:
                 raise rc.fail(node, f"the sharded dim {shard.dim} disappears")
             if _first_nonunit(gi, in_shape) != shard.dim:
-                if [d for d in gj if size_expr(out_shape[d]) != 1] != [out] or src.meta.get(BLOCKS_KEY):
+                run_dim = None if src.meta.get(BLOCKS_KEY) else _run_dim(node, shard.dim, gi, gj, rc.size)
+                if run_dim is None:
                     raise rc.fail(node, f"the sharded dim {shard.dim} is merged behind another dim of "
                                         f"{tuple(in_shape)}", "Sharding must stay on the outermost dim of a "
                                         "merged group, or the merged dims must become one dim.")
-                node.meta[EVERY_KEY] = math.prod((size_expr(in_shape[d]) for d in gi if d >= shard.dim),
-                                                 start=sympy.Integer(1))
+                return run_dim
             return out
     raise rc.fail(node, f"cannot map sharded dim {shard.dim} from {tuple(in_shape)} to {tuple(out_shape)}")
+
+
+def _run_dim(node: Node, dim: int, gi: list[int], gj: list[int], num_ranks: int) -> int | None:
+    """Input dim ``dim``, split evenly, merged behind other dims (``gi``) into the output dims ``gj``:
+    the output dim holding its outermost factor, where the rank then holds its share of every run of
+    that factor's elements (``autopar_every`` when the dim has more in front: a gated norm's
+    ``gate.reshape(-1, head_dim)`` of [b, s, heads * head_dim] gives [b * s * heads, head_dim], runs
+    of ``heads``); None where the factor does not lie within one output dim, or the ranks do not split
+    it evenly."""
+    in_shape, out_shape = shape_of(node.args[0]), shape_of(node)
+    trailing = math.prod((size_expr(in_shape[d]) for d in gi if d >= dim), start=sympy.Integer(1))
+    inner = sympy.Integer(1)
+    for j in reversed(gj):
+        run = sympy.simplify(trailing / inner)
+        prefix = sympy.simplify(size_expr(out_shape[j]) / run)
+        if sympy.fraction(run)[1] == 1 and sympy.fraction(prefix)[1] == 1:
+            if run.is_number and run % num_ranks:  # (a sequence's run is split evenly by the plan's checks)
+                return None
+            if prefix != 1:
+                node.meta[EVERY_KEY] = run
+            return j
+        inner *= size_expr(out_shape[j])
+    return None
 
 
 def _rewrite_sizes(node: Node, arg_index: int, out_dim: int, rc: RuleContext, offset: int = 0) -> None:
@@ -131,17 +154,22 @@ def view_rule(node: Node, pl: Shard, rc: RuleContext):
 
 def _unmerged_dim(node: Node, pl: Shard, inner, rc: RuleContext) -> int:
     """A view of a dim that holds the rank's share of every run of ``inner`` elements (a dim merged
-    behind others, ``passes/block_layout.py``): kept whole, the layout stays; split back so that the
-    dims from one on multiply to ``inner``, that dim is an even shard again; anything else is refused."""
+    behind others, ``passes/block_layout.py``), with any whole dims behind it: kept whole, the layout
+    stays; split back so that the dims from one on multiply to the run (``inner`` times the whole
+    dims), that dim is an even shard again; anything else is refused."""
     in_shape, out_shape = shape_of(node.args[0]), shape_of(node)
     for gi, gj in dim_groups(in_shape, out_shape):
-        if pl.dim not in gi or [d for d in gi if size_expr(in_shape[d]) != 1] != [pl.dim]:
+        dims = [d for d in gi if size_expr(in_shape[d]) != 1]
+        if pl.dim not in gi or dims[0] != pl.dim:
             continue
+        # whole dims merged behind the runs (a gated norm's [b*s*heads, head_dim] viewed back as
+        # [b, s, heads*head_dim]) lengthen each run: the rank holds its share of runs of them all
+        run = inner * math.prod((size_expr(in_shape[d]) for d in dims[1:]), start=sympy.Integer(1))
         if len(gj) == 1:
-            node.meta[EVERY_KEY] = inner
+            node.meta[EVERY_KEY] = run
             return gj[0]
         for j in gj:
-            if math.prod((size_expr(out_shape[k]) for k in gj if k >= j), start=sympy.Integer(1)) == inner:
+            if math.prod((size_expr(out_shape[k]) for k in gj if k >= j), start=sympy.Integer(1)) == run:
                 return j
     raise rc.fail(node, f"reshapes dim {pl.dim}, which holds this rank's share of every {inner} elements (heads "
                         f"merged behind other dims), to {tuple(out_shape)} other than back to those dims")
@@ -244,6 +272,17 @@ def expand_as_rule(node: Node, pls: list, rc: RuleContext):
     else:
         raise rc.fail(node, f"expands a tensor placed {pl} like one placed {other}")
     return other
+
+
+@register(aten.view_as_complex.default, aten.view_as_real.default)
+@_on_shard
+def complex_view_rule(node: Node, pl: Shard, rc: RuleContext):
+    """Pairs of the last dim read as one complex number, or back: every other dim is kept, so a
+    shard on one of them stays; the pairs' own dim is never split."""
+    last = ndim_of(node.args[0]) - 1
+    if node.target is aten.view_as_complex.default and pl.dim % (last + 1) == last:
+        raise rc.fail(node, "reads pairs of the sharded last dim as complex numbers")
+    return pl
 
 
 @register(aten.transpose.int)

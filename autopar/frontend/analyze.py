@@ -199,6 +199,8 @@ def _split_sizes(linear: Node) -> list[int] | None:
     # q[..., :rotary_dim]) cut every head alike and are not parts of the weight.
     if dim < 0 or last.meta["val"].shape[dim] != linear.meta["val"].shape[-1]:
         return None
+    last, dim = _through_channels(last, dim)
+    users = list(last.users)
     if users and all(u.target is aten.slice.Tensor for u in users):
         return _slice_sizes(last, dim, users)
     if len(users) != 1 or users[0].target not in SPLIT_OPS:
@@ -215,6 +217,37 @@ def _split_sizes(linear: Node) -> list[int] | None:
         return [width // int(split.args[1])] * int(split.args[1])
     size = int(split.args[1])
     return [size] * (width // size)
+
+
+# Ops that keep every feature of their input in its own channel: the parts of a fused projection
+# pass through them whole (shard propagation carries the layout: passes/block_layout.py).
+_CHANNEL_WISE = frozenset({aten.silu.default, aten.gelu.default, aten.relu.default, aten.sigmoid.default,
+                           aten.tanh.default, aten._to_copy.default, aten.to.dtype, aten.contiguous.default,
+                           aten.clone.default})
+
+
+def _through_channels(last: Node, dim: int) -> tuple[Node, int]:
+    """From a fused projection's chain, the single-user ops that keep its features channel by channel
+    (a linear-attention mixer's ``silu(conv1d(qkv.transpose(1, 2))[..., :seq]).transpose(1, 2)``
+    before the split of q|k|v): the node before the split and its feature dim."""
+    while len(last.users) == 1:
+        user = next(iter(last.users))
+        ndim = user.meta["val"].dim() if isinstance(user.meta.get("val"), torch.Tensor) else 0
+        if not ndim or user.args[0] is not last:
+            break
+        if user.target is aten.transpose.int:
+            a, b = user.args[1] % ndim, user.args[2] % ndim
+            dim = b if dim == a else a if dim == b else dim
+        elif user.target is aten.slice.Tensor and user.args[1] % ndim == dim:
+            break
+        elif user.target is aten.conv1d.default:
+            groups = user.args[6] if len(user.args) > 6 else user.kwargs.get("groups", 1)
+            if dim != 1 or groups != last.meta["val"].shape[1]:  # depthwise over the features only
+                break
+        elif user.target not in _CHANNEL_WISE and user.target is not aten.slice.Tensor:
+            break
+        last = user
+    return last, dim
 
 
 def _slice_sizes(last: Node, feature_dim: int, slices: list[Node]) -> list[int] | None:

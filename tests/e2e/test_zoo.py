@@ -46,8 +46,11 @@ EXPECTED: dict[str, dict[str, object]] = {
     # are ranged branch by branch; its router's top-k runs in torch.no_grad(), a graph of its own
     # placed node by node on the rank's sequence shard under cp
     "longcat_flash": {"dp=2,zero=3": E, "cp=2:ring": E},
-    # an input check over the batch (XLM's assert lengths.max() <= slen): each rank checks its rows
-    "xlm": {"dp=2,zero=3": E},
+    # an input check over the batch (XLM's assert lengths.max() <= slen): each rank checks its rows;
+    # under tp its scores are masked in place (masked_fill_ keeps its destination's placement)
+    "xlm": {"dp=2,zero=3": E, "tp=2,sp": E},
+    # DeepSeek-V2's rotary through complex numbers (view_as_complex of the rank's heads)
+    "deepseek_v2": {"tp=2,sp": E},
     # sliding-window attention: the mask proven a causal window, which ring attention applies by
     # position, skipping the blocks out of every query's window (cohere2: windowed and full layers)
     "mistral": {"tp=2,sp": E, "cp=2:ring": E},
@@ -85,6 +88,9 @@ EXPECTED: dict[str, dict[str, object]] = {
     "qwen3_next": {"dp=2,zero=3": E, "tp=2,sp": E, "cp=2:ring": (R, "needs the whole sequence")},
     # a short convolution (LFM3): in_proj fused B|C|x, transposed to channels first before its chunk
     "lfm3": {"tp=2,sp": E},
+    # Qwen3.5's gated delta net: in_proj_qkv's parts split after its depthwise convolution, the gated
+    # norm's rows viewed back to [b, s, heads * head_dim]
+    "qwen3_5_text": {"tp=2,sp": E},
     # multi-head latent attention: the latents whole on every tp rank, the up-projections split by heads
     "deepseek_v3": {"tp=2,sp": E},
     # linears outside the layers (an embedding projection, a generator head) make no region

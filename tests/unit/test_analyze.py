@@ -131,3 +131,32 @@ def test_a_fused_projection_transposed_before_its_split_records_its_parts():
     (linear,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default
                  and n.meta["val"].shape[-1] == 96]
     assert _split_sizes(linear) is None
+
+
+class _ConvolvedQKV(nn.Module):
+    """Qwen3.5's gated delta net in small: ``in_proj_qkv(x)`` through a causal depthwise convolution
+    (channels first, padded, cut back to the sequence, SiLU) before ``split([q, k, v])``; or, with
+    ``mix``, a convolution mixing the channels (not depthwise), which keeps no part whole."""
+
+    def __init__(self, mix: bool = False):
+        super().__init__()
+        self.emb, self.proj = nn.Embedding(128, 32), nn.Linear(32, 48)
+        self.conv = nn.Conv1d(48, 48, 3, padding=2, groups=1 if mix else 48)
+        self.out = nn.Linear(16, 32)
+
+    def forward(self, ids):
+        qkv = self.proj(self.emb(ids)).transpose(1, 2)
+        qkv = torch.nn.functional.silu(self.conv(qkv)[..., :ids.shape[1]]).transpose(1, 2)
+        q, k, v = torch.split(qkv, [8, 8, 32], dim=-1)
+        return self.out((q * k).sum(-1, keepdim=True) * v[..., :16])
+
+
+@pytest.mark.parametrize("mix,parts", [(False, [8, 8, 32]), (True, None)])
+def test_a_fused_projection_convolved_channel_by_channel_records_its_parts(mix, parts):
+    from autopar.frontend.analyze import _split_sizes
+
+    ids, _ = make_batch(128, 4, 16, 0)
+    gm = trace_model(_ConvolvedQKV(mix), (ids,), None, lambda out, t: out.float().mean()).gm
+    (linear,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default
+                 and n.meta["val"].shape[-1] == 48]
+    assert _split_sizes(linear) == parts

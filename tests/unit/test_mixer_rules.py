@@ -79,7 +79,8 @@ def test_conv1d_along_the_sharded_sequence_is_refused():
 
 
 def test_heads_merged_behind_rows_only_split_back():
-    """``x.reshape(-1, d)`` of [b, s, h, d] sharded on h, normed row-wise, viewed back to [b, s, h, d]."""
+    """``x.reshape(-1, d)`` of [b, s, h, d] sharded on h, normed row-wise, viewed back to [b, s, h, d]
+    or to [b, s, h * d]; a view that cuts the runs of heads otherwise is refused."""
     b = _Builder()
     x = b.input("x", 2, 3, 4, 8, shard=2)
     rows = b.op(aten.reshape.default, x, [-1, 8], shape=(24, 8))
@@ -89,12 +90,23 @@ def test_heads_merged_behind_rows_only_split_back():
     assert placements[sq] == Shard(0) and sq.meta["autopar_every"] == 4
     assert placements[back] == Shard(2) and back.args[1] == [2, 3, 2, 8]
 
+    # back to [b, s, h * d] (Qwen3.5's gated norm before its out-projection): the heads lead the
+    # merged last dim, an even shard of it; flattened whole: the rank's share of every h * d elements
     b = _Builder()
     x = b.input("x", 2, 3, 4, 8, shard=2)
     rows = b.op(aten.reshape.default, x, [-1, 8], shape=(24, 8))
+    merged = b.op(aten.reshape.default, rows, [2, 3, -1], shape=(2, 3, 32))
     flat = b.op(aten.view.default, rows, [192], shape=(192,))
+    placements, _ = b.place(b.op(aten.add.Tensor, _loss(b, merged), _loss(b, flat), shape=()))
+    assert placements[merged] == Shard(2) and "autopar_every" not in merged.meta
+    assert placements[flat] == Shard(0) and flat.meta["autopar_every"] == 32
+
+    b = _Builder()
+    x = b.input("x", 2, 3, 4, 8, shard=2)
+    rows = b.op(aten.reshape.default, x, [-1, 8], shape=(24, 8))
+    other = b.op(aten.view.default, rows, [12, 16], shape=(12, 16))
     with pytest.raises(AutoparError, match=r"share of every 4 elements"):
-        b.place(_loss(b, flat))
+        b.place(_loss(b, other))
 
 
 def test_local_blocks_takes_each_blocks_share_and_puts_the_gradient_back(monkeypatch):
@@ -139,3 +151,27 @@ def test_a_mixer_under_cp_is_refused_naming_its_module_and_source_line():
                                            r"\(Lfm3ShortConv\), at .*modeling_lfm3\.py.*"
                                            r"needs the whole sequence; use a plan without cp"):
         compile_program(factory(), (ids,), kwargs, "cp=2:ring", loss_fn, world_size=2)
+
+
+@pytest.mark.parametrize("shape,dim,every", [
+    ((24, 8), 0, 4),         # a gated norm's gate.reshape(-1, head_dim): runs of 4 heads in b * s * heads
+    ((6, 4, 8), 1, None),    # the heads get a dim of their own: an even shard
+    ((3, 64), 1, 32),        # two positions' features side by side: runs of all 32
+    ((2, 6, 16), 1, 2),      # only the heads' outer factor of 2 in the dim: 2 ranks split it
+])
+def test_a_split_dim_merged_behind_others_lands_on_its_outermost_factor(shape, dim, every):
+    """[2, 3, 32] (4 heads x 8) sharded on its last dim, viewed so that it merges behind positions."""
+    b = _Builder()
+    x = b.input("x", 2, 3, 32, shard=2)
+    view = b.op(aten.reshape.default, x, list(shape), shape=shape)
+    placements, _ = b.place(_loss(b, view))
+    assert placements[view] == Shard(dim) and view.meta.get("autopar_every") == every
+
+
+def test_a_split_dim_merged_so_that_no_dim_holds_its_shards_is_refused():
+    """A run of 2 elements (the heads' outer factor) cannot be split over 4 ranks."""
+    b = _Builder()
+    x = b.input("x", 2, 3, 32, shard=2)
+    view = b.op(aten.reshape.default, x, [2, 6, 16], shape=(2, 6, 16))
+    with pytest.raises(AutoparError, match="merged behind another dim"):
+        b.place(_loss(b, view), size=4)

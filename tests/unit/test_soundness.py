@@ -58,11 +58,11 @@ class _Builder:
         node.meta["val"] = torch.zeros(shape)
         return node
 
-    def place(self, loss, axis="tp", **options):
-        """Forward and gradient placements on ``axis`` (size 2), as shard propagation computes them."""
+    def place(self, loss, axis="tp", size=2, **options):
+        """Forward and gradient placements on ``axis`` (of ``size`` ranks), as shard propagation computes them."""
         self.graph.output((loss,))
         gm = GraphModule(self.root, self.graph)
-        rc = RuleContext(gm, axis, 2, {}, **options)
+        rc = RuleContext(gm, axis, size, {}, **options)
         placements = propagate(gm, rc, lambda n: self.sharded.get(n, R))
         return placements, gradient_placements(gm, rc, placements)
 
