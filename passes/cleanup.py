@@ -16,10 +16,18 @@ gradient into it; Hugging Face models write such slices for every GQA broadcast 
 the LM head.  This pass replaces each with its input (the same values, still a tensor of the
 same storage), so the program runs the ops eager PyTorch runs.
 
+A ``torch.no_grad()`` region may hand back one of its own operands: ``x.to(x.dtype)`` inside it is
+``x`` itself, and export then routes later uses of ``x`` through the region's result (a sparse
+attention indexer's ``hidden_states``, read again by Dots3's per-head gate after it).  At run time
+that result *is* the operand, gradient history included, though the graph says it came out of a
+region without gradients; this pass points those uses back at the operand, so the graph says what
+runs (and the passes see the activation they would split, not a region's result).
+
 Neighbours: ``passes/compile.py`` runs it first; ``autopar/frontend/trace.py`` produced the graph.
 """
 from __future__ import annotations
 
+import operator
 import sys
 
 import torch
@@ -67,6 +75,39 @@ def _drop_identity_slices(gm: GraphModule) -> int:
     return dropped
 
 
+# Ops that return their input itself when nothing changes (same dtype, no copy asked for).
+_SELF_RETURNING = {torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten.alias.default}
+
+
+def _passed_through(item, body: GraphModule):
+    """The placeholder of ``body`` that its output ``item`` is, through ops returning their input
+    itself; None if it is anything else."""
+    while item.op == "call_function" and item.target in _SELF_RETURNING and not item.kwargs.get("copy"):
+        src = item.args[0]
+        same = getattr(src.meta.get("val"), "dtype", None) == getattr(item.meta.get("val"), "dtype", 0)
+        if not same or item.target is torch.ops.aten.to.dtype and len(item.args) > 2:
+            return None
+        item = src
+    return item if item.op == "placeholder" else None
+
+
+def _unalias_region_items(gm: GraphModule) -> int:
+    rerouted = 0
+    for region in gm.graph.find_nodes(op="call_function", target=torch.ops.higher_order.wrap_with_set_grad_enabled):
+        body = getattr(gm, region.args[1].target)
+        (output,) = body.graph.find_nodes(op="output")
+        placeholders = [p for p in body.graph.nodes if p.op == "placeholder"]
+        for user in list(region.users):
+            if user.target is not operator.getitem:
+                continue
+            source = _passed_through(output.args[0][user.args[1]], body)
+            operand = region.args[2 + placeholders.index(source)] if source is not None else None
+            if isinstance(operand, torch.fx.Node):
+                user.replace_all_uses_with(operand)
+                rerouted += 1
+    return rerouted
+
+
 def _drop_checks(gm: GraphModule) -> int:
     dropped = 0
     for node in list(gm.graph.nodes):
@@ -83,6 +124,7 @@ def cleanup_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     # The graph and the graphs of its regions (``torch.no_grad()`` traced as a higher-order op
     # that runs a GraphModule of its own): their checks see global shapes too.
     regions = [m for _, m in gm.named_modules() if isinstance(m, GraphModule) and m is not gm]
+    rerouted = _unalias_region_items(gm)
     checks = slices = 0
     for g in [gm, *regions]:
         checks += _drop_checks(g)
@@ -93,7 +135,8 @@ def cleanup_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     for region in regions:
         region.graph.eliminate_dead_code()
         region.recompile()
-    result.num_rewritten += checks + slices
+    result.num_rewritten += checks + slices + rerouted
     gm.graph.eliminate_dead_code()
-    result.notes.append(f"removed {checks} export-time shape/dtype checks and {slices} slices that keep a whole dim")
+    result.notes.append(f"removed {checks} export-time shape/dtype checks and {slices} slices that keep a whole dim; "
+                        f"{rerouted} uses of a no-grad region's result that is its operand read the operand")
     return result

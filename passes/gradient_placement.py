@@ -40,7 +40,7 @@ from torch.fx import GraphModule, Node
 from autopar.compat import rename_node
 from autopar.frontend.op_sets import SHAPED_FILLS
 from autopar.ops import collectives
-from autopar.ops.whole_rows import local_blocks
+from autopar.ops.whole_rows import local_blocks, local_runs
 from .autograd_functions import AUTOGRAD_FUNCTION, function_gradients
 from .context import META_KEY
 from .rules import P, R, RuleContext, axis_of, tensor_inputs
@@ -55,7 +55,7 @@ GRAD_PLACEMENT_KEY = "autopar_grad_placement"
 _NO_GRAD = SHAPED_FILLS | {aten.detach.default, aten.sym_size.int}
 # Ops on one mesh axis whose inputs' gradient placement is their backward's, not the general rule's.
 _AXIS_OPS = {collectives.region_entry, collectives.all_gather, collectives.gather_replicated,
-             collectives.reduce_scatter, collectives.local_shard, local_blocks}
+             collectives.reduce_scatter, collectives.local_shard, local_blocks, local_runs}
 # Views through which ``copy_`` writes into a tensor (:func:`_written`).
 _VIEWS = {aten.select.int, aten.slice.Tensor, aten.view.default, aten.unsqueeze.default, aten.squeeze.dim,
           aten.transpose.int, aten.permute.default, aten.diagonal.default, aten.narrow.default}
@@ -179,7 +179,7 @@ def _contributions(node: Node, grad: Any, pls: list, rc: RuleContext) -> list:
         return [pls[0]]
     if on_axis and target is collectives.reduce_scatter:
         return [R]
-    if on_axis and target in (collectives.local_shard, local_blocks):
+    if on_axis and target in (collectives.local_shard, local_blocks, local_runs):
         return [P]
     out = []
     for i, pl in enumerate(pls):

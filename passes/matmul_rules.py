@@ -75,22 +75,24 @@ def mm_rule(node: Node, pls: list, rc: RuleContext):
 
 
 @register(aten.matmul.default, aten.bmm.default)
-def batched_matmul_rule(node: Node, pls: list, rc: RuleContext):
+def batched_matmul_rule(node: Node, pls: list, rc: RuleContext, operands: tuple | None = None):
+    """``operands``: the two matrices' nodes where they are not the op's first two arguments (baddbmm)."""
     a, b = pls
+    x, y = operands or node.args[:2]
     nd = ndim_of(node)
     if isinstance(a, Shard) and isinstance(b, Shard):
-        da, db = a.dim + nd - ndim_of(node.args[0]), b.dim + nd - ndim_of(node.args[1])
+        da, db = a.dim + nd - ndim_of(x), b.dim + nd - ndim_of(y)
         if da == db and da < nd - 2:
             return Shard(da)
-    if isinstance(a, Shard) and isinstance(b, Replicate) and a.dim + nd - ndim_of(node.args[0]) < nd - 1:
-        return _batch_shard(node, node.args[1], a.dim + nd - ndim_of(node.args[0]), rc)
-    if isinstance(a, Replicate) and isinstance(b, Shard) and b.dim + nd - ndim_of(node.args[1]) < nd - 2:
-        return _batch_shard(node, node.args[0], b.dim + nd - ndim_of(node.args[1]), rc)
-    if isinstance(a, Replicate) and isinstance(b, Shard) and ndim_of(node.args[1]) >= 2 \
-            and b.dim == ndim_of(node.args[1]) - 1:  # columns of b: e.g. inv_freq @ positions (RoPE)
+    if isinstance(a, Shard) and isinstance(b, Replicate) and a.dim + nd - ndim_of(x) < nd - 1:
+        return _batch_shard(node, y, a.dim + nd - ndim_of(x), rc)
+    if isinstance(a, Replicate) and isinstance(b, Shard) and b.dim + nd - ndim_of(y) < nd - 2:
+        return _batch_shard(node, x, b.dim + nd - ndim_of(y), rc)
+    if isinstance(a, Replicate) and isinstance(b, Shard) and ndim_of(y) >= 2 \
+            and b.dim == ndim_of(y) - 1:  # columns of b: e.g. inv_freq @ positions (RoPE)
         return Shard(nd - 1)
-    if isinstance(a, Shard) and isinstance(b, Shard) and not rc.local_sizes and ndim_of(node.args[1]) == 2 \
-            and a.dim == ndim_of(node.args[0]) - 1 and b.dim == 0:  # row-parallel ``x @ w.T``: partial sums
+    if isinstance(a, Shard) and isinstance(b, Shard) and not rc.local_sizes and ndim_of(y) == 2 \
+            and a.dim == ndim_of(x) - 1 and b.dim == 0:  # row-parallel ``x @ w.T``: partial sums
         return P
     raise rc.fail(node, f"operands {a}, {b} are not sharded on a common batch dim")
 
@@ -105,6 +107,30 @@ def _batch_shard(node: Node, replicated: Node, dim: int, rc: RuleContext) -> Sha
     if dim < nd - 2 and 0 <= d < ndim_of(replicated) - 2 and shape_of(replicated)[d] != 1:
         rc.shard_operand(node, replicated, d)
     return Shard(dim)
+
+
+@register(aten.baddbmm.default)
+def baddbmm_rule(node: Node, pls: list, rc: RuleContext):
+    """``beta * input + alpha * (batch1 @ batch2)``: the product placed as ``bmm`` places it, the
+    added input placed like the product; a replicated input at full size along the product's
+    sharded dim is cut to this rank's part (Bloom's ALiBi bias over every head, [b * heads, 1, s],
+    met by the rank's heads: its share of every run of heads)."""
+    inp, b1, b2 = pls
+    if any(isinstance(p, Partial) for p in pls):
+        raise rc.fail(node, f"a partial sum in baddbmm {pls}")
+    if isinstance(b1, Replicate) and isinstance(b2, Replicate):
+        if isinstance(inp, Shard):
+            raise rc.fail(node, f"adds a product of replicated batches to an input placed {inp}")
+        return R
+    product = batched_matmul_rule(node, [b1, b2], rc, operands=(node.args[1], node.args[2]))
+    if isinstance(product, Shard) and isinstance(inp, Replicate):
+        d = product.dim - (3 - ndim_of(node.args[0]))
+        if d >= 0 and size_expr(shape_of(node.args[0])[d]) != 1:
+            rc.shard_operand(node, node.args[0], d)
+    elif inp != product and not (isinstance(inp, Shard) and isinstance(product, Shard)
+                                 and inp.dim + 3 - ndim_of(node.args[0]) == product.dim):
+        raise rc.fail(node, f"adds a product placed {product} to an input placed {inp}")
+    return product
 
 
 @register(aten.outer.default)

@@ -45,7 +45,7 @@ from torch.fx import Node
 
 from autopar.compat import sym_expr
 from autopar.ops import collectives
-from autopar.ops.whole_rows import local_blocks
+from autopar.ops.whole_rows import local_blocks, local_runs
 from autopar.errors import AutoparError, describe_node
 from .context import provenance
 
@@ -165,18 +165,39 @@ class RuleContext:
         the provenance's reason, by default a generic one)."""
         if self.local_sizes:  # the graph's sizes are local: a replicated operand this long is not a slice
             raise self.fail(node, f"replicated {arg.name} meets this rank's tokens along dim {dim}")
-        blocks = self.operand_blocks(node, arg, dim)
+        run = self.operand_run(node, arg, dim)
+        blocks = None if run is not None else self.operand_blocks(node, arg, dim)
+        call = ((local_runs, (arg, dim, run, self.axis)) if run is not None else
+                (local_blocks, (arg, dim, list(blocks), self.axis)) if blocks else
+                (collectives.local_shard, (arg, dim, self.axis)))
         with self.gm.graph.inserting_before(node):
-            part = self.gm.graph.call_function(*((local_blocks, (arg, dim, list(blocks), self.axis)) if blocks else
-                                                 (collectives.local_shard, (arg, dim, self.axis))))
+            part = self.gm.graph.call_function(*call)
         part.meta["val"] = arg.meta.get("val")
         part.meta["autopar_placement"] = {self.axis: Shard(dim)}
         if blocks:
             part.meta["autopar_blocks"] = blocks
+        if run is not None:
+            part.meta["autopar_every"] = run
         provenance(part, self.pass_name, self.axis,
                    why or f"take this rank's slice of replicated {arg.name} (no communication)")
         node.replace_input_with(arg, part)
         return part
+
+    def operand_run(self, node: Node, arg: Node, dim: int) -> int | None:
+        """The run (``autopar_every``: the rank holds its share of every run of that many elements) of
+        the inputs of ``node`` sharded beside replicated ``arg``, which ``arg``'s slice must follow
+        (:func:`~autopar.ops.whole_rows.local_runs`); None when none is laid out by runs; refused when
+        they disagree, or the run is not a number that ``arg``'s dim repeats."""
+        sharded = [a for a in tensor_inputs(node) if a is not arg and isinstance((self.placements or {}).get(a), Shard)]
+        runs = {a.meta.get("autopar_every") for a in sharded}
+        if runs <= {None}:
+            return None
+        (run,) = runs if len(runs) == 1 else (None,)
+        size = size_expr(shape_of(arg)[dim])
+        if run is None or not sympy.sympify(run).is_Integer or sympy.fraction(sympy.simplify(size / run))[1] != 1:
+            raise self.fail(node, f"replicated {arg.name} meets inputs holding their share of runs {sorted(map(str, runs))} "
+                                  f"along its dim {dim} of size {size}")
+        return int(run)
 
     def operand_blocks(self, node: Node, arg: Node, dim: int) -> tuple | None:
         """The blocks (``autopar_blocks``: parts each split over the axis, side by side) of the inputs

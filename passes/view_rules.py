@@ -22,7 +22,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.fx import Node
 
 from autopar.frontend.op_sets import SIZED_RESHAPE_OPS
-from .block_layout import BLOCKS_KEY, EVERY_KEY
+from .block_layout import BLOCKS_KEY, EVERY_KEY, WHOLE_KEY
 from .rules import R, RuleContext, canonical_dim, ndim_of, register, shape_of, size_expr
 
 aten = torch.ops.aten
@@ -147,9 +147,27 @@ def view_rule(node: Node, pl: Shard, rc: RuleContext):
     if rc.local_sizes:
         return _token_shard(node, rc)
     every = node.args[0].meta.get(EVERY_KEY)
-    out = _mapped_dim(node, node.args[0], pl, rc) if every is None else _unmerged_dim(node, pl, every, rc)
+    out = _stacked_dim(node, pl) if every is None else None
+    if out is None:
+        out = _mapped_dim(node, node.args[0], pl, rc) if every is None else _unmerged_dim(node, pl, every, rc)
     _rewrite_sizes(node, 1, out, rc)
     return Shard(out)
+
+
+def _stacked_dim(node: Node, pl: Shard) -> int | None:
+    """A dim laid out by equal blocks (a fused projection's parts, each split over the axis) viewed as
+    ``(number of blocks, block)``: the rank holds its share of every block, so the block dim is an
+    even shard (Moshi's ``fc1(x).view(b, s, 2, -1)``); None for any other view."""
+    blocks = node.args[0].meta.get(BLOCKS_KEY)
+    if not blocks or len(set(blocks)) != 1 or node.args[0].meta.get(WHOLE_KEY):
+        return None
+    in_shape, out_shape = shape_of(node.args[0]), shape_of(node)
+    d = pl.dim
+    if len(out_shape) == len(in_shape) + 1 and size_expr(out_shape[d]) == len(blocks) and \
+            size_expr(out_shape[d + 1]) == blocks[0] and tuple(out_shape[:d]) == tuple(in_shape[:d]):
+        node.meta.pop(BLOCKS_KEY, None)  # the TP pass marks the projection's whole chain; here it ends
+        return d + 1
+    return None
 
 
 def _unmerged_dim(node: Node, pl: Shard, inner, rc: RuleContext) -> int:

@@ -36,7 +36,7 @@ from autopar.errors import AutoparError
 from autopar.frontend.analyze_moe import find_moe_blocks
 from autopar.frontend.attention_dims import attention_dims, eager_attention_dims
 from autopar.frontend.fx_utils import fused_chain_dim, module_path, reshape_chain, within as _within
-from autopar.frontend.loss import LossReduction, loss_reduction
+from autopar.frontend.loss import LossReduction, logits_loss, loss_reduction
 from autopar.frontend.op_sets import ATTENTION_OPS, RESHAPE_OPS, SPLIT_OPS
 
 aten = torch.ops.aten
@@ -193,8 +193,11 @@ def _ancestors(node: Node, stop: set[Node]) -> set[Node]:
 
 def _split_sizes(linear: Node) -> list[int] | None:
     """Sizes of the parts if ``linear``'s output is split along its features (fused projection)."""
+    stacked = _stacked_parts(linear)
+    if stacked is not None:
+        return stacked
     chain, dim = fused_chain_dim(linear)
-    last, users = chain[-1], list(chain[-1].users)
+    last = chain[-1]
     # Parts of the projection's own output only: slices of a per-head view (GPT-J's rotary part,
     # q[..., :rotary_dim]) cut every head alike and are not parts of the weight.
     if dim < 0 or last.meta["val"].shape[dim] != linear.meta["val"].shape[-1]:
@@ -248,6 +251,22 @@ def _through_channels(last: Node, dim: int) -> tuple[Node, int]:
             break
         last = user
     return last, dim
+
+
+def _stacked_parts(linear: Node) -> list[int] | None:
+    """Parts stacked by a view: the features viewed as ``(k, rest)`` in the last two dims and each of
+    the ``k`` read by a ``select`` (Moshi's gating MLP: ``fc1(x).view(b, s, 2, -1)``, then
+    ``[..., 0, :]`` and ``[..., 1, :]``): ``k`` parts of ``rest``."""
+    view = reshape_chain(linear)[-1]
+    features, shape = linear.meta["val"].shape[-1], tuple(view.meta["val"].shape)
+    if view is linear or len(shape) != linear.meta["val"].dim() + 1 or not isinstance(shape[-2], int) \
+            or shape[-2] * shape[-1] != features:
+        return None
+    k, picks = shape[-2], list(view.users)
+    if not picks or any(u.target is not aten.select.int or u.args[1] % len(shape) != len(shape) - 2 for u in picks) \
+            or {u.args[2] % k for u in picks} != set(range(k)):
+        return None
+    return [int(shape[-1])] * k
 
 
 def _slice_sizes(last: Node, feature_dim: int, slices: list[Node]) -> list[int] | None:
@@ -384,6 +403,10 @@ def analyze(gm: GraphModule) -> ModelStructure:
     for n, info in linears.items():
         if vocab and info.out_features == vocab and info.in_features == hidden:
             lm_head = info
+    if lm_head is None and hidden:  # a head narrower than the table (Moshi's extra padding row): the
+        for n, info in linears.items():  # linear from the hidden size whose logits the loss reads
+            if info.in_features == hidden and logits_loss(n) is not None:
+                lm_head = info
     try:
         moe, moe_error = find_moe_blocks(gm), None
     except AutoparError as exc:  # fatal only for plans that must rewrite the experts (ep, tp)

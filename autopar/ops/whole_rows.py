@@ -14,6 +14,9 @@ A tensor whose channels are a concatenation of parts each split over tp (a linea
 replicated operand that meets it (the convolution's weight) is cut by :func:`local_blocks`, this
 rank's share of every block, side by side; backward puts the gradient back at those rows and
 zeros elsewhere (a partial sum over tp, which gradient placement marks and the DP pass sums).
+A dim holding the heads merged behind the batch ([b * heads, ...], runs of ``heads``) meets a
+replicated operand the same way (Bloom's ALiBi bias over every head): :func:`local_runs` cuts
+this rank's share of every run.
 
 Neighbours: :mod:`autopar.ops.collectives` (the recorder, the groups), its placement rule in
 ``passes/op_rules.py``, its gradient check in ``passes/gradient_placement.py``, and the cost
@@ -26,7 +29,7 @@ import torch.distributed as dist
 
 from autopar.ops.collectives import find_group, record
 
-__all__ = ["sum_whole_rows", "whole_numel", "local_blocks"]
+__all__ = ["sum_whole_rows", "whole_numel", "local_blocks", "local_runs"]
 
 
 def _local_sizes(sizes, whole, n: int) -> list[int]:
@@ -72,11 +75,16 @@ def sum_whole_rows(w: torch.Tensor, dim: int, sizes: list[int], whole: list[bool
     return _SumWholeRows.apply(w, dim, list(sizes), list(whole), axis, tag)
 
 
+def _ranks(axis: str) -> tuple[int, int]:
+    """(ranks on ``axis``, this rank's index): (1, 0) outside a process group."""
+    g = find_group(axis)
+    return (g.size, g.rank) if g is not None else (1, 0)
+
+
 class _LocalBlocks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, sizes, axis):
-        g = find_group(axis)
-        n, rank = (g.size, g.rank) if g is not None else (1, 0)
+        n, rank = _ranks(axis)
         ctx.dim, ctx.shape, ctx.sizes, ctx.n, ctx.rank = dim, x.shape, sizes, n, rank
         parts = [p.chunk(n, dim=dim)[rank] for p in x.split(sizes, dim=dim)]
         return torch.cat(parts, dim=dim).contiguous()
@@ -97,3 +105,26 @@ def local_blocks(x: torch.Tensor, dim: int, sizes: list[int], axis: str) -> torc
     concatenated in block order (no communication); backward scatters the gradient back to those
     rows, zeros elsewhere."""
     return _LocalBlocks.apply(x, dim, list(sizes), axis)
+
+
+class _LocalRuns(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, run, axis):
+        n, rank = _ranks(axis)
+        ctx.dim, ctx.shape, ctx.run, ctx.n, ctx.rank = dim, x.shape, run, n, rank
+        runs = x.unflatten(dim, (-1, run))
+        return runs.narrow(dim + 1, rank * (run // n), run // n).flatten(dim, dim + 1).contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_zeros(ctx.shape)
+        part = ctx.run // ctx.n
+        out.unflatten(ctx.dim, (-1, ctx.run)).narrow(ctx.dim + 1, ctx.rank * part, part).copy_(
+            grad.unflatten(ctx.dim, (-1, part)))
+        return out, None, None, None
+
+
+def local_runs(x: torch.Tensor, dim: int, run: int, axis: str) -> torch.Tensor:
+    """This rank's share of every run of ``run`` elements along ``dim`` of a replicated ``x`` (no
+    communication); backward puts the gradient back at those elements, zeros elsewhere."""
+    return _LocalRuns.apply(x, dim, int(run), axis)

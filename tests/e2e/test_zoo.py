@@ -67,9 +67,11 @@ EXPECTED: dict[str, dict[str, object]] = {
     "phi": {"tp=2,sp": E},
     "gpt_neox": {"cp=2:ring": E},
     "falcon": {"cp=2:ring": E, "tp=2,sp": (R, "does not divide the 71 attention heads")},
-    # ALiBi: eager attention with a bias; in train mode its GeLU is a custom autograd.Function, run
-    # whole with its own backward (autopar/frontend/custom_functions.py), placed from its traced ops
-    "bloom": {"dp=2,zero=3": E, "pp=2,mb=2": E},
+    # ALiBi: eager attention with a bias over every head, the heads merged into the batch (under tp
+    # the bias is cut at the rank's runs of heads); in train mode its GeLU is a custom
+    # autograd.Function, run whole with its own backward (autopar/frontend/custom_functions.py),
+    # placed from its traced ops
+    "bloom": {"dp=2,zero=3": E, "pp=2,mb=2": E, "tp=2,sp": E},
     # RecurrentGemma bounds a square root's derivative in a custom autograd.Function
     "recurrent_gemma": {"dp=2,zero=3": E},
     # Reformer's reversible layers: a Function handed the layer modules, whose parameters it reads
@@ -99,6 +101,12 @@ EXPECTED: dict[str, dict[str, object]] = {
     "minimax": {"tp=2,sp": E},
     # interleaved rotary tables (cos.repeat_interleave(2, dim=-1)) on sequence shards
     "glm": {"cp=2:ring": E},
+    # Moshi: gate and up stacked by a view (fc1(x).view(b, s, 2, -1), halves read by select), an LM head
+    # one row narrower than the embedding table
+    "moshi": {"tp=2,sp": E},
+    # Dots3: MLA with a sparse-attention indexer under torch.no_grad(), whose hidden_states.to(dtype)
+    # export routes the per-head gate's input through (read as the operand it is)
+    "dots3_note_text": {"tp=2,sp": E},
     # a learned-scalar activation (XIELU: min / max of the input with learned scalars)
     "apertus": {"tp=2,sp": E},
     # a layer whose output crossing the pipeline cut is a strided view (made contiguous to be sent)

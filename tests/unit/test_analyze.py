@@ -160,3 +160,28 @@ def test_a_fused_projection_convolved_channel_by_channel_records_its_parts(mix, 
     (linear,) = [n for n in gm.graph.nodes if n.target is torch.ops.aten.linear.default
                  and n.meta["val"].shape[-1] == 48]
     assert _split_sizes(linear) == parts
+
+
+class _StackedGate(nn.Module):
+    """Moshi in small: ``fc1(x).view(b, s, 2, -1)``, its halves read by ``[..., 0, :]`` and
+    ``[..., 1, :]`` (a gate and an up-projection stacked by a view), and an LM head one row narrower
+    than the embedding table (Moshi's padding token has an embedding, no logit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc1, self.fc2 = nn.Embedding(129, 32), nn.Linear(32, 64), nn.Linear(32, 32)
+        self.head = nn.Linear(32, 128)
+
+    def forward(self, ids):
+        h = self.fc1(self.emb(ids))
+        h = h.view(h.shape[0], h.shape[1], 2, -1)
+        return self.head(self.fc2(torch.relu(h[..., 0, :]) * h[..., 1, :]))
+
+
+def test_parts_stacked_by_a_view_and_a_head_narrower_than_the_table_are_found():
+    ids, _ = make_batch(128, 4, 16, 0)
+    ce = lambda out, t: torch.nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
+    s = analyze(trace_model(_StackedGate(), (ids,), None, ce, ids).gm)
+    (fc1,) = [c for r in s.regions for c in r.columns if c.module == "model.fc1"]
+    assert fc1.split_sizes == [32, 32]
+    assert s.lm_head is not None and s.lm_head.module == "model.head" and s.vocab == 129

@@ -56,3 +56,35 @@ def test_a_no_grad_region_over_the_sharded_dim_is_refused_inside_it():
     assert message.startswith("autopar: cannot shard node 'mean"), message
     assert "needs a collective on cp" in message and "inside torch.no_grad()" in message, message
     assert "test_grad_mode_region.py" in message, message
+
+
+class _AliasedOut(nn.Module):
+    """``h.to(h.dtype)`` inside ``torch.no_grad()`` is ``h`` itself; export routes the later
+    ``self.head(h)`` through the region's result (as Dots3's gate after its indexer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB)
+
+    def forward(self, ids):
+        h = self.emb(ids)
+        with torch.no_grad():
+            h = h.to(h.dtype)
+            scale = (h.abs().amax(-1, keepdim=True) > -1.0).to(h.dtype)
+        return self.head(h) * scale
+
+
+def test_a_no_grad_regions_result_that_is_its_operand_is_read_as_the_operand():
+    """At run time the region hands ``h`` back itself, gradient history included: after cleanup the
+    head reads the embedding's output, not the region's (gradient-free, to the passes) result."""
+    from autopar.frontend.trace import trace_model
+    from autopar.passes.cleanup import cleanup_pass
+
+    _, loss_fn, _ = build("example", {})
+    (inputs, _), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
+    traced = trace_model(_AliasedOut(), inputs, {}, loss_fn)
+    (linear,) = traced.gm.graph.find_nodes(op="call_function", target=torch.ops.aten.linear.default)
+    assert linear.args[0].target is not torch.ops.aten.embedding.default  # export's routing (the premise)
+    result = cleanup_pass(traced.gm, None)
+    assert linear.args[0].target is torch.ops.aten.embedding.default
+    assert "1 uses of a no-grad region's result that is its operand" in result.notes[-1]

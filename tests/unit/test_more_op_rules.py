@@ -8,9 +8,13 @@
   destination is placed as its result: a replicated destination met by a sharded operand is
   refused, since the rank would write into a slice while later readers read the tensor unchanged;
 - ``view_as_complex`` / ``view_as_real`` (DeepSeek-V2's rotary) keep a shard on any dim but the
-  pairs' last one.
+  pairs' last one;
+- ``baddbmm`` with the heads merged into the batch (Bloom's ALiBi scores, [b * heads, s, d]: the rank
+  holds its share of every run of heads) cuts the replicated bias at the same runs (``local_runs``),
+  which takes the rank's share of each run and puts the gradient back.
 
-Their models under ``tp=2,sp`` against one device: docs/zoo.md (``xlm``, ``deepseek_v2``).
+Their models under ``tp=2,sp`` against one device: docs/zoo.md (``xlm``, ``deepseek_v2``, ``bloom``,
+``gpt_neox_japanese``).
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ import torch
 from torch.distributed.tensor import Partial, Shard
 
 from autopar.errors import AutoparError
+from autopar.ops import whole_rows
+from autopar.ops.whole_rows import local_runs
 from tests.unit.test_soundness import _Builder
 
 aten = torch.ops.aten
@@ -85,3 +91,44 @@ def test_complex_views_keep_a_shard_off_the_pairs_dim():
     y = b.input("y", 2, 4, 5, 8, 2, shard=4)
     with pytest.raises(AutoparError, match="reads pairs of the sharded last dim"):
         b.place(_sum(b, b.op(aten.view_as_complex.default, y, shape=(2, 4, 5, 8))))
+
+
+def test_alibi_scores_cut_the_bias_at_the_runs_of_heads():
+    """q [b, h, s, d] sharded on heads, merged into the batch ([b * h, s, d]: runs of h); the bias
+    [b * h, 1, s] is replicated: each rank adds its heads' rows of it."""
+    b = _Builder()
+    q = b.op(aten.reshape.default, b.input("q", 2, 4, 5, 8, shard=1), [8, 5, 8], shape=(8, 5, 8))
+    k = b.op(aten.reshape.default, b.input("k", 2, 4, 8, 5, shard=1), [8, 8, 5], shape=(8, 8, 5))
+    alibi = b.input("alibi", 8, 1, 5)
+    scores = b.op(aten.baddbmm.default, alibi, q, k, shape=(8, 5, 5))
+    back = b.op(aten.view.default, scores, [2, 4, 5, 5], shape=(2, 4, 5, 5))
+    placements, _ = b.place(_sum(b, back))
+    (cut,) = [n for n in b.graph.nodes if n.target is local_runs]
+    assert cut.args[0] is alibi and cut.args[1:] == (0, 4, "tp") and scores.args[0] is cut
+    assert placements[scores] == Shard(0) and scores.meta["autopar_every"] == 4 and placements[back] == Shard(1)
+
+
+def test_local_runs_takes_each_runs_share_and_puts_the_gradient_back(monkeypatch):
+    class Group:
+        size, rank = 2, 1
+
+    monkeypatch.setattr(whole_rows, "find_group", lambda axis: Group)
+    x = torch.arange(8.0, requires_grad=True)
+    out = local_runs(x.view(8, 1), 0, 4, "tp")
+    assert out.flatten().tolist() == [2.0, 3.0, 6.0, 7.0]
+    out.sum().backward()
+    assert x.grad.tolist() == [0, 0, 1, 1, 0, 0, 1, 1]
+
+
+def test_equal_blocks_viewed_as_a_stack_are_an_even_shard_of_the_block_dim():
+    """A fused gate|up output (blocks (4, 4), each split over tp) viewed as [b, s, 2, 4]: the rank
+    holds its share of both blocks, so the block dim (3) is an even shard; selecting a block is exact."""
+    b = _Builder()
+    x = b.input("x", 2, 3, 8, shard=2)
+    x.meta["autopar_blocks"] = (4, 4)
+    view = b.op(aten.view.default, x, [2, 3, 2, 4], shape=(2, 3, 2, 4))
+    view.meta["autopar_blocks"] = (4, 4)  # as the TP pass marks the projection's chain
+    gate = b.op(aten.select.int, view, 2, 0, shape=(2, 3, 4))
+    placements, _ = b.place(_sum(b, gate))
+    assert placements[view] == Shard(3) and "autopar_blocks" not in view.meta and placements[gate] == Shard(2)
+    assert view.args[1] == [2, 3, 2, 2]
