@@ -292,7 +292,7 @@ def _fields_from_hf(cfg: dict) -> dict:
     model_type = str(cfg.get("model_type", "")).lower()
     gpt_style = model_type in ("gpt2", "gpt_neox", "gptj", "opt", "gpt_bigcode") or "n_embd" in cfg
     ffn = _get(cfg, "intermediate_size", "n_inner", "ffn_dim", default=None) or 4 * hidden
-    experts = int(_get(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0)
+    experts = int(_get(cfg, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", default=0) or 0)
     fields = dict(
         name=str(_get(cfg, "_name_or_path", "model_type", default="hf-model")) or "hf-model",
         num_layers=int(layers), hidden=int(hidden), num_heads=int(heads), vocab=int(vocab),

@@ -37,8 +37,8 @@ KEYS = {
     "ffn": ("intermediate_size", "n_inner", "ffn_dim", "decoder_ffn_dim", "encoder_ffn_dim", "feed_forward_size"),
     "moe_ffn": ("moe_intermediate_size",),
     "shared_ffn": ("shared_expert_intermediate_size",),
-    "experts": ("num_local_experts", "num_experts", "n_routed_experts"),
-    "top_k": ("num_experts_per_tok", "top_k", "num_experts_per_token", "moe_topk"),
+    "experts": ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts"),
+    "top_k": ("num_experts_per_tok", "top_k", "num_experts_per_token", "moe_topk", "moe_k"),
     "vocab": ("vocab_size",),
     # State-space (Mamba-style) mixers: the state per channel, their own heads and head width, the
     # expansion of the hidden size they work in, the groups of B/C projections, the time-step rank.
