@@ -37,10 +37,11 @@ def place_function(node: Node, pls: list, rc: RuleContext, place: Callable) -> t
     """The placements of the Function's outputs (one per item of the node's list)."""
     num_outputs = len(node.meta["val"])
     if not is_sharded(pls):
-        return (R,) * num_outputs  # every rank runs it on the same whole values
-    _refuse_layouts(node, rc)
-    outs = tuple(_place_graph(node, trace_forward(node), list(pls), rc, place, "forward"))
-    if rc.local_sizes:
+        outs = (R,) * num_outputs  # every rank runs it on the same whole values
+    else:
+        _refuse_layouts(node, rc)
+        outs = tuple(_place_graph(node, trace_forward(node), list(pls), rc, place, "forward"))
+    if rc.local_sizes:  # even on whole values: their gradients are the rank's shares
         _check_data_gradients(node, pls, outs, rc, place)
     return outs
 

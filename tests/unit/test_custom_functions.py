@@ -4,7 +4,8 @@ autopar runs a kept Function's code as it is on the rank's tensors
 (autopar/frontend/custom_functions.py), so the code on local tensors must compute the one-device
 values: passes/autograd_functions.py places the aten ops of its forward, and of its forward with its
 own backward, by the same rules as the graph.  A Function whose forward mixes rows, or whose
-backward does (a gradient centred over the batch), is refused on a data axis; a
+backward does (a gradient centred over the batch), and one of whole values whose backward is not
+linear in the gradient (each rank's is its share of the batch's), is refused on a data axis; a
 row-wise one compiles (its training against one device: tests/dist/test_custom_functions.py).
 """
 from __future__ import annotations
@@ -45,6 +46,27 @@ class _CentredGradient(HalfGradient):
         return grad - grad.mean(0, keepdim=True)  # centred over the batch's rows
 
 
+class _ClippedGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w):
+        return w * 1.0
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clamp(-0.01, 0.01)  # not linear in the gradient
+
+
+class _OnWeight(torch.nn.Module):
+    """The head's weight through a Function: replicated on every rank, its gradient each rank's share."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
+
+    def forward(self, ids):
+        return torch.nn.functional.linear(self.embed(ids), _ClippedGradient.apply(self.head.weight), self.head.bias)
+
+
 class _Model(torch.nn.Module):
     def __init__(self, function):
         super().__init__()
@@ -80,3 +102,11 @@ def test_a_function_whose_backward_mixes_rows_is_refused():
     with pytest.raises(AutoparError, match=r"^autopar: cannot shard .* on mesh axis 'dp': its backward \(custom "
                                            r"torch.autograd.Function '_CentredGradient'\) would need its code changed"):
         _compile(_CentredGradient)
+
+
+def test_a_function_of_whole_values_whose_backward_is_not_linear_is_refused_on_a_data_axis():
+    """On dp each rank's gradient is its share of the batch's, summed after backward: a backward
+    that clips it would clip the shares, not their sum."""
+    ids = torch.randint(0, 16, (4, 6))
+    with pytest.raises(AutoparError, match=r"its backward \(custom torch.autograd.Function '_ClippedGradient'\)"):
+        compile_program(_OnWeight(), (ids,), {}, "dp=2", _ce, world_size=2)
