@@ -145,6 +145,8 @@ def _by_shape(rc: RuleContext):
             return pl
         if node.target is AUTOGRAD_FUNCTION:  # its code is read by its own rule, never assumed row-wise
             return BY_RULES
+        if _along_rows(node, rc):  # keeps the batch dim but reads across its rows: the rules decide
+            return BY_RULES
         inputs = node.all_input_nodes
         # an input the rules placed otherwise than its shape says (a share, regrouped tokens): its
         # readers are the rules' too, until one places a value as its shape says again
@@ -163,6 +165,41 @@ def _by_shape(rc: RuleContext):
         return pl
 
     return place
+
+
+aten = torch.ops.aten
+# Ops that combine or reorder elements along a dim (argument ``index`` of the call, a list for
+# ``flip`` and ``roll``): along the rows they mix the batch's rows though the output keeps its
+# shape (a cumulative sum, a flip, a sort, a softmax over the batch), so the shape says nothing.
+_ALONG_DIM = {aten.cumsum.default: 1, aten.cumprod.default: 1, aten.cummax.default: 1, aten.cummin.default: 1,
+              aten.logcumsumexp.default: 1, aten.flip.default: 1, aten.roll.default: 2, aten.sort.default: 1,
+              aten.sort.stable: 2, aten.argsort.default: 1, aten.argsort.stable: 2, aten.topk.default: 2,
+              aten.softmax.int: 1, aten._softmax.default: 1, aten.log_softmax.int: 1,
+              aten._log_softmax.default: 1, aten.diff.default: 2, aten.kthvalue.default: 2, aten.median.dim: 1}
+_DEFAULT_DIM = {aten.sort.default: -1, aten.argsort.default: -1, aten.topk.default: -1, aten.diff.default: -1,
+                aten.kthvalue.default: -1}
+
+
+def _along_rows(node: Node, rc: RuleContext) -> bool:
+    """Whether ``node`` combines or reorders its first input's elements along the batch's rows
+    (:data:`_ALONG_DIM`)."""
+    first = node.args[0] if node.args else None
+    if node.target not in _ALONG_DIM or not isinstance(first, Node):
+        return False
+    try:
+        rows = rc.token_dim(first)
+    except AutoparError:  # the symbol in several dims: the rules say why
+        return True
+    if rows is None:
+        return False
+    ndim = first.meta["val"].dim()
+    at = _ALONG_DIM[node.target]
+    dims = node.args[at] if len(node.args) > at else node.kwargs.get("dim", node.kwargs.get("dims",
+                                                                      _DEFAULT_DIM.get(node.target)))
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    if node.target is aten.roll.default and not dims:
+        return True  # a roll of the flattened tensor
+    return any(isinstance(d, int) and d % ndim == rows for d in dims)
 
 
 def _has_rows(pl) -> bool:
