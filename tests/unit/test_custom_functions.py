@@ -46,11 +46,7 @@ class _CentredGradient(HalfGradient):
         return grad - grad.mean(0, keepdim=True)  # centred over the batch's rows
 
 
-class _ClippedGradient(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, w):
-        return w * 1.0
-
+class _ClippedGradient(HalfGradient):
     @staticmethod
     def backward(ctx, grad):
         return grad.clamp(-0.01, 0.01)  # not linear in the gradient
