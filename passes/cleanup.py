@@ -14,7 +14,8 @@ skips it (``x[:, :, None]``), but ``torch.export`` records it as ``aten.slice``,
 then gives it a backward that zero-fills a tensor of the input's size and copies the
 gradient into it; Hugging Face models write such slices for every GQA broadcast and before
 the LM head.  This pass replaces each with its input (the same values, still a tensor of the
-same storage), so the program runs the ops eager PyTorch runs.
+same storage), so the program runs the ops eager PyTorch runs.  ``torch.concatenate`` and
+``torch.concat`` become ``aten.cat``, the one name the rules place.
 
 A ``torch.no_grad()`` region may hand back one of its own operands: ``x.to(x.dtype)`` inside it is
 ``x`` itself, and export then routes later uses of ``x`` through the region's result (a sparse
@@ -108,6 +109,19 @@ def _unalias_region_items(gm: GraphModule) -> int:
     return rerouted
 
 
+# Other names of ``aten.cat`` (``torch.concatenate``, ``torch.concat``): one op for the rules to place.
+_CAT_ALIASES = (torch.ops.aten.concatenate.default, torch.ops.aten.concat.default)
+
+
+def _canonical_cats(gm: GraphModule) -> int:
+    renamed = 0
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _CAT_ALIASES:
+            node.target = torch.ops.aten.cat.default
+            renamed += 1
+    return renamed
+
+
 def _drop_checks(gm: GraphModule) -> int:
     dropped = 0
     for node in list(gm.graph.nodes):
@@ -129,6 +143,7 @@ def cleanup_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     for g in [gm, *regions]:
         checks += _drop_checks(g)
         slices += _drop_identity_slices(g)
+        rerouted += _canonical_cats(g)
     for name, _ in list(gm.named_children()):
         if name.startswith("_guards_fn"):
             delattr(gm, name)

@@ -13,6 +13,10 @@ already local.  What this pass rewrites is what depends on *where* a token sits:
    (:func:`passes.causal_mask.mask_window`); the CP op then applies causality and the
    window from global positions, skipping the blocks out of every query's window;
 2. the mask subgraphs that became dead are removed;
+2b. attention computed eagerly (scores, a mask or bias over positions x positions) and an SDPA
+   whose mask is neither causal nor a window (Llama 4's chunks, a padding mask) run whole: their
+   inputs gathered in global order, their outputs cut to this rank's rows
+   (:mod:`passes.cp_cores`);
 3. every ``arange`` over the sequence length (position ids for RoPE or learned
    positions) becomes :func:`autopar.ops.cp_attention.cp_positions`, this rank's global
    positions, and every slice ``table[..., :seq]`` of a table of static size (BERT's
@@ -23,8 +27,8 @@ already local.  What this pass rewrites is what depends on *where* a token sits:
    tokens, and every value whose shape holds the sequence length must hold this rank's
    tokens there.  A value computed from the local length without the global positions (an
    ``arange`` in another form, a slice of a position table), an op across the sequence other
-   than the attention (softmax, a reduction, a slice, a concatenation, eager attention's score
-   matmul) and a loss that is not a mean over the tokens are refused, naming the node; a
+   than the attention (softmax, a reduction, a slice, a concatenation outside an attention core)
+   and a loss that is not a mean over the tokens are refused, naming the node; a
    cumulative sum along the sequence (OPT's positions from its attention mask) becomes
    :func:`autopar.ops.cp_attention.cp_cumsum`, the same sum in global order.
 
@@ -45,6 +49,7 @@ from autopar.ops import cp_attention
 from autopar.errors import AutoparError
 from autopar.plan import ulysses_heads_ok
 from .causal_mask import is_causal_mask, mask_window
+from .cp_cores import core_placement, whole_cores
 from .context import COPIED_META, META_KEY, SOURCE_META, PassContext, PassResult, provenance
 from .op_sets import CP_ATTENTION_VARIANTS
 from .gradient_placement import requires_grad_nodes
@@ -142,7 +147,7 @@ def _table_slice(node: Node, ctx: PassContext) -> Node | None:
     return _seq_length(end, ctx)
 
 
-def _propagate_tokens(gm: GraphModule, ctx: PassContext, result: PassResult) -> None:
+def _propagate_tokens(gm: GraphModule, ctx: PassContext, result: PassResult, whole: set[Node]) -> None:
     """Placements on ``cp`` over every node (step 4 of the module doc); rewrites cumulative sums
     along the sequence and predicts their bytes."""
     n = ctx.axis_sizes["cp"]
@@ -157,7 +162,7 @@ def _propagate_tokens(gm: GraphModule, ctx: PassContext, result: PassResult) -> 
     cut = {p: sym_expr(p.meta["val"].shape[1]) for p in inputs if sym_hint(p.meta["val"].shape[1]) == length}
     rc = RuleContext(gm, "cp", n, {}, local_sizes=True, token_symbols=frozenset(cut.values()),
                      pass_name="context_parallel_pass", sum_loss=sums_loss(ctx))
-    propagate(gm, rc, lambda node: Shard(1) if node in cut else R)
+    propagate(gm, rc, lambda node: Shard(1) if node in cut else R, shortcut=core_placement(whole, rc))
     result.num_inserted += predict_token_bytes(gm, ctx, "cp")
     needs_grad = requires_grad_nodes(gm)
     for node in gm.graph.nodes:
@@ -172,10 +177,11 @@ def _propagate_tokens(gm: GraphModule, ctx: PassContext, result: PassResult) -> 
             result.num_rewritten += 1
 
 
-def _causal_window(node, bound: dict, windows: dict, ctx: PassContext) -> tuple[bool, int | None]:
+def _causal_window(node, bound: dict, windows: dict, ctx: PassContext) -> tuple[bool, int | None] | None:
     """``(causal, window)`` of SDPA ``node`` (its arguments ``bound``): causal by flag or by an in-graph
     mask (``windows`` caches each mask's answer: one mask usually feeds every layer, and evaluating
-    it costs s x s); refuses dropout and a mask that is neither causal nor a causal sliding window."""
+    it costs s x s); None for a mask that is neither causal nor a causal sliding window (a chunked
+    mask, one that reads a padding mask), with which the attention runs whole; refuses dropout."""
     if bound.get("dropout_p", 0.0):
         raise AutoparError(f"autopar: context parallelism needs attention without dropout; {_where(node)} "
                            f"has dropout_p={bound['dropout_p']}. Set the model's attention dropout to 0 or drop cp.")
@@ -185,17 +191,18 @@ def _causal_window(node, bound: dict, windows: dict, ctx: PassContext) -> tuple[
     if mask not in windows:
         windows[mask] = None if is_causal_mask(mask, ctx) else mask_window(mask, ctx) or 0
     if windows[mask] == 0:
-        raise AutoparError(
-            f"autopar: context parallelism supports causal attention (is_causal=True, an in-graph "
-            f"causal mask, or a causal sliding window); the mask of {_where(node)} depends on input "
-            f"data (e.g. a padding attention_mask) or is neither. Train without a padding mask "
-            f"(pack full sequences) or drop cp.")
+        return None  # another mask (chunked, padded): the attention runs whole (passes/cp_cores.py)
     return True, windows[mask]
 
 
 def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     plan = ctx.plan
     result = PassResult("context_parallel_pass")
+    if ctx.seq_symbol is not None and not isinstance(ctx.seq_symbol, sympy.Symbol):
+        raise AutoparError(f"autopar: context parallelism needs the sequence traced with a symbolic length, but "
+                           f"torch.export fixed it to {ctx.seq_symbol} (the model branches on it, e.g. building a "
+                           "mask from a padding attention_mask, or loops over the positions); train without the "
+                           "padding mask (pack full sequences), or use a plan without cp.")
     n, variant = plan.cp, plan.cp_variant
     if variant == "ulysses":
         _check_ulysses(plan, ctx)
@@ -206,7 +213,10 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         if node.op != "call_function" or node.target is not SDPA:
             continue
         bound = sdpa_args(node)
-        causal, window = _causal_window(node, bound, windows, ctx)
+        found = _causal_window(node, bound, windows, ctx)
+        if found is None:
+            continue
+        causal, window = found
         q = bound["query"]
         k, groups = strip_gqa(bound["key"])
         v, groups_v = strip_gqa(bound["value"])
@@ -225,8 +235,9 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         graph.erase_node(node)
         result.num_inserted += 1
     graph.eliminate_dead_code()
+    whole = whole_cores(gm, ctx)  # before the positions: a mask's own are built again at the global length
     for node in list(graph.nodes):
-        call = _positions_call(node, ctx)
+        call = None if node in whole else _positions_call(node, ctx)
         if call is None:
             continue
         fn, args, kwargs, reason = call
@@ -237,11 +248,12 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         node.replace_all_uses_with(new)
         graph.erase_node(node)
         result.num_rewritten += 1
-    if result.num_inserted == 0:
-        raise AutoparError("autopar: cp>1 found no scaled_dot_product_attention op to parallelize; context "
-                           "parallelism needs attention through torch.nn.functional.scaled_dot_product_attention, "
-                           "and this model computes its attention scores eagerly (matmul and softmax). Load it with "
-                           "attn_implementation='sdpa' where the architecture allows it, or use a plan without cp.")
-    _propagate_tokens(gm, ctx, result)
-    result.notes.append(f"{result.num_inserted} attention ops -> {variant}, {result.num_rewritten} position aranges")
+    if result.num_inserted == 0 and not whole:
+        raise AutoparError("autopar: cp>1 found no attention to parallelize: no scaled_dot_product_attention op "
+                           "and no values relating positions to positions (eager attention's scores); use a plan "
+                           "without cp for this model.")
+    _propagate_tokens(gm, ctx, result, whole)
+    result.notes.append(f"{result.num_inserted} attention ops -> {variant}, {result.num_rewritten} position aranges"
+                        + (f"; {len(whole)} nodes of eager attention run whole over the gathered sequence"
+                           if whole else ""))
     return result

@@ -36,13 +36,13 @@ import torch
 from torch import nn
 from torch.fx import GraphModule, Node
 
-from autopar.compat import sym_expr
 from autopar.ops import moe
 from autopar.frontend.analyze_moe import MoEBlock, extract_body, in_module
 from autopar.frontend.op_sets import SIZED_RESHAPE_OPS
 from autopar.errors import AutoparError, describe_node
 from autopar.support import moe_needs_rewrite
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
+from .rules import is_seq_size
 
 __all__ = ["expert_parallel_pass", "AXIS"]
 
@@ -181,7 +181,7 @@ def _dims(node) -> tuple:
 
 
 def _is_seq(size, ctx: PassContext) -> bool:
-    return isinstance(size, torch.SymInt) and sym_expr(size) == ctx.seq_symbol
+    return is_seq_size(size, ctx.seq_symbol)
 
 
 def expert_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:

@@ -9,12 +9,14 @@ of ``passes/rules.py``.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.fx import Node
 
 from autopar.frontend.op_sets import SPLIT_OPS
-from .block_layout import cat_blocks
+from .block_layout import BLOCKS_KEY, WHOLE_KEY, cat_blocks
 from .rules import R, RuleContext, ndim_of, register, shape_of, size_expr
 from .view_rules import block_edges
 
@@ -40,7 +42,11 @@ def split_rule(node: Node, pls: list, rc: RuleContext):
                       "Fused projections must be recognised by the TP pass; report the model.")
     args = list(node.args)
     blocks = node.args[0].meta["autopar_blocks"]
-    _, local, whole = block_edges(node, blocks, rc)
+    edges, local, whole = block_edges(node, blocks, rc)
+    sizes = [int(size_expr(v.shape[dim])) for v in node.meta["val"]]
+    cuts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    if len(sizes) < len(blocks) and set(cuts) <= set(edges) and node.target == aten.split_with_sizes.default:
+        return _split_groups(node, dim, cuts, edges, local, whole, pl)
     if any(whole):  # parts kept whole on every rank: only a split at exactly the blocks is known
         if node.target != aten.split_with_sizes.default or list(node.args[1]) != list(blocks):
             raise rc.fail(node, f"splits a fused projection with whole blocks {blocks} other than at them")
@@ -51,6 +57,30 @@ def split_rule(node: Node, pls: list, rc: RuleContext):
         args[1] = rc.local_size(node, node.args[1])
     node.args = tuple(args)
     return tuple(R if w else pl for w in whole) if any(whole) else tuple([pl] * num_out)
+
+
+def _split_groups(node: Node, dim: int, cuts: list, edges: list, local: list, whole: tuple, pl: Shard) -> tuple:
+    """A split whose parts are each several blocks (a Mamba-2 projection's ``z | x B C | dt``, its
+    middle part split again after the convolution): each part gets the local sizes of its blocks,
+    and is replicated when all of them are whole, an even shard when it is one sharded block, and
+    else laid out by its blocks (on its item, which shard propagation reads)."""
+    whole = whole or (False,) * (len(edges) - 1)
+    spans = [(edges.index(a), edges.index(b)) for a, b in zip(cuts, cuts[1:])]
+    args = list(node.args)
+    args[1] = [local[j] - local[i] for i, j in spans]
+    node.args = tuple(args)
+    items = {u.args[1]: u for u in node.users if u.target is operator.getitem}
+    out = []
+    for k, (i, j) in enumerate(spans):
+        if all(whole[i:j]):
+            out.append(R)
+            continue
+        out.append(pl)
+        if j - i > 1 and k in items:
+            items[k].meta[BLOCKS_KEY] = tuple(edges[m + 1] - edges[m] for m in range(i, j))
+            if any(whole[i:j]):
+                items[k].meta[WHOLE_KEY] = tuple(whole[i:j])
+    return tuple(out)
 
 
 @register(aten.tensor_split.indices)

@@ -80,6 +80,10 @@ def batched_matmul_rule(node: Node, pls: list, rc: RuleContext, operands: tuple 
     a, b = pls
     x, y = operands or node.args[:2]
     nd = ndim_of(node)
+    if isinstance(a, Replicate) and isinstance(b, Replicate):
+        return R
+    if {type(a), type(b)} == {Partial, Replicate}:  # linear in each operand: the partial sum stays one
+        return P
     if isinstance(a, Shard) and isinstance(b, Shard):
         da, db = a.dim + nd - ndim_of(x), b.dim + nd - ndim_of(y)
         if da == db and da < nd - 2:
@@ -275,7 +279,9 @@ def conv1d_rule(node: Node, pls: list, rc: RuleContext):
         for arg in (a for a in (node.args[1], args[2]) if isinstance(a, Node)):
             rc.shard_operand(node, arg, 0, f"the channels of depthwise conv weight {arg.name} this rank holds")
         args[:3] = (list(node.args) + [None])[:3]  # the operands as cut
-        args[6] = rc.local_size(node, groups)
+        blocks, whole = node.args[0].meta.get("autopar_blocks"), node.args[0].meta.get("autopar_whole")
+        args[6] = (sum(b if w else rc.local_size(node, b) for b, w in zip(blocks, whole)) if blocks and whole
+                   else rc.local_size(node, groups))  # blocks kept whole keep all their channels
         node.args = tuple(args)
         return x
     if isinstance(x, Shard) and x.dim == 2:

@@ -20,8 +20,8 @@ from .reduction_rules import token_loss
 from .rules import P, R, RuleContext, axis_of, canonical_dim, is_sharded, ndim_of, register
 
 __all__ = ["all_gather_rule", "reduce_scatter_rule", "all_reduce_rule", "region_entry_rule",
-           "vocab_embedding_rule", "vocab_ce_rule", "sum_whole_rows_rule", "local_shard_rule", "cp_positions_rule", "cp_table_rows_rule",
-           "cp_attention_rule"]
+           "vocab_embedding_rule", "vocab_ce_rule", "sum_whole_rows_rule", "local_shard_rule", "cp_positions_rule",
+           "cp_gather_sequence_rule", "cp_table_rows_rule", "cp_attention_rule"]
 
 
 @register(collectives.local_shard)
@@ -33,6 +33,17 @@ def local_shard_rule(node: Node, pls: list, rc: RuleContext):
 def cp_positions_rule(node: Node, pls: list, rc: RuleContext):
     """This rank's global positions: its tokens on the cp axis, the same on every rank of another."""
     return Shard(0) if node.args[1] == rc.axis else R
+
+
+@register(cp_attention.cp_gather_sequence)
+def cp_gather_sequence_rule(node: Node, pls: list, rc: RuleContext):
+    """The whole sequence gathered over the cp axis: replicated there (``passes/cp_cores.py``); on
+    another axis placed as its input (the gather keeps every other dim)."""
+    if node.args[2] != rc.axis:
+        return pls[0]
+    if pls[0] != Shard(node.args[1]):
+        raise rc.fail(node, f"gathers the sequence of a value placed {pls[0]}")
+    return R
 
 
 @register(cp_attention.cp_table_rows)

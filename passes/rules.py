@@ -35,6 +35,7 @@ made through it sees them all; the op sets the families register are
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 from typing import Any, Callable
 
@@ -51,7 +52,7 @@ from .context import provenance
 
 aten = torch.ops.aten
 
-__all__ = ["RuleContext", "register", "lookup", "register_token_order", "lookup_token_order", "TokenOrder",
+__all__ = ["is_seq_size", "RuleContext", "register", "lookup", "register_token_order", "lookup_token_order", "TokenOrder",
            "ShardingError", "is_sharded", "is_loss_share", "tensor_inputs", "axis_of", "shape_of", "ndim_of",
            "size_expr", "canonical_dim", "R", "P", "sym_size_rule", "getitem_rule"]
 
@@ -166,9 +167,9 @@ class RuleContext:
         if self.local_sizes:  # the graph's sizes are local: a replicated operand this long is not a slice
             raise self.fail(node, f"replicated {arg.name} meets this rank's tokens along dim {dim}")
         run = self.operand_run(node, arg, dim)
-        blocks = None if run is not None else self.operand_blocks(node, arg, dim)
+        blocks, whole = (None, None) if run is not None else self.operand_blocks(node, arg, dim) or (None, None)
         call = ((local_runs, (arg, dim, run, self.axis)) if run is not None else
-                (local_blocks, (arg, dim, list(blocks), self.axis)) if blocks else
+                (local_blocks, (arg, dim, list(blocks), self.axis, list(whole) if whole else None)) if blocks else
                 (collectives.local_shard, (arg, dim, self.axis)))
         with self.gm.graph.inserting_before(node):
             part = self.gm.graph.call_function(*call)
@@ -176,6 +177,8 @@ class RuleContext:
         part.meta["autopar_placement"] = {self.axis: Shard(dim)}
         if blocks:
             part.meta["autopar_blocks"] = blocks
+            if whole:
+                part.meta["autopar_whole"] = whole
         if run is not None:
             part.meta["autopar_every"] = run
         provenance(part, self.pass_name, self.axis,
@@ -200,20 +203,21 @@ class RuleContext:
         return int(run)
 
     def operand_blocks(self, node: Node, arg: Node, dim: int) -> tuple | None:
-        """The blocks (``autopar_blocks``: parts each split over the axis, side by side) of the inputs
-        of ``node`` sharded beside replicated ``arg``: ``arg``'s slice must be cut block by block too
+        """``(blocks, whole)``: the blocks (``autopar_blocks``: parts each split over the axis, side by
+        side; ``whole``, per block, kept whole on every rank, or None) of the inputs of ``node``
+        sharded beside replicated ``arg``: ``arg``'s slice must be cut block by block too
         (:func:`~autopar.ops.whole_rows.local_blocks`).  None when no input is laid out by blocks;
         refused when the inputs disagree or ``arg``'s dim is not their concatenation."""
         sharded = [a for a in tensor_inputs(node) if a is not arg and isinstance((self.placements or {}).get(a), Shard)]
-        found = {tuple(a.meta["autopar_blocks"]) if a.meta.get("autopar_blocks") else None for a in sharded}
+        found = {(tuple(a.meta["autopar_blocks"]), tuple(a.meta.get("autopar_whole") or ()) or None)
+                 if a.meta.get("autopar_blocks") else None for a in sharded}
         if found <= {None} and all(a.meta.get("autopar_every") is None for a in sharded):
             return None
-        (blocks,) = found if len(found) == 1 else (None,)
-        if blocks is None or any(a.meta.get("autopar_whole") for a in tensor_inputs(node)) or \
-                size_expr(shape_of(arg)[dim]) != sum(blocks):
+        (layout,) = found if len(found) == 1 else (None,)
+        if layout is None or size_expr(shape_of(arg)[dim]) != sum(layout[0]):
             raise self.fail(node, f"replicated {arg.name} meets inputs sharded block by block {sorted(found, key=str)} "
                                   f"along its dim {dim}")
-        return blocks
+        return layout
 
     def token_dim(self, node: Node, val: Any = None) -> int | None:
         """Under ``local_sizes``: the dim of ``node``'s value whose size holds the sequence symbol
@@ -335,3 +339,22 @@ def getitem_rule(node: Node, pls: list, rc: RuleContext):
 def axis_of(node: Node) -> str:
     """The mesh axis an autopar runtime op node works on."""
     return node.kwargs.get("axis") or next(a for a in node.args if isinstance(a, str))
+
+
+def is_seq_size(size, seq) -> bool:
+    """``size`` is the sequence length ``seq`` at every length the program runs at.  A scan that
+    pads the sequence to whole chunks of ``m`` and was traced at a multiple of ``m`` keeps the padded
+    length, ``m * ceil(s / m)``: that is the length at every multiple of ``m``, and at any other
+    length the chunking view of the traced program fails (it was traced without the padding)."""
+    expr = size if isinstance(size, sympy.Basic) else size_expr(size)
+    if expr == seq:
+        return True
+    if not isinstance(seq, sympy.Symbol) or seq not in expr.free_symbols:
+        return False
+    # torch's shape symbols use their own Mod (torch.utils._sympy.functions), not sympy.Mod
+    moduli = [m.args[1] for m in expr.atoms(sympy.Mod, sympy.Function) if type(m).__name__ in ("Mod", "PythonMod")
+              and len(m.args) == 2 and m.args[0] == seq and m.args[1].is_Integer]
+    if not moduli:
+        return False
+    k, m = sympy.Symbol("k", integer=True, positive=True), math.lcm(*(int(x) for x in moduli))
+    return sympy.simplify(expr.subs(seq, m * k) - m * k) == 0

@@ -22,12 +22,12 @@ from __future__ import annotations
 import torch
 from torch.fx import GraphModule, Node
 
-from autopar.compat import rename_node, sym_expr
+from autopar.compat import rename_node
 from autopar.errors import AutoparError, describe_node
 from autopar.frontend.op_sets import SIZED_RESHAPE_OPS
 from autopar.ops import collectives
 from .context import META_KEY, PassContext, PassResult, provenance
-from .rules import shape_of, size_expr
+from .rules import is_seq_size, shape_of, size_expr
 from .tensor_parallel import AXIS
 from .view_rules import dim_groups
 
@@ -47,11 +47,12 @@ _REWRITES = {
 
 
 def _seq_dim(node: Node, ctx: PassContext) -> int | None:
-    val = node.meta.get("val")
-    for d, size in enumerate(getattr(val, "shape", ())):
-        if isinstance(size, torch.SymInt) and sym_expr(size) == ctx.seq_symbol:
-            return d
-    return None
+    """The dim of ``node``'s value that holds the sequence: its size is the traced sequence size (a
+    symbol, or the length export specialised the sequence to)."""
+    shape = tuple(getattr(node.meta.get("val"), "shape", ()))
+    found = [d for d, size in enumerate(shape) if is_seq_size(size, ctx.seq_symbol)]
+    # A specialised length may also be the size of another dim (hidden 32 at length 32): ambiguous.
+    return found[0] if len(found) == 1 else None
 
 
 def _no_seq_dim(node: Node, ctx: PassContext) -> AutoparError:

@@ -102,7 +102,8 @@ def _shard_column(ctx: PassContext, result: PassResult, info: LinearInfo, vocab:
                 node.meta["autopar_whole"] = whole
 
 
-def _shard_row(gm: GraphModule, ctx: PassContext, result: PassResult, info: LinearInfo, region: str) -> Node:
+def _shard_row(gm: GraphModule, ctx: PassContext, result: PassResult, info: LinearInfo, region: str,
+               role: str = "row_output") -> Node:
     _check_divisible(f"input features of {info.module}", info.in_features, ctx.axis_sizes[AXIS], info.node)
     result.shard_param(info.weight, AXIS, ParamShard(0 if info.in_out else 1))
     node = info.node
@@ -119,7 +120,7 @@ def _shard_row(gm: GraphModule, ctx: PassContext, result: PassResult, info: Line
     # [batch, seq, hidden]), so SP can reduce-scatter along the sequence dim.
     last = reshape_chain(node)[-1]
     reduced = _insert_after(gm, last, collectives.all_reduce, (last, AXIS, f"{info.module}: row-parallel output"),
-                            f"sum the partial outputs of row-parallel {info.module}", "row_output")
+                            f"sum the partial outputs of row-parallel {info.module}", role)
     _redirect(last, reduced)
     out = reduced
     if bias is not None:  # the bias broadcasts over the leading dims of the reshaped output
@@ -129,6 +130,13 @@ def _shard_row(gm: GraphModule, ctx: PassContext, result: PassResult, info: Line
         provenance(out, _PASS, None, f"bias of {info.module}, added after the reduction")
         _redirect(reduced, out)
         out.args = (reduced, bias)
+    if role == "row_inner":
+        # Its result meets the rank's channels again (a partial gradient, summed by this entry's
+        # backward); where gradient placement finds it replicated the entry is removed.
+        entry = _insert_after(gm, out, collectives.region_entry, (out, AXIS, f"{info.module}: read by its region"),
+                              f"sum the gradient of {info.module}'s output over the rank's channels", "reduction")
+        _redirect(out, entry)
+        out = entry
     return out
 
 
@@ -354,15 +362,21 @@ def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
                     "(the latent of multi-head latent attention, shared by all heads)" if downs else
                     f"(KV heads replicated: {region.num_kv_heads} KV heads, tp={tp})"))
                 continue
-            _shard_column(ctx, result, c, whole=whole.get(c.weight))
-            if whole.get(c.weight):
-                _sum_whole_blocks(gm, result, c, whole[c.weight])
+            kept = whole.get(c.weight) or c.whole_parts
+            _shard_column(ctx, result, c, whole=kept)
+            if kept:
+                _sum_whole_blocks(gm, result, c, kept)
         for u in ups:  # the latent's up-projections to the heads: split by heads, as columns
             _shard_column(ctx, result, u)
         _enter_region(gm, region.columns, region.module, "column_input")
+        rows = {r.node for r in region.rows}
         for r in region.rows:
             if r not in ups:
-                _shard_row(gm, ctx, result, r, region.module)
+                # A row read again inside its region (Mamba's x_proj: the scan's step sizes and B/C,
+                # contracted over the rank's channels) is summed whole: SP reduce-scatters only
+                # the region's outputs along the sequence.
+                inner = bool(_reaches(r.node, rows - {r.node}, region.module))
+                _shard_row(gm, ctx, result, r, region.module, "row_inner" if inner else "row_output")
         result.num_rewritten += len(region.columns) + len(region.rows)
     _shard_vocabulary(gm, ctx, result, s, tp)
     return result

@@ -26,6 +26,7 @@ Neighbours: :mod:`autopar.frontend.trace` produces the graph; ``passes/tensor_pa
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 from typing import Any
 
@@ -35,7 +36,7 @@ from torch.fx import GraphModule, Node
 from autopar.errors import AutoparError
 from autopar.frontend.analyze_moe import find_moe_blocks
 from autopar.frontend.attention_dims import attention_dims, eager_attention_dims
-from autopar.frontend.fx_utils import fused_chain_dim, module_path, reshape_chain, within as _within
+from autopar.frontend.fx_utils import fused_chain_dim, module_path, reshape_chain, value_users, within as _within
 from autopar.frontend.loss import LossReduction, logits_loss, loss_reduction
 from autopar.frontend.op_sets import ATTENTION_OPS, RESHAPE_OPS, SPLIT_OPS
 
@@ -57,6 +58,8 @@ class LinearInfo:
     out_features: int
     module: str
     split_sizes: list[int] | None = None  # fused projection: sizes of its parts
+    # per part: kept whole on every tp rank, shared by all heads (a Mamba-2 mixer's B and C groups)
+    whole_parts: tuple[bool, ...] | None = None
 
     @property
     def bias_in_op(self) -> bool:
@@ -203,23 +206,76 @@ def _split_sizes(linear: Node) -> list[int] | None:
     if dim < 0 or last.meta["val"].shape[dim] != linear.meta["val"].shape[-1]:
         return None
     last, dim = _through_channels(last, dim)
-    users = list(last.users)
+    users = value_users(last)
     if users and all(u.target is aten.slice.Tensor for u in users):
         return _slice_sizes(last, dim, users)
     if len(users) != 1 or users[0].target not in SPLIT_OPS:
         return None
-    split = users[0]
+    return _split_parts(users[0], last, dim, int(linear.meta["val"].shape[-1]))
+
+
+def _split_parts(split: Node, last: Node, dim: int, width: int) -> list[int] | None:
+    """Sizes of the parts ``split`` cuts ``last``'s features (dim ``dim``, ``width`` of them) into."""
     ndim = last.meta["val"].dim()
     at = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
     if at % ndim != dim:
         return None
-    width = int(linear.meta["val"].shape[-1])
     if split.target == aten.split_with_sizes.default:
         return [int(s) for s in split.args[1]]
     if split.target == aten.chunk.default:
         return [width // int(split.args[1])] * int(split.args[1])
     size = int(split.args[1])
     return [size] * (width // size)
+
+
+def _inner_parts(linear: Node, sizes: list[int]) -> tuple[list[int], tuple[bool, ...] | None]:
+    """A fused projection's parts, each split again after channel-wise ops (a Mamba-2 mixer's
+    ``z | xBC | dt``, whose ``xBC`` is split into ``x | B | C`` after its depthwise convolution),
+    refined into the inner parts; and per part whether it is shared by every head (read through a
+    ``repeat_interleave`` over the heads: B and C per group), which the TP pass keeps whole on every
+    rank.  Shard propagation checks the layout either way."""
+    chain, dim = fused_chain_dim(linear)
+    last, dim = _through_channels(chain[-1], dim)
+    if len(value_users(last)) != 1 or value_users(last)[0].target not in SPLIT_OPS:
+        return sizes, None  # parts cut by slices
+    split = value_users(last)[0]
+    items = {u.args[1]: u for u in split.users if u.target is operator.getitem}
+    out, whole = [], []
+    for i, size in enumerate(sizes):
+        inner = None
+        if i in items:
+            end, inner_dim = _through_channels(items[i], dim)
+            users = value_users(end)
+            if len(users) == 1 and users[0].target in SPLIT_OPS:
+                inner = _split_parts(users[0], end, inner_dim, size)
+        if inner is None or sum(inner) != size or len(inner) < 2:
+            out.append(size)
+            whole.append(False)
+            continue
+        parts = {u.args[1]: u for u in users[0].users if u.target is operator.getitem}
+        out.extend(inner)
+        whole.extend(j in parts and _shared_by_heads(parts[j]) for j in range(len(inner)))
+    return out, (tuple(whole) if any(whole) else None)
+
+
+def _shared_by_heads(part: Node, depth: int = 8) -> bool:
+    """``part`` reaches a ``repeat_interleave`` (a group's values repeated for each of its heads)
+    through views and casts only."""
+    node = part
+    for _ in range(depth):
+        users = value_users(node)
+        if len(users) != 1:
+            return False
+        node = users[0]
+        if node.target in (aten.repeat_interleave.self_int, aten.repeat_interleave.self_Tensor):
+            return True
+        if node.target not in RESHAPE_OPS and node.target not in _CHANNEL_WISE and node.target not in _PIECES:
+            return False
+    return False
+
+
+# Ops taking pieces of the tokens (a scan's ``tensor_split`` of the sequence) and their items.
+_PIECES = frozenset({aten.tensor_split.indices, aten.tensor_split.sections, operator.getitem, *SPLIT_OPS})
 
 
 # Ops that keep every feature of their input in its own channel: the parts of a fused projection
@@ -229,12 +285,17 @@ _CHANNEL_WISE = frozenset({aten.silu.default, aten.gelu.default, aten.relu.defau
                            aten.clone.default})
 
 
+# Element-wise ops with a second operand (Falcon-H1's ``in_proj(x) * mup_vector``, a per-feature
+# multiplier): the parts still pass through whole; the operand is cut at the parts by the rules.
+_SCALED = frozenset({aten.mul.Tensor, aten.div.Tensor, aten.add.Tensor})
+
+
 def _through_channels(last: Node, dim: int) -> tuple[Node, int]:
     """From a fused projection's chain, the single-user ops that keep its features channel by channel
     (a linear-attention mixer's ``silu(conv1d(qkv.transpose(1, 2))[..., :seq]).transpose(1, 2)``
     before the split of q|k|v): the node before the split and its feature dim."""
-    while len(last.users) == 1:
-        user = next(iter(last.users))
+    while len(value_users(last)) == 1:
+        user = value_users(last)[0]
         ndim = user.meta["val"].dim() if isinstance(user.meta.get("val"), torch.Tensor) else 0
         if not ndim or user.args[0] is not last:
             break
@@ -247,7 +308,7 @@ def _through_channels(last: Node, dim: int) -> tuple[Node, int]:
             groups = user.args[6] if len(user.args) > 6 else user.kwargs.get("groups", 1)
             if dim != 1 or groups != last.meta["val"].shape[1]:  # depthwise over the features only
                 break
-        elif user.target not in _CHANNEL_WISE and user.target is not aten.slice.Tensor:
+        elif user.target not in _CHANNEL_WISE and user.target not in _SCALED and user.target is not aten.slice.Tensor:
             break
         last = user
     return last, dim
@@ -361,6 +422,8 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node
         region = Region(kind, scope, [linears[n] for n in columns], [linears[n] for n in rows], op)
         for c in region.columns:
             c.split_sizes = _split_sizes(c.node)
+            if c.split_sizes and not _stacked_parts(c.node):
+                c.split_sizes, c.whole_parts = _inner_parts(c.node, c.split_sizes)
         if op is not None:
             region.num_heads, region.num_kv_heads, region.head_dim = attention_dims(op)
         claimed |= member_set

@@ -27,11 +27,22 @@ def within(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith(prefix + ".")
 
 
+# Ops that read a tensor's shape, not its values: a projection whose output is also measured
+# (Mamba's ``in_proj(x)`` whose length slices the convolution) still has one reader of its values.
+_SHAPE_READS = frozenset({torch.ops.aten.sym_size.int, torch.ops.aten.sym_numel.default,
+                          torch.ops.aten.sym_stride.int})
+
+
+def value_users(node: Node) -> list[Node]:
+    """The users of ``node`` that read its values (not only its sizes)."""
+    return [u for u in node.users if u.target not in _SHAPE_READS]
+
+
 def reshape_chain(node: Node) -> list[Node]:
     """``node`` and the single-user reshapes that follow it (Conv1D-style ``view`` around addmm)."""
     chain = [node]
-    while len(chain[-1].users) == 1 and next(iter(chain[-1].users)).target in RESHAPE_OPS:
-        chain.append(next(iter(chain[-1].users)))
+    while len(value_users(chain[-1])) == 1 and value_users(chain[-1])[0].target in RESHAPE_OPS:
+        chain.append(value_users(chain[-1])[0])
     return chain
 
 
@@ -48,8 +59,8 @@ def fused_chain_dim(node: Node) -> tuple[list[Node], int]:
     chain = reshape_chain(node)
     val = chain[-1].meta.get("val")
     dim = val.dim() - 1 if hasattr(val, "dim") else -1
-    while dim >= 0 and len(chain[-1].users) == 1:
-        user = next(iter(chain[-1].users))
+    while dim >= 0 and len(value_users(chain[-1])) == 1:
+        user = value_users(chain[-1])[0]
         ndim = user.meta["val"].dim() if hasattr(user.meta.get("val"), "dim") else 0
         if user.target is torch.ops.aten.unsqueeze.default and ndim:
             at = user.args[1] % ndim

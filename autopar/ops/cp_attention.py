@@ -20,7 +20,8 @@ Variants (``passes/context_parallel.py`` picks one per plan):
   shards, full-sequence attention on ``heads/cp`` heads, one all-to-all back.
 
 Besides attention, :func:`cp_cumsum` puts a cumulative sum along the sequence (positions that
-a model derives from its attention mask) in global token order.
+a model derives from its attention mask) in global token order, and :func:`cp_gather_sequence`
+gathers a value's whole sequence in global order (eager attention run whole).
 
 K and V arrive with their own (GQA) head count; ``num_kv_groups`` query heads share one
 K/V head, and the expansion happens after communication, so only the K/V heads travel.
@@ -42,6 +43,7 @@ __all__ = [
     "cp_table_rows",
     "cp_positions",
     "cp_cumsum",
+    "cp_gather_sequence",
     "ring_attention",
     "allgather_attention",
     "ulysses_attention",
@@ -80,6 +82,16 @@ def cp_table_rows(table: torch.Tensor, dim: int, local_len: int, axis: str) -> t
     learned or registered position table sliced to the sequence length: BERT's ``position_ids``)."""
     positions = _positions(int(local_len), collectives.axis_rank(axis), collectives.axis_size(axis), table.device)
     return table.index_select(dim, positions)
+
+
+def cp_gather_sequence(x: torch.Tensor, dim: int, axis: str, tag: str = "") -> torch.Tensor:
+    """The whole sequence of ``x`` along ``dim``, in global order: this rank's chunks all-gathered
+    over ``axis`` and put at their positions (eager attention run whole, ``passes/cp_cores.py``).
+    Backward: the gradient at each rank's positions, summed over the ranks (a reduce-scatter)."""
+    n, local_len = collectives.axis_size(axis), x.shape[dim]
+    gathered = collectives.all_gather(x.contiguous(), dim, axis, tag)
+    held = torch.cat([_positions(local_len, r, n) for r in range(n)])  # the gathered rows' positions
+    return gathered.index_select(dim, torch.argsort(held).to(x.device))
 
 
 def cp_cumsum(x: torch.Tensor, dim: int, axis: str, dtype: torch.dtype | None = None, tag: str = "") -> torch.Tensor:

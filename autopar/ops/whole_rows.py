@@ -83,28 +83,31 @@ def _ranks(axis: str) -> tuple[int, int]:
 
 class _LocalBlocks(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, dim, sizes, axis):
+    def forward(ctx, x, dim, sizes, axis, whole):
         n, rank = _ranks(axis)
-        ctx.dim, ctx.shape, ctx.sizes, ctx.n, ctx.rank = dim, x.shape, sizes, n, rank
-        parts = [p.chunk(n, dim=dim)[rank] for p in x.split(sizes, dim=dim)]
+        ctx.dim, ctx.shape, ctx.sizes, ctx.n, ctx.rank, ctx.whole = dim, x.shape, sizes, n, rank, whole
+        parts = [p if kept else p.chunk(n, dim=dim)[rank] for p, kept in zip(x.split(sizes, dim=dim), whole)]
         return torch.cat(parts, dim=dim).contiguous()
 
     @staticmethod
     def backward(ctx, grad):
         out = grad.new_zeros(ctx.shape)
-        pieces = grad.split([s // ctx.n for s in ctx.sizes], dim=ctx.dim)
+        local = [s if kept else s // ctx.n for s, kept in zip(ctx.sizes, ctx.whole)]
         start = 0
-        for size, piece in zip(ctx.sizes, pieces):
-            out.narrow(ctx.dim, start + ctx.rank * piece.shape[ctx.dim], piece.shape[ctx.dim]).copy_(piece)
+        for size, kept, piece in zip(ctx.sizes, ctx.whole, grad.split(local, dim=ctx.dim)):
+            at = start if kept else start + ctx.rank * piece.shape[ctx.dim]
+            out.narrow(ctx.dim, at, piece.shape[ctx.dim]).copy_(piece)
             start += size
-        return out, None, None, None
+        return out, None, None, None, None
 
 
-def local_blocks(x: torch.Tensor, dim: int, sizes: list[int], axis: str) -> torch.Tensor:
+def local_blocks(x: torch.Tensor, dim: int, sizes: list[int], axis: str,
+                 whole: list[bool] | None = None) -> torch.Tensor:
     """This rank's share of each block (``sizes`` along ``dim``, global sizes) of a replicated ``x``,
-    concatenated in block order (no communication); backward scatters the gradient back to those
-    rows, zeros elsewhere."""
-    return _LocalBlocks.apply(x, dim, list(sizes), axis)
+    concatenated in block order (no communication); a block flagged in ``whole`` is taken whole
+    (shared by every rank: a Mamba-2 mixer's B and C channels).  Backward puts the gradient back at
+    those rows, zeros elsewhere."""
+    return _LocalBlocks.apply(x, dim, list(sizes), axis, list(whole or [False] * len(sizes)))
 
 
 class _LocalRuns(torch.autograd.Function):

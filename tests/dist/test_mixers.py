@@ -14,6 +14,12 @@ the depthwise convolution over the rank's channels, ``out_proj`` row-parallel.  
 key, so under SP its sequence shards are gathered before the region (passes/grad_mode_regions.py)
 and every rank picks the same keys, as one device does.  The shrunk zoo model (full-size heads, mixture
 of experts) is tests/e2e/test_zoo.py; the rules alone, tests/unit/test_mixer_rules.py.
+
+State-space mixers the same way: a tiny Mamba (``hf_mamba``) under ``tp=2,sp``, traced at a fixed
+length (its scan loops over the positions), its channels split over tp, ``x_proj`` a row read again
+inside the mixer (summed whole, and its input gradient summed in backward), ``out_proj`` the
+region's reduce-scatter; and a tiny Mamba-2 (``hf_mamba2``) under ``tp=2`` and ``tp=2,sp``: z|x|B|C|dt
+split part by part with B and C whole on every rank, the convolution over x|B|C laid out by blocks.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ from tests.support.jobs import reference, train_cases_job
 pytest.importorskip("transformers")
 
 CASES = [("hf_qwen3_next", "tp=2"), ("hf_qwen3_next", "tp=2,sp"), ("hf_lfm3", "tp=2"), ("hf_lfm3", "tp=2,sp"),
-         ("hf_deepseek_v32", "tp=2,sp")]
+         ("hf_deepseek_v32", "tp=2,sp"), ("hf_mamba", "tp=2,sp"), ("hf_mamba2", "tp=2"), ("hf_mamba2", "tp=2,sp")]
 
 
 @pytest.fixture(scope="module")

@@ -14,13 +14,14 @@ stays a mask.  Each model has an 8-token window at sequence 16:
   ring attention skipping the blocks out of every query's window (autopar/ops/cp_attention.py);
 - Gemma 2 (local and global layers alternating): transformers 5.25 refuses SDPA for it (its
   soft-capped scores), so it runs its eager attention, which keeps its mask: equal under the
-  same plans; CP is refused for the missing SDPA op;
+  same plans, CP included: the attention runs whole over the sequence gathered in global order,
+  the mask built again at the global length (passes/cp_cores.py);
 - GPT-OSS (alternating 8-token-window and full layers, attention sinks, eager attention, 4
   experts): equal under ``dp=2``, ``pp=2,mb=2`` and ``dp=2,zero=3``, its routing (the ``cumsum``
   of routing counts, the expert biases gathered by sorted expert ids) proven per token on data
   axes (passes/token_order.py); under ``tp=2,sp`` refused before training, naming the node in
-  the experts module (the experts rewrite reads biases gathered by the sorted ids); CP refused
-  first for its eager attention.
+  the experts module (the experts rewrite reads biases gathered by the sorted ids); under CP its
+  eager attention (sinks concatenated to the scores) runs whole, and its experts are rewritten.
 """
 from __future__ import annotations
 
@@ -34,14 +35,13 @@ from tests.support.window_jobs import train_or_refuse_job  # noqa: E402
 
 RUNS = ("dp=2", "tp=2,sp", "pp=2,mb=2", "dp=2,zero=3")
 CP = ("cp=2:ring", "cp=2:allgather", "cp=2:ulysses")
-NO_SDPA = "found no scaled_dot_product_attention op"
 GPT_OSS = "in module 'model.model.layers.0.mlp.experts' (GptOssExperts)"
 # model -> {plan: None (equal to one device) or a phrase of its refusal}
 EXPECTED = {
     "hf_mistral_window": dict.fromkeys(RUNS + CP),
     "hf_qwen2_window": dict.fromkeys(RUNS + CP),
-    "hf_gemma2_window": {**dict.fromkeys(RUNS), **dict.fromkeys(CP, NO_SDPA)},
-    "hf_gpt_oss_window": {**dict.fromkeys(RUNS), "tp=2,sp": GPT_OSS, **dict.fromkeys(CP, NO_SDPA)},
+    "hf_gemma2_window": dict.fromkeys(RUNS + CP),
+    "hf_gpt_oss_window": {**dict.fromkeys(RUNS), "tp=2,sp": GPT_OSS, **dict.fromkeys(CP)},
 }
 CASES = [(model, plan) for model, plans in EXPECTED.items() for plan in plans]
 

@@ -11,9 +11,6 @@ from autopar.runtime import compile_program
 from tests.support.models import MODELS, make_batch
 
 REFUSALS = [
-    # Gemma 2's soft-capped scores need eager attention: no SDPA op for CP to split.
-    ("hf_gemma2", "cp=2:ring", ["found no scaled_dot_product_attention op", "attn_implementation='sdpa'"]),
-    ("hf_gemma2", "cp=2:ulysses", ["found no scaled_dot_product_attention op", "plan without cp"]),
     # The load-balancing statistic is over the whole batch: per micro-batch it would differ.
     ("hf_mixtral_aux", "pp=2,mb=2", ["is a statistic over the whole batch's tokens", "modeling_mixtral.py"]),
     # DeepSeek-V3: MoE under tp needs sp (tp=2,sp: tests/dist/test_architectures.py).

@@ -6,7 +6,7 @@ runs the same code (``benchmarks.zoo_engine.run_types``: the same shrinking, bat
 comparison) on pairs chosen to cover the classes of architecture -- dense GQA, multi-query
 attention, mixtures of experts, sliding windows, ALiBi, Conv1D weights, parallel attention and
 MLP, tied heads, an encoder used as a causal LM, a linear-attention mixer, state-space and hybrid
-models that are refused
+models
 -- a handful of model types per pool call on the session's pooled gloo workers
 (tests/support/harness.py), and checks that each pair's outcome is the one the sweep recorded:
 ``equal`` stays equal, ``refused`` stays refused (with an ``autopar:`` message) and nothing
@@ -80,10 +80,13 @@ EXPECTED: dict[str, dict[str, object]] = {
     "opt": {"tp=2,sp": E},
     # an encoder built as a causal LM
     "bert": {"tp=2,sp": E},
-    # hybrids of attention and state-space layers (Mamba mixers): equal under ZeRO-3; under SP their
-    # scans unroll over a fixed sequence length, so no activation holds the traced sequence: refused
-    "jamba": {"dp=2,zero=3": E, "tp=2,sp": (R, "sequence parallelism needs the sequence dimension")},
-    "falcon_h1": {"dp=2,zero=3": E, "tp=2,sp": (R, "sequence parallelism needs the sequence dimension")},
+    # state-space mixers split by channels (Mamba: its scan loops over the positions, so the sequence
+    # is traced at a fixed length, found by SP by its size; x_proj a row read again in the mixer) and
+    # by heads (Mamba-2 in Falcon-H1: z|x|B|C|dt part by part, B and C whole on every rank, a length
+    # padded to whole chunks); hybrids with attention and experts (Jamba)
+    "mamba": {"tp=2,sp": E},
+    "jamba": {"dp=2,zero=3": E, "tp=2,sp": E},
+    "falcon_h1": {"dp=2,zero=3": E, "tp=2,sp": E},
     # a linear-attention mixer (Qwen3-Next's gated delta net) split by heads: q|k|v concatenated and
     # convolved per channel laid out by blocks, its recurrence per head; under cp its causal
     # convolution needs the whole sequence: refused naming the mixer

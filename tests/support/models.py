@@ -210,6 +210,33 @@ def hf_lfm3(seed: int = 0, **overrides):
 MODELS["hf_lfm3"] = (hf_lfm3, hf_loss, {"use_cache": False})
 
 
+def hf_mamba(seed: int = 0, **overrides):
+    """A tiny ``transformers.MambaForCausalLM``: its scan loops over the positions, so export fixes
+    the sequence length (no sequence symbol: SP finds the sequence by its length); ``in_proj``
+    fused x|z chunked after a transpose to channels first, a depthwise convolution, ``x_proj``
+    contracting the channels into the step sizes and B, C (read again by the scan), ``dt_proj``,
+    ``out_proj`` (vocab 128, hidden 64, 2 layers, 128 channels, state 16)."""
+    return hf_model("MambaConfig", "MambaForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, state_size=16, num_hidden_layers=2, expand=2, conv_kernel=4,
+        time_step_rank=8, initializer_range=0.02), overrides)
+
+
+MODELS["hf_mamba"] = (hf_mamba, hf_loss, {"use_cache": False})
+
+
+def hf_mamba2(seed: int = 0, **overrides):
+    """A tiny ``transformers.Mamba2ForCausalLM``: ``in_proj`` fused z|xBC|dt, its xBC split into
+    x|B|C after the depthwise convolution, B and C one group shared by the 8 heads (every tp rank
+    keeps them whole), a chunked scan over chunks of 4 (the test sequence spans 4 chunks), a gated
+    norm over all channels, ``out_proj`` (vocab 128, hidden 64, 2 layers, 8 heads of 16, state 16)."""
+    return hf_model("Mamba2Config", "Mamba2ForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, state_size=16, num_hidden_layers=2, expand=2, num_heads=8, head_dim=16,
+        n_groups=1, conv_kernel=4, chunk_size=4, tie_word_embeddings=False, initializer_range=0.02), overrides)
+
+
+MODELS["hf_mamba2"] = (hf_mamba2, hf_loss, {"use_cache": False})
+
+
 def hf_falcon(seed: int = 0, **overrides):
     """A tiny ``transformers.FalconForCausalLM`` with the new decoder architecture: one fused qkv
     laid out by KV group (each group's query heads, then its key and value) and cut by slices and

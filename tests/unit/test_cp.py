@@ -50,8 +50,13 @@ def test_inspect_shows_cp_collectives(model_name, variant, ops):
     assert "all_reduce over dp_cp" in text
 
 
-def test_data_dependent_mask_is_refused():
-    """A padding attention_mask makes the mask depend on input data: not the causal mask."""
+def _ops(gm, target) -> list:
+    return [n for n in gm.graph.nodes if n.op == "call_function" and n.target is target]
+
+
+def test_padding_mask_fixing_the_length_is_refused():
+    """A padding attention_mask: transformers builds the mask from it by branching on the length, so
+    export fixes the sequence length, which cp cannot cut (refused, saying why)."""
     import torch
 
     from autopar.runtime import compile_program
@@ -59,8 +64,65 @@ def test_data_dependent_mask_is_refused():
     model, loss_fn, _ = build("hf_llama", {})
     (inputs, _), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
     kwargs = {"use_cache": False, "attention_mask": torch.ones(BATCH, SEQ, dtype=torch.long)}
-    with pytest.raises(AutoparError, match=r"^autopar: context parallelism supports causal attention.*input data"):
+    with pytest.raises(AutoparError, match=r"^autopar: context parallelism needs the sequence traced with a "
+                                           r"symbolic length, but torch.export fixed it to 16 .*padding"):
         compile_program(model, inputs, kwargs, "cp=2:ring", loss_fn, world_size=2)
+
+
+def test_eager_attention_runs_whole():
+    """Gemma 2's soft-capped eager attention: the scores and the mask built at the global length (the
+    sizes in the core's arguments times cp), the probabilities' product with v cut to this rank's rows;
+    the RoPE positions outside the core are this rank's."""
+    import operator
+
+    import torch
+
+    from autopar.ops import cp_attention as CPA
+    from autopar.runtime import compile_program
+
+    model, loss_fn, kwargs = build("hf_gemma2", {})
+    (inputs, _), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
+    traced, _ = compile_program(model, inputs, kwargs, "cp=2:ring", loss_fn, world_size=2)
+    gm = traced.gm
+    assert not _ops(gm, CPA.ring_attention) and len(_ops(gm, CPA.cp_gather_sequence)) >= 6
+    assert any(n.args[1] == 2 for n in _ops(gm, operator.mul))  # s * cp
+    rows = [n.args[0].target for n in _ops(gm, CPA.cp_table_rows)]
+    assert rows.count(torch.ops.aten.matmul.default) == 2  # each layer's probabilities @ v
+    assert not _ops(gm, CPA.cp_positions) or all(  # RoPE's positions: this rank's (no arange left)
+        n.target is not torch.ops.aten.arange.default or n.args[0] != SEQ for n in gm.graph.nodes)
+
+
+def test_dropout_in_eager_attention_is_refused():
+    from autopar.runtime import compile_program
+
+    model, loss_fn, kwargs = build("hf_gemma2", {"attention_dropout": 0.1})
+    (inputs, _), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
+    with pytest.raises(AutoparError, match=r"^autopar: context parallelism runs eager attention whole, but node "
+                                           r"'dropout.*applies dropout"):
+        compile_program(model, inputs, kwargs, "cp=2:ring", loss_fn, world_size=2)
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_cp_gather_sequence_puts_every_rank_chunks_at_their_positions(monkeypatch, n):
+    """``cp_gather_sequence`` on every rank gives the whole sequence in global order; its backward
+    (the all-gather's reduce-scatter) gives each rank the gradient at its positions."""
+    import torch
+
+    from autopar.ops import collectives as C
+    from autopar.ops import cp_attention as CPA
+
+    seq = 4 * n
+    full = torch.randn(2, seq, 3)
+    shards = [full[:, CPA.cp_chunk_indices(seq, r, n)] for r in range(n)]
+    monkeypatch.setattr(C, "axis_size", lambda axis: n)
+    monkeypatch.setattr(C, "all_gather", lambda x, dim, axis, tag="": torch.cat(
+        [x if torch.equal(s, x.detach()) else s for s in shards], dim))
+    for r in range(n):
+        x = shards[r].clone().requires_grad_()
+        got = CPA.cp_gather_sequence(x, 1, "cp")
+        torch.testing.assert_close(got, full)
+        (got * torch.arange(seq).view(1, seq, 1)).sum().backward()
+        assert x.grad[0, :, 0].tolist() == CPA.cp_chunk_indices(seq, r, n).float().tolist()
 
 
 @pytest.mark.parametrize("causal,d_v,window", [(True, 8, None), (False, 8, None), (True, 5, None),
