@@ -19,8 +19,11 @@ ring or all-gather attention; for these it runs the *core* as one device does:
 
 Every core value is the one-device value, so the program is exact whatever the core computes; a
 value leaving the core that does not hold the sequence in exactly one dim (a reduction over the
-positions, the scores themselves) and a size in the core that is another expression of the
-sequence length are refused, naming the node.  The cost: each rank computes the whole attention
+positions, the scores themselves), a size in the core that is not a sum, product, min, max or
+floor division of the sequence length and constants, and a write in place across the core's edge
+are refused, naming the node.  Gathers go before their first reader in the core and cuts before
+the first reader outside, so writes in place on either side (keys copied into an empty tensor)
+come first.  The cost: each rank computes the whole attention
 (``cp`` times its FLOPs and its ``s x s`` scores); the rest of the model stays on sequence shards.
 Models with ``scaled_dot_product_attention`` take the ring.
 
@@ -52,10 +55,18 @@ _DROPOUTS = (aten.dropout.default, aten.native_dropout.default)
 
 
 def _seq_dims(node, seq) -> list[int]:
+    """The dims of ``node``'s value that hold positions: a size a whole multiple of the sequence
+    length (``s``; XLNet's ``2 s`` relative positions), not one padded to chunks or divided into them
+    (a chunked scan's, which is a sequence mixer, not attention)."""
     val = node.meta.get("val") if isinstance(node, Node) else None
     if not isinstance(val, torch.Tensor):
         return []
-    return [d for d, size in enumerate(val.shape) if seq in size_expr(size).free_symbols]
+    dims = []
+    for d, size in enumerate(val.shape):
+        expr = size_expr(size)
+        if seq in expr.free_symbols and (expr / seq).is_Rational:
+            dims.append(d)
+    return dims
 
 
 def _feeds_pairwise(node: Node, pairwise: set[Node], depth: int = 8) -> bool:
@@ -73,15 +84,26 @@ def _feeds_pairwise(node: Node, pairwise: set[Node], depth: int = 8) -> bool:
 
 
 def _sizes_only(gm: GraphModule) -> set[Node]:
-    """The tensors computed from sizes alone (shapes, constants): a causal mask, its position ids."""
+    """The tensors computed from sizes and parameters alone, the same on every rank at any length: a
+    causal mask, its position ids, a relative position embedding projected by a weight (XLNet)."""
     out: set[Node] = set()
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is aten.sym_size.int:
             continue
-        if all(a in out or (a.op == "call_function" and isinstance(a.meta.get("val"), torch.SymInt))
+        if all(a in out or a.op == "get_attr" or (a.op == "call_function" and isinstance(a.meta.get("val"), torch.SymInt))
                for a in node.all_input_nodes):  # sizes: sym_size of any tensor, and arithmetic on them
             out.add(node)
     return out
+
+
+def _reads_length(node: Node, seq, sized: set[Node], memo: dict | None = None) -> bool:
+    """Size-only ``node`` depends on the sequence length: a size argument or an input's shape holds it."""
+    memo = {} if memo is None else memo
+    if node not in memo:
+        memo[node] = bool(_seq_dims(node, seq)) or any(
+            (isinstance(a.meta.get("val"), torch.SymInt) and seq in size_expr(a.meta["val"]).free_symbols)
+            or (a in sized and _reads_length(a, seq, sized, memo)) for a in node.all_input_nodes)
+    return memo[node]
 
 
 def _ancestors(nodes: set[Node], among: set[Node]) -> set[Node]:
@@ -99,13 +121,14 @@ def _find_cores(gm: GraphModule, seq) -> set[Node]:
     if not pairwise:
         return set()
     # a mask built from the sizes is built again at the global length, with the positions it derives
-    core = pairwise | _ancestors(pairwise, _sizes_only(gm))
+    # (what does not depend on the length at all, a parameter's cast, is the same either way)
+    sized = _sizes_only(gm)
+    core = pairwise | {n for n in _ancestors(pairwise, sized) if _reads_length(n, seq, sized)}
     for node in gm.graph.nodes:  # graph order: a node's inputs are decided before it
         if node in core or node.op != "call_function":
             continue
         val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) and not (isinstance(val, (tuple, list)) and val
-                                                      and all(isinstance(v, torch.Tensor) for v in val)):
+        if not isinstance(val, (torch.Tensor, tuple, list, torch.SymInt)):  # a tensor, several outputs, a size
             continue
         inputs = [a for a in node.all_input_nodes if a in core]
         # in the core: what feeds the core again (a row maximum), and what reads a core value that
@@ -128,6 +151,7 @@ class _Rewriter:
         self.gathered: dict[Node, Node] = {}
         self.sizes: dict[Node, Node] = {}
         self.local_len = self._local_length()
+        self.global_len: Node | None = None
 
     def _local_length(self) -> Node:
         """A ``sym_size`` node of the local sequence length (dim 1 of the first input)."""
@@ -143,7 +167,9 @@ class _Rewriter:
             raise _refuse(user, f"reads {arg.name} of shape {tuple(arg.meta['val'].shape)}, whose sequence is not "
                                 "one whole dim")
         if arg not in self.gathered:
-            with self.gm.graph.inserting_after(arg):
+            # Before its first reader in the core, not after ``arg``: the model may still write into it
+            # in place (DeepSeek's keys copied into an empty tensor).
+            with self.gm.graph.inserting_before(user):
                 node = self.gm.graph.call_function(cp_attention.cp_gather_sequence,
                                                    (arg, dims[0], "cp", f"cp whole core {arg.name}"))
             node.meta.update({k: arg.meta[k] for k in COPIED_META if k in arg.meta})
@@ -156,15 +182,39 @@ class _Rewriter:
         return self.gathered[arg]
 
     def size(self, arg: Node, user: Node) -> Node:
-        expr = sym_expr(arg.meta["val"])
-        if expr != self.seq:
-            raise _refuse(user, f"takes the size {expr} of the sequence ({arg.name}), which it cannot make global")
+        """``arg``'s size expression at the global length: built again from the local length's node."""
         if arg not in self.sizes:
-            with self.gm.graph.inserting_after(arg):
-                node = self.gm.graph.call_function(operator.mul, (arg, self.n))
-            node.meta["val"] = arg.meta["val"] * self.n
-            self.sizes[arg] = node
+            expr = sym_expr(arg.meta["val"])
+            with self.gm.graph.inserting_before(user):  # core nodes come in graph order: before every later user
+                built = self._build(expr, user, arg)
+            self.sizes[arg] = built
         return self.sizes[arg]
+
+    def _build(self, expr, user: Node, arg: Node):
+        """FX nodes computing sympy ``expr`` with the sequence symbol at ``s * cp`` (sums, products,
+        min / max, floor division: a sparse indexer's ``min(top_k, s)``)."""
+        if expr == self.seq:
+            if self.global_len is None:
+                self.global_len = self.gm.graph.call_function(operator.mul, (self.local_len, self.n))
+                self.global_len.meta["val"] = self.local_len.meta["val"] * self.n
+            return self.global_len
+        if expr.is_Integer:
+            return int(expr)
+        name = type(expr).__name__
+        fn = {"Add": operator.add, "Mul": operator.mul, "Min": torch.sym_min, "Max": torch.sym_max,
+              "FloorDiv": operator.floordiv}.get(name)
+        if fn is None or (name == "FloorDiv" and len(expr.args) != 2):
+            raise _refuse(user, f"takes the size {expr} of the sequence ({arg.name}), which it cannot make global")
+        args = [self._build(a, user, arg) for a in expr.args]
+        out = args[0]
+        for a in args[1:]:
+            if isinstance(out, int) and isinstance(a, int):
+                out = fn(out, a)
+                continue
+            val = fn(*(x.meta["val"] if isinstance(x, Node) else x for x in (out, a)))
+            out = self.gm.graph.call_function(fn, (out, a))
+            out.meta["val"] = val
+        return out
 
     def argument(self, a, user: Node):
         if isinstance(a, (list, tuple)):
@@ -184,15 +234,41 @@ class _Rewriter:
         if not outside:
             return
         dims = _seq_dims(node, self.seq)
+        if isinstance(node.meta.get("val"), torch.SymInt):
+            raise _refuse(node, f"gives {outside[0].name} a size computed at the global length, which it reads "
+                                "at the local one")
         if len(dims) != 1:
-            raise _refuse(node, f"leaves the core with shape {tuple(node.meta['val'].shape)} (not the sequence in "
+            shape = getattr(node.meta.get("val"), "shape", None)
+            raise _refuse(node, f"leaves the core with shape {tuple(shape) if shape is not None else '(several values)'}"
+                                f" to {outside[0].name} (not the sequence in "
                                 "exactly one dim: each rank would hold values of other ranks' tokens)")
-        with self.gm.graph.inserting_after(node):
+        order = {n: i for i, n in enumerate(self.gm.graph.nodes)}
+        with self.gm.graph.inserting_before(min(outside, key=order.__getitem__)):  # after any write in place
             rows = self.gm.graph.call_function(cp_attention.cp_table_rows, (node, dims[0], self.local_len, "cp"))
         rows.meta.update({k: node.meta[k] for k in COPIED_META if k in node.meta})
         provenance(rows, _PASS, "cp", "this rank's rows of eager attention run whole")
         for user in outside:
             user.replace_input_with(node, rows)
+
+
+def _written(node: Node) -> list[Node]:
+    """The arguments ``node`` writes in place (an aten op whose schema marks them written)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    return [a for a, arg in zip(node.args, schema.arguments)
+            if isinstance(a, Node) and arg.alias_info is not None and arg.alias_info.is_write]
+
+
+def _check_writes(gm: GraphModule, core: set[Node]) -> None:
+    """A write in place across the core's edge would reach only one side's copy: refused."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        for target in _written(node):
+            if (node in core) != (target in core):
+                raise _refuse(node, f"writes {target.name} in place across the edge of the attention run whole "
+                                    "(one side would not see the write)")
 
 
 def whole_cores(gm: GraphModule, ctx: PassContext) -> set[Node]:
@@ -201,6 +277,7 @@ def whole_cores(gm: GraphModule, ctx: PassContext) -> set[Node]:
     core = _find_cores(gm, ctx.seq_symbol)
     if not core:
         return set()
+    _check_writes(gm, core)
     rewriter = _Rewriter(gm, ctx, core)
     for node in [n for n in gm.graph.nodes if n in core]:
         if node.target in _DROPOUTS and (node.args[1] if len(node.args) > 1 else 0.0):

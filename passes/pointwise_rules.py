@@ -66,6 +66,8 @@ POINTWISE_OPS = (
     aten.logical_xor.default, aten.log_sigmoid.default, aten.hardsigmoid.default, aten.hardswish.default,
     aten.logit.default, aten.log2.default, aten.log10.default, aten.atan.default, aten.sinh.default,
     aten.cosh.default, aten.tan.default, aten.relu6.default, aten.celu.default, aten.selu.default,
+    # complex rotary tables from magnitudes and angles (DeepSeek-V2, Llama 4)
+    aten.polar.default,
 )
 
 

@@ -47,6 +47,7 @@ from autopar.frontend.loss import logits_loss
 from autopar.errors import AutoparError, describe_node
 from autopar.plan_space import divisors, heads_ok, kv_replicated, padded_vocab
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
+from .rules import is_seq_size
 
 aten = torch.ops.aten
 
@@ -379,7 +380,38 @@ def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
                 _shard_row(gm, ctx, result, r, region.module, "row_inner" if inner else "row_output")
         result.num_rewritten += len(region.columns) + len(region.rows)
     _shard_vocabulary(gm, ctx, result, s, tp)
+    _enter_side_inputs(gm, s.regions, ctx)
     return result
+
+
+def _enter_side_inputs(gm: GraphModule, regions, ctx: PassContext) -> None:
+    """Enter a region with every activation of the residual stream that its inner ops read besides
+    its columns' input (Gemma 4's ``gate(h) * per_layer_input``): under SP the stream is sequence
+    shards, gathered like the columns' input; under tp alone the entry sums the partial gradient
+    that the rank's features give it.  The stream: what the reductions after rows and embeddings
+    reach (masks and rotary tables, computed from the inputs alone, are not in it)."""
+    ends = {"row_output", "embedding_output"}
+    stream: set[Node] = set()
+    for node in gm.graph.nodes:
+        meta = node.meta.get(META_KEY)
+        if (meta is not None and meta.role in ends) or any(a in stream for a in node.all_input_nodes):
+            stream.add(node)
+    for region in regions:
+        starts = [c.node for c in region.columns]
+        inner = {u for c in starts for _, u in _edges_within(c, region.module)}
+        rows = {r.node for r in region.rows}
+        inner = {n for n in inner if n in rows or _reaches(n, rows, region.module)}
+        for node in [n for n in gm.graph.nodes if n in inner and n not in rows]:
+            for arg in node.all_input_nodes:
+                val = arg.meta.get("val")
+                if arg in inner or arg in starts or arg not in stream or arg.target is collectives.region_entry \
+                        or not isinstance(val, torch.Tensor) or not any(
+                            ctx.seq_symbol is not None and is_seq_size(d, ctx.seq_symbol) for d in val.shape):
+                    continue
+                entry = _insert_after(gm, arg, collectives.region_entry, (arg, AXIS, f"{region.module}: side input"),
+                                      f"enter the tensor-parallel region of {region.module} with a stream "
+                                      "activation its inner ops read", "column_input")
+                node.replace_input_with(arg, entry)
 
 
 def _shard_vocabulary(gm: GraphModule, ctx: PassContext, result: PassResult, s: ModelStructure, tp: int) -> None:

@@ -380,12 +380,19 @@ def index_rule(node: Node, pls: list, rc: RuleContext):
     sum stays partial."""
     pl, index_pls = pls[0], pls[1:]
     indices = list(node.args[1])
+    at = [i for i, idx in enumerate(indices) if idx is not None]
+    sharded = [p for p in index_pls if isinstance(p, Shard)]
+    if isinstance(pl, Replicate) and len(sharded) == 1 and len(at) == 1 and \
+            all(isinstance(p, (Shard, Replicate)) for p in index_pls) and \
+            indices[at[0]].meta["val"].dtype not in (torch.bool, torch.uint8):
+        # a replicated table read at sharded indices (positions' rows of a rotary table): the
+        # result holds the index's dims where the indexed dim was, sharded as the index is
+        return Shard(at[0] + sharded[0].dim)
     if any(not isinstance(p, Replicate) for p in index_pls):
         raise rc.fail(node, f"indexes with index tensors placed {index_pls}",
                       "Only replicated index tensors (constants, or computed from replicated values) are supported.")
     if not isinstance(pl, Shard):
         return pl
-    at = [i for i, idx in enumerate(indices) if idx is not None]
     if any(shape_of(indices[i]) and indices[i].meta["val"].dtype in (torch.bool, torch.uint8) for i in at):
         raise rc.fail(node, "indexes a sharded tensor with a boolean mask")
     if pl.dim in at:
@@ -396,6 +403,36 @@ def index_rule(node: Node, pls: list, rc: RuleContext):
     if pl.dim < at[0]:
         return pl
     return Shard(pl.dim - len(at) + num_index_dims)
+
+
+@register(aten.repeat.default)
+def repeat_rule(node: Node, pls: list, rc: RuleContext):
+    """``x.repeat(r0, r1, ...)``: tiles ``x`` ``r_d`` times along each dim (new leading dims for extra
+    repeats).  A shard stays where its dim is repeated once; tiling the sharded dim would put copies of
+    every rank's part side by side, not this rank's part of the tiled whole: refused.  Linear, so a
+    partial sum stays partial."""
+    pl = pls[0]
+    if not isinstance(pl, Shard):
+        return pl
+    reps = list(node.args[1])
+    out = pl.dim + len(reps) - ndim_of(node.args[0])
+    if reps[out] != 1:
+        raise rc.fail(node, f"tiles the sharded dim {pl.dim} {reps[out]} times")
+    return Shard(out)
+
+
+@register(aten.index_select.default)
+def index_select_rule(node: Node, pls: list, rc: RuleContext):
+    """``x.index_select(dim, idx)``: row ``i`` along ``dim`` is ``x``'s row ``idx[i]``.  Replicated ``x``
+    read at sharded indices (a sinusoidal table at this rank's positions) is sharded on ``dim``; indices
+    replicated keep ``x``'s placement off ``dim`` (a gather is linear: a partial sum stays partial)."""
+    pl, idx = pls
+    dim = node.args[1] % ndim_of(node.args[0])
+    if isinstance(idx, Shard) and isinstance(pl, Replicate):
+        return Shard(dim)
+    if isinstance(idx, Replicate) and not (isinstance(pl, Shard) and pl.dim == dim):
+        return pl
+    raise rc.fail(node, f"selects rows of a tensor placed {pl} at indices placed {idx} along dim {dim}")
 
 
 @register(aten.copy_.default)

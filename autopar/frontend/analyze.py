@@ -470,6 +470,10 @@ def analyze(gm: GraphModule) -> ModelStructure:
         for n, info in linears.items():  # linear from the hidden size whose logits the loss reads
             if info.in_features == hidden and logits_loss(n) is not None:
                 lm_head = info
+    if lm_head is None and vocab:  # a head from another width (RemBERT's decoupled output embedding)
+        for n, info in linears.items():
+            if info.out_features == vocab and logits_loss(n) is not None:
+                lm_head = info
     try:
         moe, moe_error = find_moe_blocks(gm), None
     except AutoparError as exc:  # fatal only for plans that must rewrite the experts (ep, tp)

@@ -55,10 +55,20 @@ EXPECTED: dict[str, dict[str, object]] = {
     # position, skipping the blocks out of every query's window (cohere2: windowed and full layers)
     "mistral": {"tp=2,sp": E, "cp=2:ring": E},
     "cohere2": {"tp=2,sp": E, "cp=2:ring": E},
-    # Llama 4's chunked attention: neither causal nor a window, refused under cp
-    "llama4_text": {"cp=2:ring": (R, "or a causal sliding window")},
-    # soft-capped scores: eager attention, no SDPA op for cp
-    "gemma2": {"cp=2:ring": (R, "found no scaled_dot_product_attention op")},
+    # Llama 4's chunked attention: neither causal nor a window, so under cp it runs whole over the
+    # gathered sequence (passes/cp_cores.py); its dense-style experts repeat the tokens per expert,
+    # which cp refuses
+    "llama4_text": {"cp=2:ring": (R, "cannot shard node 'repeat'")},
+    # eager attention under cp, run whole over the gathered sequence, its mask built again at the
+    # global length: soft-capped scores (Gemma 2), ALiBi (MPT), a relative position embedding projected
+    # by a weight (XLNet), a rotary table indexed by positions (GPT-J), and a sparse-attention indexer
+    # whose keys are copied into an empty tensor in place before the attention reads them (Dots3: the
+    # gather must follow the writes, or the attention reads the empty tensor)
+    "gemma2": {"cp=2:ring": E},
+    "mpt": {"cp=2:ring": E},
+    "xlnet": {"cp=2:ring": E},
+    "gptj": {"tp=2,sp": E, "cp=2:ring": E},
+    "dots3_note_text": {"tp=2,sp": E, "cp=2:ring": E},
     # tied input and output embeddings
     "gemma": {"tp=2,sp": E, "dp=2,zero=3": E},
     # Conv1D weights ([in, out], addmm); the full-size vocabulary 50257 is odd: padded to 2 x 25129 rows
@@ -80,6 +90,9 @@ EXPECTED: dict[str, dict[str, object]] = {
     "opt": {"tp=2,sp": E},
     # an encoder built as a causal LM
     "bert": {"tp=2,sp": E},
+    # an LM head from a width other than the embedding's (RemBERT's decoupled output embedding), found
+    # by the loss reading its logits: the MLM transform before it runs on sequence shards
+    "rembert": {"tp=2,sp": E},
     # state-space mixers split by channels (Mamba: its scan loops over the positions, so the sequence
     # is traced at a fixed length, found by SP by its size; x_proj a row read again in the mixer) and
     # by heads (Mamba-2 in Falcon-H1: z|x|B|C|dt part by part, B and C whole on every rank, a length
@@ -108,14 +121,13 @@ EXPECTED: dict[str, dict[str, object]] = {
     # one row narrower than the embedding table
     "moshi": {"tp=2,sp": E},
     # Dots3: MLA with a sparse-attention indexer under torch.no_grad(), whose hidden_states.to(dtype)
-    # export routes the per-head gate's input through (read as the operand it is)
-    "dots3_note_text": {"tp=2,sp": E},
+    # export routes the per-head gate's input through (read as the operand it is): above, with cp
     # a learned-scalar activation (XIELU: min / max of the input with learned scalars)
     "apertus": {"tp=2,sp": E},
     # a layer whose output crossing the pipeline cut is a strided view (made contiguous to be sent)
     "inkling2_text": {"pp=2,mb=2": E},
     # rotary over part of each head (q[..., :rotary_dim] of the per-head view): not parts of the weight
-    "gptj": {"tp=2,sp": E},
+    # (gptj, above)
 }
 
 GROUP = 4  # model types per pool call

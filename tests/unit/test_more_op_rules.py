@@ -11,7 +11,10 @@
   pairs' last one;
 - ``baddbmm`` with the heads merged into the batch (Bloom's ALiBi scores, [b * heads, s, d]: the rank
   holds its share of every run of heads) cuts the replicated bias at the same runs (``local_runs``),
-  which takes the rank's share of each run and puts the gradient back.
+  which takes the rank's share of each run and puts the gradient back;
+- ``repeat`` keeps a shard on a dim repeated once and refuses tiling it; a replicated table read at
+  sharded positions (``index``, ``index_select``) and ``polar`` of sharded angles are sharded like
+  the positions (rotary tables under cp).
 
 Their models under ``tp=2,sp`` against one device: docs/zoo.md (``xlm``, ``deepseek_v2``, ``bloom``,
 ``gpt_neox_japanese``).
@@ -132,3 +135,38 @@ def test_equal_blocks_viewed_as_a_stack_are_an_even_shard_of_the_block_dim():
     placements, _ = b.place(_sum(b, gate))
     assert placements[view] == Shard(3) and "autopar_blocks" not in view.meta and placements[gate] == Shard(2)
     assert view.args[1] == [2, 3, 2, 2]
+
+
+def test_repeat_keeps_a_shard_repeated_once_and_refuses_tiling_it():
+    """DiffLlama's ``v.repeat(1, 2, 1, 1)`` over the heads of sequence shards keeps them; tiling the
+    sharded dim would put every rank's copies side by side, not its part of the tiled whole."""
+    b = _Builder()
+    v = b.input("v", 2, 3, 8, 4, shard=2)
+    tiled = b.op(aten.repeat.default, v, [1, 2, 1, 1], shape=(2, 6, 8, 4))
+    placements, _ = b.place(_sum(b, tiled))
+    assert placements[tiled] == Shard(2)
+    b = _Builder()
+    v = b.input("v", 2, 8, shard=1)
+    tiled = b.op(aten.repeat.default, v, [1, 2], shape=(2, 16))
+    with pytest.raises(AutoparError, match=r"tiles the sharded dim 1 2 times"):
+        b.place(_sum(b, tiled))
+
+
+def test_a_replicated_table_read_at_sharded_positions_is_sharded_like_them():
+    """CodeGen's rotary table indexed by this rank's position ids (``index``), XGLM's sinusoidal table
+    by ``index_select``, DeepSeek-V2's complex rotary table from ``polar``: each result row is the table's
+    row at the rank's position, so the result is sharded as the positions are."""
+    b = _Builder()
+    table = b.param("table", 64, 8)
+    pos = b.input("pos", 2, 16, shard=1)
+    pos.meta["val"] = torch.zeros(2, 16, dtype=torch.long)
+    rows = b.op(aten.index.Tensor, table, [pos], shape=(2, 16, 8))
+    flat = b.input("flat", 32, shard=0)
+    flat.meta["val"] = torch.zeros(32, dtype=torch.long)
+    picked = b.op(aten.index_select.default, table, 0, flat, shape=(32, 8))
+    angles = b.input("angles", 16, 4, shard=0)
+    rotary = b.op(aten.polar.default, b.op(aten.ones_like.default, angles, shape=(16, 4)), angles, shape=(16, 4))
+    total = b.op(aten.add.Tensor, _sum(b, rows), _sum(b, picked), shape=())
+    placements, _ = b.place(b.op(aten.add.Tensor, total, _sum(b, b.op(aten.abs.default, rotary, shape=(16, 4))),
+                                 shape=()))
+    assert placements[rows] == Shard(1) and placements[picked] == Shard(0) and placements[rotary] == Shard(0)
