@@ -90,6 +90,9 @@ EXPECTED: dict[str, dict[str, object]] = {
     "opt": {"tp=2,sp": E},
     # an encoder built as a causal LM
     "bert": {"tp=2,sp": E},
+    # Gemma 4's per-layer inputs: a stream activation read inside the gate's region
+    # (gate(h) * per_layer_input), entered like the columns' input (gathered under SP)
+    "gemma4_text": {"tp=2,sp": E},
     # an LM head from a width other than the embedding's (RemBERT's decoupled output embedding), found
     # by the loss reading its logits: the MLM transform before it runs on sequence shards
     "rembert": {"tp=2,sp": E},

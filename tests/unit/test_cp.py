@@ -1,4 +1,6 @@
-"""Context parallelism in one process: plan errors, the inspected program, block attention.
+"""Context parallelism in one process: plan errors, the inspected program, block attention, and
+eager attention run whole (passes/cp_cores.py: the gathers, the global length, the rows kept, a
+gather placed after the model's writes in place, the refusals).
 
 The multi-rank half (equivalence with single-process training, bytes against
 ``autopar.estimate(...).comm_table()``, load balance, inspect bytes against a run) is
@@ -7,6 +9,7 @@ tests/dist/test_cp.py.
 from __future__ import annotations
 
 import pytest
+import torch
 
 from autopar.errors import AutoparError
 from tests.support.harness import make_batches
@@ -70,36 +73,27 @@ def test_padding_mask_fixing_the_length_is_refused():
 
 
 def test_eager_attention_runs_whole():
-    """Gemma 2's soft-capped eager attention: the scores and the mask built at the global length (the
-    sizes in the core's arguments times cp), the probabilities' product with v cut to this rank's rows;
-    the RoPE positions outside the core are this rank's."""
+    """Eager attention (scores, a causal mask built from the sizes, softmax, @ v): q, k and v gathered,
+    the mask built again at the global length (the sizes in the core's arguments times cp), the
+    probabilities' product with v cut to this rank's rows before the LM head."""
     import operator
 
     import torch
 
     from autopar.ops import cp_attention as CPA
-    from autopar.runtime import compile_program
 
-    model, loss_fn, kwargs = build("hf_gemma2", {})
-    (inputs, _), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
-    traced, _ = compile_program(model, inputs, kwargs, "cp=2:ring", loss_fn, world_size=2)
-    gm = traced.gm
-    assert not _ops(gm, CPA.ring_attention) and len(_ops(gm, CPA.cp_gather_sequence)) >= 6
-    assert any(n.args[1] == 2 for n in _ops(gm, operator.mul))  # s * cp
-    rows = [n.args[0].target for n in _ops(gm, CPA.cp_table_rows)]
-    assert rows.count(torch.ops.aten.matmul.default) == 2  # each layer's probabilities @ v
-    assert not _ops(gm, CPA.cp_positions) or all(  # RoPE's positions: this rank's (no arange left)
-        n.target is not torch.ops.aten.arange.default or n.args[0] != SEQ for n in gm.graph.nodes)
+    gm = _compile_toy(_EagerCopiedKeys())
+    assert not _ops(gm, CPA.ring_attention) and len(_ops(gm, CPA.cp_gather_sequence)) == 3
+    (global_len,) = [n for n in _ops(gm, operator.mul) if n.args[1] == 2]  # s * cp
+    assert any(global_len in n.args[0] for n in _ops(gm, torch.ops.aten.ones.default))
+    (rows,) = _ops(gm, CPA.cp_table_rows)
+    assert rows.args[0].target is torch.ops.aten.matmul.default and rows.users
 
 
 def test_dropout_in_eager_attention_is_refused():
-    from autopar.runtime import compile_program
-
-    model, loss_fn, kwargs = build("hf_gemma2", {"attention_dropout": 0.1})
-    (inputs, _), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
     with pytest.raises(AutoparError, match=r"^autopar: context parallelism runs eager attention whole, but node "
                                            r"'dropout.*applies dropout"):
-        compile_program(model, inputs, kwargs, "cp=2:ring", loss_fn, world_size=2)
+        _compile_toy(_EagerCopiedKeys(dropout=0.1))
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -248,3 +242,69 @@ def test_sliding_window_mask_is_proven(model_name, window, overrides):
              if n.op == "call_function" and n.target is SDPA} - {None}
     found = {mask_window(m, program) for m in masks}
     assert found == ({window} if window else set()), found
+
+
+class _EagerCopiedKeys(torch.nn.Module):
+    """Eager causal attention whose keys are copied into an empty tensor in place (DeepSeek's and
+    Dots3's ``key_states.new_empty(...)`` then ``copy_``), then an LM head."""
+
+    def __init__(self, vocab: int = VOCAB, width: int = 16, dropout: float = 0.0):
+        import torch.nn as nn
+
+        super().__init__()
+        self.dropout = dropout
+        self.embed = nn.Embedding(vocab, width)
+        self.q, self.k, self.v = (nn.Linear(width, width) for _ in range(3))
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        import torch
+
+        x = self.embed(ids)
+        k = self.k(x)
+        keys = k.new_empty(k.shape)  # written in two slices: later readers read ``keys`` itself
+        keys[..., :8].copy_(k[..., :8])
+        keys[..., 8:].copy_(k[..., 8:])
+        scores = torch.einsum("bqd,bkd->bqk", self.q(x), keys) / 4.0  # the core reads ``keys`` itself
+        s = ids.shape[1]
+        allowed = torch.ones(s, s, dtype=torch.bool, device=ids.device).tril()
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        probs = torch.nn.functional.dropout(probs, self.dropout, self.training)
+        return self.head(probs @ self.v(x))
+
+
+def test_a_gathered_input_follows_its_writes_in_place():
+    """The gather of a core input goes before its first reader in the core, after the model's writes
+    into it: gathered right after ``new_empty``, the attention would read the empty tensor (Dots3 under
+    cp was silently wrong so)."""
+    import torch
+
+    from autopar.ops import cp_attention as CPA
+
+    order = {n: i for i, n in enumerate(_compile_toy(_EagerCopiedKeys()).graph.nodes)}
+    copies = [n for n in order if n.op == "call_function" and n.target is torch.ops.aten.copy_.default]
+    empty = next(n for n in order if n.op == "call_function" and n.target is torch.ops.aten.new_empty.default)
+    gathered = [n for n in order if n.op == "call_function" and n.target is CPA.cp_gather_sequence
+                and empty in _ancestors_of(n)]
+    assert len(copies) == 2 and gathered and all(order[g] > max(order[c] for c in copies) for g in gathered)
+
+
+def _compile_toy(model):
+    import torch.nn.functional as F
+
+    from autopar.runtime import compile_program
+
+    (inputs, _), = make_batches(VOCAB, BATCH, SEQ, 1, seed=1)
+    loss_fn = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())  # noqa: E731
+    traced, _ = compile_program(model, inputs, {}, "cp=2:ring", loss_fn, world_size=2)
+    return traced.gm
+
+
+def _ancestors_of(node) -> set:
+    seen, todo = set(), [node]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return seen
