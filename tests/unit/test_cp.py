@@ -308,3 +308,23 @@ def _ancestors_of(node) -> set:
                 seen.add(a)
                 todo.append(a)
     return seen
+
+
+class _ConvMixer(torch.nn.Module):
+    """A causal depthwise convolution along the sequence, and no attention (a short-convolution mixer)."""
+
+    def __init__(self, vocab: int = VOCAB, width: int = 16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, width)
+        self.conv = torch.nn.Conv1d(width, width, 3, groups=width, padding=2)
+        self.head = torch.nn.Linear(width, vocab)
+
+    def forward(self, ids):
+        x = self.embed(ids).transpose(1, 2)
+        return self.head(self.conv(x)[..., : ids.shape[1]].transpose(1, 2))
+
+
+def test_a_sequence_mixer_without_attention_is_refused_naming_its_convolution():
+    with pytest.raises(AutoparError, match=r"^autopar: cp>1 found no attention to parallelize.*mixes its sequence "
+                                           r"by a convolution along it, node 'conv1d'.*module 'model.conv'"):
+        _compile_toy(_ConvMixer())
