@@ -53,20 +53,13 @@ from .cp_cores import core_placement, whole_cores
 from .context import COPIED_META, META_KEY, SOURCE_META, PassContext, PassResult, provenance
 from .op_sets import CP_ATTENTION_VARIANTS
 from .gradient_placement import requires_grad_nodes
-from .rules import R, RuleContext, is_seq_size
+from .rules import R, RuleContext, seq_size_dims
 from .shard_propagation import local_numel, propagate
 from .batch_propagation import predict_token_bytes, sums_loss
 
 __all__ = ["context_parallel_pass"]
 
 _ARANGES = (torch.ops.aten.arange.default, torch.ops.aten.arange.start)
-
-
-def _seq_size_dims(node: Node, ctx: PassContext) -> list[int]:
-    """The dims of ``node``'s value whose size is the traced sequence length."""
-    val = node.meta.get("val") if isinstance(node, Node) else None
-    shape = getattr(val, "shape", ())
-    return [d for d, size in enumerate(shape) if ctx.seq_symbol is not None and is_seq_size(size, ctx.seq_symbol)]
 
 
 def _where(node: Node) -> str:
@@ -257,7 +250,7 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         result.num_rewritten += 1
     if result.num_inserted == 0 and not whole:
         mixer = next((n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.conv1d.default
-                      and _seq_size_dims(n.args[0], ctx)), None)
+                      and seq_size_dims(n.args[0], ctx.seq_symbol)), None)
         raise AutoparError("autopar: cp>1 found no attention to parallelize: no scaled_dot_product_attention op "
                            "and no values relating positions to positions (eager attention's scores)"
                            + (f"; the model mixes its sequence by a convolution along it, {describe_node(mixer)}, "

@@ -150,16 +150,18 @@ class _Rewriter:
         self.n = ctx.axis_sizes["cp"]
         self.gathered: dict[Node, Node] = {}
         self.sizes: dict[Node, Node] = {}
-        self.local_len = self._local_length()
+        self._local_len: Node | None = None
         self.global_len: Node | None = None
 
-    def _local_length(self) -> Node:
-        """A ``sym_size`` node of the local sequence length (dim 1 of the first input)."""
-        first = next(p for p in self.gm.graph.nodes if p.op == "placeholder")
-        with self.gm.graph.inserting_after(first):
-            node = self.gm.graph.call_function(aten.sym_size.int, (first, 1))
-        node.meta["val"] = first.meta["val"].shape[1]
-        return node
+    @property
+    def local_len(self) -> Node:
+        """A ``sym_size`` node of the local sequence length (dim 1 of the first input), made once."""
+        if self._local_len is None:
+            first = next(p for p in self.gm.graph.nodes if p.op == "placeholder")
+            with self.gm.graph.inserting_after(first):
+                self._local_len = self.gm.graph.call_function(aten.sym_size.int, (first, 1))
+            self._local_len.meta["val"] = first.meta["val"].shape[1]
+        return self._local_len
 
     def gather(self, arg: Node, user: Node) -> Node:
         dims = _seq_dims(arg, self.seq)

@@ -52,7 +52,7 @@ from .context import provenance
 
 aten = torch.ops.aten
 
-__all__ = ["is_seq_size", "RuleContext", "register", "lookup", "register_token_order", "lookup_token_order", "TokenOrder",
+__all__ = ["is_seq_size", "seq_size_dims", "RuleContext", "register", "lookup", "register_token_order", "lookup_token_order", "TokenOrder",
            "ShardingError", "is_sharded", "is_loss_share", "tensor_inputs", "axis_of", "shape_of", "ndim_of",
            "size_expr", "canonical_dim", "R", "P", "sym_size_rule", "getitem_rule"]
 
@@ -358,3 +358,9 @@ def is_seq_size(size, seq) -> bool:
         return False
     k, m = sympy.Symbol("k", integer=True, positive=True), math.lcm(*(int(x) for x in moduli))
     return sympy.simplify(expr.subs(seq, m * k) - m * k) == 0
+
+
+def seq_size_dims(node, seq) -> list[int]:
+    """The dims of ``node``'s value whose size is the sequence length ``seq`` (:func:`is_seq_size`)."""
+    shape = tuple(getattr(node.meta.get("val"), "shape", ())) if hasattr(node, "meta") else ()
+    return [d for d, size in enumerate(shape) if seq is not None and is_seq_size(size, seq)]

@@ -27,7 +27,7 @@ from autopar.errors import AutoparError, describe_node
 from autopar.frontend.op_sets import SIZED_RESHAPE_OPS
 from autopar.ops import collectives
 from .context import META_KEY, PassContext, PassResult, provenance
-from .rules import is_seq_size, shape_of, size_expr
+from .rules import seq_size_dims, shape_of, size_expr
 from .tensor_parallel import AXIS
 from .view_rules import dim_groups
 
@@ -49,8 +49,7 @@ _REWRITES = {
 def _seq_dim(node: Node, ctx: PassContext) -> int | None:
     """The dim of ``node``'s value that holds the sequence: its size is the traced sequence size (a
     symbol, or the length export specialised the sequence to)."""
-    shape = tuple(getattr(node.meta.get("val"), "shape", ()))
-    found = [d for d, size in enumerate(shape) if is_seq_size(size, ctx.seq_symbol)]
+    found = seq_size_dims(node, ctx.seq_symbol)
     # A specialised length may also be the size of another dim (hidden 32 at length 32): ambiguous.
     return found[0] if len(found) == 1 else None
 

@@ -47,7 +47,7 @@ from autopar.frontend.loss import logits_loss
 from autopar.errors import AutoparError, describe_node
 from autopar.plan_space import divisors, heads_ok, kv_replicated, padded_vocab
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
-from .rules import is_seq_size
+from .rules import seq_size_dims
 
 aten = torch.ops.aten
 
@@ -405,8 +405,7 @@ def _enter_side_inputs(gm: GraphModule, regions, ctx: PassContext) -> None:
             for arg in node.all_input_nodes:
                 val = arg.meta.get("val")
                 if arg in inner or arg in starts or arg not in stream or arg.target is collectives.region_entry \
-                        or not isinstance(val, torch.Tensor) or not any(
-                            ctx.seq_symbol is not None and is_seq_size(d, ctx.seq_symbol) for d in val.shape):
+                        or not isinstance(val, torch.Tensor) or not seq_size_dims(arg, ctx.seq_symbol):
                     continue
                 entry = _insert_after(gm, arg, collectives.region_entry, (arg, AXIS, f"{region.module}: side input"),
                                       f"enter the tensor-parallel region of {region.module} with a stream "
