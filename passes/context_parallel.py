@@ -46,14 +46,14 @@ from autopar.compat import sym_expr, sym_hint
 from autopar.frontend.attention_dims import strip_gqa
 from autopar.frontend.op_sets import SDPA, sdpa_args
 from autopar.ops import cp_attention
-from autopar.errors import AutoparError, describe_node
+from autopar.errors import AutoparError
 from autopar.plan import ulysses_heads_ok
 from .causal_mask import is_causal_mask, mask_window
 from .cp_cores import core_placement, whole_cores
 from .context import COPIED_META, META_KEY, SOURCE_META, PassContext, PassResult, provenance
 from .op_sets import CP_ATTENTION_VARIANTS
 from .gradient_placement import requires_grad_nodes
-from .rules import R, RuleContext, seq_size_dims
+from .rules import R, RuleContext
 from .shard_propagation import local_numel, propagate
 from .batch_propagation import predict_token_bytes, sums_loss
 
@@ -249,15 +249,13 @@ def context_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         graph.erase_node(node)
         result.num_rewritten += 1
     if result.num_inserted == 0 and not whole:
-        mixer = next((n for n in graph.nodes if n.op == "call_function" and n.target is torch.ops.aten.conv1d.default
-                      and seq_size_dims(n.args[0], ctx.seq_symbol)), None)
-        raise AutoparError("autopar: cp>1 found no attention to parallelize: no scaled_dot_product_attention op "
-                           "and no values relating positions to positions (eager attention's scores)"
-                           + (f"; the model mixes its sequence by a convolution along it, {describe_node(mixer)}, "
-                              "which needs the whole sequence" if mixer is not None else "")
-                           + "; use a plan without cp for this model.")
+        raise AutoparError("autopar: cp>1 found nothing that mixes positions to parallelize: no "
+                           "scaled_dot_product_attention op, no values relating positions to positions (eager "
+                           "attention's scores) and no convolution or chunked scan along the sequence; use a plan "
+                           "without cp for this model.")
     _propagate_tokens(gm, ctx, result, whole)
     result.notes.append(f"{result.num_inserted} attention ops -> {variant}, {result.num_rewritten} position aranges"
-                        + (f"; {len(whole)} nodes of eager attention run whole over the gathered sequence"
+                        + (f"; {len(whole)} nodes of eager attention and sequence mixers run whole over the "
+                           "gathered sequence"
                            if whole else ""))
     return result

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import operator
 
+import sympy
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.fx import GraphModule, Node
@@ -69,13 +70,40 @@ def _seq_dims(node, seq) -> list[int]:
     return dims
 
 
-def _feeds_pairwise(node: Node, pairwise: set[Node], depth: int = 8) -> bool:
-    """A pairwise node is reached from ``node`` within ``depth`` uses inside ``node``'s module."""
+_CHUNKING = frozenset({"FloorDiv", "Mod", "PythonMod", "CeilToInt", "FloorToInt", "CleanDiv", "ceiling", "floor",
+                       "IntTrueDiv", "CeilDiv"})
+
+
+def _chunked(node, seq) -> bool:
+    """``node``'s value has a dim derived from the sequence length by rounding (padded to whole
+    chunks, ``m * ceil(s / m)``, or the number of chunks): a chunked scan's."""
+    val = node.meta.get("val") if isinstance(node, Node) else None
+    if not isinstance(val, torch.Tensor):
+        return False
+    for size in val.shape:
+        expr = size_expr(size)
+        if seq in expr.free_symbols and not (expr / seq).is_Rational and any(
+                type(a).__name__ in _CHUNKING for a in sympy.preorder_traversal(expr)):
+            return True
+    return False
+
+
+def _convolves_positions(node: Node, seq) -> bool:
+    """``node`` is a convolution along the sequence (a causal depthwise conv1d of a sequence
+    mixer: each position reads its kernel's neighbours)."""
+    if node.target is not aten.conv1d.default:
+        return False
+    val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+    return isinstance(val, torch.Tensor) and size_expr(val.shape[-1]) == seq
+
+
+def _feeds(node: Node, seeds: set[Node], depth: int = 64) -> bool:
+    """A seed is reached from ``node`` within ``depth`` uses inside ``node``'s module."""
     scope, todo, seen = module_path(node), [(node, 0)], {node}
     while todo:
         current, level = todo.pop()
         for user in current.users:
-            if user in pairwise:
+            if user in seeds:
                 return True
             if user not in seen and level + 1 < depth and within(module_path(user), scope):
                 seen.add(user)
@@ -118,12 +146,15 @@ def _ancestors(nodes: set[Node], among: set[Node]) -> set[Node]:
 
 def _find_cores(gm: GraphModule, seq) -> set[Node]:
     pairwise = {n for n in gm.graph.nodes if n.op == "call_function" and len(_seq_dims(n, seq)) >= 2}
-    if not pairwise:
+    # a sequence mixer's: its convolution along the positions and its scan's chunks
+    seeds = pairwise | {n for n in gm.graph.nodes if n.op == "call_function"
+                        and (_convolves_positions(n, seq) or _chunked(n, seq))}
+    if not seeds:
         return set()
     # a mask built from the sizes is built again at the global length, with the positions it derives
     # (what does not depend on the length at all, a parameter's cast, is the same either way)
     sized = _sizes_only(gm)
-    core = pairwise | {n for n in _ancestors(pairwise, sized) if _reads_length(n, seq, sized)}
+    core = seeds | {n for n in _ancestors(seeds, sized) if _reads_length(n, seq, sized)}
     for node in gm.graph.nodes:  # graph order: a node's inputs are decided before it
         if node in core or node.op != "call_function":
             continue
@@ -133,7 +164,7 @@ def _find_cores(gm: GraphModule, seq) -> set[Node]:
         inputs = [a for a in node.all_input_nodes if a in core]
         # in the core: what feeds the core again (a row maximum), and what reads a core value that
         # cannot leave it (the probabilities' product with v; an item of an op of several outputs)
-        if inputs and (any(len(_seq_dims(a, seq)) != 1 for a in inputs) or _feeds_pairwise(node, pairwise)):
+        if inputs and (any(len(_seq_dims(a, seq)) != 1 for a in inputs) or _feeds(node, seeds)):
             core.add(node)
     return core
 
@@ -204,8 +235,8 @@ class _Rewriter:
             return int(expr)
         name = type(expr).__name__
         fn = {"Add": operator.add, "Mul": operator.mul, "Min": torch.sym_min, "Max": torch.sym_max,
-              "FloorDiv": operator.floordiv}.get(name)
-        if fn is None or (name == "FloorDiv" and len(expr.args) != 2):
+              "FloorDiv": operator.floordiv, "Mod": operator.mod, "PythonMod": operator.mod}.get(name)
+        if fn is None or (name in ("FloorDiv", "Mod", "PythonMod") and len(expr.args) != 2):
             raise _refuse(user, f"takes the size {expr} of the sequence ({arg.name}), which it cannot make global")
         args = [self._build(a, user, arg) for a in expr.args]
         out = args[0]

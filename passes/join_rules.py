@@ -86,11 +86,17 @@ def _split_groups(node: Node, dim: int, cuts: list, edges: list, local: list, wh
 @register(aten.tensor_split.indices)
 def tensor_split_rule(node: Node, pls: list, rc: RuleContext):
     """``tensor_split(x, positions, dim)`` along a dim other than the sharded one keeps the shard
-    in every piece; along it, the pieces are not the rank's shares: refused."""
+    in every piece.  Along it, a split at the dim's whole size (a mixer's chunked part of all its
+    ``s`` positions, and an empty rest) keeps the rank's share whole and leaves it nothing else on
+    every rank; at other positions the pieces are not the rank's shares: refused."""
     pl, num_out = pls[0], len(node.meta["val"])
     dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % ndim_of(node.args[0])
     if isinstance(pl, Shard) and dim == pl.dim:
-        raise rc.fail(node, f"splits the sharded dim {dim} at positions")
+        size = size_expr(node.args[0].meta["val"].shape[dim])
+        indices = node.args[1] if len(node.args) > 1 else node.kwargs.get("indices", ())
+        at_end = [size_expr(i.meta["val"] if isinstance(i, Node) else i) == size for i in indices]
+        if not (at_end and all(at_end)):
+            raise rc.fail(node, f"splits the sharded dim {dim} at positions")
     return tuple([pl] * num_out)
 
 

@@ -88,6 +88,10 @@ class Traced:
     example_target: Any
     log: tuple[str, ...] = ()  # how the graph was traced (layers exported and stamped), for the program log
     device: torch.device = torch.device("cpu")  # where the model's tensors were when it was traced
+    # torch.export's checks of the shapes the graph holds for (``_guards_fn``), called with the
+    # example's structure: cleanup drops them from the graph, the runtime checks each step's global
+    # shapes with them (:func:`autopar.runtime.stepping.batching.check_guards`).
+    input_guards: Callable | None = None
 
     @property
     def placeholders(self) -> list[torch.fx.Node]:
@@ -210,6 +214,7 @@ def export_model(model: nn.Module, example_inputs: Sequence[Any], example_kwargs
         example_target=example_target,
         log=tuple(notes),
         device=device,
+        input_guards=export.guards,
     )
 
 
@@ -220,14 +225,17 @@ class _Exporter:
         self._model, self._args = model, args
         self._wrap = lambda m: _TrainWrapper(m, loss_fn, num_inputs, kwargs, upcast)
         self._dynamic = (tuple(_dynamic_spec(a, Dim.AUTO, Dim.AUTO) for a in args),)
+        self.guards: Callable | None = None
 
     def _export(self, model: nn.Module) -> torch.fx.GraphModule:
+        """The exported graph; its ``_guards_fn`` (checks of the shapes it holds for) kept in ``self.guards``."""
         with warnings.catch_warnings(), custom_functions.capture() as unkept:
             warnings.simplefilter("ignore")
             ep = torch.export.export(self._wrap(model), self._args, strict=False, dynamic_shapes=self._dynamic)
         custom_functions.refuse(self._model, unkept)
         gm = ep.module()
         custom_functions.check_kept(gm)
+        self.guards = getattr(gm, "_guards_fn", None)
         return gm
 
     def full(self) -> torch.fx.GraphModule:

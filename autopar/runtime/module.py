@@ -46,6 +46,7 @@ from autopar.runtime.stepping.data import BatchSlice
 from autopar.runtime.stepping.environment import StepEnvironment, StepRecord
 from autopar.runtime.stepping.executors import Executor, FlatExecutor
 from autopar.runtime.stepping.loss_split import LossSplit
+from autopar.runtime.stepping.shape_guards import ShapeGuards
 from autopar.runtime.stepping.memory import MemoryMeter
 from autopar.runtime.stepping.pipelined import PipelineExecutor
 from autopar.runtime.stepping.precision import cast_inputs
@@ -78,6 +79,10 @@ class ParallelModule:
         ``fused_optimizer``: step flat tensors, fused where possible (:mod:`autopar.runtime.gradients.fused_step`)."""
         self.plan, self.gm, self.program = plan, traced.gm, program
         self.num_inputs = traced.num_inputs
+        self._has_target = traced.has_target
+        self.shape_guards = ShapeGuards(getattr(traced, "input_guards", None),
+                                        traced.example_inputs + ((traced.example_target,) if traced.has_target else ()),
+                                        plan)
         tied_pp_ranks = program.pipeline.tied_pp_ranks() if program.pipeline is not None else ()
         self.groups = build_groups(plan, experts=bool(program.expert_params), tied_pp_ranks=tied_pp_ranks)
         self.step_context = StepContext(groups=self.groups)
@@ -281,6 +286,7 @@ class ParallelModule:
         if len(inputs) != self.num_inputs:
             raise AutoparError(f"autopar: got {len(inputs)} inputs; the model was traced with "
                                f"{self.num_inputs} (pass the same structure as example_inputs).")
+        self.shape_guards.check(inputs, target if self._has_target else None, local)
         self.step_env.local_batch = local
         self.step_context.begin()
         return cast_inputs(inputs, torch.bfloat16 if self.mixed_precision else None)

@@ -20,6 +20,11 @@ length (its scan loops over the positions), its channels split over tp, ``x_proj
 inside the mixer (summed whole, and its input gradient summed in backward), ``out_proj`` the
 region's reduce-scatter; and a tiny Mamba-2 (``hf_mamba2``) under ``tp=2`` and ``tp=2,sp``: z|x|B|C|dt
 split part by part with B and C whole on every rank, the convolution over x|B|C laid out by blocks.
+
+Under ``cp=2`` the same Mamba-2, Qwen3-Next and LFM3 run their mixers whole (passes/cp_cores.py): the
+convolution and the chunked scan read the sequence all-gathered into global order, with the sizes
+built again at the global length (Mamba-2's 16 tokens span 4 chunks of 4 on every rank), and each
+rank keeps its rows of the result; the projections, norms and MLPs stay on the rank's positions.
 """
 from __future__ import annotations
 
@@ -31,7 +36,8 @@ from tests.support.jobs import reference, train_cases_job
 pytest.importorskip("transformers")
 
 CASES = [("hf_qwen3_next", "tp=2"), ("hf_qwen3_next", "tp=2,sp"), ("hf_lfm3", "tp=2"), ("hf_lfm3", "tp=2,sp"),
-         ("hf_deepseek_v32", "tp=2,sp"), ("hf_mamba", "tp=2,sp"), ("hf_mamba2", "tp=2"), ("hf_mamba2", "tp=2,sp")]
+         ("hf_deepseek_v32", "tp=2,sp"), ("hf_mamba", "tp=2,sp"), ("hf_mamba2", "tp=2"), ("hf_mamba2", "tp=2,sp"),
+         ("hf_mamba2", "cp=2"), ("hf_qwen3_next", "cp=2"), ("hf_lfm3", "cp=2")]
 
 
 @pytest.fixture(scope="module")

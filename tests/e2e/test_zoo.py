@@ -102,11 +102,11 @@ EXPECTED: dict[str, dict[str, object]] = {
     # padded to whole chunks); hybrids with attention and experts (Jamba)
     "mamba": {"tp=2,sp": E},
     "jamba": {"dp=2,zero=3": E, "tp=2,sp": E},
-    "falcon_h1": {"dp=2,zero=3": E, "tp=2,sp": E},
+    "falcon_h1": {"dp=2,zero=3": E, "tp=2,sp": E, "cp=2:ring": E},
     # a linear-attention mixer (Qwen3-Next's gated delta net) split by heads: q|k|v concatenated and
-    # convolved per channel laid out by blocks, its recurrence per head; under cp its causal
-    # convolution needs the whole sequence: refused naming the mixer
-    "qwen3_next": {"dp=2,zero=3": E, "tp=2,sp": E, "cp=2:ring": (R, "needs the whole sequence")},
+    # convolved per channel laid out by blocks, its recurrence per head; under cp the mixer (its
+    # convolution and chunked scan) runs whole over the gathered sequence
+    "qwen3_next": {"dp=2,zero=3": E, "tp=2,sp": E, "cp=2:ring": E},
     # a short convolution (LFM3): in_proj fused B|C|x, transposed to channels first before its chunk
     "lfm3": {"tp=2,sp": E},
     # Qwen3.5's gated delta net: in_proj_qkv's parts split after its depthwise convolution, the gated

@@ -23,14 +23,16 @@ How, and why a trace read back is the one the export would give:
     model's tensors stay meta stand-ins, named, and the reader binds its own model's (as an
     in-process hit does);
   * torch.export's ``_guards_fn`` (a shape check whose ``forward`` is a closure, which pickle
-    cannot write) is written as :class:`NoGuards`, which checks nothing: the suite's inputs are
-    those of the trace, and ``passes/cleanup.py`` removes the call from every program anyway;
+    cannot write) is written as :class:`NoGuards`, which checks nothing, and the trace's
+    ``input_guards`` (the same check, which the runtime calls each new shape) as None: the suite's
+    inputs are those of the trace, and ``tests/unit/test_shape_guards.py`` traces outside the cache;
   * one process exports a key at a time (an exclusive ``flock`` on ``<digest>.lock``; the kernel
     releases it if the holder dies), and a file appears whole or not at all (``os.replace``).
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import fcntl
 import hashlib
@@ -166,6 +168,8 @@ def write(name: str, gm: torch.fx.GraphModule, names: dict, traced) -> bool:
     """Store ``gm`` (its lent tensors meta stand-ins), ``names`` (where each stand-in sits in
     ``gm`` -> the model's name for it) and ``traced`` (the trace without its graph); False if
     something in them cannot be written (the trace then stays this process's own)."""
+    if getattr(traced, "input_guards", None) is not None:
+        traced = dataclasses.replace(traced, input_guards=None)
     guards = gm._modules.get("_guards_fn")
     if guards is not None:
         gm._modules["_guards_fn"] = NoGuards()

@@ -324,7 +324,22 @@ class _ConvMixer(torch.nn.Module):
         return self.head(self.conv(x)[..., : ids.shape[1]].transpose(1, 2))
 
 
-def test_a_sequence_mixer_without_attention_is_refused_naming_its_convolution():
-    with pytest.raises(AutoparError, match=r"^autopar: cp>1 found no attention to parallelize.*mixes its sequence "
-                                           r"by a convolution along it, node 'conv1d'.*module 'model.conv'"):
-        _compile_toy(_ConvMixer())
+def test_a_convolution_mixer_runs_whole():
+    """A causal convolution along the sequence (no attention): its input gathered into global order,
+    the convolution and the slice back to the sequence's length (built again at the global length)
+    run whole, the rows of this rank cut before the LM head."""
+    import operator
+
+    import torch
+
+    from autopar.ops import cp_attention as CPA
+
+    gm = _compile_toy(_ConvMixer())
+    (gather,) = _ops(gm, CPA.cp_gather_sequence)
+    (conv,) = _ops(gm, torch.ops.aten.conv1d.default)
+    assert conv.args[0] is gather and gather.args[1] == 2  # the channels-first activation, along its length
+    (global_len,) = [n for n in _ops(gm, operator.mul) if n.args[1] == 2]  # s * cp
+    (cut,) = [n for n in _ops(gm, torch.ops.aten.slice.Tensor) if n.args[0] is conv]
+    assert cut.args[3] is global_len
+    (rows,) = _ops(gm, CPA.cp_table_rows)
+    assert rows.args[0] is cut and rows.args[1] == 2

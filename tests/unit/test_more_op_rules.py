@@ -14,7 +14,8 @@
   which takes the rank's share of each run and puts the gradient back;
 - ``repeat`` keeps a shard on a dim repeated once and refuses tiling it; a replicated table read at
   sharded positions (``index``, ``index_select``) and ``polar`` of sharded angles are sharded like
-  the positions (rotary tables under cp).
+  the positions (rotary tables under cp);
+- ``tensor_split`` of the sharded dim at its whole size keeps the rank's share (a mixer's chunked part).
 
 Their models under ``tp=2,sp`` against one device: docs/zoo.md (``xlm``, ``deepseek_v2``, ``bloom``,
 ``gpt_neox_japanese``).
@@ -170,3 +171,22 @@ def test_a_replicated_table_read_at_sharded_positions_is_sharded_like_them():
     placements, _ = b.place(b.op(aten.add.Tensor, total, _sum(b, b.op(aten.abs.default, rotary, shape=(16, 4))),
                                  shape=()))
     assert placements[rows] == Shard(1) and placements[picked] == Shard(0) and placements[rotary] == Shard(0)
+
+
+@pytest.mark.parametrize("at,refused", [(8, False), (4, True)])
+def test_tensor_split_of_the_sharded_dim_keeps_the_share_only_at_its_whole_size(at, refused):
+    """A mixer's ``tensor_split(beta, [s], 1)``: the chunked part is all ``s`` positions, the rest empty,
+    so the rank's share stays whole; at another position the pieces are not the ranks' shares."""
+    import operator
+
+    b = _Builder()
+    x = b.input("x", 2, 8, 4, shard=1)
+    pieces = b.op(aten.tensor_split.indices, x, [at], 1, shape=(2, 8, 4))
+    pieces.meta["val"] = (torch.zeros(2, at, 4), torch.zeros(2, 8 - at, 4))
+    first = b.op(operator.getitem, pieces, 0, shape=(2, at, 4))
+    if refused:
+        with pytest.raises(AutoparError, match="splits the sharded dim 1 at positions"):
+            b.place(_sum(b, first))
+        return
+    placements, _ = b.place(_sum(b, first))
+    assert placements[first] == Shard(1)
