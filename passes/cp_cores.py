@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import operator
 
-import sympy
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.fx import GraphModule, Node
@@ -70,20 +69,17 @@ def _seq_dims(node, seq) -> list[int]:
     return dims
 
 
-_CHUNKING = frozenset({"FloorDiv", "Mod", "PythonMod", "CeilToInt", "FloorToInt", "CleanDiv", "ceiling", "floor",
-                       "IntTrueDiv", "CeilDiv"})
-
-
-def _chunked(node, seq) -> bool:
-    """``node``'s value has a dim derived from the sequence length by rounding (padded to whole
-    chunks, ``m * ceil(s / m)``, or the number of chunks): a chunked scan's."""
+def _offset(node, seq) -> bool:
+    """``node``'s value has a dim whose size is the sequence length shifted, padded or rounded: ``s - 1``
+    (a token shifted by one), ``s + k - 1`` (a convolution's padded output), ``m * ceil(s / m)`` and
+    ``ceil(s / m)`` (a chunked scan's padded length and its chunks), ``min(w, s)`` (a block).  Sizes
+    that also hold the batch (``b * s`` tokens flattened) are not."""
     val = node.meta.get("val") if isinstance(node, Node) else None
     if not isinstance(val, torch.Tensor):
         return False
     for size in val.shape:
         expr = size_expr(size)
-        if seq in expr.free_symbols and not (expr / seq).is_Rational and any(
-                type(a).__name__ in _CHUNKING for a in sympy.preorder_traversal(expr)):
+        if expr.free_symbols == {seq} and not (expr / seq).is_Rational:
             return True
     return False
 
@@ -146,9 +142,9 @@ def _ancestors(nodes: set[Node], among: set[Node]) -> set[Node]:
 
 def _find_cores(gm: GraphModule, seq) -> set[Node]:
     pairwise = {n for n in gm.graph.nodes if n.op == "call_function" and len(_seq_dims(n, seq)) >= 2}
-    # a sequence mixer's: its convolution along the positions and its scan's chunks
+    # a sequence mixer's: its convolution along the positions, a shift, its scan's chunks
     seeds = pairwise | {n for n in gm.graph.nodes if n.op == "call_function"
-                        and (_convolves_positions(n, seq) or _chunked(n, seq))}
+                        and (_convolves_positions(n, seq) or _offset(n, seq))}
     if not seeds:
         return set()
     # a mask built from the sizes is built again at the global length, with the positions it derives

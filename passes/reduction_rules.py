@@ -22,7 +22,7 @@ from .context import provenance
 from .rules import P, R, RuleContext, canonical_dim, ndim_of, register, shape_of, size_expr
 
 __all__ = ["reduction_rule", "histc_rule", "full_reduction_rule", "diff_rule", "cumsum_rule", "norm_rule",
-           "cross_entropy_rule", "token_loss"]
+           "cross_entropy_rule", "token_loss", "vector_norm_rule"]
 
 aten = torch.ops.aten
 
@@ -60,6 +60,28 @@ def reduction_rule(node: Node, pls: list, rc: RuleContext):
     if keepdim:
         return Shard(pl.dim)
     return Shard(pl.dim - sum(1 for d in dims if d < pl.dim))
+
+
+@register(aten.linalg_vector_norm.default)
+def vector_norm_rule(node: Node, pls: list, rc: RuleContext):
+    """``linalg_vector_norm(x, ord, dim, keepdim)`` over dims the shard does not hold keeps it (a
+    per-head q/k norm under cp); over the sharded dim, or all dims, it is no sum of the ranks'
+    parts: refused."""
+    pl = pls[0]
+    if not isinstance(pl, Shard):
+        if isinstance(pl, Partial):
+            raise rc.fail(node, "takes the norm of a partial sum")
+        return R
+    in_ndim = ndim_of(node.args[0])
+    dims = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim")
+    if dims is None or dims == []:
+        raise rc.fail(node, "takes the norm over all dims of a sharded tensor")
+    dims = [canonical_dim(d, in_ndim) for d in ([dims] if isinstance(dims, int) else dims)]
+    keepdim = bool(node.args[3]) if len(node.args) > 3 else bool(node.kwargs.get("keepdim", False))
+    if pl.dim in dims:
+        raise rc.fail(node, f"takes the norm over the sharded dim {pl.dim}",
+                      "Only norms over unsharded dims are supported under this plan.")
+    return Shard(pl.dim if keepdim else pl.dim - sum(1 for d in dims if d < pl.dim))
 
 
 def _reduce_across_ranks(node: Node, dims: list[int], rc: RuleContext):

@@ -335,6 +335,12 @@ def block_edges(node: Node, blocks, rc: RuleContext) -> tuple[list, list, tuple]
             tuple(whole))
 
 
+def _size_of(a):
+    """A slice bound as a sympy expression (an int or a size node's value), or None."""
+    val = a.meta.get("val") if isinstance(a, Node) else a
+    return size_expr(val) if isinstance(val, (int, torch.SymInt)) else None
+
+
 @register(aten.slice.Tensor)
 @_on_shard
 def slice_rule(node: Node, pl: Shard, rc: RuleContext):
@@ -345,9 +351,11 @@ def slice_rule(node: Node, pl: Shard, rc: RuleContext):
     start = node.args[2] if len(node.args) > 2 else 0
     end = node.args[3] if len(node.args) > 3 else None
     step = node.args[4] if len(node.args) > 4 else 1
-    full_end = end is None or (isinstance(end, int) and end >= _INT_MAX) or (
-        isinstance(end, int) and size_expr(shape_of(node.args[0])[dim]) == end)
-    if start in (0, None) and full_end and step == 1:
+    size = size_expr(shape_of(node.args[0])[dim])
+    full_end = end is None or (isinstance(end, int) and end >= _INT_MAX) or _size_of(end) == size
+    # x[:, -s:] of s positions (a router's last s tokens) keeps them all too: each rank slices its own
+    # s (a size read from its tensors) or a larger global size, which Python's slicing clamps
+    if (start in (0, None) or _size_of(start) == -size) and full_end and step == 1:
         return pl
     blocks = node.args[0].meta.get("autopar_blocks")
     if blocks and step == 1:  # one part of a fused projection sharded block by block (Phi-3's qkv)

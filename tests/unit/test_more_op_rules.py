@@ -16,6 +16,8 @@
   sharded positions (``index``, ``index_select``) and ``polar`` of sharded angles are sharded like
   the positions (rotary tables under cp);
 - ``tensor_split`` of the sharded dim at its whole size keeps the rank's share (a mixer's chunked part).
+- ``linalg_vector_norm`` keeps a shard of a dim it does not reduce (ZAYA's per-head q/k norm under cp).
+- a ``slice`` of the last ``s`` of ``s`` positions (``h[:, -s:]``) keeps the shard.
 
 Their models under ``tp=2,sp`` against one device: docs/zoo.md (``xlm``, ``deepseek_v2``, ``bloom``,
 ``gpt_neox_japanese``).
@@ -190,3 +192,37 @@ def test_tensor_split_of_the_sharded_dim_keeps_the_share_only_at_its_whole_size(
         return
     placements, _ = b.place(_sum(b, first))
     assert placements[first] == Shard(1)
+
+
+@pytest.mark.parametrize("dim,keepdim,found", [(-1, True, Shard(1)), ([2], False, Shard(1)), (1, True, None)])
+def test_vector_norm_keeps_a_shard_it_does_not_reduce(dim, keepdim, found):
+    """ZAYA's per-head ``q.norm(p=2, dim=-1, keepdim=True)`` with positions split keeps the split; a norm
+    over the split positions is no sum of the ranks' parts (refused)."""
+    b = _Builder()
+    x = b.input("x", 2, 8, 4, shard=1)
+    shape = [2, 8, 4]
+    for d in ([dim] if isinstance(dim, int) else dim):
+        shape[d] = 1
+    if not keepdim:
+        shape = [n for i, n in enumerate([2, 8, 4]) if i not in [d % 3 for d in ([dim] if isinstance(dim, int) else dim)]]
+    norm = b.op(aten.linalg_vector_norm.default, x, 2, dim, keepdim, shape=tuple(shape))
+    if found is None:
+        with pytest.raises(AutoparError, match="takes the norm over the sharded dim 1"):
+            b.place(_sum(b, norm))
+        return
+    placements, _ = b.place(_sum(b, norm))
+    assert placements[norm] == found
+
+
+@pytest.mark.parametrize("start,kept", [(-8, True), (-4, False)])
+def test_a_slice_of_the_last_s_positions_keeps_the_shard(start, kept):
+    """ZAYA's router ``h[:, -seq_length:]`` of ``seq_length`` positions is all of them on every rank."""
+    b = _Builder()
+    x = b.input("x", 2, 8, 4, shard=1)
+    last = b.op(aten.slice.Tensor, x, 1, start, 2 ** 63 - 1, shape=(2, -start, 4))
+    if not kept:
+        with pytest.raises(AutoparError, match="slices the sharded dim 1"):
+            b.place(_sum(b, last))
+        return
+    placements, _ = b.place(_sum(b, last))
+    assert placements[last] == Shard(1)

@@ -4,9 +4,11 @@
 them: a chunked scan (Qwen3-Next's gated delta rule, Mamba-2's SSD) unrolls one loop iteration per
 chunk, so the graph traced at 32 tokens with 64-token chunks computes one chunk whatever length it
 is given.  Export records such decisions as *guards* (``ceil(s / 64) == 1``) and checks them in a
-``_guards_fn`` call at the top of the graph.  The passes must drop that call
-(:mod:`passes.cleanup`): after sharding, a rank sees local shapes, and under context parallelism a
-core run whole sees the global length that no input of the rank has.
+``_guards_fn`` call at the top of the graph, with the traced ranges (``s >= 32`` for a scan over
+chunks of 32), which the exported module also checks in a forward pre-hook.  Neither can stay:
+after sharding, a rank sees local shapes (a cp rank half of the sequence), and a core run whole
+under cp sees the global length that no input of the rank has.  :mod:`passes.cleanup` drops the
+call and :class:`~autopar.runtime.module.ParallelModule` turns the pre-hook off.
 
 So the runtime checks the guards itself, on the shapes of the *global* batch (what one device would
 compute, whatever the plan), before the first step of each new shape: a step the graph does not
@@ -36,16 +38,19 @@ class ShapeGuards:
         self._checked: set[tuple] = set()
 
     def _global(self, tensors: tuple, local: bool) -> tuple:
-        """Meta tensors of the global batch's shapes (``local``: rows times ``dp``, and the dims as
-        long as the first input's sequence times ``cp``, as ``train_step`` cuts them)."""
-        seq = tensors[0].shape[1] if tensors and tensors[0].dim() > 1 else None
+        """Meta tensors of the global batch's shapes (``local``: the dims as long as the first input's
+        rows times ``dp`` and as long as its sequence times ``cp``, the dims ``train_step`` cuts:
+        :func:`~autopar.runtime.stepping.batching.cut_rows`, ``cut_positions``)."""
+        first = tensors[0] if tensors and isinstance(tensors[0], torch.Tensor) else None
+        rows = first.shape[0] if first is not None and first.dim() > 0 else None
+        seq = first.shape[1] if first is not None and first.dim() > 1 else None
         out = []
         for t in tensors:
             if not isinstance(t, torch.Tensor):
                 out.append(t)
                 continue
             shape = list(t.shape)
-            if local and shape:
+            if local and shape and shape[0] == rows:
                 shape[0] *= self._plan.dp
                 if len(shape) > 1 and seq is not None and shape[1] == seq:
                     shape[1] *= self._plan.cp
