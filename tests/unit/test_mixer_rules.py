@@ -6,8 +6,8 @@
   (``local_blocks``) and its gradient is a partial sum over tp;
 - a value laid out by blocks never meets one split evenly on the same dim (refused);
 - a dim merged behind others (a gated norm's ``reshape(-1, head_dim)``) is only split back;
-- ``conv1d`` along the sharded sequence (cp, SP) is refused naming the node (LFM3's short convolution
-  under cp: the mixer module and its source line);
+- ``conv1d`` along the sharded sequence is refused by its rule; under cp the convolution of LFM3's
+  short convolution is found first and runs whole over the gathered sequence;
 - ``local_blocks`` takes the rank's share of each block, and its backward puts the gradient back;
 - a tensor written in place by ``copy_`` gives what was written its gradient (a recurrence's output).
 
@@ -136,21 +136,20 @@ def test_a_tensor_written_in_place_passes_its_gradient_to_what_was_written():
     assert isinstance(grads[w], Partial) and grads[out] == Shard(1)
 
 
-def test_a_mixer_under_cp_is_refused_naming_its_module_and_source_line():
-    """LFM's short convolution convolves over the sequence: cp is refused at its ``conv1d``,
-    naming the mixer module and the line of its forward (not the kernels hub's dispatch wrapper
-    that ``causal_conv1d_forward`` goes through).  Qwen3-Next's gated delta net, refused the same
-    way, is in tests/e2e/test_zoo.py (its export alone takes 25 s)."""
+def test_a_mixer_under_cp_runs_its_convolution_whole():
+    """LFM's short convolution convolves over the sequence: under cp its input (channels first) is
+    gathered into global order and the convolution runs whole (passes/cp_cores.py); its rule alone
+    refuses a sharded sequence.  Equal to one device: tests/dist/test_mixers.py."""
     pytest.importorskip("transformers")
+    from autopar.ops import cp_attention as CPA
     from autopar.runtime import compile_program
     from tests.support.models import MODELS, make_batch
 
     factory, loss_fn, kwargs = MODELS["hf_lfm3"]
     ids, _ = make_batch(128, 4, 16, 0)
-    with pytest.raises(AutoparError, match=r"cannot shard node 'conv1d.*in module '[\w.]*layers\.0\.conv' "
-                                           r"\(Lfm3ShortConv\), at .*modeling_lfm3\.py.*"
-                                           r"needs the whole sequence; use a plan without cp"):
-        compile_program(factory(), (ids,), kwargs, "cp=2:ring", loss_fn, world_size=2)
+    traced, _ = compile_program(factory(), (ids,), kwargs, "cp=2:ring", loss_fn, world_size=2)
+    (conv,) = [n for n in traced.gm.graph.nodes if n.target is aten.conv1d.default]
+    assert conv.args[0].target is CPA.cp_gather_sequence and conv.args[0].args[1] == 2
 
 
 @pytest.mark.parametrize("shape,dim,every", [
