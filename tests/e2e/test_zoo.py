@@ -116,8 +116,12 @@ EXPECTED: dict[str, dict[str, object]] = {
     "deepseek_v3": {"tp=2,sp": E},
     # linears outside the layers (an embedding projection, a generator head) make no region
     "electra": {"tp=2,sp": E},
-    # lightning attention: a state built with zeros over every head, met by the rank's heads
-    "minimax": {"tp=2,sp": E},
+    # lightning attention: a state built with zeros over every head, met by the rank's heads; under cp
+    # its blocks of min(256, s) positions run whole over the gathered sequence
+    "minimax": {"tp=2,sp": E, "cp=2:ring": E},
+    # xLSTM's chunked mLSTM under cp, run whole: export bounds its length below (s >= 32), which the
+    # global batch meets and a cp rank's half does not (the runtime checks the global shapes)
+    "xlstm": {"cp=2:ring": E},
     # interleaved rotary tables (cos.repeat_interleave(2, dim=-1)) on sequence shards
     "glm": {"cp=2:ring": E},
     # Moshi: gate and up stacked by a view (fc1(x).view(b, s, 2, -1), halves read by select), an LM head
