@@ -67,7 +67,7 @@ def _param_nodes(gm: GraphModule, names: list[str], before: Node) -> list[Node]:
 def _replace(gm: GraphModule, block: MoEBlock, i: int, ctx: PassContext) -> None:
     bodies, names = [], []
     for io in block.body_io:
-        body, params = extract_body(*io)
+        body, params = extract_body(*io, ids=block.expert_ids)
         bodies.append(body)
         names += params
     holder = f"moe_experts_{i}"
@@ -82,7 +82,8 @@ def _replace(gm: GraphModule, block: MoEBlock, i: int, ctx: PassContext) -> None
         rows = graph.call_function(operator.getitem, (dispatch, 0))
         routing = graph.call_function(operator.getitem, (dispatch, 1))
         bodies_node = graph.get_attr(holder)
-        experts = graph.call_function(moe.moe_experts, (rows, routing, bodies_node, params, block.style, AXIS))
+        experts = graph.call_function(moe.moe_experts, (rows, routing, bodies_node, params, block.style, AXIS,
+                                                        block.expert_ids is not None))
         combine = graph.call_function(moe.moe_combine, (experts, block.weights, routing, AXIS))
     tok = block.tokens.meta["val"]
     dispatch.meta["val"] = (tok, None)

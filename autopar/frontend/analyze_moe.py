@@ -22,6 +22,7 @@ gathering, weighting, summing) is replaced by :mod:`autopar.ops.moe`.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 
 import torch
@@ -53,6 +54,7 @@ class MoEBlock:
     expert_params: list[list[str]]  # modulelist: per expert; stacked: one list of [E, ...] params
     expert_modules: list[str]  # modulelist: module path of each expert
     body_io: list[tuple[Node, Node | None, Node]]  # per body: (tokens in, offsets in, output)
+    expert_ids: Node | None = None  # stacked: the expert of each sorted row, read by per-expert tables
     expert_numel: int = 0  # parameter elements of one expert
     shared_numel: int = 0  # parameter elements of the block's always-on (shared) experts and their gates
 
@@ -284,19 +286,65 @@ def _stacked_bodies(block: MoEBlock, stacked: list[Node]) -> None:
     if not outs:
         raise AutoparError(f"autopar: no per-row expert output before the weighting in {block.module}.")
     out = max(outs, key=_order)
-    offsets = [a for a in _walk_inputs(out, rows) if a in region and rows not in _ancestors(a) | {a}]
+    stops = [a for a in _walk_inputs(out, rows) if a in region and rows not in _ancestors(a) | {a}]
+    ids = _sorted_expert_ids(block, rows)
+    tables = [a for a in stops if ids is not None and _expert_table_read(a, ids, block.num_experts)]
+    offsets = [a for a in stops if a not in tables]
     if len(offsets) != 1 or _shape(offsets[0]) != (block.num_experts,):
         raise AutoparError(f"autopar: the stacked experts at {describe_node(out)} depend on "
-                           f"{[o.name for o in offsets]} besides the sorted tokens and the parameters; "
-                           "expected one per-expert offsets tensor. Use a plan with ep=1 and tp=1.")
-    _, used = extract_body(rows, offsets[0], out)
+                           f"{[o.name for o in offsets]} besides the sorted tokens, the parameters and "
+                           "per-expert parameters read at the sorted expert ids; expected one per-expert "
+                           "offsets tensor. Use a plan with ep=1 and tp=1.")
+    block.expert_ids = ids if tables else None
+    _, used = extract_body(rows, offsets[0], out, ids=block.expert_ids)
+    stacked = stacked + [t.args[0] for t in tables if t.args[0] not in stacked]
     if set(used) != {p.target for p in stacked}:
         raise AutoparError(f"autopar: the expert output {describe_node(out)} (the last per-row value before the "
                            f"routing weights) uses {sorted(used)}, not every stacked expert weight "
                            f"{sorted(p.target for p in stacked)}; expected the weights applied after the experts. "
                            "Use a plan with ep=1 and tp=1 for this model.")
-    block.expert_params = [[p.target for p in stacked]]
+    block.expert_params = [[p.target for p in sorted(stacked, key=_order)]]
     block.body_io = [(rows, offsets[0], out)]
+
+
+def _sorted_expert_ids(block: MoEBlock, rows: Node) -> Node | None:
+    """The expert of each sorted row, when the graph proves it: ``ids, order = sort(idx.flatten())``
+    ascending, and the rows are ``x[order // k]``, so row ``r`` is token ``order[r] // k`` and
+    its expert is ``idx.flatten()[order[r]] = ids[r]``.  Whatever order the sort gives equal keys,
+    ``ids`` is the sorted key sequence, so the rewritten dispatch (its own stable sort, split over
+    ranks) has the same ids per row: ``repeat_interleave(arange(E_local), counts)``."""
+    pick = rows.args[1][0] if len(rows.args[1]) == 1 else None
+    if not (isinstance(pick, Node) and pick.target in (aten.floor_divide.default, aten.div.Tensor_mode)
+            and pick.args[1] == block.top_k and (pick.target is aten.floor_divide.default
+                                                  or pick.kwargs.get("rounding_mode") == "floor")):
+        return None
+    positions = pick.args[0]
+    if not (positions.target is operator.getitem and positions.args[1] == 1):
+        return None
+    sort = positions.args[0]
+    if sort.target not in (aten.sort.default, aten.sort.stable) or _sort_descending(sort):
+        return None
+    flat = sort.args[0]
+    if not (flat.target in RESHAPE_OPS and flat.args[0] is block.index and len(_shape(flat)) == 1):
+        return None
+    return next((u for u in sort.users if u.target is operator.getitem and u.args[1] == 0), None)
+
+
+def _sort_descending(sort: Node) -> bool:
+    """Whether an ``aten.sort`` sorts descending (``sort.default(x, dim, descending)``,
+    ``sort.stable(x, *, stable, dim, descending)``)."""
+    if sort.target is aten.sort.default and len(sort.args) > 2:
+        return bool(sort.args[2])
+    return bool(sort.kwargs.get("descending", False))
+
+
+def _expert_table_read(node: Node, ids: Node, num_experts: int) -> bool:
+    """``p[ids]``: a parameter of ``num_experts`` rows (a per-expert bias) read at the sorted
+    rows' expert ids, so row ``r`` gets its own expert's row."""
+    if node.target is not aten.index.Tensor or len(node.args[1]) != 1 or node.args[1][0] is not ids:
+        return False
+    table = node.args[0]
+    return table.op == "get_attr" and len(_shape(table)) >= 1 and _shape(table)[0] == num_experts
 
 
 def _modulelist_bodies(block: MoEBlock) -> None:
@@ -336,13 +384,16 @@ def _param_only(node: Node) -> bool:
     return all(a.op == "get_attr" or (a.op == "call_function" and _param_only(a)) for a in node.all_input_nodes)
 
 
-def extract_body(tokens: Node, offsets: Node | None, out: Node) -> tuple[GraphModule, list[str]]:
-    """The computation from ``tokens`` (and ``offsets``) to ``out`` as its own GraphModule.
+def extract_body(tokens: Node, offsets: Node | None, out: Node, *, ids: Node | None = None) \
+        -> tuple[GraphModule, list[str]]:
+    """The computation from ``tokens`` (and ``offsets``, and the rows' expert ``ids``) to ``out``
+    as its own GraphModule.
 
-    Its placeholders are ``tokens``, then ``offsets`` (if given), then every parameter it
-    uses, in the returned order; the body holds no state of its own.
+    Its placeholders are ``tokens``, then ``offsets`` and ``ids`` (each if given), then every
+    parameter it uses, in the returned order; the body holds no state of its own.  ``ids`` may
+    only index per-expert parameters (``p[ids]``): under ep a rank's ids count its own experts.
     """
-    inputs = [tokens] + ([offsets] if offsets is not None else [])
+    inputs = [tokens] + [a for a in (offsets, ids) if a is not None]
     routed = descendants(inputs)
     members: set[Node] = {out}
     used_params: list[Node] = []
@@ -366,6 +417,14 @@ def extract_body(tokens: Node, offsets: Node | None, out: Node) -> tuple[GraphMo
     env: dict[Node, Node] = {tokens: graph.placeholder("tokens")}
     if offsets is not None:
         env[offsets] = graph.placeholder("offsets")
+    if ids is not None:
+        env[ids] = graph.placeholder("expert_ids")
+        bad = [u for u in ids.users if u in members and not (
+            u.target is aten.index.Tensor and u.args[0].op == "get_attr" and list(u.args[1]) == [ids])]
+        if bad:
+            raise AutoparError(f"autopar: the expert computation at {describe_node(bad[0])} uses the sorted "
+                               "expert ids other than to read a per-expert parameter; expected p[ids]. "
+                               "Use a plan with ep=1 and tp=1 for this model.")
     used_params.sort(key=_order)
     for i, p in enumerate(used_params):
         env[p] = graph.placeholder(f"p{i}")
@@ -380,9 +439,13 @@ def extract_body(tokens: Node, offsets: Node | None, out: Node) -> tuple[GraphMo
 
 def expert_width(block: MoEBlock) -> tuple[int, bool]:
     """(intermediate width, gated) of one expert, from its parameter count and its body's ops:
-    a gated expert multiplies two projections of its tokens (``act(gate(x)) * up(x)``)."""
-    body, _ = extract_body(*block.body_io[0])
+    a gated expert multiplies two projections of its tokens (``act(gate(x)) * up(x)``).  Per-expert
+    tables read at the rows' expert ids (biases) are left out of the width."""
+    body, _ = extract_body(*block.body_io[0], ids=block.expert_ids)
     gated = any(n.target == aten.mul.Tensor and all(isinstance(a, Node) and a.op != "get_attr" and
                                                    "offsets" not in a.name for a in n.args)
                 for n in body.graph.nodes if n.op == "call_function")
-    return block.expert_numel // ((3 if gated else 2) * block.hidden), gated
+    tables = {u.args[0] for u in (block.expert_ids.users if block.expert_ids is not None else ())
+              if u.target is aten.index.Tensor and u.args[0].op == "get_attr"}
+    table_numel = sum(_val(t).numel() for t in tables) // block.num_experts
+    return (block.expert_numel - table_numel) // ((3 if gated else 2) * block.hidden), gated

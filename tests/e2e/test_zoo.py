@@ -36,9 +36,9 @@ EXPECTED: dict[str, dict[str, object]] = {
     "qwen2_moe": {"dp=2,zero=3": E},
     "qwen3_moe": {"tp=2,sp": E, "cp=2:ring": E},
     # experts run as traced under dp, their routing proven per token (passes/token_order.py): GPT-OSS
-    # (expert biases gathered by the sorted expert ids; sliding windows of 16 below the sequence)
-    # (under tp its experts' offsets are more than one tensor: refused, naming them)
-    "gpt_oss": {"dp=2,zero=3": E, "tp=2,sp": (R, "expected one per-expert offsets tensor")},
+    # (expert biases gathered by the sorted expert ids; sliding windows of 16 below the sequence);
+    # under tp and ep the rewritten experts carry the biases, read at each row's local expert id
+    "gpt_oss": {"dp=2,zero=3": E, "tp=2,sp": E, "dp=2,ep=2": E},
     # PhiMoE's train-mode router samples experts (Gumbel noise: exponential_ on the rank's rows), which
     # no rank can draw as one device draws them for the whole batch: refused, naming the draw
     "phimoe": {"dp=2,zero=3": (R, "cannot shard node 'exponential_'")},

@@ -1,0 +1,138 @@
+"""Stacked experts with per-expert tables (GPT-OSS's biases) under the experts rewrite, in one process.
+
+A tiny MoE block written the way transformers 5.x writes GPT-OSS's experts: the (token, slot)
+pairs sorted by expert, a grouped matmul over the sorted rows plus a bias gathered by the sorted
+expert ids (``bias[ids]``), then the weighting and the sum over slots.  The analysis proves that
+``ids`` is each sorted row's expert (the values of the sort whose positions gathered the rows), so
+the rewrite (passes/expert_parallel.py) hands the cut-out experts each row's expert among the
+rank's experts and shards the tables with the weights under ep.  The dispatch / experts / combine
+ops run in one process (no ep group) give the traced block's output and gradients.  The ids used
+other than to read a per-expert table, or ids that the graph does not prove are the rows' experts
+(a descending sort), are refused with an ``autopar:`` error.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autopar.errors import AutoparError
+from autopar.frontend.analyze import analyze
+from autopar.frontend.trace import trace_model
+from autopar.ops import moe as M
+from autopar.runtime import compile_program
+
+transformers = pytest.importorskip("transformers")
+from transformers.integrations import moe as _hf_moe  # noqa: E402,F401  (registers grouped_mm_fallback)
+
+VOCAB, HIDDEN, WIDTH, EXPERTS, TOP_K = 32, 16, 8, 4, 2
+
+
+class Experts(nn.Module):
+    """Stacked experts with biases read at the sorted expert ids; ``mix`` alters the block."""
+
+    def __init__(self, mix: str):
+        super().__init__()
+        self.mix = mix
+        self.up = nn.Parameter(torch.randn(EXPERTS, HIDDEN, WIDTH) / HIDDEN ** 0.5)
+        self.up_bias = nn.Parameter(torch.randn(EXPERTS, WIDTH))
+        self.down = nn.Parameter(torch.randn(EXPERTS, WIDTH, HIDDEN) / WIDTH ** 0.5)
+        self.down_bias = nn.Parameter(torch.randn(EXPERTS, HIDDEN))
+
+    def forward(self, x, index, weights):
+        keys, perm = index.reshape(-1).sort(descending=self.mix == "descending")
+        rows = x[perm // TOP_K]
+        offsets = torch.histc(keys.float(), bins=EXPERTS, min=0, max=EXPERTS - 1).cumsum(0, dtype=torch.int32)
+        h = torch.ops.transformers.grouped_mm_fallback(rows, self.up, offsets) + self.up_bias[keys]
+        h = torch.nn.functional.silu(h)
+        out = torch.ops.transformers.grouped_mm_fallback(h, self.down, offsets) + self.down_bias[keys]
+        if self.mix == "ids-arith":  # the ids as a number: a rank's local ids would differ
+            out = out + keys.unsqueeze(-1).to(out.dtype)
+        out = out * weights.reshape(-1)[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.shape[0])
+        return out[inverse].view(-1, TOP_K, HIDDEN).sum(1)
+
+
+class TinyMoE(nn.Module):
+    def __init__(self, mix: str = ""):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.experts = Experts(mix)
+        self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        x = h.reshape(-1, HIDDEN)
+        weights, index = self.router(x).softmax(-1).topk(TOP_K, dim=-1)
+        return self.head(h + self.experts(x, index, weights).view(h.shape))
+
+
+def _loss(logits, target):
+    return nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten())
+
+
+def _model(mix: str = "") -> tuple[TinyMoE, torch.Tensor]:
+    torch.manual_seed(0)
+    return TinyMoE(mix), torch.randint(0, VOCAB, (4, 8))
+
+
+def test_per_expert_tables_read_at_the_sorted_ids_are_part_of_the_experts():
+    model, ids = _model()
+    block, = analyze(trace_model(model, (ids,), {}, _loss).gm).moe
+    assert block.style == "stacked" and block.expert_ids is not None
+    assert sorted(block.param_names) == sorted(f"model.experts.{p}" for p in ("up", "up_bias", "down", "down_bias"))
+    assert block.expert_numel == HIDDEN * WIDTH * 2 + WIDTH + HIDDEN
+
+
+def test_ep_shards_the_tables_with_the_weights():
+    model, ids = _model()
+    _, ctx = compile_program(model, (ids,), {}, "dp=2,ep=2", _loss, world_size=2)
+    for name in ("up", "up_bias", "down", "down_bias"):
+        assert set(ctx.param_shards[f"model.experts.{name}"]) == {"ep"}, name
+    assert {f"model.experts.{p}" for p in ("up_bias", "down_bias")} <= set(ctx.expert_params)
+
+
+@pytest.mark.parametrize("capacity", [None, 0.5])
+def test_the_rewritten_experts_compute_the_traced_block(capacity):
+    """dispatch / experts / combine with the cut-out body (ep=1, one process) against the module:
+    the same output and the same gradients of the tables (``capacity`` drops rows: the ids must
+    follow the rows that are kept)."""
+    model, ids = _model()
+    traced, _ = compile_program(model, (ids,), {}, "dp=2,ep=2", _loss, world_size=2)
+    body = traced.gm.moe_experts_0
+    experts = model.experts
+    x = torch.randn(12, HIDDEN)
+    weights, index = model.router(x).softmax(-1).topk(TOP_K, dim=-1)
+    params = [experts.up, experts.up_bias, experts.down, experts.down_bias]
+    rows, routing = M.moe_dispatch(x, index, EXPERTS, "ep", capacity)
+    got = M.moe_combine(M.moe_experts(rows, routing, body, params, "stacked", "ep", True), weights, routing, "ep")
+    got_grads = torch.autograd.grad(got.square().sum(), params)
+    if capacity is None:
+        want = experts(x, index, weights)
+    else:  # the reference drops the same rows: each expert keeps its earliest pairs
+        keep = torch.zeros(index.numel(), dtype=torch.bool)
+        keep[routing.order] = True
+        want = experts(x, index, weights * keep.view_as(weights))
+    want_grads = torch.autograd.grad(want.square().sum(), params)
+    torch.testing.assert_close(got, want)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)
+
+
+def test_local_expert_ids_follow_the_counts():
+    assert M.local_expert_ids([2, 0, 3], "cpu").tolist() == [0, 0, 2, 2, 2]
+
+
+@pytest.mark.parametrize("mix,found", [
+    ("ids-arith", "depend on ['to_1', 'cumsum'] besides the sorted tokens, the parameters and per-expert"),
+    ("descending", "depend on ['index_2', 'cumsum', 'index_1'] besides"),
+])
+def test_ids_the_rewrite_cannot_carry_are_refused(mix, found):
+    model, ids = _model(mix)
+    with pytest.raises(AutoparError) as info:
+        compile_program(model, (ids,), {}, "dp=2,ep=2", _loss, world_size=2)
+    message = str(info.value)
+    assert message.startswith("autopar:") and found in message, message
+    assert "(Experts)" in message, message
