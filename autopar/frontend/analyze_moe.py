@@ -35,7 +35,8 @@ from autopar.errors import AutoparError, describe_node
 
 aten = torch.ops.aten
 
-__all__ = ["MoEBlock", "find_moe_blocks", "extract_body", "expert_width", "descendants", "in_module"]
+__all__ = ["MoEBlock", "DenseExperts", "find_moe_blocks", "find_moe", "extract_body", "expert_width",
+           "descendants", "in_module"]
 
 
 
@@ -65,6 +66,20 @@ class MoEBlock:
     @property
     def hidden(self) -> int:
         return int(self.tokens.meta["val"].shape[-1])
+
+
+@dataclasses.dataclass
+class DenseExperts:
+    """A top-k routing whose stacked experts all run on every row (Llama 4: the tokens repeated per
+    expert, scaled by the router scores, a batched matmul over all ``E`` experts).  Nothing is routed,
+    so nothing is rewritten: the block runs as traced and placement propagation proves it op by op on
+    token shards; ep and a capacity have no routed rows to act on and are refused."""
+
+    module: str  # module holding the routing
+    num_experts: int
+    node: Node  # the first batched matmul over every expert (for messages)
+    params: list[str]  # the stacked [E, ...] parameters
+    width: int = 0  # an expert's intermediate width: its first matmul's output width (halved when gated)
 
 
 def in_module(node: Node, prefix: str) -> bool:
@@ -196,17 +211,63 @@ def _router(topk: Node) -> Node | None:
 
 def find_moe_blocks(gm: GraphModule) -> list[MoEBlock]:
     """Every MoE block of the graph, in graph order (see the module docstring)."""
+    return find_moe(gm)[0]
+
+
+def find_moe(gm: GraphModule) -> tuple[list[MoEBlock], list[DenseExperts]]:
+    """Every routed MoE block and every block of dense experts (:class:`DenseExperts`), in graph order."""
     for i, n in enumerate(gm.graph.nodes):
         n.meta["_autopar_order"] = i
-    blocks = []
+    blocks, dense = [], []
     for topk in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == aten.topk.default]:
         block = _block(gm, topk)
-        if block is not None:
+        if isinstance(block, DenseExperts):
+            dense.append(block)
+        elif block is not None:
             blocks.append(block)
-    return blocks
+    return blocks, dense
 
 
-def _block(gm: GraphModule, topk: Node) -> MoEBlock | None:
+def _dense_experts(scope: str, stacked: list[Node], down: set[Node], num_experts: int) -> DenseExperts | None:
+    """The stacked experts as :class:`DenseExperts` when every parameter meets the routed values first
+    in a batched matmul whose batch is the ``E`` experts (``bmm([E, n, h], [E, h, f])``: each expert
+    on the same ``n`` rows, no per-expert offsets); None otherwise."""
+    firsts = [(p, u) for p in stacked for u in _first_users_in(p, down)]
+    def batched_over_experts(p: Node, u: Node) -> bool:
+        rows, weight = u.args[0], u.args[1]
+        return (u.target is aten.bmm.default and (weight is p or p in _ancestors(weight))
+                and p not in _ancestors(rows) | {rows} and _shape(rows)[:1] == (num_experts,))
+
+    if not firsts or not all(batched_over_experts(p, u) for p, u in firsts):
+        return None
+    first = min((u for _, u in firsts), key=_order)
+    out_width = int(_shape(first)[-1])
+    gated = any(u.target is aten.chunk.default or u.target is aten.split.Tensor for u in first.users)
+    return DenseExperts(module=scope, num_experts=num_experts, node=first, params=[p.target for p in stacked],
+                        width=out_width // 2 if gated else out_width)
+
+
+def _weighting(topk: Node, down: set[Node]) -> set[Node]:
+    """The first routed nodes that the top-k *values* reach (the routing weights meeting the expert
+    rows), which the block's output must follow.  With top-1 the experts' per-row output is
+    ``[T, h]`` like the block's output; only this tells the rows sorted by expert from the tokens."""
+    values = next((u for u in topk.users if u.target is operator.getitem and u.args[1] == 0), None)
+    return _first_users_in(values, down) if values is not None else set()
+
+
+_SCATTERS = (aten.index.Tensor, aten.index_add.default, aten.index_add_.default, aten.index_put.default,
+             aten.index_put_.default, aten.index_copy.default, aten.scatter_add.default)
+
+
+def _back_in_token_order(node: Node, down: set[Node]) -> bool:
+    """With top-1 the rows sorted by expert are ``[T, h]`` like the block's output: a candidate is the
+    output only once routed float rows were moved back by routing indices (``y[inverse]``, an
+    ``index_add`` at the tokens): an index op among its routed ancestors that moves routed floats."""
+    return any(a.target in _SCATTERS and any(_is_float(b) and b in down for b in a.all_input_nodes)
+               for a in (_ancestors(node) | {node}) & down)
+
+
+def _block(gm: GraphModule, topk: Node) -> MoEBlock | DenseExperts | None:
     index = next((u for u in topk.users if u.target.__name__ == "getitem" and u.args[1] == 1), None)
     if index is None or len(_shape(index)) != 2:
         return None
@@ -221,13 +282,17 @@ def _block(gm: GraphModule, topk: Node) -> MoEBlock | None:
             break
     else:
         return None
+    if stacked and (dense := _dense_experts(scope or mod, stacked, down, num_experts)) is not None:
+        return dense
     if stacked:
         needed = {c for p in stacked for c in _first_users_in(p, down)}
     else:
         needed = {n for n in scoped if any(in_module(n, e) for e in experts)}
+    needed |= _weighting(topk, down)
     output = next((n for n in sorted(down, key=_order)
                    if n.op == "call_function" and _is_float(n) and len(_shape(n)) == 2
-                   and _shape(n)[0] == _shape(index)[0] and needed <= (_ancestors(n) | {n})), None)
+                   and _shape(n)[0] == _shape(index)[0] and needed <= (_ancestors(n) | {n})
+                   and (k > 1 or _back_in_token_order(n, down))), None)
     if output is None:
         raise AutoparError(f"autopar: found a top-k routing at {describe_node(topk)} with {num_experts} experts "
                            "but no [tokens, hidden] output that combines every expert; expected "

@@ -56,9 +56,13 @@ EXPECTED: dict[str, dict[str, object]] = {
     "mistral": {"tp=2,sp": E, "cp=2:ring": E},
     "cohere2": {"tp=2,sp": E, "cp=2:ring": E},
     # Llama 4's chunked attention: neither causal nor a window, so under cp it runs whole over the
-    # gathered sequence (passes/cp_cores.py); its dense-style experts repeat the tokens per expert,
-    # which cp refuses
-    "llama4_text": {"cp=2:ring": (R, "cannot shard node 'repeat'")},
+    # gathered sequence (passes/cp_cores.py); its dense experts (every expert on every token, the tokens
+    # repeated per expert) run as traced on token shards, the repeat the rank's share of every copy;
+    # ep has no routed tokens to move: refused, naming the experts
+    "llama4_text": {"cp=2:ring": E, "tp=2,sp": E, "dp=2,ep=2": (R, "all run on every token")},
+    # top-1 routing (HunYuan-MoE): the sorted expert rows are [tokens, hidden] like the block's output,
+    # which is where the rows go back to token order
+    "hunyuan_v1_moe": {"tp=2,sp": E},
     # eager attention under cp, run whole over the gathered sequence, its mask built again at the
     # global length: soft-capped scores (Gemma 2), ALiBi (MPT), a relative position embedding projected
     # by a weight (XLNet), a rotary table indexed by positions (GPT-J), and a sparse-attention indexer

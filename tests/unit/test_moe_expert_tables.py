@@ -34,6 +34,7 @@ class Experts(nn.Module):
     def __init__(self, mix: str):
         super().__init__()
         self.mix = mix
+        self.top_k = 1 if mix == "top-1" else TOP_K
         self.up = nn.Parameter(torch.randn(EXPERTS, HIDDEN, WIDTH) / HIDDEN ** 0.5)
         self.up_bias = nn.Parameter(torch.randn(EXPERTS, WIDTH))
         self.down = nn.Parameter(torch.randn(EXPERTS, WIDTH, HIDDEN) / WIDTH ** 0.5)
@@ -41,7 +42,7 @@ class Experts(nn.Module):
 
     def forward(self, x, index, weights):
         keys, perm = index.reshape(-1).sort(descending=self.mix == "descending")
-        rows = x[perm // TOP_K]
+        rows = x[perm // self.top_k]
         offsets = torch.histc(keys.float(), bins=EXPERTS, min=0, max=EXPERTS - 1).cumsum(0, dtype=torch.int32)
         h = torch.ops.transformers.grouped_mm_fallback(rows, self.up, offsets) + self.up_bias[keys]
         h = torch.nn.functional.silu(h)
@@ -51,7 +52,7 @@ class Experts(nn.Module):
         out = out * weights.reshape(-1)[perm].unsqueeze(-1)
         inverse = torch.empty_like(perm)
         inverse[perm] = torch.arange(perm.shape[0])
-        return out[inverse].view(-1, TOP_K, HIDDEN).sum(1)
+        return out[inverse].view(-1, self.top_k, HIDDEN).sum(1)
 
 
 class TinyMoE(nn.Module):
@@ -65,7 +66,7 @@ class TinyMoE(nn.Module):
     def forward(self, ids):
         h = self.embed(ids)
         x = h.reshape(-1, HIDDEN)
-        weights, index = self.router(x).softmax(-1).topk(TOP_K, dim=-1)
+        weights, index = self.router(x).softmax(-1).topk(self.experts.top_k, dim=-1)
         return self.head(h + self.experts(x, index, weights).view(h.shape))
 
 
@@ -94,17 +95,26 @@ def test_ep_shards_the_tables_with_the_weights():
     assert {f"model.experts.{p}" for p in ("up_bias", "down_bias")} <= set(ctx.expert_params)
 
 
-@pytest.mark.parametrize("capacity", [None, 0.5])
-def test_the_rewritten_experts_compute_the_traced_block(capacity):
+def test_with_top_1_the_output_is_the_rows_back_in_token_order():
+    """Top-1 (HunYuan-MoE): the expert rows sorted by expert are [T, h] like the block's output; the
+    output is where the rows are put back in token order (``out[inverse]``), not the sorted rows."""
+    model, ids = _model("top-1")
+    block, = analyze(trace_model(model, (ids,), {}, _loss).gm).moe
+    assert block.top_k == 1 and block.output.target is torch.ops.aten.index.Tensor
+    assert block.output.args[0] in block.region and block.body_io[0][2] is not block.output
+
+
+@pytest.mark.parametrize("mix,capacity", [("", None), ("", 0.5), ("top-1", None)])
+def test_the_rewritten_experts_compute_the_traced_block(mix, capacity):
     """dispatch / experts / combine with the cut-out body (ep=1, one process) against the module:
     the same output and the same gradients of the tables (``capacity`` drops rows: the ids must
     follow the rows that are kept)."""
-    model, ids = _model()
+    model, ids = _model(mix)
     traced, _ = compile_program(model, (ids,), {}, "dp=2,ep=2", _loss, world_size=2)
     body = traced.gm.moe_experts_0
     experts = model.experts
     x = torch.randn(12, HIDDEN)
-    weights, index = model.router(x).softmax(-1).topk(TOP_K, dim=-1)
+    weights, index = model.router(x).softmax(-1).topk(experts.top_k, dim=-1)
     params = [experts.up, experts.up_bias, experts.down, experts.down_bias]
     rows, routing = M.moe_dispatch(x, index, EXPERTS, "ep", capacity)
     got = M.moe_combine(M.moe_experts(rows, routing, body, params, "stacked", "ep", True), weights, routing, "ep")
