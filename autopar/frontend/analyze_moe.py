@@ -124,8 +124,9 @@ def _is_float(node) -> bool:
     return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
 
 
-def _stacked_params(gm: GraphModule, scoped: list[Node], num_experts: int) -> list[Node]:
-    """3-D ``[E, ...]`` parameters that scoped nodes use, directly or through views."""
+def _stacked_params(gm: GraphModule, scoped: list[Node], num_experts: int | None) -> list[Node]:
+    """3-D ``[E, ...]`` parameters that scoped nodes use, directly or through views (``num_experts``
+    None: of any one leading size, when every such parameter has the same)."""
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     found: list[Node] = []
     for n in scoped:
@@ -133,8 +134,10 @@ def _stacked_params(gm: GraphModule, scoped: list[Node], num_experts: int) -> li
             while a.op == "call_function" and len(a.all_input_nodes) == 1 and a not in scoped:
                 a = a.all_input_nodes[0]
             if a.op == "get_attr" and a.target in params and len(_shape(a)) == 3 \
-                    and int(_shape(a)[0]) == num_experts and a not in found:
+                    and (num_experts is None or int(_shape(a)[0]) == num_experts) and a not in found:
                 found.append(a)
+    if num_experts is None and len({int(_shape(a)[0]) for a in found}) != 1:
+        return []
     return found
 
 
@@ -219,8 +222,8 @@ def find_moe(gm: GraphModule) -> tuple[list[MoEBlock], list[DenseExperts]]:
     for i, n in enumerate(gm.graph.nodes):
         n.meta["_autopar_order"] = i
     blocks, dense = [], []
-    for topk in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == aten.topk.default]:
-        block = _block(gm, topk)
+    for topk, index, values, width in _routings(gm):
+        block = _block(gm, topk, index, values, width)
         if isinstance(block, DenseExperts):
             dense.append(block)
         elif block is not None:
@@ -247,14 +250,6 @@ def _dense_experts(scope: str, stacked: list[Node], down: set[Node], num_experts
                         width=out_width // 2 if gated else out_width)
 
 
-def _weighting(topk: Node, down: set[Node]) -> set[Node]:
-    """The first routed nodes that the top-k *values* reach (the routing weights meeting the expert
-    rows), which the block's output must follow.  With top-1 the experts' per-row output is
-    ``[T, h]`` like the block's output; only this tells the rows sorted by expert from the tokens."""
-    values = next((u for u in topk.users if u.target is operator.getitem and u.args[1] == 0), None)
-    return _first_users_in(values, down) if values is not None else set()
-
-
 _SCATTERS = (aten.index.Tensor, aten.index_add.default, aten.index_add_.default, aten.index_put.default,
              aten.index_put_.default, aten.index_copy.default, aten.scatter_add.default)
 
@@ -267,16 +262,73 @@ def _back_in_token_order(node: Node, down: set[Node]) -> bool:
                for a in (_ancestors(node) | {node}) & down)
 
 
-def _block(gm: GraphModule, topk: Node) -> MoEBlock | DenseExperts | None:
-    index = next((u for u in topk.users if u.target.__name__ == "getitem" and u.args[1] == 1), None)
-    if index is None or len(_shape(index)) != 2:
+def _item(node: Node, i: int) -> Node | None:
+    return next((u for u in node.users if u.target is operator.getitem and u.args[1] == i), None)
+
+
+def _routings(gm: GraphModule) -> list[tuple[Node, Node, Node | None, int]]:
+    """``(source, index, values, width)`` of every top-k routing in graph order: an ``aten.topk``
+    (its indices and values over ``width`` router outputs), or a ``torch.no_grad()`` region
+    (``wrap_with_set_grad_enabled``, LongCat's router) whose graph returns a top-k's indices, read
+    by the ``getitem`` of that output (``values`` when it returns them too)."""
+    found = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target == aten.topk.default and (index := _item(n, 1)) is not None:
+            found.append((n, index, _item(n, 0), int(_shape(n.args[0])[-1])))
+        elif n.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
+            found += _region_routings(gm, n)
+    return found
+
+
+def _region_routings(gm: GraphModule, region: Node) -> list[tuple[Node, Node, Node | None, int]]:
+    sub = getattr(gm, region.args[1].target, None)
+    if not isinstance(sub, GraphModule):
+        return []
+    outputs = list(next(n for n in sub.graph.nodes if n.op == "output").args[0])
+    found = []
+    for i, out in enumerate(outputs):
+        if isinstance(out, Node) and out.target is operator.getitem and out.args[1] == 1 \
+                and out.args[0].target == aten.topk.default and (index := _item(region, i)) is not None:
+            topk = out.args[0]
+            values = next((_item(region, j) for j, o in enumerate(outputs)
+                           if isinstance(o, Node) and o.target is operator.getitem and o.args[0] is topk
+                           and o.args[1] == 0), None)
+            found.append((region, index, values, int(_shape(topk.args[0])[-1])))
+    return found
+
+
+def _remapped_index(index: Node, down: set[Node], scope: str) -> Node | None:
+    """The ``[T, k]`` expert ids the experts sort by, when the block computes them from the top-k's
+    (LongCat folds choices past its routed experts onto them with a ``where``): the flattened
+    input of the block's sort of ``[T * k]`` ids.  ``moe_dispatch`` refuses ids outside the experts
+    at run time, so a fold the graph does not bound stops there, never silently."""
+    sorts = [n for n in down if n.target in (aten.sort.default, aten.sort.stable) and in_module(n, scope)
+             and n.args[0].target in RESHAPE_OPS and _shape(n.args[0].args[0]) == _shape(index)
+             and len(_shape(n.args[0])) == 1]
+    if len(sorts) != 1 or sorts[0].args[0].args[0] is index:
         return None
-    num_experts, k = int(_shape(topk.args[0])[-1]), int(_shape(index)[1])
+    return sorts[0].args[0].args[0]
+
+
+def _block(gm: GraphModule, topk: Node, index: Node, values: Node | None,
+           width: int) -> MoEBlock | DenseExperts | None:
+    if len(_shape(index)) != 2:
+        return None
+    num_experts, k = width, int(_shape(index)[1])
     down = descendants([index])
     mod = module_path(topk)
     for scope in (mod, mod.rsplit(".", 1)[0] if "." in mod else ""):
         scoped = [n for n in down if n.op == "call_function" and in_module(n, scope)]
         stacked = _stacked_params(gm, scoped, num_experts)
+        remapped = None if stacked else _remapped_index(index, down, scope)
+        if remapped is not None:  # fewer experts than router outputs: zero experts folded away
+            stacked = _stacked_params(gm, scoped, None)
+            if stacked:
+                index, num_experts = remapped, int(_shape(stacked[0])[0])
+                down = descendants([index])
+                scoped = [n for n in down if n.op == "call_function" and in_module(n, scope)]
         experts = [] if stacked else _numbered_experts(scoped, scope, num_experts)
         if stacked or experts:
             break
@@ -288,7 +340,7 @@ def _block(gm: GraphModule, topk: Node) -> MoEBlock | DenseExperts | None:
         needed = {c for p in stacked for c in _first_users_in(p, down)}
     else:
         needed = {n for n in scoped if any(in_module(n, e) for e in experts)}
-    needed |= _weighting(topk, down)
+    needed |= _first_users_in(values, down) if values is not None else set()
     output = next((n for n in sorted(down, key=_order)
                    if n.op == "call_function" and _is_float(n) and len(_shape(n)) == 2
                    and _shape(n)[0] == _shape(index)[0] and needed <= (_ancestors(n) | {n})

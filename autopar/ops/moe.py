@@ -32,6 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from autopar.errors import AutoparError
 from autopar.ops import collectives
 
 __all__ = ["Routing", "capacity_keep", "moe_dispatch", "moe_experts", "moe_combine"]
@@ -112,6 +113,10 @@ def moe_dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int, axis: str
     flat = idx.reshape(-1)
     sorted_experts, order = torch.sort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
+    if counts.numel() != num_experts:  # ids a block computed (LongCat's fold) past its experts
+        raise AutoparError(f"autopar: MoE dispatch met expert id {counts.numel() - 1} but the block has "
+                           f"{num_experts} experts; the expert ids the block sorts by must lie in "
+                           f"[0, {num_experts - 1}]. Use a plan with ep=1 and tp=1 for this model.")
     if capacity_factor is not None:
         capacity = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
         keep = capacity_keep(sorted_experts, counts, capacity)

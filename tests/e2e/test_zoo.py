@@ -44,8 +44,9 @@ EXPECTED: dict[str, dict[str, object]] = {
     "phimoe": {"dp=2,zero=3": (R, "cannot shard node 'exponential_'")},
     # LongCat's zero experts: choices past the routed experts folded onto them by a where, whose keys
     # are ranged branch by branch; its router's top-k runs in torch.no_grad(), a graph of its own
-    # placed node by node on the rank's sequence shard under cp
-    "longcat_flash": {"dp=2,zero=3": E, "cp=2:ring": E},
+    # placed node by node on the rank's sequence shard under cp; under tp and ep the rewrite sorts by
+    # the folded ids (the routing found inside the no_grad region)
+    "longcat_flash": {"dp=2,zero=3": E, "cp=2:ring": E, "tp=2,sp": E, "dp=2,ep=2": E},
     # an input check over the batch (XLM's assert lengths.max() <= slen): each rank checks its rows;
     # under tp its scores are masked in place (masked_fill_ keeps its destination's placement)
     "xlm": {"dp=2,zero=3": E, "tp=2,sp": E},

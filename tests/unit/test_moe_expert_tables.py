@@ -8,7 +8,9 @@ the rewrite (passes/expert_parallel.py) hands the cut-out experts each row's exp
 rank's experts and shards the tables with the weights under ep.  The dispatch / experts / combine
 ops run in one process (no ep group) give the traced block's output and gradients.  The ids used
 other than to read a per-expert table, or ids that the graph does not prove are the rows' experts
-(a descending sort), are refused with an ``autopar:`` error.
+(a descending sort), are refused with an ``autopar:`` error.  Two routing variants are found too:
+top-1 (HunYuan-MoE: the sorted rows are ``[T, h]`` like the output) and LongCat's zero experts (the
+top-k chosen in a ``torch.no_grad()`` region, choices past the experts folded onto them).
 """
 from __future__ import annotations
 
@@ -55,19 +57,39 @@ class Experts(nn.Module):
         return out[inverse].view(-1, self.top_k, HIDDEN).sum(1)
 
 
+ZERO = 2  # "zero-experts": router outputs past the experts (LongCat)
+
+
 class TinyMoE(nn.Module):
     def __init__(self, mix: str = ""):
         super().__init__()
+        self.mix = mix
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.router = nn.Linear(HIDDEN, EXPERTS, bias=False)
+        self.router = nn.Linear(HIDDEN, EXPERTS + ZERO * (mix == "zero-experts"), bias=False)
         self.experts = Experts(mix)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
     def forward(self, ids):
         h = self.embed(ids)
         x = h.reshape(-1, HIDDEN)
-        weights, index = self.router(x).softmax(-1).topk(self.experts.top_k, dim=-1)
+        weights, index = self.route(x)
         return self.head(h + self.experts(x, index, weights).view(h.shape))
+
+    def route(self, x):
+        scores = self.router(x).softmax(-1)
+        if self.mix != "zero-experts":
+            return scores.topk(self.experts.top_k, dim=-1)
+        # LongCat: the choice made without gradients, choices past the experts weighted 0 and folded
+        # onto the experts, whose outputs they then multiply by 0
+        index = _choose(scores)
+        zero = index >= EXPERTS
+        weights = scores.gather(1, index).masked_fill(zero, 0.0)
+        return weights, torch.where(zero, (index - EXPERTS) * EXPERTS // ZERO, index)
+
+
+@torch.no_grad()
+def _choose(scores):
+    return scores.topk(TOP_K, dim=-1).indices
 
 
 def _loss(logits, target):
@@ -95,6 +117,21 @@ def test_ep_shards_the_tables_with_the_weights():
     assert {f"model.experts.{p}" for p in ("up_bias", "down_bias")} <= set(ctx.expert_params)
 
 
+def test_routing_chosen_without_gradients_and_folded_onto_the_experts():
+    """LongCat: the top-k runs in a ``torch.no_grad()`` region of its own, over 6 router outputs, and
+    the two past the 4 experts are folded onto them by a ``where``: the block's ids are the fold's."""
+    model, ids = _model("zero-experts")
+    block, = analyze(trace_model(model, (ids,), {}, _loss).gm).moe
+    assert block.num_experts == EXPERTS and block.top_k == TOP_K
+    assert block.index.target is torch.ops.aten.where.self and block.expert_ids is not None
+
+
+def test_dispatch_refuses_ids_past_the_experts():
+    x, index = torch.randn(3, HIDDEN), torch.tensor([[0, 1], [2, EXPERTS], [1, 3]])
+    with pytest.raises(AutoparError, match=r"^autopar: MoE dispatch met expert id 4 but the block has 4"):
+        M.moe_dispatch(x, index, EXPERTS, "ep")
+
+
 def test_with_top_1_the_output_is_the_rows_back_in_token_order():
     """Top-1 (HunYuan-MoE): the expert rows sorted by expert are [T, h] like the block's output; the
     output is where the rows are put back in token order (``out[inverse]``), not the sorted rows."""
@@ -104,7 +141,7 @@ def test_with_top_1_the_output_is_the_rows_back_in_token_order():
     assert block.output.args[0] in block.region and block.body_io[0][2] is not block.output
 
 
-@pytest.mark.parametrize("mix,capacity", [("", None), ("", 0.5), ("top-1", None)])
+@pytest.mark.parametrize("mix,capacity", [("", None), ("", 0.5), ("top-1", None), ("zero-experts", None)])
 def test_the_rewritten_experts_compute_the_traced_block(mix, capacity):
     """dispatch / experts / combine with the cut-out body (ep=1, one process) against the module:
     the same output and the same gradients of the tables (``capacity`` drops rows: the ids must
@@ -114,7 +151,7 @@ def test_the_rewritten_experts_compute_the_traced_block(mix, capacity):
     body = traced.gm.moe_experts_0
     experts = model.experts
     x = torch.randn(12, HIDDEN)
-    weights, index = model.router(x).softmax(-1).topk(experts.top_k, dim=-1)
+    weights, index = model.route(x)
     params = [experts.up, experts.up_bias, experts.down, experts.down_bias]
     rows, routing = M.moe_dispatch(x, index, EXPERTS, "ep", capacity)
     got = M.moe_combine(M.moe_experts(rows, routing, body, params, "stacked", "ep", True), weights, routing, "ep")
