@@ -161,13 +161,22 @@ def _weights(region: set[Node], index: Node, topk: Node) -> Node | None:
     values = descendants([topk])
     for n in sorted(region, key=_order):
         for a in n.all_input_nodes:
-            if a in region or not _is_float(a) or (a not in values and a is not topk):
+            if a in region or not _is_float(a) or (a not in values and a is not topk and not _ones(a)):
                 continue
             while _shape(a) != (num_tokens, k) and a.op == "call_function" and a.target in RESHAPE_OPS:
                 a = a.args[0]
             if _shape(a) == (num_tokens, k):
                 return a
     return None
+
+
+def _ones(node: Node) -> bool:
+    """A fill of ones, through reshapes: unit weights (Ergo weights each (token, slot) row after its
+    experts, so the routed block itself weights every row 1)."""
+    while node.op == "call_function" and node.target in RESHAPE_OPS:
+        node = node.args[0]
+    return node.op == "call_function" and node.target in (aten.new_ones.default, aten.ones.default,
+                                                          aten.ones_like.default)
 
 
 def _gathered_weights(region: set[Node], index: Node, needed: set[Node]) -> Node | None:
@@ -222,8 +231,8 @@ def find_moe(gm: GraphModule) -> tuple[list[MoEBlock], list[DenseExperts]]:
     for i, n in enumerate(gm.graph.nodes):
         n.meta["_autopar_order"] = i
     blocks, dense = [], []
-    for topk, index, values, width in _routings(gm):
-        block = _block(gm, topk, index, values, width)
+    for topk, index, width in _routings(gm):
+        block = _block(gm, topk, index, width)
         if isinstance(block, DenseExperts):
             dense.append(block)
         elif block is not None:
@@ -266,23 +275,23 @@ def _item(node: Node, i: int) -> Node | None:
     return next((u for u in node.users if u.target is operator.getitem and u.args[1] == i), None)
 
 
-def _routings(gm: GraphModule) -> list[tuple[Node, Node, Node | None, int]]:
-    """``(source, index, values, width)`` of every top-k routing in graph order: an ``aten.topk``
-    (its indices and values over ``width`` router outputs), or a ``torch.no_grad()`` region
+def _routings(gm: GraphModule) -> list[tuple[Node, Node, int]]:
+    """``(source, index, width)`` of every top-k routing in graph order: an ``aten.topk`` (its
+    indices over ``width`` router outputs), or a ``torch.no_grad()`` region
     (``wrap_with_set_grad_enabled``, LongCat's router) whose graph returns a top-k's indices, read
-    by the ``getitem`` of that output (``values`` when it returns them too)."""
+    by the ``getitem`` of that output."""
     found = []
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
         if n.target == aten.topk.default and (index := _item(n, 1)) is not None:
-            found.append((n, index, _item(n, 0), int(_shape(n.args[0])[-1])))
+            found.append((n, index, int(_shape(n.args[0])[-1])))
         elif n.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
             found += _region_routings(gm, n)
     return found
 
 
-def _region_routings(gm: GraphModule, region: Node) -> list[tuple[Node, Node, Node | None, int]]:
+def _region_routings(gm: GraphModule, region: Node) -> list[tuple[Node, Node, int]]:
     sub = getattr(gm, region.args[1].target, None)
     if not isinstance(sub, GraphModule):
         return []
@@ -291,29 +300,39 @@ def _region_routings(gm: GraphModule, region: Node) -> list[tuple[Node, Node, No
     for i, out in enumerate(outputs):
         if isinstance(out, Node) and out.target is operator.getitem and out.args[1] == 1 \
                 and out.args[0].target == aten.topk.default and (index := _item(region, i)) is not None:
-            topk = out.args[0]
-            values = next((_item(region, j) for j, o in enumerate(outputs)
-                           if isinstance(o, Node) and o.target is operator.getitem and o.args[0] is topk
-                           and o.args[1] == 0), None)
-            found.append((region, index, values, int(_shape(topk.args[0])[-1])))
+            found.append((region, index, int(_shape(out.args[0].args[0])[-1])))
     return found
 
 
 def _remapped_index(index: Node, down: set[Node], scope: str) -> Node | None:
-    """The ``[T, k]`` expert ids the experts sort by, when the block computes them from the top-k's
-    (LongCat folds choices past its routed experts onto them with a ``where``): the flattened
-    input of the block's sort of ``[T * k]`` ids.  ``moe_dispatch`` refuses ids outside the experts
-    at run time, so a fold the graph does not bound stops there, never silently."""
+    """The ``[N, k']`` expert ids the experts sort by, when the block computes them from the top-k's:
+    the 2-D input of the block's one sort of flattened ids.  LongCat folds choices past its routed
+    experts onto them with a ``where`` (``[T, k]``); Ergo gives each (token, slot) a row of its own
+    (``idx.reshape(-1, 1)``, the tokens repeated per slot: ``[T * k, 1]``).  ``moe_dispatch``
+    refuses ids outside the experts at run time, so a fold the graph does not bound stops there,
+    never silently."""
     sorts = [n for n in down if n.target in (aten.sort.default, aten.sort.stable) and in_module(n, scope)
-             and n.args[0].target in RESHAPE_OPS and _shape(n.args[0].args[0]) == _shape(index)
-             and len(_shape(n.args[0])) == 1]
-    if len(sorts) != 1 or sorts[0].args[0].args[0] is index:
+             and n.args[0].target in RESHAPE_OPS and len(_shape(n.args[0])) == 1]
+    if len(sorts) != 1:
         return None
-    return sorts[0].args[0].args[0]
+    ids = sorts[0].args[0].args[0]
+    if ids is index or ids not in down or len(_shape(ids)) != 2 or _is_float(ids) or _top_k_ids(ids):
+        return None  # another top-k's ids (a group-limited router's last top-k) are a routing of their own
+    return ids
 
 
-def _block(gm: GraphModule, topk: Node, index: Node, values: Node | None,
-           width: int) -> MoEBlock | DenseExperts | None:
+def _top_k_ids(node: Node) -> bool:
+    """Whether ``node`` is the indices of a top-k, read directly or through a ``torch.no_grad()`` region."""
+    if node.target is not operator.getitem:
+        return False
+    src = node.args[0]
+    if src.target == aten.topk.default:
+        return node.args[1] == 1
+    return src.target is torch.ops.higher_order.wrap_with_set_grad_enabled and \
+        any(i is node for _, i, _ in _region_routings(src.graph.owning_module, src))
+
+
+def _block(gm: GraphModule, topk: Node, index: Node, width: int) -> MoEBlock | DenseExperts | None:
     if len(_shape(index)) != 2:
         return None
     num_experts, k = width, int(_shape(index)[1])
@@ -322,11 +341,11 @@ def _block(gm: GraphModule, topk: Node, index: Node, values: Node | None,
     for scope in (mod, mod.rsplit(".", 1)[0] if "." in mod else ""):
         scoped = [n for n in down if n.op == "call_function" and in_module(n, scope)]
         stacked = _stacked_params(gm, scoped, num_experts)
-        remapped = None if stacked else _remapped_index(index, down, scope)
-        if remapped is not None:  # fewer experts than router outputs: zero experts folded away
-            stacked = _stacked_params(gm, scoped, None)
+        remapped = _remapped_index(index, down, scope)
+        if remapped is not None:  # ids computed from the top-k's: fewer experts (zero experts), one per row
+            stacked = stacked or _stacked_params(gm, scoped, None)
             if stacked:
-                index, num_experts = remapped, int(_shape(stacked[0])[0])
+                index, num_experts, k = remapped, int(_shape(stacked[0])[0]), int(_shape(remapped)[1])
                 down = descendants([index])
                 scoped = [n for n in down if n.op == "call_function" and in_module(n, scope)]
         experts = [] if stacked else _numbered_experts(scoped, scope, num_experts)
@@ -340,7 +359,6 @@ def _block(gm: GraphModule, topk: Node, index: Node, values: Node | None,
         needed = {c for p in stacked for c in _first_users_in(p, down)}
     else:
         needed = {n for n in scoped if any(in_module(n, e) for e in experts)}
-    needed |= _first_users_in(values, down) if values is not None else set()
     output = next((n for n in sorted(down, key=_order)
                    if n.op == "call_function" and _is_float(n) and len(_shape(n)) == 2
                    and _shape(n)[0] == _shape(index)[0] and needed <= (_ancestors(n) | {n})
@@ -401,7 +419,11 @@ def _stacked_bodies(block: MoEBlock, stacked: list[Node]) -> None:
     outs = [n for n in block.region if _shape(n)[:1] == _shape(rows)[:1] and len(_shape(n)) == 2
             and _shape(n)[1] == block.hidden and n not in weighted and n is not rows and _is_float(n)]
     if not outs:
-        raise AutoparError(f"autopar: no per-row expert output before the weighting in {block.module}.")
+        raise AutoparError(
+            f"autopar: the stacked experts of '{block.module}', routed at {describe_node(block.index)}, have no "
+            f"per-row output [routed rows, {block.hidden}] before the weighting; expected experts that map each "
+            "routed row to a row of the hidden size (experts whose halves run around other work, such as "
+            "JetMoE's attention experts, are not split). Use a plan with ep=1 and tp=1 for this model.")
     out = max(outs, key=_order)
     stops = [a for a in _walk_inputs(out, rows) if a in region and rows not in _ancestors(a) | {a}]
     ids = _sorted_expert_ids(block, rows)

@@ -64,6 +64,9 @@ EXPECTED: dict[str, dict[str, object]] = {
     # top-1 routing (HunYuan-MoE): the sorted expert rows are [tokens, hidden] like the block's output,
     # which is where the rows go back to token order
     "hunyuan_v1_moe": {"tp=2,sp": E},
+    # a row per (token, slot) routed with unit weights, weighted after the experts (Ergo); under tp its
+    # attention's fused projection is split by sizes, which tp refuses
+    "ergo": {"dp=2,ep=2": E},
     # eager attention under cp, run whole over the gathered sequence, its mask built again at the
     # global length: soft-capped scores (Gemma 2), ALiBi (MPT), a relative position embedding projected
     # by a weight (XLNet), a rotary table indexed by positions (GPT-J), and a sparse-attention indexer
