@@ -17,6 +17,7 @@ from autopar.frontend.analyze import analyze
 from autopar.frontend.trace import trace_model
 from autopar.plan import Plan
 from autopar.plan_space import DEFAULT_BUCKET_BYTES
+from autopar.errors import AutoparError, describe_node
 from autopar.support import check_runnable, check_supported, moe_needs_rewrite
 from .causal_mask import causal_mask_pass
 from .cleanup import cleanup_pass
@@ -54,7 +55,23 @@ def _validate(plan: Plan, structure, world_size: int) -> None:
     """The plan against the model's structure and what the runtime supports (``autopar:`` errors)."""
     if structure.moe_error is not None and moe_needs_rewrite(plan):
         raise structure.moe_error
+    _check_dense_experts(plan, structure)
     check_runnable(plan, world_size=world_size, num_heads=structure.num_heads or None,
                    num_kv_heads=structure.num_kv_heads or None,
                    vocab=structure.vocab if structure.embeddings else None, num_experts=structure.num_experts,
                    tied=bool(structure.tied_embeddings and structure.lm_head))
+
+
+def _check_dense_experts(plan: Plan, structure) -> None:
+    """Experts that all run on every token (``analyze_moe.DenseExperts``) route no rows: ep has
+    none to send to expert owners and a capacity none to drop, so both are refused by name."""
+    if not structure.dense_moe or (plan.ep == 1 and plan.capacity is None):
+        return
+    block = structure.dense_moe[0]
+    what = f"ep={plan.ep}" if plan.ep > 1 else f"capacity={plan.capacity!r}"
+    raise AutoparError(
+        f"autopar: {what} needs experts that each run on the tokens routed to them, but the "
+        f"{block.num_experts} experts at {describe_node(block.node)} all run on every token (dense routing: "
+        "the tokens repeated per expert, scaled by the router scores, one batched matmul over every "
+        f"expert), so no tokens are routed. Use a plan without {what.split('=')[0]} (dp, tp with sp, cp "
+        "and pp run these experts as traced).")

@@ -37,7 +37,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from autopar.ops import moe
-from autopar.frontend.analyze_moe import MoEBlock, extract_body, in_module
+from autopar.frontend.analyze_moe import DenseExperts, MoEBlock, extract_body, in_module
 from autopar.frontend.op_sets import SIZED_RESHAPE_OPS
 from autopar.errors import AutoparError, describe_node
 from autopar.support import moe_needs_rewrite
@@ -67,7 +67,7 @@ def _param_nodes(gm: GraphModule, names: list[str], before: Node) -> list[Node]:
 def _replace(gm: GraphModule, block: MoEBlock, i: int, ctx: PassContext) -> None:
     bodies, names = [], []
     for io in block.body_io:
-        body, params = extract_body(*io)
+        body, params = extract_body(*io, ids=block.expert_ids)
         bodies.append(body)
         names += params
     holder = f"moe_experts_{i}"
@@ -82,7 +82,8 @@ def _replace(gm: GraphModule, block: MoEBlock, i: int, ctx: PassContext) -> None
         rows = graph.call_function(operator.getitem, (dispatch, 0))
         routing = graph.call_function(operator.getitem, (dispatch, 1))
         bodies_node = graph.get_attr(holder)
-        experts = graph.call_function(moe.moe_experts, (rows, routing, bodies_node, params, block.style, AXIS))
+        experts = graph.call_function(moe.moe_experts, (rows, routing, bodies_node, params, block.style, AXIS,
+                                                        block.expert_ids is not None))
         combine = graph.call_function(moe.moe_combine, (experts, block.weights, routing, AXIS))
     tok = block.tokens.meta["val"]
     dispatch.meta["val"] = (tok, None)
@@ -141,12 +142,15 @@ def _layouts(block: MoEBlock, ctx: PassContext, result: PassResult) -> None:
             result.shard_param(name, AXIS, ParamShard(0, owner=e // num_local), propagate=False)
 
 
-def _seq_major_tokens(gm: GraphModule, block: MoEBlock, ctx: PassContext) -> None:
+def _seq_major_tokens(gm: GraphModule, block: MoEBlock | DenseExperts, ctx: PassContext) -> None:
     """Every ``[b, s, h] -> [b*s, h]`` flatten of the block goes through ``[s, b, h]``, and every
-    ``[b*s, h] -> [b, s, h]`` back through ``[s, b, h]`` and a transpose."""
+    ``[b*s, h] -> [b, s, h]`` back (in the block, or of the block's output: Llama 4 views it back
+    in the decoder layer) through ``[s, b, h]`` and a transpose."""
     flats, unflats = [], []
     for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target not in SIZED_RESHAPE_OPS or not in_module(n, block.module):
+        if n.op != "call_function" or n.target not in SIZED_RESHAPE_OPS:
+            continue
+        if not (in_module(n, block.module) or isinstance(n.args[0], Node) and in_module(n.args[0], block.module)):
             continue
         src, out = _dims(n.args[0]), _dims(n)
         if len(src) == 3 and len(out) == 2 and _is_seq(src[1], ctx):
@@ -206,5 +210,10 @@ def expert_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         result.num_rewritten += 1
         result.notes.append(f"{block.module}: {block.style} experts, E={block.num_experts}, top-{block.top_k}, "
                             f"{block.num_experts // plan.ep} per ep rank")
+    for dense in ctx.structure.dense_moe:  # run as traced; under sp its tokens stay sequence-major
+        if plan.tp > 1 and plan.sp:
+            _seq_major_tokens(gm, dense, ctx)
+            result.notes.append(f"{dense.module}: dense experts (every expert on every token) run as traced "
+                                "on the rank's sequence shard")
     gm.graph.eliminate_dead_code()
     return result

@@ -416,16 +416,24 @@ def index_rule(node: Node, pls: list, rc: RuleContext):
 @register(aten.repeat.default)
 def repeat_rule(node: Node, pls: list, rc: RuleContext):
     """``x.repeat(r0, r1, ...)``: tiles ``x`` ``r_d`` times along each dim (new leading dims for extra
-    repeats).  A shard stays where its dim is repeated once; tiling the sharded dim would put copies of
-    every rank's part side by side, not this rank's part of the tiled whole: refused.  Linear, so a
-    partial sum stays partial."""
+    repeats).  A shard stays where its dim is repeated once.  Tiling the sharded dim puts ``r`` copies
+    of the rank's part side by side: the rank's share of every run of the input's size (Llama 4's tokens
+    repeated per expert), laid out like a dim merged behind others (``autopar_every``,
+    ``passes/block_layout.py``), so only a view back to ``(r, size)`` makes it an even shard; a dim laid
+    out by blocks already is refused.  On a data axis (cp) the copies are of the rank's own tokens,
+    which is what a reshape there keeps.  Linear, so a partial sum stays partial."""
     pl = pls[0]
     if not isinstance(pl, Shard):
         return pl
     reps = list(node.args[1])
     out = pl.dim + len(reps) - ndim_of(node.args[0])
-    if reps[out] != 1:
-        raise rc.fail(node, f"tiles the sharded dim {pl.dim} {reps[out]} times")
+    if reps[out] == 1 or rc.local_sizes:
+        return Shard(out)
+    src = node.args[0]
+    if src.meta.get(BLOCKS_KEY) or src.meta.get(WHOLE_KEY):
+        raise rc.fail(node, f"tiles the sharded dim {pl.dim} {reps[out]} times, which is laid out by blocks")
+    run = src.meta.get(EVERY_KEY)
+    node.meta[EVERY_KEY] = run if run is not None else size_expr(shape_of(src)[pl.dim])
     return Shard(out)
 
 

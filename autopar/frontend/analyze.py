@@ -34,7 +34,7 @@ import torch
 from torch.fx import GraphModule, Node
 
 from autopar.errors import AutoparError
-from autopar.frontend.analyze_moe import find_moe_blocks
+from autopar.frontend.analyze_moe import find_moe
 from autopar.frontend.attention_dims import attention_dims, eager_attention_dims
 from autopar.frontend.fx_utils import fused_chain_dim, module_path, reshape_chain, value_users, within as _within
 from autopar.frontend.loss import LossReduction, logits_loss, loss_reduction
@@ -102,6 +102,8 @@ class ModelStructure:
     norm_biases: bool = False  # the layers' norms are LayerNorms with a bias (GPT-2, OPT, Falcon)
     latent: dict = dataclasses.field(default_factory=dict)  # MLA's ModelSpec fields (_latent_dims)
     moe_error: AutoparError | None = None  # a top-k routing whose experts were not recognised
+    # analyze_moe.DenseExperts per block whose experts all run on every token (Llama 4), run as traced
+    dense_moe: list = dataclasses.field(default_factory=list)
     loss_reduction: LossReduction | None = None  # how the loss splits over tokens (frontend/loss.py)
 
     @property
@@ -475,11 +477,11 @@ def analyze(gm: GraphModule) -> ModelStructure:
             if info.out_features == vocab and logits_loss(n) is not None:
                 lm_head = info
     try:
-        moe, moe_error = find_moe_blocks(gm), None
+        (moe, dense_moe), moe_error = find_moe(gm), None
     except AutoparError as exc:  # fatal only for plans that must rewrite the experts (ep, tp)
-        moe, moe_error = [], exc
+        moe, dense_moe, moe_error = [], [], exc
     # Everything of a MoE block (router, experts, shared experts) runs on token shards, not TP-split.
-    in_experts = {n for b in moe for n in b.region} | {n for b in moe for n in linears
+    in_experts = {n for b in moe for n in b.region} | {n for b in moe + dense_moe for n in linears
                                                        if _within(module_path(n), b.module)}
     layers = _layers(gm, {e for b in moe for e in b.expert_modules})
     regions = _regions(gm, linears, ({lm_head.node} if lm_head else set()) | in_experts, layers)
@@ -497,6 +499,7 @@ def analyze(gm: GraphModule) -> ModelStructure:
     losses = [n for n in nodes if n.target == aten.cross_entropy_loss.default]
     mlps = [r for r in regions if r.kind == "mlp"]
     ffn = max((c.out_features // max(1, len(c.split_sizes or [1])) for r in mlps for c in r.columns), default=0)
+    ffn = ffn or max((d.width for d in dense_moe), default=0)
     first = heads[0] if heads else None
     # Without an attention op, the heads of an eager core (a softmax between two matmuls)
     dims = (first.num_heads, first.num_kv_heads, first.head_dim) if first else eager_attention_dims(gm) or (0, 0, 0)
@@ -517,6 +520,7 @@ def analyze(gm: GraphModule) -> ModelStructure:
         norm_biases=norm_biases,
         latent=_latent_dims(first) if first is not None else {},
         moe=moe,
+        dense_moe=dense_moe,
         moe_error=moe_error,
         loss_reduction=loss_reduction(gm),
     )

@@ -22,6 +22,7 @@ gathering, weighting, summing) is replaced by :mod:`autopar.ops.moe`.
 from __future__ import annotations
 
 import dataclasses
+import operator
 import re
 
 import torch
@@ -34,7 +35,8 @@ from autopar.errors import AutoparError, describe_node
 
 aten = torch.ops.aten
 
-__all__ = ["MoEBlock", "find_moe_blocks", "extract_body", "expert_width", "descendants", "in_module"]
+__all__ = ["MoEBlock", "DenseExperts", "find_moe_blocks", "find_moe", "extract_body", "expert_width",
+           "descendants", "in_module"]
 
 
 
@@ -53,6 +55,7 @@ class MoEBlock:
     expert_params: list[list[str]]  # modulelist: per expert; stacked: one list of [E, ...] params
     expert_modules: list[str]  # modulelist: module path of each expert
     body_io: list[tuple[Node, Node | None, Node]]  # per body: (tokens in, offsets in, output)
+    expert_ids: Node | None = None  # stacked: the expert of each sorted row, read by per-expert tables
     expert_numel: int = 0  # parameter elements of one expert
     shared_numel: int = 0  # parameter elements of the block's always-on (shared) experts and their gates
 
@@ -63,6 +66,20 @@ class MoEBlock:
     @property
     def hidden(self) -> int:
         return int(self.tokens.meta["val"].shape[-1])
+
+
+@dataclasses.dataclass
+class DenseExperts:
+    """A top-k routing whose stacked experts all run on every row (Llama 4: the tokens repeated per
+    expert, scaled by the router scores, a batched matmul over all ``E`` experts).  Nothing is routed,
+    so nothing is rewritten: the block runs as traced and placement propagation proves it op by op on
+    token shards; ep and a capacity have no routed rows to act on and are refused."""
+
+    module: str  # module holding the routing
+    num_experts: int
+    node: Node  # the first batched matmul over every expert (for messages)
+    params: list[str]  # the stacked [E, ...] parameters
+    width: int = 0  # an expert's intermediate width: its first matmul's output width (halved when gated)
 
 
 def in_module(node: Node, prefix: str) -> bool:
@@ -107,8 +124,9 @@ def _is_float(node) -> bool:
     return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
 
 
-def _stacked_params(gm: GraphModule, scoped: list[Node], num_experts: int) -> list[Node]:
-    """3-D ``[E, ...]`` parameters that scoped nodes use, directly or through views."""
+def _stacked_params(gm: GraphModule, scoped: list[Node], num_experts: int | None) -> list[Node]:
+    """3-D ``[E, ...]`` parameters that scoped nodes use, directly or through views (``num_experts``
+    None: of any one leading size, when every such parameter has the same)."""
     params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     found: list[Node] = []
     for n in scoped:
@@ -116,8 +134,10 @@ def _stacked_params(gm: GraphModule, scoped: list[Node], num_experts: int) -> li
             while a.op == "call_function" and len(a.all_input_nodes) == 1 and a not in scoped:
                 a = a.all_input_nodes[0]
             if a.op == "get_attr" and a.target in params and len(_shape(a)) == 3 \
-                    and int(_shape(a)[0]) == num_experts and a not in found:
+                    and (num_experts is None or int(_shape(a)[0]) == num_experts) and a not in found:
                 found.append(a)
+    if num_experts is None and len({int(_shape(a)[0]) for a in found}) != 1:
+        return []
     return found
 
 
@@ -141,13 +161,22 @@ def _weights(region: set[Node], index: Node, topk: Node) -> Node | None:
     values = descendants([topk])
     for n in sorted(region, key=_order):
         for a in n.all_input_nodes:
-            if a in region or not _is_float(a) or (a not in values and a is not topk):
+            if a in region or not _is_float(a) or (a not in values and a is not topk and not _ones(a)):
                 continue
             while _shape(a) != (num_tokens, k) and a.op == "call_function" and a.target in RESHAPE_OPS:
                 a = a.args[0]
             if _shape(a) == (num_tokens, k):
                 return a
     return None
+
+
+def _ones(node: Node) -> bool:
+    """A fill of ones, through reshapes: unit weights (Ergo weights each (token, slot) row after its
+    experts, so the routed block itself weights every row 1)."""
+    while node.op == "call_function" and node.target in RESHAPE_OPS:
+        node = node.args[0]
+    return node.op == "call_function" and node.target in (aten.new_ones.default, aten.ones.default,
+                                                          aten.ones_like.default)
 
 
 def _gathered_weights(region: set[Node], index: Node, needed: set[Node]) -> Node | None:
@@ -194,38 +223,146 @@ def _router(topk: Node) -> Node | None:
 
 def find_moe_blocks(gm: GraphModule) -> list[MoEBlock]:
     """Every MoE block of the graph, in graph order (see the module docstring)."""
+    return find_moe(gm)[0]
+
+
+def find_moe(gm: GraphModule) -> tuple[list[MoEBlock], list[DenseExperts]]:
+    """Every routed MoE block and every block of dense experts (:class:`DenseExperts`), in graph order."""
     for i, n in enumerate(gm.graph.nodes):
         n.meta["_autopar_order"] = i
-    blocks = []
-    for topk in [n for n in gm.graph.nodes if n.op == "call_function" and n.target == aten.topk.default]:
-        block = _block(gm, topk)
-        if block is not None:
+    blocks, dense = [], []
+    for topk, index, width in _routings(gm):
+        block = _block(gm, topk, index, width)
+        if isinstance(block, DenseExperts):
+            dense.append(block)
+        elif block is not None:
             blocks.append(block)
-    return blocks
+    return blocks, dense
 
 
-def _block(gm: GraphModule, topk: Node) -> MoEBlock | None:
-    index = next((u for u in topk.users if u.target.__name__ == "getitem" and u.args[1] == 1), None)
-    if index is None or len(_shape(index)) != 2:
+def _dense_experts(scope: str, stacked: list[Node], down: set[Node], num_experts: int) -> DenseExperts | None:
+    """The stacked experts as :class:`DenseExperts` when every parameter meets the routed values first
+    in a batched matmul whose batch is the ``E`` experts (``bmm([E, n, h], [E, h, f])``: each expert
+    on the same ``n`` rows, no per-expert offsets); None otherwise."""
+    firsts = [(p, u) for p in stacked for u in _first_users_in(p, down)]
+    def batched_over_experts(p: Node, u: Node) -> bool:
+        rows, weight = u.args[0], u.args[1]
+        return (u.target is aten.bmm.default and (weight is p or p in _ancestors(weight))
+                and p not in _ancestors(rows) | {rows} and _shape(rows)[:1] == (num_experts,))
+
+    if not firsts or not all(batched_over_experts(p, u) for p, u in firsts):
         return None
-    num_experts, k = int(_shape(topk.args[0])[-1]), int(_shape(index)[1])
+    first = min((u for _, u in firsts), key=_order)
+    out_width = int(_shape(first)[-1])
+    gated = any(u.target is aten.chunk.default or u.target is aten.split.Tensor for u in first.users)
+    return DenseExperts(module=scope, num_experts=num_experts, node=first, params=[p.target for p in stacked],
+                        width=out_width // 2 if gated else out_width)
+
+
+_SCATTERS = (aten.index.Tensor, aten.index_add.default, aten.index_add_.default, aten.index_put.default,
+             aten.index_put_.default, aten.index_copy.default, aten.scatter_add.default)
+
+
+def _back_in_token_order(node: Node, down: set[Node]) -> bool:
+    """With top-1 the rows sorted by expert are ``[T, h]`` like the block's output: a candidate is the
+    output only once routed float rows were moved back by routing indices (``y[inverse]``, an
+    ``index_add`` at the tokens): an index op among its routed ancestors that moves routed floats."""
+    return any(a.target in _SCATTERS and any(_is_float(b) and b in down for b in a.all_input_nodes)
+               for a in (_ancestors(node) | {node}) & down)
+
+
+def _item(node: Node, i: int) -> Node | None:
+    return next((u for u in node.users if u.target is operator.getitem and u.args[1] == i), None)
+
+
+def _routings(gm: GraphModule) -> list[tuple[Node, Node, int]]:
+    """``(source, index, width)`` of every top-k routing in graph order: an ``aten.topk`` (its
+    indices over ``width`` router outputs), or a ``torch.no_grad()`` region
+    (``wrap_with_set_grad_enabled``, LongCat's router) whose graph returns a top-k's indices, read
+    by the ``getitem`` of that output."""
+    found = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        if n.target == aten.topk.default and (index := _item(n, 1)) is not None:
+            found.append((n, index, int(_shape(n.args[0])[-1])))
+        elif n.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
+            found += _region_routings(gm, n)
+    return found
+
+
+def _region_routings(gm: GraphModule, region: Node) -> list[tuple[Node, Node, int]]:
+    sub = getattr(gm, region.args[1].target, None)
+    if not isinstance(sub, GraphModule):
+        return []
+    outputs = list(next(n for n in sub.graph.nodes if n.op == "output").args[0])
+    found = []
+    for i, out in enumerate(outputs):
+        if isinstance(out, Node) and out.target is operator.getitem and out.args[1] == 1 \
+                and out.args[0].target == aten.topk.default and (index := _item(region, i)) is not None:
+            found.append((region, index, int(_shape(out.args[0].args[0])[-1])))
+    return found
+
+
+def _remapped_index(index: Node, down: set[Node], scope: str) -> Node | None:
+    """The ``[N, k']`` expert ids the experts sort by, when the block computes them from the top-k's:
+    the 2-D input of the block's one sort of flattened ids.  LongCat folds choices past its routed
+    experts onto them with a ``where`` (``[T, k]``); Ergo gives each (token, slot) a row of its own
+    (``idx.reshape(-1, 1)``, the tokens repeated per slot: ``[T * k, 1]``).  ``moe_dispatch``
+    refuses ids outside the experts at run time, so a fold the graph does not bound stops there,
+    never silently."""
+    sorts = [n for n in down if n.target in (aten.sort.default, aten.sort.stable) and in_module(n, scope)
+             and n.args[0].target in RESHAPE_OPS and len(_shape(n.args[0])) == 1]
+    if len(sorts) != 1:
+        return None
+    ids = sorts[0].args[0].args[0]
+    if ids is index or ids not in down or len(_shape(ids)) != 2 or _is_float(ids) or _top_k_ids(ids):
+        return None  # another top-k's ids (a group-limited router's last top-k) are a routing of their own
+    return ids
+
+
+def _top_k_ids(node: Node) -> bool:
+    """Whether ``node`` is the indices of a top-k, read directly or through a ``torch.no_grad()`` region."""
+    if node.target is not operator.getitem:
+        return False
+    src = node.args[0]
+    if src.target == aten.topk.default:
+        return node.args[1] == 1
+    return src.target is torch.ops.higher_order.wrap_with_set_grad_enabled and \
+        any(i is node for _, i, _ in _region_routings(src.graph.owning_module, src))
+
+
+def _block(gm: GraphModule, topk: Node, index: Node, width: int) -> MoEBlock | DenseExperts | None:
+    if len(_shape(index)) != 2:
+        return None
+    num_experts, k = width, int(_shape(index)[1])
     down = descendants([index])
     mod = module_path(topk)
     for scope in (mod, mod.rsplit(".", 1)[0] if "." in mod else ""):
         scoped = [n for n in down if n.op == "call_function" and in_module(n, scope)]
         stacked = _stacked_params(gm, scoped, num_experts)
+        remapped = _remapped_index(index, down, scope)
+        if remapped is not None:  # ids computed from the top-k's: fewer experts (zero experts), one per row
+            stacked = stacked or _stacked_params(gm, scoped, None)
+            if stacked:
+                index, num_experts, k = remapped, int(_shape(stacked[0])[0]), int(_shape(remapped)[1])
+                down = descendants([index])
+                scoped = [n for n in down if n.op == "call_function" and in_module(n, scope)]
         experts = [] if stacked else _numbered_experts(scoped, scope, num_experts)
         if stacked or experts:
             break
     else:
         return None
+    if stacked and (dense := _dense_experts(scope or mod, stacked, down, num_experts)) is not None:
+        return dense
     if stacked:
         needed = {c for p in stacked for c in _first_users_in(p, down)}
     else:
         needed = {n for n in scoped if any(in_module(n, e) for e in experts)}
     output = next((n for n in sorted(down, key=_order)
                    if n.op == "call_function" and _is_float(n) and len(_shape(n)) == 2
-                   and _shape(n)[0] == _shape(index)[0] and needed <= (_ancestors(n) | {n})), None)
+                   and _shape(n)[0] == _shape(index)[0] and needed <= (_ancestors(n) | {n})
+                   and (k > 1 or _back_in_token_order(n, down))), None)
     if output is None:
         raise AutoparError(f"autopar: found a top-k routing at {describe_node(topk)} with {num_experts} experts "
                            "but no [tokens, hidden] output that combines every expert; expected "
@@ -282,21 +419,71 @@ def _stacked_bodies(block: MoEBlock, stacked: list[Node]) -> None:
     outs = [n for n in block.region if _shape(n)[:1] == _shape(rows)[:1] and len(_shape(n)) == 2
             and _shape(n)[1] == block.hidden and n not in weighted and n is not rows and _is_float(n)]
     if not outs:
-        raise AutoparError(f"autopar: no per-row expert output before the weighting in {block.module}.")
+        raise AutoparError(
+            f"autopar: the stacked experts of '{block.module}', routed at {describe_node(block.index)}, have no "
+            f"per-row output [routed rows, {block.hidden}] before the weighting; expected experts that map each "
+            "routed row to a row of the hidden size (experts whose halves run around other work, such as "
+            "JetMoE's attention experts, are not split). Use a plan with ep=1 and tp=1 for this model.")
     out = max(outs, key=_order)
-    offsets = [a for a in _walk_inputs(out, rows) if a in region and rows not in _ancestors(a) | {a}]
+    stops = [a for a in _walk_inputs(out, rows) if a in region and rows not in _ancestors(a) | {a}]
+    ids = _sorted_expert_ids(block, rows)
+    tables = [a for a in stops if ids is not None and _expert_table_read(a, ids, block.num_experts)]
+    offsets = [a for a in stops if a not in tables]
     if len(offsets) != 1 or _shape(offsets[0]) != (block.num_experts,):
         raise AutoparError(f"autopar: the stacked experts at {describe_node(out)} depend on "
-                           f"{[o.name for o in offsets]} besides the sorted tokens and the parameters; "
-                           "expected one per-expert offsets tensor. Use a plan with ep=1 and tp=1.")
-    _, used = extract_body(rows, offsets[0], out)
+                           f"{[o.name for o in offsets]} besides the sorted tokens, the parameters and "
+                           "per-expert parameters read at the sorted expert ids; expected one per-expert "
+                           "offsets tensor. Use a plan with ep=1 and tp=1.")
+    block.expert_ids = ids if tables else None
+    _, used = extract_body(rows, offsets[0], out, ids=block.expert_ids)
+    stacked = stacked + [t.args[0] for t in tables if t.args[0] not in stacked]
     if set(used) != {p.target for p in stacked}:
         raise AutoparError(f"autopar: the expert output {describe_node(out)} (the last per-row value before the "
                            f"routing weights) uses {sorted(used)}, not every stacked expert weight "
                            f"{sorted(p.target for p in stacked)}; expected the weights applied after the experts. "
                            "Use a plan with ep=1 and tp=1 for this model.")
-    block.expert_params = [[p.target for p in stacked]]
+    block.expert_params = [[p.target for p in sorted(stacked, key=_order)]]
     block.body_io = [(rows, offsets[0], out)]
+
+
+def _sorted_expert_ids(block: MoEBlock, rows: Node) -> Node | None:
+    """The expert of each sorted row, when the graph proves it: ``ids, order = sort(idx.flatten())``
+    ascending, and the rows are ``x[order // k]``, so row ``r`` is token ``order[r] // k`` and
+    its expert is ``idx.flatten()[order[r]] = ids[r]``.  Whatever order the sort gives equal keys,
+    ``ids`` is the sorted key sequence, so the rewritten dispatch (its own stable sort, split over
+    ranks) has the same ids per row: ``repeat_interleave(arange(E_local), counts)``."""
+    pick = rows.args[1][0] if len(rows.args[1]) == 1 else None
+    if not (isinstance(pick, Node) and pick.target in (aten.floor_divide.default, aten.div.Tensor_mode)
+            and pick.args[1] == block.top_k and (pick.target is aten.floor_divide.default
+                                                  or pick.kwargs.get("rounding_mode") == "floor")):
+        return None
+    positions = pick.args[0]
+    if not (positions.target is operator.getitem and positions.args[1] == 1):
+        return None
+    sort = positions.args[0]
+    if sort.target not in (aten.sort.default, aten.sort.stable) or _sort_descending(sort):
+        return None
+    flat = sort.args[0]
+    if not (flat.target in RESHAPE_OPS and flat.args[0] is block.index and len(_shape(flat)) == 1):
+        return None
+    return next((u for u in sort.users if u.target is operator.getitem and u.args[1] == 0), None)
+
+
+def _sort_descending(sort: Node) -> bool:
+    """Whether an ``aten.sort`` sorts descending (``sort.default(x, dim, descending)``,
+    ``sort.stable(x, *, stable, dim, descending)``)."""
+    if sort.target is aten.sort.default and len(sort.args) > 2:
+        return bool(sort.args[2])
+    return bool(sort.kwargs.get("descending", False))
+
+
+def _expert_table_read(node: Node, ids: Node, num_experts: int) -> bool:
+    """``p[ids]``: a parameter of ``num_experts`` rows (a per-expert bias) read at the sorted
+    rows' expert ids, so row ``r`` gets its own expert's row."""
+    if node.target is not aten.index.Tensor or len(node.args[1]) != 1 or node.args[1][0] is not ids:
+        return False
+    table = node.args[0]
+    return table.op == "get_attr" and len(_shape(table)) >= 1 and _shape(table)[0] == num_experts
 
 
 def _modulelist_bodies(block: MoEBlock) -> None:
@@ -336,13 +523,16 @@ def _param_only(node: Node) -> bool:
     return all(a.op == "get_attr" or (a.op == "call_function" and _param_only(a)) for a in node.all_input_nodes)
 
 
-def extract_body(tokens: Node, offsets: Node | None, out: Node) -> tuple[GraphModule, list[str]]:
-    """The computation from ``tokens`` (and ``offsets``) to ``out`` as its own GraphModule.
+def extract_body(tokens: Node, offsets: Node | None, out: Node, *, ids: Node | None = None) \
+        -> tuple[GraphModule, list[str]]:
+    """The computation from ``tokens`` (and ``offsets``, and the rows' expert ``ids``) to ``out``
+    as its own GraphModule.
 
-    Its placeholders are ``tokens``, then ``offsets`` (if given), then every parameter it
-    uses, in the returned order; the body holds no state of its own.
+    Its placeholders are ``tokens``, then ``offsets`` and ``ids`` (each if given), then every
+    parameter it uses, in the returned order; the body holds no state of its own.  ``ids`` may
+    only index per-expert parameters (``p[ids]``): under ep a rank's ids count its own experts.
     """
-    inputs = [tokens] + ([offsets] if offsets is not None else [])
+    inputs = [tokens] + [a for a in (offsets, ids) if a is not None]
     routed = descendants(inputs)
     members: set[Node] = {out}
     used_params: list[Node] = []
@@ -366,6 +556,14 @@ def extract_body(tokens: Node, offsets: Node | None, out: Node) -> tuple[GraphMo
     env: dict[Node, Node] = {tokens: graph.placeholder("tokens")}
     if offsets is not None:
         env[offsets] = graph.placeholder("offsets")
+    if ids is not None:
+        env[ids] = graph.placeholder("expert_ids")
+        bad = [u for u in ids.users if u in members and not (
+            u.target is aten.index.Tensor and u.args[0].op == "get_attr" and list(u.args[1]) == [ids])]
+        if bad:
+            raise AutoparError(f"autopar: the expert computation at {describe_node(bad[0])} uses the sorted "
+                               "expert ids other than to read a per-expert parameter; expected p[ids]. "
+                               "Use a plan with ep=1 and tp=1 for this model.")
     used_params.sort(key=_order)
     for i, p in enumerate(used_params):
         env[p] = graph.placeholder(f"p{i}")
@@ -380,9 +578,13 @@ def extract_body(tokens: Node, offsets: Node | None, out: Node) -> tuple[GraphMo
 
 def expert_width(block: MoEBlock) -> tuple[int, bool]:
     """(intermediate width, gated) of one expert, from its parameter count and its body's ops:
-    a gated expert multiplies two projections of its tokens (``act(gate(x)) * up(x)``)."""
-    body, _ = extract_body(*block.body_io[0])
+    a gated expert multiplies two projections of its tokens (``act(gate(x)) * up(x)``).  Per-expert
+    tables read at the rows' expert ids (biases) are left out of the width."""
+    body, _ = extract_body(*block.body_io[0], ids=block.expert_ids)
     gated = any(n.target == aten.mul.Tensor and all(isinstance(a, Node) and a.op != "get_attr" and
                                                    "offsets" not in a.name for a in n.args)
                 for n in body.graph.nodes if n.op == "call_function")
-    return block.expert_numel // ((3 if gated else 2) * block.hidden), gated
+    tables = {u.args[0] for u in (block.expert_ids.users if block.expert_ids is not None else ())
+              if u.target is aten.index.Tensor and u.args[0].op == "get_attr"}
+    table_numel = sum(_val(t).numel() for t in tables) // block.num_experts
+    return (block.expert_numel - table_numel) // ((3 if gated else 2) * block.hidden), gated

@@ -32,6 +32,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from autopar.errors import AutoparError
 from autopar.ops import collectives
 
 __all__ = ["Routing", "capacity_keep", "moe_dispatch", "moe_experts", "moe_combine"]
@@ -112,6 +113,10 @@ def moe_dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int, axis: str
     flat = idx.reshape(-1)
     sorted_experts, order = torch.sort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts)
+    if counts.numel() != num_experts:  # ids a block computed (LongCat's fold) past its experts
+        raise AutoparError(f"autopar: MoE dispatch met expert id {counts.numel() - 1} but the block has "
+                           f"{num_experts} experts; the expert ids the block sorts by must lie in "
+                           f"[0, {num_experts - 1}]. Use a plan with ep=1 and tp=1 for this model.")
     if capacity_factor is not None:
         capacity = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
         keep = capacity_keep(sorted_experts, counts, capacity)
@@ -177,20 +182,32 @@ def _balanced_dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int, axi
     return tokens[regroup_t], routing
 
 
-def moe_experts(rows: torch.Tensor, routing: Routing, bodies, params: list, style: str, axis: str) -> torch.Tensor:
-    """The user's experts on the rows of this rank's experts (``bodies`` cut from the traced graph)."""
+def moe_experts(rows: torch.Tensor, routing: Routing, bodies, params: list, style: str, axis: str,
+                expert_ids: bool = False) -> torch.Tensor:
+    """The user's experts on the rows of this rank's experts (``bodies`` cut from the traced graph).
+
+    A stacked body with ``expert_ids`` also takes each row's expert among this rank's experts
+    (its per-expert parameters, biases, are this rank's rows of the ``[E, ...]`` tables)."""
     g = _ep_group(axis)
     rank = g.rank if g is not None else 0
     num_local = len(routing.local_counts)
     if style == "stacked":
         offsets = torch.tensor(routing.local_counts, device=rows.device).cumsum(0).to(torch.int32)
-        return bodies[0](rows, offsets, *params)
+        if not expert_ids:
+            return bodies[0](rows, offsets, *params)
+        return bodies[0](rows, offsets, local_expert_ids(routing.local_counts, rows.device), *params)
     per_expert = len(params) // len(bodies)
     outs = []
     for j, chunk in enumerate(torch.split(rows, routing.local_counts)):
         e = rank * num_local + j
         outs.append(bodies[e](chunk, *params[e * per_expert:(e + 1) * per_expert]))
     return torch.cat(outs) if outs else rows
+
+
+def local_expert_ids(local_counts: list[int], device) -> torch.Tensor:
+    """The local expert of each row grouped by local expert: ``j`` repeated ``local_counts[j]`` times."""
+    ids = torch.repeat_interleave(torch.arange(len(local_counts)), torch.tensor(local_counts, dtype=torch.long))
+    return ids.to(device)
 
 
 def moe_combine(out: torch.Tensor, weights: torch.Tensor, routing: Routing, axis: str) -> torch.Tensor:

@@ -36,16 +36,17 @@ EXPECTED: dict[str, dict[str, object]] = {
     "qwen2_moe": {"dp=2,zero=3": E},
     "qwen3_moe": {"tp=2,sp": E, "cp=2:ring": E},
     # experts run as traced under dp, their routing proven per token (passes/token_order.py): GPT-OSS
-    # (expert biases gathered by the sorted expert ids; sliding windows of 16 below the sequence)
-    # (under tp its experts' offsets are more than one tensor: refused, naming them)
-    "gpt_oss": {"dp=2,zero=3": E, "tp=2,sp": (R, "expected one per-expert offsets tensor")},
+    # (expert biases gathered by the sorted expert ids; sliding windows of 16 below the sequence);
+    # under tp and ep the rewritten experts carry the biases, read at each row's local expert id
+    "gpt_oss": {"dp=2,zero=3": E, "tp=2,sp": E, "dp=2,ep=2": E},
     # PhiMoE's train-mode router samples experts (Gumbel noise: exponential_ on the rank's rows), which
     # no rank can draw as one device draws them for the whole batch: refused, naming the draw
     "phimoe": {"dp=2,zero=3": (R, "cannot shard node 'exponential_'")},
     # LongCat's zero experts: choices past the routed experts folded onto them by a where, whose keys
     # are ranged branch by branch; its router's top-k runs in torch.no_grad(), a graph of its own
-    # placed node by node on the rank's sequence shard under cp
-    "longcat_flash": {"dp=2,zero=3": E, "cp=2:ring": E},
+    # placed node by node on the rank's sequence shard under cp; under tp and ep the rewrite sorts by
+    # the folded ids (the routing found inside the no_grad region)
+    "longcat_flash": {"dp=2,zero=3": E, "cp=2:ring": E, "tp=2,sp": E, "dp=2,ep=2": E},
     # an input check over the batch (XLM's assert lengths.max() <= slen): each rank checks its rows;
     # under tp its scores are masked in place (masked_fill_ keeps its destination's placement)
     "xlm": {"dp=2,zero=3": E, "tp=2,sp": E},
@@ -56,9 +57,16 @@ EXPECTED: dict[str, dict[str, object]] = {
     "mistral": {"tp=2,sp": E, "cp=2:ring": E},
     "cohere2": {"tp=2,sp": E, "cp=2:ring": E},
     # Llama 4's chunked attention: neither causal nor a window, so under cp it runs whole over the
-    # gathered sequence (passes/cp_cores.py); its dense-style experts repeat the tokens per expert,
-    # which cp refuses
-    "llama4_text": {"cp=2:ring": (R, "cannot shard node 'repeat'")},
+    # gathered sequence (passes/cp_cores.py); its dense experts (every expert on every token, the tokens
+    # repeated per expert) run as traced on token shards, the repeat the rank's share of every copy;
+    # ep has no routed tokens to move: refused, naming the experts
+    "llama4_text": {"cp=2:ring": E, "tp=2,sp": E, "dp=2,ep=2": (R, "all run on every token")},
+    # top-1 routing (HunYuan-MoE): the sorted expert rows are [tokens, hidden] like the block's output,
+    # which is where the rows go back to token order
+    "hunyuan_v1_moe": {"tp=2,sp": E},
+    # a row per (token, slot) routed with unit weights, weighted after the experts (Ergo); under tp its
+    # attention's fused projection is split by sizes, which tp refuses
+    "ergo": {"dp=2,ep=2": E},
     # eager attention under cp, run whole over the gathered sequence, its mask built again at the
     # global length: soft-capped scores (Gemma 2), ALiBi (MPT), a relative position embedding projected
     # by a weight (XLNet), a rotary table indexed by positions (GPT-J), and a sparse-attention indexer

@@ -140,9 +140,11 @@ def test_equal_blocks_viewed_as_a_stack_are_an_even_shard_of_the_block_dim():
     assert view.args[1] == [2, 3, 2, 2]
 
 
-def test_repeat_keeps_a_shard_repeated_once_and_refuses_tiling_it():
-    """DiffLlama's ``v.repeat(1, 2, 1, 1)`` over the heads of sequence shards keeps them; tiling the
-    sharded dim would put every rank's copies side by side, not its part of the tiled whole."""
+def test_repeat_keeps_a_shard_repeated_once_and_lays_out_a_tiled_one_by_runs():
+    """DiffLlama's ``v.repeat(1, 2, 1, 1)`` over the heads of sequence shards keeps them.  Tiling the
+    sharded dim puts the rank's copies side by side: its share of every run of the input's size
+    (``autopar_every``, Llama 4's tokens repeated per expert), and the sum of every element is still the
+    ranks' partial sums; a value laid out by blocks is not tiled."""
     b = _Builder()
     v = b.input("v", 2, 3, 8, 4, shard=2)
     tiled = b.op(aten.repeat.default, v, [1, 2, 1, 1], shape=(2, 6, 8, 4))
@@ -151,7 +153,13 @@ def test_repeat_keeps_a_shard_repeated_once_and_refuses_tiling_it():
     b = _Builder()
     v = b.input("v", 2, 8, shard=1)
     tiled = b.op(aten.repeat.default, v, [1, 2], shape=(2, 16))
-    with pytest.raises(AutoparError, match=r"tiles the sharded dim 1 2 times"):
+    placements, _ = b.place(_sum(b, tiled))
+    assert placements[tiled] == Shard(1) and tiled.meta["autopar_every"] == 8
+    b = _Builder()
+    v = b.input("v", 2, 8, shard=1)
+    v.meta["autopar_blocks"] = (4, 4)
+    tiled = b.op(aten.repeat.default, v, [1, 2], shape=(2, 16))
+    with pytest.raises(AutoparError, match=r"tiles the sharded dim 1 2 times, which is laid out by blocks"):
         b.place(_sum(b, tiled))
 
 

@@ -1,0 +1,96 @@
+"""Experts that all run on every token (Llama 4), in one process.
+
+Llama 4's MoE block repeats its tokens once per expert, scales each copy by the router's score for
+that expert (zero off the top-k: the sigmoid of a -inf fill), runs one batched matmul over all ``E``
+experts and sums the experts' outputs.  Nothing is routed, so nothing is rewritten: the analysis
+records the block as dense experts (``analyze_moe.DenseExperts``) instead of failing to find routed
+rows, keeps its linears off the TP regions, and the block runs as traced on token shards, placed op
+by op.  The op that needs a rule is the repeat of the sharded token dim: the rank's part repeated,
+its share of every run of the input's size (``autopar_every``), which only a view back to
+``(E, tokens)`` makes an even shard.  ep and a capacity route no rows here: refused by name.  The
+multi-rank half (trained against one device under tp=2,sp and cp=2:ring) is tests/e2e/test_zoo.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.distributed.tensor import Shard
+from torch.fx import Graph, GraphModule
+
+from autopar.errors import AutoparError
+from autopar.frontend.analyze import analyze
+from autopar.frontend.trace import trace_model
+from autopar.passes.rules import R, RuleContext
+from autopar.passes.shard_propagation import propagate
+from autopar.runtime import compile_program
+
+transformers = pytest.importorskip("transformers")
+from benchmarks.models import hf_loss, hf_model  # noqa: E402
+
+aten = torch.ops.aten
+
+
+def _llama4(seed: int = 0):
+    """A tiny ``transformers.Llama4ForCausalLM``: 4 experts, top-1, a shared expert, 2 layers."""
+    return hf_model("Llama4TextConfig", "Llama4ForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+        max_position_embeddings=64, attn_implementation="sdpa"), {})
+
+
+def _ids():
+    torch.manual_seed(1)
+    return torch.randint(0, 128, (2, 16))
+
+
+def _repeated(view_shape):
+    """x [8, 4] sharded on its tokens, repeated 3 times along them, viewed as ``view_shape``."""
+    root, graph = nn.Module(), Graph()
+    x = graph.placeholder("x")
+    x.meta["val"] = torch.zeros(8, 4)
+    rep = graph.call_function(aten.repeat.default, (x, [3, 1]))
+    rep.meta["val"] = torch.zeros(24, 4)
+    view = graph.call_function(aten.view.default, (rep, list(view_shape)))
+    view.meta["val"] = torch.zeros(view_shape)
+    graph.output(())
+    gm = GraphModule(root, graph)
+    placements = propagate(gm, RuleContext(gm, "tp", 2, {}), lambda n: Shard(0) if n is x else R)
+    return placements, rep, view
+
+
+def test_a_repeated_token_shard_viewed_back_per_copy_is_an_even_shard():
+    placements, rep, view = _repeated((3, 8, 4))
+    assert placements[rep] == Shard(0) and rep.meta["autopar_every"] == 8
+    assert placements[view] == Shard(1)
+
+
+def test_a_repeated_token_shard_viewed_otherwise_is_refused():
+    with pytest.raises(AutoparError) as info:
+        _repeated((4, 6, 4))
+    message = str(info.value)
+    assert message.startswith("autopar: cannot shard node 'view_default'") and "every 8 elements" in message, message
+
+
+def test_llama4_experts_are_dense_and_stay_off_the_tp_regions():
+    model = _llama4()
+    s = analyze(trace_model(model, (_ids(),), {"use_cache": False}, hf_loss).gm)
+    assert s.moe == [] and s.moe_error is None
+    assert [d.module for d in s.dense_moe] == [f"model.model.layers.{i}.feed_forward" for i in range(2)]
+    assert all(d.num_experts == 4 and d.width == 32 for d in s.dense_moe)
+    assert all(r.kind == "attention" for r in s.regions)  # the router and shared expert run on token shards
+
+
+def test_llama4_under_tp_sp_runs_its_experts_on_sequence_shards():
+    traced, _ = compile_program(_llama4(), (_ids(),), {"use_cache": False}, "tp=2,sp", hf_loss, world_size=2)
+    repeats = [n for n in traced.gm.graph.nodes if n.target is aten.repeat.default]
+    assert len(repeats) == 2 and all(n.meta.get("autopar_every") is not None for n in repeats)
+
+
+@pytest.mark.parametrize("plan", ["dp=2,ep=2", "dp=2,capacity=1.0"])
+def test_llama4_refuses_ep_and_capacity_by_name(plan):
+    with pytest.raises(AutoparError) as info:
+        compile_program(_llama4(), (_ids(),), {"use_cache": False}, plan, hf_loss, world_size=2)
+    message = str(info.value)
+    assert message.startswith("autopar: ") and "all run on every token (dense routing" in message, message
+    assert "(Llama4TextExperts)" in message and "modeling_llama4.py" in message, message
