@@ -13,11 +13,11 @@ import dataclasses
 from types import MappingProxyType
 from typing import Any, Callable, Sequence
 
+from autopar.errors import AutoparError, describe_node
 from autopar.frontend.analyze import analyze
 from autopar.frontend.trace import trace_model
 from autopar.plan import Plan
 from autopar.plan_space import DEFAULT_BUCKET_BYTES
-from autopar.errors import AutoparError, describe_node
 from autopar.support import check_runnable, check_supported, moe_needs_rewrite
 from .causal_mask import causal_mask_pass
 from .cleanup import cleanup_pass
