@@ -86,7 +86,7 @@ def _shard_column(ctx: PassContext, result: PassResult, info: LinearInfo, vocab:
     """``vocab``: the LM head, whose output features (the vocabulary) tp need not divide: the
     uneven shard is padded to ceil(V/tp) rows per rank (``ParamShard.size``).  ``whole``: per
     part of a fused projection, kept whole on every rank (:func:`_whole_blocks`)."""
-    blocks = tuple(info.split_sizes) if info.split_sizes else None
+    blocks = tuple(info.split_sizes) if info.split_sizes else _head_group_blocks(ctx, info)
     padded = vocab if vocab is not None and not blocks and info.out_features % ctx.axis_sizes[AXIS] else None
     if padded is None:
         for size, kept in zip(blocks or (info.out_features,), whole or (False,) * len(blocks or (0,))):
@@ -96,11 +96,38 @@ def _shard_column(ctx: PassContext, result: PassResult, info: LinearInfo, vocab:
     result.shard_param(info.weight, AXIS, ParamShard(1 if info.in_out else 0, blocks, size=padded, whole=whole))
     if info.bias:
         result.shard_param(info.bias, AXIS, ParamShard(0, blocks, size=padded, whole=whole))
-    if blocks:
+    if blocks and not info.split_sizes:  # head groups: the views into heads carry the blocks (view_rule)
+        info.node.meta["autopar_blocks"] = blocks
+    elif blocks:
         for node in fused_chain(info.node):
             node.meta["autopar_blocks"] = blocks
             if whole:
                 node.meta["autopar_whole"] = whole
+
+
+def _head_group_blocks(ctx: PassContext, info: LinearInfo) -> tuple[int, ...] | None:
+    """A column whose heads fall into ``info.head_groups`` equal groups that its attention splits apart
+    again (differential attention's head pairs): laid out by those groups, each split over tp, so every
+    rank holds the same heads of every group (its head pairs whole).  Refused where tp does not split
+    every group into whole heads."""
+    if info.head_groups <= 1:
+        return None
+    tp, size = ctx.axis_sizes[AXIS], info.out_features // info.head_groups
+    heads = size // (ctx.structure.head_dim or size)
+    if kv_replicated(tp, ctx.structure.num_kv_heads):
+        # the attention rule would cut the replicated K and V evenly, not by the groups
+        raise AutoparError(
+            f"autopar: tp={tp} does not divide the {ctx.structure.num_kv_heads} KV heads, and {info.module} "
+            f"({describe_node(info.node)}) projects heads that its attention splits into {info.head_groups} groups "
+            f"again (e.g. differential attention's head pairs); replicated KV heads are not supported with head "
+            f"groups. Use {_kv_hint(ctx.structure.num_kv_heads)}.")
+    if heads % tp:
+        raise AutoparError(
+            f"autopar: tp={tp} does not divide the {heads} heads of each of the {info.head_groups} head groups of "
+            f"{info.module} ({describe_node(info.node)}), which its attention splits apart again (e.g. differential "
+            f"attention's head pairs); every rank must hold whole heads of each group. Use a tp that divides "
+            f"{heads}: {divisors(heads)}.")
+    return (size,) * info.head_groups
 
 
 def _shard_row(gm: GraphModule, ctx: PassContext, result: PassResult, info: LinearInfo, region: str,

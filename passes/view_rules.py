@@ -150,8 +150,31 @@ def view_rule(node: Node, pl: Shard, rc: RuleContext):
     out = _stacked_dim(node, pl) if every is None else None
     if out is None:
         out = _mapped_dim(node, node.args[0], pl, rc) if every is None else _unmerged_dim(node, pl, every, rc)
+        _viewed_blocks(node, pl, out, rc)
     _rewrite_sizes(node, 1, out, rc)
     return Shard(out)
+
+
+def _viewed_blocks(node: Node, pl: Shard, out: int, rc: RuleContext) -> None:
+    """A view of a tensor laid out by blocks (each block split over the axis, the rank's shares side by
+    side) that keeps its sharded dim outermost in its group: the output is laid out by the same blocks,
+    scaled by the ratio of the two dims' sizes (a column whose heads fall into groups, ``[b, s, F]``
+    viewed as ``[b, s, heads, head_dim]``: blocks of ``F / head_dim`` heads; merged back, blocks of
+    features).  Splitting the dim must leave every block whole units of the new dim, the rank's share
+    of each too, or the local elements would not be its share of the blocks: refused.  A value the TP
+    pass marked itself (a fused projection's chain) keeps its layout."""
+    src = node.args[0]
+    blocks = src.meta.get(BLOCKS_KEY)
+    if not blocks or node.meta.get(BLOCKS_KEY) or src.meta.get(WHOLE_KEY):
+        return
+    before, after = size_expr(shape_of(src)[pl.dim]), size_expr(shape_of(node)[out])
+    ratio = sympy.simplify(after / before)
+    scaled = [sympy.simplify(b * ratio) for b in blocks]
+    if not all(b.is_Integer and b > 0 and b % rc.size == 0 for b in scaled) or sum(scaled) != after:
+        raise rc.fail(node, f"views a dim laid out by blocks {tuple(blocks)} (each split over the axis) as "
+                            f"{tuple(shape_of(node))}, which cuts a block or this rank's share of one",
+                      "Each block's share must be whole units of the new dim; report the model.")
+    node.meta[BLOCKS_KEY] = tuple(int(b) for b in scaled)
 
 
 def _stacked_dim(node: Node, pl: Shard) -> int | None:
@@ -417,7 +440,14 @@ def repeat_rule(node: Node, pls: list, rc: RuleContext):
     reps = list(node.args[1])
     out = pl.dim + len(reps) - ndim_of(node.args[0])
     if reps[out] != 1:
-        raise rc.fail(node, f"tiles the sharded dim {pl.dim} {reps[out]} times")
+        src = node.args[0]
+        size = shape_of(src)[pl.dim]
+        if rc.local_sizes or any(src.meta.get(k) is not None for k in (BLOCKS_KEY, WHOLE_KEY, EVERY_KEY)) \
+                or not isinstance(size, int):
+            raise rc.fail(node, f"tiles the sharded dim {pl.dim} {reps[out]} times")
+        # each rank's part tiled is its share of every copy: laid out by blocks, one per copy
+        # (differential attention's value halves repeated to every KV head: ``v.repeat(1, 2, 1, 1)``)
+        node.meta[BLOCKS_KEY] = (size,) * reps[out]
     return Shard(out)
 
 

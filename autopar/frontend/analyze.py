@@ -60,6 +60,9 @@ class LinearInfo:
     split_sizes: list[int] | None = None  # fused projection: sizes of its parts
     # per part: kept whole on every tp rank, shared by all heads (a Mamba-2 mixer's B and C groups)
     whole_parts: tuple[bool, ...] | None = None
+    # the heads it projects fall into this many equal groups that the attention module splits apart
+    # again (differential attention's head pairs: ``chunk(heads, 2)``); tp splits each group
+    head_groups: int = 1
 
     @property
     def bias_in_op(self) -> bool:
@@ -119,7 +122,8 @@ class ModelStructure:
             f"tied={self.tied_embeddings}"
         ]
         for r in self.regions:
-            cols = ", ".join(c.module + (f" (fused {c.split_sizes})" if c.split_sizes else "") for c in r.columns)
+            cols = ", ".join(c.module + (f" (fused {c.split_sizes})" if c.split_sizes else "")
+                             + (f" ({c.head_groups} head groups)" if c.head_groups > 1 else "") for c in r.columns)
             rows = ", ".join(c.module for c in r.rows)
             lines.append(f"  {r.kind:9s} {r.module}: columns [{cols}] rows [{rows}]")
         for b in self.moe:
@@ -426,9 +430,43 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node
                 c.split_sizes, c.whole_parts = _inner_parts(c.node, c.split_sizes)
         if op is not None:
             region.num_heads, region.num_kv_heads, region.head_dim = attention_dims(op)
+            _mark_head_groups(gm, region)
         claimed |= member_set
         regions.append(region)
     return regions
+
+
+def _head_groups(gm: GraphModule, region: Region) -> int:
+    """The number of equal groups the heads of attention ``region`` are split into again inside its
+    module (DiffLlama's differential attention: ``chunk(v, 2, dim=1)`` of the value heads and
+    ``chunk(out, 2, dim=2)`` of the output heads, each query head paired with the head ``heads / 2``
+    further on); 1 when none.  A candidate: a split into equal parts, in the region's module, of a
+    value computed from its columns, along a dim that is not the last and has the size of the heads
+    or the KV heads.  Only a proposal: shard propagation proves the layout or refuses it."""
+    sizes = {region.num_heads, region.num_kv_heads} - {0, 1, region.head_dim}
+    columns = {c.node for c in region.columns}
+    found = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in SPLIT_OPS or not _within(module_path(node), region.module):
+            continue
+        val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % val.dim()
+        parts = [int(p.shape[dim]) for p in node.meta["val"]]
+        if dim != val.dim() - 1 and val.shape[dim] in sizes and len(set(parts)) == 1 and len(parts) > 1 \
+                and _ancestors(node, columns):
+            found.add(len(parts))
+    return found.pop() if len(found) == 1 else 1
+
+
+def _mark_head_groups(gm: GraphModule, region: Region) -> None:
+    """Give the region's columns that project its heads (no fused parts) their :func:`_head_groups`."""
+    groups = _head_groups(gm, region)
+    if groups > 1:
+        for c in region.columns:
+            if not c.split_sizes and c.out_features % (groups * region.head_dim) == 0:
+                c.head_groups = groups
 
 
 def _enclosing(path: str, layers: list[str]) -> list[str]:

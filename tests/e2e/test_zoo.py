@@ -123,6 +123,9 @@ EXPECTED: dict[str, dict[str, object]] = {
     # Moshi: gate and up stacked by a view (fc1(x).view(b, s, 2, -1), halves read by select), an LM head
     # one row narrower than the embedding table
     "moshi": {"tp=2,sp": E},
+    # differential attention: value and output heads chunked into halves that pair head h with head
+    # h + heads/2; q, k and v laid out by those head groups so each rank holds whole pairs
+    "diffllama": {"tp=2,sp": E, "tp=2": E},
     # Dots3: MLA with a sparse-attention indexer under torch.no_grad(), whose hidden_states.to(dtype)
     # export routes the per-head gate's input through (read as the operand it is): above, with cp
     # a learned-scalar activation (XIELU: min / max of the input with learned scalars)

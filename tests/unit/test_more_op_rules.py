@@ -12,9 +12,9 @@
 - ``baddbmm`` with the heads merged into the batch (Bloom's ALiBi scores, [b * heads, s, d]: the rank
   holds its share of every run of heads) cuts the replicated bias at the same runs (``local_runs``),
   which takes the rank's share of each run and puts the gradient back;
-- ``repeat`` keeps a shard on a dim repeated once and refuses tiling it; a replicated table read at
-  sharded positions (``index``, ``index_select``) and ``polar`` of sharded angles are sharded like
-  the positions (rotary tables under cp);
+- ``repeat`` keeps a shard on a dim repeated once and lays a tiled even shard out by copies; a
+  replicated table read at sharded positions (``index``, ``index_select``) and ``polar`` of sharded
+  angles are sharded like the positions (rotary tables under cp);
 - ``tensor_split`` of the sharded dim at its whole size keeps the rank's share (a mixer's chunked part).
 
 Their models under ``tp=2,sp`` against one device: docs/zoo.md (``xlm``, ``deepseek_v2``, ``bloom``,
@@ -139,8 +139,10 @@ def test_equal_blocks_viewed_as_a_stack_are_an_even_shard_of_the_block_dim():
 
 
 def test_repeat_keeps_a_shard_repeated_once_and_refuses_tiling_it():
-    """DiffLlama's ``v.repeat(1, 2, 1, 1)`` over the heads of sequence shards keeps them; tiling the
-    sharded dim would put every rank's copies side by side, not its part of the tiled whole."""
+    """DiffLlama's ``v.repeat(1, 2, 1, 1)`` over the heads of sequence shards keeps them.  Tiling the
+    sharded dim puts the rank's part of every copy side by side: laid out by blocks, one per copy
+    (tests/unit/test_head_groups.py); tiling a value already laid out by blocks, or this rank's tokens
+    on a data axis, is refused."""
     b = _Builder()
     v = b.input("v", 2, 3, 8, 4, shard=2)
     tiled = b.op(aten.repeat.default, v, [1, 2, 1, 1], shape=(2, 6, 8, 4))
@@ -148,6 +150,7 @@ def test_repeat_keeps_a_shard_repeated_once_and_refuses_tiling_it():
     assert placements[tiled] == Shard(2)
     b = _Builder()
     v = b.input("v", 2, 8, shard=1)
+    v.meta["autopar_blocks"] = (4, 4)
     tiled = b.op(aten.repeat.default, v, [1, 2], shape=(2, 16))
     with pytest.raises(AutoparError, match=r"tiles the sharded dim 1 2 times"):
         b.place(_sum(b, tiled))
