@@ -63,6 +63,9 @@ class LinearInfo:
     # the heads it projects fall into this many equal groups that the attention module splits apart
     # again (differential attention's head pairs: ``chunk(heads, 2)``); tp splits each group
     head_groups: int = 1
+    # an ``einsum`` with a parameter ``[h, n, d]`` (XLNet's ``ibh,hnd->ibnd`` projections to heads and
+    # ``ibnd,hnd->ibh`` back): as a column its output features are the weight's dims after the first
+    einsum: bool = False
 
     @property
     def bias_in_op(self) -> bool:
@@ -71,7 +74,21 @@ class LinearInfo:
 
     @property
     def input(self) -> Node:
+        if self.einsum:
+            return self.node.args[1][0]
         return self.node.args[1] if self.in_out else self.node.args[0]
+
+    @property
+    def out_dim(self) -> int:
+        """The weight's dim of output features (split by a column): 0 for ``[out, in]``, 1 for ``[in, out]``
+        and for an einsum's ``[h, n, d]`` (the heads ``n``)."""
+        return 1 if self.in_out or self.einsum else 0
+
+    @property
+    def in_dim(self) -> int:
+        """The weight's dim of input features (split by a row): 1 for ``[out, in]`` and for an einsum's
+        ``[h, n, d]`` (the heads ``n``, contracted with ``d``), 0 for ``[in, out]``."""
+        return 0 if self.in_out else 1
 
 
 @dataclasses.dataclass
@@ -157,6 +174,35 @@ def _linear_info(node: Node) -> LinearInfo | None:
         out_f, in_f = node.args[1].args[0].meta["val"].shape
         return LinearInfo(node, weight, _trailing_bias(node, int(out_f)), False, int(in_f), int(out_f),
                           module_path(node))
+    if node.target == aten.einsum.default:
+        return _einsum_info(node)
+    return None
+
+
+def _einsum_info(node: Node) -> LinearInfo | None:
+    """An ``einsum`` of an activation with a 3-D parameter ``[h, n, d]`` that projects like a linear:
+    a column ``...h,hnd->...nd`` (the last input letter contracted with the weight's first, its other
+    letters appended: features to heads), or a row ``...nd,hnd->...h`` (the input's last letters
+    contracted with the weight's last, its first appended: heads back to features).  XLNet's
+    attention is written so.  Shard propagation places the einsum by its letters either way."""
+    if len(node.args) != 2 or not isinstance(node.args[0], str) or len(node.args[1]) != 2:
+        return None
+    x, w = node.args[1]
+    weight = _attr(w)
+    lhs, _, out = node.args[0].replace(" ", "").partition("->")
+    operands = lhs.split(",")
+    if weight is None or not isinstance(x, Node) or "." in lhs or len(operands) != 2 or len(operands[1]) != 3:
+        return None
+    xs, ws = operands
+    h, n, d = w.meta["val"].shape
+    # named after its parameter inside the module that holds it, so the region is that module
+    module = f"{module_path(node)}.{weight.rsplit('.', 1)[-1]}"
+    if len(set(xs)) != len(xs) or len(set(ws)) != 3:
+        return None
+    if xs[-1] == ws[0] and ws[1] not in xs and ws[2] not in xs and out == xs[:-1] + ws[1:]:
+        return LinearInfo(node, weight, None, False, int(h), int(n * d), module, einsum=True)
+    if xs[-2:] == ws[1:] and ws[0] not in xs and out == xs[:-2] + ws[0]:
+        return LinearInfo(node, weight, None, False, int(n * d), int(h), module, einsum=True)
     return None
 
 

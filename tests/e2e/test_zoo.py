@@ -66,7 +66,9 @@ EXPECTED: dict[str, dict[str, object]] = {
     # gather must follow the writes, or the attention reads the empty tensor)
     "gemma2": {"cp=2:ring": E},
     "mpt": {"cp=2:ring": E},
-    "xlnet": {"cp=2:ring": E},
+    # XLNet's projections are einsums with [h, n, d] parameters (columns and a row split by heads);
+    # its relative position encoding enters the attention replicated
+    "xlnet": {"cp=2:ring": E, "tp=2,sp": E, "tp=2": E},
     "gptj": {"tp=2,sp": E, "cp=2:ring": E},
     "dots3_note_text": {"tp=2,sp": E, "cp=2:ring": E},
     # tied input and output embeddings
