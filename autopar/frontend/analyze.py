@@ -11,7 +11,13 @@ Second stage of the pipeline.  Recognition goes by the ops and the dataflow, hel
 - in every region the first-level linears are *columns* and the linears that consume
   them and write back to the residual stream are *rows*; a module whose linears have no
   rows (BERT's ``attention.self``, ``intermediate``) widens to the modules enclosing it, up to
-  the layer, until they do (``attention``, the layer);
+  the layer, until they do (``attention``, the layer); a module inside the region's that makes a
+  region of its own, one of whose columns would be a row of the outer region, is left to its own
+  (Zamba2's hybrid layer's ``linear`` and its Mamba mixer);
+- an ``einsum`` of an activation with a ``[h, n, d]`` parameter is a linear (XLNet's projections to
+  heads and back), named after its parameter in its module;
+- heads that the attention module splits into equal groups again (differential attention's head
+  pairs) are recorded per column (``LinearInfo.head_groups``), for the TP pass to lay out by them;
 - a column whose output is split into several parts (``split``/``split_with_sizes``/
   ``chunk`` on the feature dimension) is a *fused* projection (QKV, gate/up);
 - the *LM head* is the linear outside every region whose output width is the vocabulary.
@@ -439,7 +445,9 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node
     regions: list[Region] = []
     claimed: set[Node] = set()
     attention_ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
-    groups: list[tuple[str, str, Node | None]] = [("attention", module_path(op), op) for op in attention_ops]
+    # (kind, module, attention op, the node whose call of the module the region is: a module called
+    # several times, HRM's recurrent blocks, makes a region per call)
+    groups: list[tuple[str, str, Node | None, Node]] = [("attention", module_path(op), op, op) for op in attention_ops]
     def in_layer(path: str) -> bool:
         return any(_within(path, l) for l in layers)
 
@@ -448,11 +456,14 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node
 
     for info in linears.values():
         parent = info.module.rsplit(".", 1)[0] if "." in info.module else ""
-        if not any(covers(g[1], info.module) for g in groups) and parent:
-            if not any(g[1] == parent for g in groups):
-                groups.append(("mlp", parent, None))
+        if not any(covers(g[1], info.module) and _same_call(g[3], info.node, g[1]) for g in groups) and parent:
+            if not any(g[1] == parent and _same_call(g[3], info.node, parent) for g in groups):
+                groups.append(("mlp", parent, None, info.node))
     stop = set(linears)
-    for kind, path, op in groups:
+    i = 0
+    while i < len(groups):  # an inner module's region set aside below is grouped after the others
+        kind, path, op, anchor = groups[i]
+        i += 1
         # A region split over sibling modules (BERT's attention.self and attention.output,
         # intermediate and output) is the enclosing module's, never above the layer.
         for scope in _enclosing(path, layers):
@@ -461,7 +472,12 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node
             # with another linear on the far side of the layers (ELECTRA's generator head).
             if not in_layer(scope) and any(_within(l, scope) for l in layers):
                 continue
-            members = [n for n, i in linears.items() if covers(scope, i.module) and n not in claimed | exclude]
+            members = [n for n, i in linears.items() if covers(scope, i.module) and n not in claimed | exclude
+                       and _same_call(anchor, n, scope)]
+            for inner, nodes in _inner_regions(members, scope, linears, stop).items():
+                members = [n for n in members if n not in nodes]
+                if not any(g[1] == inner and _same_call(g[3], next(iter(nodes)), inner) for g in groups):
+                    groups.append(("mlp", inner, None, next(iter(nodes))))
             member_set = set(members)
             columns = [n for n in members if not _ancestors(n, stop) & member_set]
             if len(members) >= 2 and len(columns) < len(members):
@@ -480,6 +496,42 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node
         claimed |= member_set
         regions.append(region)
     return regions
+
+
+def _call_key(node: Node, scope: str) -> str | None:
+    """The key of ``node``'s ``nn_module_stack`` entry for module ``scope``: torch.export suffixes it
+    with ``@k`` for the module's ``k``-th call."""
+    for key, value in (node.meta.get("nn_module_stack") or {}).items():
+        if value[0] == scope:
+            return key
+    return None
+
+
+def _same_call(a: Node, b: Node, scope: str) -> bool:
+    """Do ``a`` and ``b`` run in the same call of module ``scope`` (or does either not record it)?"""
+    ka, kb = _call_key(a, scope), _call_key(b, scope)
+    return ka is None or kb is None or ka == kb
+
+
+def _inner_regions(members: list[Node], scope: str, linears: dict[Node, LinearInfo],
+                   stop: set[Node]) -> dict[str, set[Node]]:
+    """The linears of ``members`` that belong to a module inside ``scope`` which makes a region of its
+    own (a column and a row among its own linears), where one of that module's columns would be a row
+    of ``scope``'s region (it reads another of ``members``): set aside, by module, for that module's
+    region.  Zamba2's hybrid layer applies its own ``linear`` to the shared transformer's output and
+    feeds its Mamba mixer; taken together, the mixer's ``in_proj`` would be a row of ``linear``."""
+    member_set = set(members)
+    by_module: dict[str, set[Node]] = {}
+    for n in members:
+        parent = linears[n].module.rsplit(".", 1)[0]
+        if parent != scope and _within(parent, scope):
+            by_module.setdefault(parent, set()).add(n)
+    out = {}
+    for module, nodes in by_module.items():
+        own = [n for n in nodes if not _ancestors(n, stop) & nodes]
+        if len(nodes) >= 2 and len(own) < len(nodes) and any(_ancestors(n, stop) & member_set for n in own):
+            out[module] = nodes
+    return out
 
 
 def _head_groups(gm: GraphModule, region: Region) -> int:

@@ -105,6 +105,11 @@ EXPECTED: dict[str, dict[str, object]] = {
     "mamba": {"tp=2,sp": E},
     "jamba": {"dp=2,zero=3": E, "tp=2,sp": E},
     "falcon_h1": {"dp=2,zero=3": E, "tp=2,sp": E, "cp=2:ring": E},
+    # Zamba2's hybrid layer: its own linear on the shared transformer's output (no region) and its
+    # Mamba-2 mixer (a region of its own); LoRA adapters on the shared MLP's fused gate_up
+    "zamba2": {"tp=2,sp": E, "tp=2": E},
+    # HRM's recurrent blocks: each call of a module a region of its own
+    "hrm_text": {"tp=2,sp": E},
     # a linear-attention mixer (Qwen3-Next's gated delta net) split by heads: q|k|v concatenated and
     # convolved per channel laid out by blocks, its recurrence per head; under cp the mixer (its
     # convolution and chunked scan) runs whole over the gathered sequence
