@@ -47,6 +47,10 @@ def split_rule(node: Node, pls: list, rc: RuleContext):
     cuts = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
     if len(sizes) < len(blocks) and set(cuts) <= set(edges) and node.target == aten.split_with_sizes.default:
         return _split_groups(node, dim, cuts, edges, local, whole, pl)
+    if [size_expr(c) for c in cuts] != [size_expr(e) for e in edges]:  # each part must be one whole block
+        raise rc.fail(node, f"splits a dim laid out by blocks {tuple(blocks)} into parts of {sizes}, not at the blocks",
+                      "Each rank holds its share of every block side by side; only a split at exactly the blocks "
+                      "gives each part its share.")
     if any(whole):  # parts kept whole on every rank: only a split at exactly the blocks is known
         if node.target != aten.split_with_sizes.default or list(node.args[1]) != list(blocks):
             raise rc.fail(node, f"splits a fused projection with whole blocks {blocks} other than at them")

@@ -34,6 +34,7 @@ turns the entry/reduction pairs into all-gather / reduce-scatter.
 from __future__ import annotations
 
 import operator
+from typing import Callable
 
 import torch
 from torch.fx import GraphModule, Node
@@ -47,6 +48,7 @@ from autopar.frontend.loss import logits_loss
 from autopar.errors import AutoparError, describe_node
 from autopar.plan_space import divisors, heads_ok, kv_replicated, padded_vocab
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
+from .gradient_placement import requires_grad_nodes
 from .rules import seq_size_dims
 
 aten = torch.ops.aten
@@ -86,27 +88,54 @@ def _shard_column(ctx: PassContext, result: PassResult, info: LinearInfo, vocab:
     """``vocab``: the LM head, whose output features (the vocabulary) tp need not divide: the
     uneven shard is padded to ceil(V/tp) rows per rank (``ParamShard.size``).  ``whole``: per
     part of a fused projection, kept whole on every rank (:func:`_whole_blocks`)."""
-    blocks = tuple(info.split_sizes) if info.split_sizes else None
+    blocks = tuple(info.split_sizes) if info.split_sizes else _head_group_blocks(ctx, info)
     padded = vocab if vocab is not None and not blocks and info.out_features % ctx.axis_sizes[AXIS] else None
     if padded is None:
         for size, kept in zip(blocks or (info.out_features,), whole or (False,) * len(blocks or (0,))):
             if not kept:
                 _check_divisible(f"output features of {info.module} ({'part ' if blocks else ''}size {size})",
                                  size, ctx.axis_sizes[AXIS], info.node)
-    result.shard_param(info.weight, AXIS, ParamShard(1 if info.in_out else 0, blocks, size=padded, whole=whole))
+    result.shard_param(info.weight, AXIS, ParamShard(info.out_dim, blocks, size=padded, whole=whole))
     if info.bias:
         result.shard_param(info.bias, AXIS, ParamShard(0, blocks, size=padded, whole=whole))
-    if blocks:
+    if blocks and not info.split_sizes:  # head groups: the views into heads carry the blocks (view_rule)
+        info.node.meta["autopar_blocks"] = blocks
+    elif blocks:
         for node in fused_chain(info.node):
             node.meta["autopar_blocks"] = blocks
             if whole:
                 node.meta["autopar_whole"] = whole
 
 
+def _head_group_blocks(ctx: PassContext, info: LinearInfo) -> tuple[int, ...] | None:
+    """A column whose heads fall into ``info.head_groups`` equal groups that its attention splits apart
+    again (differential attention's head pairs): laid out by those groups, each split over tp, so every
+    rank holds the same heads of every group (its head pairs whole).  Refused where tp does not split
+    every group into whole heads."""
+    if info.head_groups <= 1:
+        return None
+    tp, size = ctx.axis_sizes[AXIS], info.out_features // info.head_groups
+    heads = size // (ctx.structure.head_dim or size)
+    if kv_replicated(tp, ctx.structure.num_kv_heads):
+        # the attention rule would cut the replicated K and V evenly, not by the groups
+        raise AutoparError(
+            f"autopar: tp={tp} does not divide the {ctx.structure.num_kv_heads} KV heads, and {info.module} "
+            f"({describe_node(info.node)}) projects heads that its attention splits into {info.head_groups} groups "
+            f"again (e.g. differential attention's head pairs); replicated KV heads are not supported with head "
+            f"groups. Use {_kv_hint(ctx.structure.num_kv_heads)}.")
+    if heads % tp:
+        raise AutoparError(
+            f"autopar: tp={tp} does not divide the {heads} heads of each of the {info.head_groups} head groups of "
+            f"{info.module} ({describe_node(info.node)}), which its attention splits apart again (e.g. differential "
+            f"attention's head pairs); every rank must hold whole heads of each group. Use a tp that divides "
+            f"{heads}: {divisors(heads)}.")
+    return (size,) * info.head_groups
+
+
 def _shard_row(gm: GraphModule, ctx: PassContext, result: PassResult, info: LinearInfo, region: str,
                role: str = "row_output") -> Node:
     _check_divisible(f"input features of {info.module}", info.in_features, ctx.axis_sizes[AXIS], info.node)
-    result.shard_param(info.weight, AXIS, ParamShard(0 if info.in_out else 1))
+    result.shard_param(info.weight, AXIS, ParamShard(info.in_dim))
     node = info.node
     bias = None
     # add the bias once, after the reduction (a bias added after ``x @ w.T`` already is)
@@ -145,7 +174,7 @@ def _sum_whole_blocks(gm: GraphModule, result: PassResult, info: LinearInfo, who
     """A fused projection whose KV blocks every rank keeps whole: their rows' gradient is a partial
     sum over tp (each rank's query heads' share), so the weight and the bias enter the projection
     through ``sum_whole_rows``, whose backward sums those rows alone (the query rows are the rank's)."""
-    for name, dim in ((info.weight, 1 if info.in_out else 0), (info.bias, 0)):
+    for name, dim in ((info.weight, info.out_dim), (info.bias, 0)):
         param = next((a for a in info.node.all_input_nodes if a.op == "get_attr" and a.target == name), None)
         if name is not None and param is None:  # e.g. ``x @ w.T``: the weight reaches the op through a view
             raise AutoparError(f"autopar: {info.module} ({describe_node(info.node)}) keeps its KV heads whole on "
@@ -173,12 +202,19 @@ def _region_input(node: Node) -> tuple[Node, Node]:
     return x, user
 
 
-def _enter_region(gm: GraphModule, columns: list[LinearInfo], label: str, role: str) -> None:
+def _enter_region(gm: GraphModule, columns: list[LinearInfo], label: str, role: str,
+                  constant: Callable[[Node], bool] = lambda x: False) -> None:
+    """A region entry on each input of ``columns``, but those ``constant`` says need none: an input
+    that no trainable parameter reaches and that holds no sequence (XLNet's relative position
+    encoding, ``[2s, b, h]`` from positions alone) is replicated under SP too, and its gradient, the
+    entry's backward, is never used."""
     by_input: dict[Node, set[Node]] = {}
     for c in columns:
         x, user = _region_input(c)
         by_input.setdefault(x, set()).add(user)
     for x, users in by_input.items():
+        if constant(x):
+            continue
         entry = _insert_after(gm, x, collectives.region_entry, (x, AXIS, f"{label}: column-parallel input"),
                               f"enter the tensor-parallel region of {label}", role)
         _redirect(x, entry, only=users)
@@ -346,6 +382,11 @@ def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
             "projections around an attention op or feeding one another inside a module); "
             "use a plan without tp for this model.")
     _check_eager_kv(s, tp)
+    needs_grad = requires_grad_nodes(gm)
+
+    def constant(x: Node) -> bool:
+        return x not in needs_grad and not seq_size_dims(x, ctx.seq_symbol)
+
     for region in s.regions:
         if region.kind == "attention" and not heads_ok(tp, region.num_heads, max(region.num_kv_heads, 1)):
             raise AutoparError(f"autopar: tp={tp} does not divide the {region.num_heads} attention heads of "
@@ -369,7 +410,7 @@ def tensor_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
                 _sum_whole_blocks(gm, result, c, kept)
         for u in ups:  # the latent's up-projections to the heads: split by heads, as columns
             _shard_column(ctx, result, u)
-        _enter_region(gm, region.columns, region.module, "column_input")
+        _enter_region(gm, region.columns, region.module, "column_input", constant)
         rows = {r.node for r in region.rows}
         for r in region.rows:
             if r not in ups:

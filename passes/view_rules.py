@@ -150,8 +150,31 @@ def view_rule(node: Node, pl: Shard, rc: RuleContext):
     out = _stacked_dim(node, pl) if every is None else None
     if out is None:
         out = _mapped_dim(node, node.args[0], pl, rc) if every is None else _unmerged_dim(node, pl, every, rc)
+        _viewed_blocks(node, pl, out, rc)
     _rewrite_sizes(node, 1, out, rc)
     return Shard(out)
+
+
+def _viewed_blocks(node: Node, pl: Shard, out: int, rc: RuleContext) -> None:
+    """A view of a tensor laid out by blocks (each block split over the axis, the rank's shares side by
+    side) that keeps its sharded dim outermost in its group: the output is laid out by the same blocks,
+    scaled by the ratio of the two dims' sizes (a column whose heads fall into groups, ``[b, s, F]``
+    viewed as ``[b, s, heads, head_dim]``: blocks of ``F / head_dim`` heads; merged back, blocks of
+    features).  Splitting the dim must leave every block whole units of the new dim, the rank's share
+    of each too, or the local elements would not be its share of the blocks: refused.  A value the TP
+    pass marked itself (a fused projection's chain) keeps its layout."""
+    src = node.args[0]
+    blocks = src.meta.get(BLOCKS_KEY)
+    if not blocks or node.meta.get(BLOCKS_KEY) or src.meta.get(WHOLE_KEY):
+        return
+    before, after = size_expr(shape_of(src)[pl.dim]), size_expr(shape_of(node)[out])
+    ratio = sympy.simplify(after / before)
+    scaled = [sympy.simplify(b * ratio) for b in blocks]
+    if not all(b.is_Integer and b > 0 and b % rc.size == 0 for b in scaled) or sum(scaled) != after:
+        raise rc.fail(node, f"views a dim laid out by blocks {tuple(blocks)} (each split over the axis) as "
+                            f"{tuple(shape_of(node))}, which cuts a block or this rank's share of one",
+                      "Each block's share must be whole units of the new dim; report the model.")
+    node.meta[BLOCKS_KEY] = tuple(int(b) for b in scaled)
 
 
 def _stacked_dim(node: Node, pl: Shard) -> int | None:
@@ -417,23 +440,30 @@ def index_rule(node: Node, pls: list, rc: RuleContext):
 def repeat_rule(node: Node, pls: list, rc: RuleContext):
     """``x.repeat(r0, r1, ...)``: tiles ``x`` ``r_d`` times along each dim (new leading dims for extra
     repeats).  A shard stays where its dim is repeated once.  Tiling the sharded dim puts ``r`` copies
-    of the rank's part side by side: the rank's share of every run of the input's size (Llama 4's tokens
-    repeated per expert), laid out like a dim merged behind others (``autopar_every``,
-    ``passes/block_layout.py``), so only a view back to ``(r, size)`` makes it an even shard; a dim laid
-    out by blocks already is refused.  On a data axis (cp) the copies are of the rank's own tokens,
+    of the rank's part side by side: the rank's share of every copy.  A static dim (heads) is then laid
+    out by blocks, one per copy (``autopar_blocks``: differential attention's value halves); a dim of
+    tokens by runs of the input's size (Llama 4's tokens repeated per expert), like a dim merged behind
+    others (``autopar_every``, ``passes/block_layout.py``), so only a view back to ``(r, size)`` makes
+    it an even shard; a dim laid out by blocks already is refused.  On a data axis (cp) the copies are of the rank's own tokens,
     which is what a reshape there keeps.  Linear, so a partial sum stays partial."""
     pl = pls[0]
     if not isinstance(pl, Shard):
         return pl
     reps = list(node.args[1])
     out = pl.dim + len(reps) - ndim_of(node.args[0])
-    if reps[out] == 1 or rc.local_sizes:
+    if reps[out] == 1 or rc.local_sizes:  # on a data axis the graph reads the rank's own token counts
         return Shard(out)
     src = node.args[0]
     if src.meta.get(BLOCKS_KEY) or src.meta.get(WHOLE_KEY):
         raise rc.fail(node, f"tiles the sharded dim {pl.dim} {reps[out]} times, which is laid out by blocks")
-    run = src.meta.get(EVERY_KEY)
-    node.meta[EVERY_KEY] = run if run is not None else size_expr(shape_of(src)[pl.dim])
+    # each rank's part tiled is its share of every copy, side by side: a static dim (heads: differential
+    # attention's value halves repeated, ``v.repeat(1, 2, 1, 1)``) is laid out by blocks, one per copy;
+    # a dim of tokens (Llama 4's tokens repeated per expert) by runs of the input's size
+    size, run = shape_of(src)[pl.dim], src.meta.get(EVERY_KEY)
+    if run is None and isinstance(size, int):
+        node.meta[BLOCKS_KEY] = (size,) * reps[out]
+    else:
+        node.meta[EVERY_KEY] = run if run is not None else size_expr(size)
     return Shard(out)
 
 

@@ -11,7 +11,13 @@ Second stage of the pipeline.  Recognition goes by the ops and the dataflow, hel
 - in every region the first-level linears are *columns* and the linears that consume
   them and write back to the residual stream are *rows*; a module whose linears have no
   rows (BERT's ``attention.self``, ``intermediate``) widens to the modules enclosing it, up to
-  the layer, until they do (``attention``, the layer);
+  the layer, until they do (``attention``, the layer); a module inside the region's that makes a
+  region of its own, one of whose columns would be a row of the outer region, is left to its own
+  (Zamba2's hybrid layer's ``linear`` and its Mamba mixer);
+- an ``einsum`` of an activation with a ``[h, n, d]`` parameter is a linear (XLNet's projections to
+  heads and back), named after its parameter in its module;
+- heads that the attention module splits into equal groups again (differential attention's head
+  pairs) are recorded per column (``LinearInfo.head_groups``), for the TP pass to lay out by them;
 - a column whose output is split into several parts (``split``/``split_with_sizes``/
   ``chunk`` on the feature dimension) is a *fused* projection (QKV, gate/up);
 - the *LM head* is the linear outside every region whose output width is the vocabulary.
@@ -60,6 +66,12 @@ class LinearInfo:
     split_sizes: list[int] | None = None  # fused projection: sizes of its parts
     # per part: kept whole on every tp rank, shared by all heads (a Mamba-2 mixer's B and C groups)
     whole_parts: tuple[bool, ...] | None = None
+    # the heads it projects fall into this many equal groups that the attention module splits apart
+    # again (differential attention's head pairs: ``chunk(heads, 2)``); tp splits each group
+    head_groups: int = 1
+    # an ``einsum`` with a parameter ``[h, n, d]`` (XLNet's ``ibh,hnd->ibnd`` projections to heads and
+    # ``ibnd,hnd->ibh`` back): as a column its output features are the weight's dims after the first
+    einsum: bool = False
 
     @property
     def bias_in_op(self) -> bool:
@@ -68,7 +80,21 @@ class LinearInfo:
 
     @property
     def input(self) -> Node:
+        if self.einsum:
+            return self.node.args[1][0]
         return self.node.args[1] if self.in_out else self.node.args[0]
+
+    @property
+    def out_dim(self) -> int:
+        """The weight's dim of output features (split by a column): 0 for ``[out, in]``, 1 for ``[in, out]``
+        and for an einsum's ``[h, n, d]`` (the heads ``n``)."""
+        return 1 if self.in_out or self.einsum else 0
+
+    @property
+    def in_dim(self) -> int:
+        """The weight's dim of input features (split by a row): 1 for ``[out, in]`` and for an einsum's
+        ``[h, n, d]`` (the heads ``n``, contracted with ``d``), 0 for ``[in, out]``."""
+        return 0 if self.in_out else 1
 
 
 @dataclasses.dataclass
@@ -121,7 +147,8 @@ class ModelStructure:
             f"tied={self.tied_embeddings}"
         ]
         for r in self.regions:
-            cols = ", ".join(c.module + (f" (fused {c.split_sizes})" if c.split_sizes else "") for c in r.columns)
+            cols = ", ".join(c.module + (f" (fused {c.split_sizes})" if c.split_sizes else "")
+                             + (f" ({c.head_groups} head groups)" if c.head_groups > 1 else "") for c in r.columns)
             rows = ", ".join(c.module for c in r.rows)
             lines.append(f"  {r.kind:9s} {r.module}: columns [{cols}] rows [{rows}]")
         for b in self.moe:
@@ -155,6 +182,35 @@ def _linear_info(node: Node) -> LinearInfo | None:
         out_f, in_f = node.args[1].args[0].meta["val"].shape
         return LinearInfo(node, weight, _trailing_bias(node, int(out_f)), False, int(in_f), int(out_f),
                           module_path(node))
+    if node.target == aten.einsum.default:
+        return _einsum_info(node)
+    return None
+
+
+def _einsum_info(node: Node) -> LinearInfo | None:
+    """An ``einsum`` of an activation with a 3-D parameter ``[h, n, d]`` that projects like a linear:
+    a column ``...h,hnd->...nd`` (the last input letter contracted with the weight's first, its other
+    letters appended: features to heads), or a row ``...nd,hnd->...h`` (the input's last letters
+    contracted with the weight's last, its first appended: heads back to features).  XLNet's
+    attention is written so.  Shard propagation places the einsum by its letters either way."""
+    if len(node.args) != 2 or not isinstance(node.args[0], str) or len(node.args[1]) != 2:
+        return None
+    x, w = node.args[1]
+    weight = _attr(w)
+    lhs, _, out = node.args[0].replace(" ", "").partition("->")
+    operands = lhs.split(",")
+    if weight is None or not isinstance(x, Node) or "." in lhs or len(operands) != 2 or len(operands[1]) != 3:
+        return None
+    xs, ws = operands
+    h, n, d = w.meta["val"].shape
+    # named after its parameter inside the module that holds it, so the region is that module
+    module = f"{module_path(node)}.{weight.rsplit('.', 1)[-1]}"
+    if len(set(xs)) != len(xs) or len(set(ws)) != 3:
+        return None
+    if xs[-1] == ws[0] and ws[1] not in xs and ws[2] not in xs and out == xs[:-1] + ws[1:]:
+        return LinearInfo(node, weight, None, False, int(h), int(n * d), module, einsum=True)
+    if xs[-2:] == ws[1:] and ws[0] not in xs and out == xs[:-2] + ws[0]:
+        return LinearInfo(node, weight, None, False, int(n * d), int(h), module, einsum=True)
     return None
 
 
@@ -391,7 +447,9 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node
     regions: list[Region] = []
     claimed: set[Node] = set()
     attention_ops = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in ATTENTION_OPS]
-    groups: list[tuple[str, str, Node | None]] = [("attention", module_path(op), op) for op in attention_ops]
+    # (kind, module, attention op, the node whose call of the module the region is: a module called
+    # several times, HRM's recurrent blocks, makes a region per call)
+    groups: list[tuple[str, str, Node | None, Node]] = [("attention", module_path(op), op, op) for op in attention_ops]
     def in_layer(path: str) -> bool:
         return any(_within(path, l) for l in layers)
 
@@ -400,11 +458,14 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node
 
     for info in linears.values():
         parent = info.module.rsplit(".", 1)[0] if "." in info.module else ""
-        if not any(covers(g[1], info.module) for g in groups) and parent:
-            if not any(g[1] == parent for g in groups):
-                groups.append(("mlp", parent, None))
+        if not any(covers(g[1], info.module) and _same_call(g[3], info.node, g[1]) for g in groups) and parent:
+            if not any(g[1] == parent and _same_call(g[3], info.node, parent) for g in groups):
+                groups.append(("mlp", parent, None, info.node))
     stop = set(linears)
-    for kind, path, op in groups:
+    i = 0
+    while i < len(groups):  # an inner module's region set aside below is grouped after the others
+        kind, path, op, anchor = groups[i]
+        i += 1
         # A region split over sibling modules (BERT's attention.self and attention.output,
         # intermediate and output) is the enclosing module's, never above the layer.
         for scope in _enclosing(path, layers):
@@ -413,7 +474,12 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node
             # with another linear on the far side of the layers (ELECTRA's generator head).
             if not in_layer(scope) and any(_within(l, scope) for l in layers):
                 continue
-            members = [n for n, i in linears.items() if covers(scope, i.module) and n not in claimed | exclude]
+            members = [n for n, i in linears.items() if covers(scope, i.module) and n not in claimed | exclude
+                       and _same_call(anchor, n, scope)]
+            for inner, nodes in _inner_regions(members, scope, linears, stop).items():
+                members = [n for n in members if n not in nodes]
+                if not any(g[1] == inner and _same_call(g[3], next(iter(nodes)), inner) for g in groups):
+                    groups.append(("mlp", inner, None, next(iter(nodes))))
             member_set = set(members)
             columns = [n for n in members if not _ancestors(n, stop) & member_set]
             if len(members) >= 2 and len(columns) < len(members):
@@ -428,9 +494,81 @@ def _regions(gm: GraphModule, linears: dict[Node, LinearInfo], exclude: set[Node
                 c.split_sizes, c.whole_parts = _inner_parts(c.node, c.split_sizes)
         if op is not None:
             region.num_heads, region.num_kv_heads, region.head_dim = attention_dims(op)
+            _mark_head_groups(gm, region)
         claimed |= member_set
         regions.append(region)
     return regions
+
+
+def _call_key(node: Node, scope: str) -> str | None:
+    """The key of ``node``'s ``nn_module_stack`` entry for module ``scope``: torch.export suffixes it
+    with ``@k`` for the module's ``k``-th call."""
+    for key, value in (node.meta.get("nn_module_stack") or {}).items():
+        if value[0] == scope:
+            return key
+    return None
+
+
+def _same_call(a: Node, b: Node, scope: str) -> bool:
+    """Do ``a`` and ``b`` run in the same call of module ``scope`` (or does either not record it)?"""
+    ka, kb = _call_key(a, scope), _call_key(b, scope)
+    return ka is None or kb is None or ka == kb
+
+
+def _inner_regions(members: list[Node], scope: str, linears: dict[Node, LinearInfo],
+                   stop: set[Node]) -> dict[str, set[Node]]:
+    """The linears of ``members`` that belong to a module inside ``scope`` which makes a region of its
+    own (a column and a row among its own linears), where one of that module's columns would be a row
+    of ``scope``'s region (it reads another of ``members``): set aside, by module, for that module's
+    region.  Zamba2's hybrid layer applies its own ``linear`` to the shared transformer's output and
+    feeds its Mamba mixer; taken together, the mixer's ``in_proj`` would be a row of ``linear``."""
+    member_set = set(members)
+    by_module: dict[str, set[Node]] = {}
+    for n in members:
+        parent = linears[n].module.rsplit(".", 1)[0]
+        if parent != scope and _within(parent, scope):
+            by_module.setdefault(parent, set()).add(n)
+    out = {}
+    for module, nodes in by_module.items():
+        own = [n for n in nodes if not _ancestors(n, stop) & nodes]
+        if len(nodes) >= 2 and len(own) < len(nodes) and any(_ancestors(n, stop) & member_set for n in own):
+            out[module] = nodes
+    return out
+
+
+def _head_groups(gm: GraphModule, region: Region) -> int:
+    """The number of equal groups the heads of attention ``region`` are split into again inside its
+    module (DiffLlama's differential attention: ``chunk(v, 2, dim=1)`` of the value heads and
+    ``chunk(out, 2, dim=2)`` of the output heads, each query head paired with the head ``heads / 2``
+    further on); 1 when none.  A candidate: a split into equal parts, in the region's module, of a
+    value computed from its columns, along a dim that is not the last and has the size of the heads
+    or the KV heads.  Only a proposal: shard propagation proves the layout or refuses it."""
+    sizes = {region.num_heads, region.num_kv_heads} - {0, 1, region.head_dim}
+    columns = {c.node for c in region.columns}
+    found = set()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in SPLIT_OPS or not _within(module_path(node), region.module):
+            continue
+        val = node.args[0].meta.get("val") if isinstance(node.args[0], Node) else None
+        if not isinstance(val, torch.Tensor):
+            continue
+        dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % val.dim()
+        if dim == val.dim() - 1 or not isinstance(val.shape[dim], int) or val.shape[dim] not in sizes:
+            continue  # heads are a static dim (a data-dependent split of routed rows is not)
+        parts = [p.shape[dim] for p in node.meta["val"]]
+        if all(isinstance(p, int) for p in parts) and len(set(parts)) == 1 and len(parts) > 1 \
+                and _ancestors(node, columns):
+            found.add(len(parts))
+    return found.pop() if len(found) == 1 else 1
+
+
+def _mark_head_groups(gm: GraphModule, region: Region) -> None:
+    """Give the region's columns that project its heads (no fused parts) their :func:`_head_groups`."""
+    groups = _head_groups(gm, region)
+    if groups > 1:
+        for c in region.columns:
+            if not c.split_sizes and c.out_features % (groups * region.head_dim) == 0:
+                c.head_groups = groups
 
 
 def _enclosing(path: str, layers: list[str]) -> list[str]:

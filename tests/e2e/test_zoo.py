@@ -74,7 +74,9 @@ EXPECTED: dict[str, dict[str, object]] = {
     # gather must follow the writes, or the attention reads the empty tensor)
     "gemma2": {"cp=2:ring": E},
     "mpt": {"cp=2:ring": E},
-    "xlnet": {"cp=2:ring": E},
+    # XLNet's projections are einsums with [h, n, d] parameters (columns and a row split by heads);
+    # its relative position encoding enters the attention replicated
+    "xlnet": {"cp=2:ring": E, "tp=2,sp": E, "tp=2": E},
     "gptj": {"tp=2,sp": E, "cp=2:ring": E},
     "dots3_note_text": {"tp=2,sp": E, "cp=2:ring": E},
     # tied input and output embeddings
@@ -111,6 +113,11 @@ EXPECTED: dict[str, dict[str, object]] = {
     "mamba": {"tp=2,sp": E},
     "jamba": {"dp=2,zero=3": E, "tp=2,sp": E},
     "falcon_h1": {"dp=2,zero=3": E, "tp=2,sp": E, "cp=2:ring": E},
+    # Zamba2's hybrid layer: its own linear on the shared transformer's output (no region) and its
+    # Mamba-2 mixer (a region of its own); LoRA adapters on the shared MLP's fused gate_up
+    "zamba2": {"tp=2,sp": E, "tp=2": E},
+    # HRM's recurrent blocks: each call of a module a region of its own
+    "hrm_text": {"tp=2,sp": E},
     # a linear-attention mixer (Qwen3-Next's gated delta net) split by heads: q|k|v concatenated and
     # convolved per channel laid out by blocks, its recurrence per head; under cp the mixer (its
     # convolution and chunked scan) runs whole over the gathered sequence
@@ -135,6 +142,9 @@ EXPECTED: dict[str, dict[str, object]] = {
     # Moshi: gate and up stacked by a view (fc1(x).view(b, s, 2, -1), halves read by select), an LM head
     # one row narrower than the embedding table
     "moshi": {"tp=2,sp": E},
+    # differential attention: value and output heads chunked into halves that pair head h with head
+    # h + heads/2; q, k and v laid out by those head groups so each rank holds whole pairs
+    "diffllama": {"tp=2,sp": E, "tp=2": E},
     # Dots3: MLA with a sparse-attention indexer under torch.no_grad(), whose hidden_states.to(dtype)
     # export routes the per-head gate's input through (read as the operand it is): above, with cp
     # a learned-scalar activation (XIELU: min / max of the input with learned scalars)

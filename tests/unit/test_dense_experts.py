@@ -45,14 +45,22 @@ def _ids():
 
 
 def _repeated(view_shape):
-    """x [8, 4] sharded on its tokens, repeated 3 times along them, viewed as ``view_shape``."""
+    """x [t, 4] (t tokens, symbolic, 8 when traced) sharded on its tokens, repeated 3 times along them,
+    viewed as ``view_shape`` (-1 for the tokens)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    mode = FakeTensorMode(shape_env=ShapeEnv())
+    context = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DYNAMIC, DimDynamic.STATIC])
     root, graph = nn.Module(), Graph()
     x = graph.placeholder("x")
-    x.meta["val"] = torch.zeros(8, 4)
+    x.meta["val"] = mode.from_tensor(torch.zeros(8, 4), symbolic_context=context)
     rep = graph.call_function(aten.repeat.default, (x, [3, 1]))
-    rep.meta["val"] = torch.zeros(24, 4)
+    with mode:
+        rep.meta["val"] = x.meta["val"].repeat(3, 1)
+        view_val = rep.meta["val"].view(view_shape)
     view = graph.call_function(aten.view.default, (rep, list(view_shape)))
-    view.meta["val"] = torch.zeros(view_shape)
+    view.meta["val"] = view_val
     graph.output(())
     gm = GraphModule(root, graph)
     placements = propagate(gm, RuleContext(gm, "tp", 2, {}), lambda n: Shard(0) if n is x else R)
@@ -60,16 +68,21 @@ def _repeated(view_shape):
 
 
 def test_a_repeated_token_shard_viewed_back_per_copy_is_an_even_shard():
-    placements, rep, view = _repeated((3, 8, 4))
-    assert placements[rep] == Shard(0) and rep.meta["autopar_every"] == 8
+    placements, rep, view = _repeated((3, -1, 4))
+    assert placements[rep] == Shard(0) and str(rep.meta["autopar_every"]) == str(x_size(rep))
     assert placements[view] == Shard(1)
+
+
+def x_size(rep):
+    """The tokens' symbol: the size of the repeated input's dim 0."""
+    return rep.args[0].meta["val"].shape[0]
 
 
 def test_a_repeated_token_shard_viewed_otherwise_is_refused():
     with pytest.raises(AutoparError) as info:
-        _repeated((4, 6, 4))
+        _repeated((-1, 2, 4))
     message = str(info.value)
-    assert message.startswith("autopar: cannot shard node 'view_default'") and "every 8 elements" in message, message
+    assert message.startswith("autopar: cannot shard node 'view_default'") and "every" in message, message
 
 
 def test_llama4_experts_are_dense_and_stay_off_the_tp_regions():

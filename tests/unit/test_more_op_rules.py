@@ -12,9 +12,9 @@
 - ``baddbmm`` with the heads merged into the batch (Bloom's ALiBi scores, [b * heads, s, d]: the rank
   holds its share of every run of heads) cuts the replicated bias at the same runs (``local_runs``),
   which takes the rank's share of each run and puts the gradient back;
-- ``repeat`` keeps a shard on a dim repeated once and refuses tiling it; a replicated table read at
-  sharded positions (``index``, ``index_select``) and ``polar`` of sharded angles are sharded like
-  the positions (rotary tables under cp);
+- ``repeat`` keeps a shard on a dim repeated once and lays a tiled even shard out by copies; a
+  replicated table read at sharded positions (``index``, ``index_select``) and ``polar`` of sharded
+  angles are sharded like the positions (rotary tables under cp);
 - ``tensor_split`` of the sharded dim at its whole size keeps the rank's share (a mixer's chunked part).
 - ``linalg_vector_norm`` keeps a shard of a dim it does not reduce (ZAYA's per-head q/k norm under cp).
 - a ``slice`` of the last ``s`` of ``s`` positions (``h[:, -s:]``) keeps the shard.
@@ -140,10 +140,11 @@ def test_equal_blocks_viewed_as_a_stack_are_an_even_shard_of_the_block_dim():
     assert view.args[1] == [2, 3, 2, 2]
 
 
-def test_repeat_keeps_a_shard_repeated_once_and_lays_out_a_tiled_one_by_runs():
+def test_repeat_keeps_a_shard_repeated_once_and_lays_out_a_tiled_one_by_copies():
     """DiffLlama's ``v.repeat(1, 2, 1, 1)`` over the heads of sequence shards keeps them.  Tiling the
-    sharded dim puts the rank's copies side by side: its share of every run of the input's size
-    (``autopar_every``, Llama 4's tokens repeated per expert), and the sum of every element is still the
+    sharded dim puts the rank's part of every copy side by side: a static dim laid out by blocks, one per
+    copy (tests/unit/test_head_groups.py), a dim already in runs keeps its runs (Llama 4's tokens
+    repeated per expert: tests/unit/test_dense_experts.py), and the sum of every element is still the
     ranks' partial sums; a value laid out by blocks is not tiled."""
     b = _Builder()
     v = b.input("v", 2, 3, 8, 4, shard=2)
@@ -154,7 +155,13 @@ def test_repeat_keeps_a_shard_repeated_once_and_lays_out_a_tiled_one_by_runs():
     v = b.input("v", 2, 8, shard=1)
     tiled = b.op(aten.repeat.default, v, [1, 2], shape=(2, 16))
     placements, _ = b.place(_sum(b, tiled))
-    assert placements[tiled] == Shard(1) and tiled.meta["autopar_every"] == 8
+    assert placements[tiled] == Shard(1) and tiled.meta["autopar_blocks"] == (8, 8)
+    b = _Builder()
+    v = b.input("v", 2, 8, shard=1)
+    v.meta["autopar_every"] = 4
+    tiled = b.op(aten.repeat.default, v, [1, 2], shape=(2, 16))
+    placements, _ = b.place(_sum(b, tiled))
+    assert placements[tiled] == Shard(1) and tiled.meta["autopar_every"] == 4
     b = _Builder()
     v = b.input("v", 2, 8, shard=1)
     v.meta["autopar_blocks"] = (4, 4)
