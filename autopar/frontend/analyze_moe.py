@@ -275,6 +275,12 @@ def _item(node: Node, i: int) -> Node | None:
     return next((u for u in node.users if u.target is operator.getitem and u.args[1] == i), None)
 
 
+def _static(size) -> int | None:
+    """A size as an int; None for a symbolic one (a top-k over the positions, a sparse attention
+    indexer's, picks keys, not experts)."""
+    return int(size) if getattr(size, "is_Integer", isinstance(size, int)) else None
+
+
 def _routings(gm: GraphModule) -> list[tuple[Node, Node, int]]:
     """``(source, index, width)`` of every top-k routing in graph order: an ``aten.topk`` (its
     indices over ``width`` router outputs), or a ``torch.no_grad()`` region
@@ -284,8 +290,9 @@ def _routings(gm: GraphModule) -> list[tuple[Node, Node, int]]:
     for n in gm.graph.nodes:
         if n.op != "call_function":
             continue
-        if n.target == aten.topk.default and (index := _item(n, 1)) is not None:
-            found.append((n, index, int(_shape(n.args[0])[-1])))
+        if n.target == aten.topk.default and (index := _item(n, 1)) is not None \
+                and (width := _static(_shape(n.args[0])[-1])) is not None:
+            found.append((n, index, width))
         elif n.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
             found += _region_routings(gm, n)
     return found
@@ -299,8 +306,9 @@ def _region_routings(gm: GraphModule, region: Node) -> list[tuple[Node, Node, in
     found = []
     for i, out in enumerate(outputs):
         if isinstance(out, Node) and out.target is operator.getitem and out.args[1] == 1 \
-                and out.args[0].target == aten.topk.default and (index := _item(region, i)) is not None:
-            found.append((region, index, int(_shape(out.args[0].args[0])[-1])))
+                and out.args[0].target == aten.topk.default and (index := _item(region, i)) is not None \
+                and (width := _static(_shape(out.args[0].args[0])[-1])) is not None:
+            found.append((region, index, width))
     return found
 
 

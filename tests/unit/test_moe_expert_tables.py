@@ -239,3 +239,27 @@ def test_experts_around_other_work_are_refused_naming_the_routing():
     assert message.startswith("autopar: the stacked experts of 'model.model.layers.0.self_attention.experts'"), message
     assert "(JetMoeTopKGating)" in message and "have no per-row output" in message, message
     assert "Use a plan with ep=1 and tp=1" in message, message
+
+
+class _TopKeys(nn.Module):
+    """A sparse attention indexer: each position keeps its 2 best keys by a top-k over the positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(128, 8)
+        self.head = nn.Linear(8, 128)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        keys = (h @ h.transpose(1, 2)).topk(2, dim=-1).indices  # [b, s, 2] over s positions
+        picked = torch.gather(h.unsqueeze(1).expand(-1, ids.shape[1], -1, -1), 2,
+                              keys[..., None].expand(-1, -1, -1, 8)).mean(2)
+        return self.head(h + picked)
+
+
+def test_a_top_k_over_the_positions_is_no_routing():
+    """DeepSeek-V4's indexer: a top-k over a symbolic number of positions picks keys, not experts (the
+    analysis crashed converting the sequence length to an int)."""
+    loss = lambda out, t: nn.functional.cross_entropy(out.flatten(0, 1), t.flatten())  # noqa: E731
+    s = analyze(trace_model(_TopKeys(), (torch.randint(0, 128, (2, 8)),), None, loss).gm)
+    assert s.moe == [] and s.moe_error is None
