@@ -1,4 +1,4 @@
-"""Context parallelism over attention computed eagerly: the cores that relate positions to positions run whole.
+"""Context parallelism over eager attention and sequence mixers: the cores that mix positions run whole.
 
 Eager attention (``softmax(q @ k.T * scale + mask) @ v`` in aten ops, with soft-capping, sinks, ALiBi
 or a relative bias between) has values whose shape holds the sequence length twice: the scores
@@ -8,7 +8,10 @@ ring or all-gather attention; for these it runs the *core* as one device does:
 
 - the core is every node whose value holds the sequence in two dims (*pairwise*), the nodes
   between them in the same module (a row maximum subtracted from the scores, a cast), and the
-  nodes reading a pairwise value (the probabilities' product with ``v``);
+  nodes reading a pairwise value (the probabilities' product with ``v``).  A sequence mixer seeds
+  a core the same way: a convolution along the sequence, and a value whose length is the
+  sequence shifted, padded or rounded (``s - 1``, ``m * ceil(s / m)`` chunks, ``min(w, s)``
+  blocks: a chunked scan's), with the nodes between seeds in the mixer's module;
 - every tensor entering the core with the sequence in one dim (q, k, v; position ids, already this
   rank's global positions; a padding mask) is all-gathered over ``cp`` into global order
   (:func:`autopar.ops.cp_attention.cp_gather_sequence`, whose backward reduce-scatters); sizes in

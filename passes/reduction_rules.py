@@ -57,9 +57,13 @@ def reduction_rule(node: Node, pls: list, rc: RuleContext):
             return _reduce_across_ranks(node, dims, rc)
         raise rc.fail(node, f"reduces over the sharded dim {pl.dim}",
                       "Only reductions over unsharded dims are supported under this plan.")
-    if keepdim:
-        return Shard(pl.dim)
-    return Shard(pl.dim - sum(1 for d in dims if d < pl.dim))
+    return _kept(pl, dims, keepdim)
+
+
+def _kept(pl: Shard, dims: list[int], keepdim: bool) -> Shard:
+    """The shard of a reduction over ``dims`` (canonical, without the sharded one): where its dim
+    lands once the reduced dims are dropped (or kept, size 1)."""
+    return Shard(pl.dim if keepdim else pl.dim - sum(1 for d in dims if d < pl.dim))
 
 
 @register(aten.linalg_vector_norm.default)
@@ -81,7 +85,7 @@ def vector_norm_rule(node: Node, pls: list, rc: RuleContext):
     if pl.dim in dims:
         raise rc.fail(node, f"takes the norm over the sharded dim {pl.dim}",
                       "Only norms over unsharded dims are supported under this plan.")
-    return Shard(pl.dim if keepdim else pl.dim - sum(1 for d in dims if d < pl.dim))
+    return _kept(pl, dims, keepdim)
 
 
 def _reduce_across_ranks(node: Node, dims: list[int], rc: RuleContext):
