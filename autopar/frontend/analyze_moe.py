@@ -341,9 +341,7 @@ def _top_k_ids(node: Node) -> bool:
 
 
 def _block(gm: GraphModule, topk: Node, index: Node, width: int) -> MoEBlock | DenseExperts | None:
-    if len(_shape(index)) != 2:
-        return None
-    num_experts, k = width, int(_shape(index)[1])
+    num_experts, k = width, int(_shape(index)[-1])
     down = descendants([index])
     mod = module_path(topk)
     for scope in (mod, mod.rsplit(".", 1)[0] if "." in mod else ""):
@@ -356,6 +354,8 @@ def _block(gm: GraphModule, topk: Node, index: Node, width: int) -> MoEBlock | D
                 index, num_experts, k = remapped, int(_shape(stacked[0])[0]), int(_shape(remapped)[1])
                 down = descendants([index])
                 scoped = [n for n in down if n.op == "call_function" and in_module(n, scope)]
+        if len(_shape(index)) != 2:  # a [b, s, k] top-k is a routing once the block flattens its ids
+            continue
         experts = [] if stacked else _numbered_experts(scoped, scope, num_experts)
         if stacked or experts:
             break

@@ -73,14 +73,14 @@ class TinyMoE(nn.Module):
         super().__init__()
         self.mix = mix
         self.embed = nn.Embedding(VOCAB, HIDDEN)
-        self.router = nn.Linear(HIDDEN, EXPERTS + ZERO * (mix == "zero-experts"), bias=False)
+        self.router = nn.Linear(HIDDEN, EXPERTS + ZERO * (mix == "zero-experts") + (mix == "skip"), bias=False)
         self.experts = Experts(mix)
         self.head = nn.Linear(HIDDEN, VOCAB, bias=False)
 
     def forward(self, ids):
         h = self.embed(ids)
         x = h.reshape(-1, HIDDEN)
-        weights, index = self.route(x)
+        weights, index = self.skip(h) if self.mix == "skip" else self.route(x)
         return self.head(h + self.experts(x, index, weights).view(h.shape))
 
     def route(self, x):
@@ -98,6 +98,15 @@ class TinyMoE(nn.Module):
         zero = index >= EXPERTS
         weights = scores.gather(1, index).masked_fill(zero, 0.0)
         return weights, torch.where(zero, (index - EXPERTS) * EXPERTS // ZERO, index)
+
+
+    def skip(self, h):
+        """ZAYA: a top-k over ``[b, s, E + 1]`` scores whose last class is "no expert": chosen, it is
+        weighted 0 and folded onto expert 0; the ids are flattened to ``[T, k]`` after."""
+        scores = self.router(h).softmax(-1)
+        weights, index = scores.topk(TOP_K, dim=-1)
+        skipped = index == EXPERTS
+        return weights.masked_fill(skipped, 0.0).reshape(-1, TOP_K), index.masked_fill(skipped, 0).reshape(-1, TOP_K)
 
 
 @torch.no_grad()
@@ -157,6 +166,14 @@ def test_a_row_per_slot_routed_with_unit_weights():
     assert block.weights.target is torch.ops.aten.new_ones.default
 
 
+def test_a_skip_class_over_the_batch_and_sequence_is_folded_onto_the_experts():
+    """ZAYA: the top-k runs over ``[b, s, E + 1]`` (3-D ids); the block sorts the flattened fold."""
+    model, ids = _model("skip")
+    block, = analyze(trace_model(model, (ids,), {}, _loss).gm).moe
+    assert block.num_experts == EXPERTS and block.top_k == TOP_K
+    assert tuple(block.index.meta["val"].shape) == (ids.numel(), TOP_K)
+
+
 def test_dispatch_refuses_ids_past_the_experts():
     x, index = torch.randn(3, HIDDEN), torch.tensor([[0, 1], [2, EXPERTS], [1, 3]])
     with pytest.raises(AutoparError, match=r"^autopar: MoE dispatch met expert id 4 but the block has 4"):
@@ -173,7 +190,7 @@ def test_with_top_1_the_output_is_the_rows_back_in_token_order():
 
 
 @pytest.mark.parametrize("mix,capacity", [("", None), ("", 0.5), ("top-1", None), ("zero-experts", None),
-                                         ("per-slot", None)])
+                                         ("per-slot", None), ("skip", None)])
 def test_the_rewritten_experts_compute_the_traced_block(mix, capacity):
     """dispatch / experts / combine with the cut-out body (ep=1, one process) against the module:
     the same output and the same gradients of the tables (``capacity`` drops rows: the ids must
@@ -183,7 +200,7 @@ def test_the_rewritten_experts_compute_the_traced_block(mix, capacity):
     body = traced.gm.moe_experts_0
     experts = model.experts
     x = torch.randn(12, HIDDEN)
-    weights, index = model.route(x)
+    weights, index = model.skip(x.view(3, 4, HIDDEN)) if mix == "skip" else model.route(x)
     params = [experts.up, experts.up_bias, experts.down, experts.down_bias]
     x_in, index_in, weights_in = x, index, weights
     if mix == "per-slot":
