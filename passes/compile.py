@@ -53,13 +53,20 @@ def compile_program(model, example_inputs: Sequence[Any], example_kwargs: dict |
 
 def _validate(plan: Plan, structure, world_size: int) -> None:
     """The plan against the model's structure and what the runtime supports (``autopar:`` errors)."""
-    if structure.moe_error is not None and moe_needs_rewrite(plan):
+    if structure.moe_error is not None and moe_needs_rewrite(plan) and not _ep_only(plan, structure):
         raise structure.moe_error
     _check_dense_experts(plan, structure)
     check_runnable(plan, world_size=world_size, num_heads=structure.num_heads or None,
                    num_kv_heads=structure.num_kv_heads or None,
                    vocab=structure.vocab if structure.embeddings else None, num_experts=structure.num_experts,
                    tied=bool(structure.tied_embeddings and structure.lm_head))
+
+
+def _ep_only(plan: Plan, structure) -> bool:
+    """Whether only ep asks for the experts rewrite and some block can take it: experts that cannot
+    be cut out (``structure.moe_error``) then stay whole on every rank, run on its own tokens as
+    under dp, while ep splits the blocks that can be."""
+    return plan.tp == 1 and plan.capacity is None and bool(structure.moe)
 
 
 def _check_dense_experts(plan: Plan, structure) -> None:

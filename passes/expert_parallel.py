@@ -191,10 +191,10 @@ def _is_seq(size, ctx: PassContext) -> bool:
 def expert_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     plan = ctx.plan
     result = PassResult(_PASS)
-    if ctx.structure.moe_error is not None and not moe_needs_rewrite(plan):
-        # Unrecognised experts run unchanged: each rank computes its own tokens.
+    if ctx.structure.moe_error is not None:
+        # Experts the analysis could not cut out run unchanged: each rank computes its own tokens
+        # (compile refuses the plans that would need them rewritten: tp, a capacity, ep with no other block).
         result.notes.append(f"MoE block left as traced: {ctx.structure.moe_error}")
-        return result
     # Under cp the traced experts' token sort is an op across the sequence that shard propagation
     # cannot follow; the rewritten block's dispatch / experts / combine keep each rank's tokens.
     rewrite = moe_needs_rewrite(plan) or plan.cp > 1

@@ -614,10 +614,8 @@ def analyze(gm: GraphModule) -> ModelStructure:
         for n, info in linears.items():
             if info.out_features == vocab and logits_loss(n) is not None:
                 lm_head = info
-    try:
-        (moe, dense_moe), moe_error = find_moe(gm), None
-    except AutoparError as exc:  # fatal only for plans that must rewrite the experts (ep, tp)
-        moe, dense_moe, moe_error = [], [], exc
+    moe, dense_moe, unsplit = find_moe(gm)
+    moe_error = unsplit[0] if unsplit else None  # fatal only for plans that must rewrite those experts
     # Everything of a MoE block (router, experts, shared experts) runs on token shards, not TP-split.
     in_experts = {n for b in moe for n in b.region} | {n for b in moe + dense_moe for n in linears
                                                        if _within(module_path(n), b.module)}

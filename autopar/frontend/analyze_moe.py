@@ -226,18 +226,25 @@ def find_moe_blocks(gm: GraphModule) -> list[MoEBlock]:
     return find_moe(gm)[0]
 
 
-def find_moe(gm: GraphModule) -> tuple[list[MoEBlock], list[DenseExperts]]:
-    """Every routed MoE block and every block of dense experts (:class:`DenseExperts`), in graph order."""
+def find_moe(gm: GraphModule) -> tuple[list[MoEBlock], list[DenseExperts], list[AutoparError]]:
+    """Every routed MoE block and every block of dense experts (:class:`DenseExperts`), in graph order,
+    and why each routing whose experts could not be cut out was not (JetMoE's attention experts: the
+    expert outputs feed attention before they are weighted).  Those run as traced on the rank's tokens,
+    proven op by op like any other node; a plan that must rewrite them is refused with their error."""
     for i, n in enumerate(gm.graph.nodes):
         n.meta["_autopar_order"] = i
-    blocks, dense = [], []
+    blocks, dense, unsplit = [], [], []
     for topk, index, width in _routings(gm):
-        block = _block(gm, topk, index, width)
+        try:
+            block = _block(gm, topk, index, width)
+        except AutoparError as exc:
+            unsplit.append(exc)
+            continue
         if isinstance(block, DenseExperts):
             dense.append(block)
         elif block is not None:
             blocks.append(block)
-    return blocks, dense
+    return blocks, dense, unsplit
 
 
 def _dense_experts(scope: str, stacked: list[Node], down: set[Node], num_experts: int) -> DenseExperts | None:
