@@ -18,7 +18,7 @@ import operator
 
 from autopar.errors import AutoparError
 from autopar.plan_space import (CP_VARIANTS, RECOMPUTE_MODES, SCHEDULES, V_SCHEDULES, ZERO_STAGES, batch_ok,
-                                code, cp_seq_ok, divisors, ep_ok, experts_ok, heads_ok,
+                                code, cp_seq_ok, divisors, ep_ok, experts_ok, heads_ok, local_experts,
                                 kv_cp_ok, layers_ok, microbatches_ok, sp_ok, sp_seq_ok, ulysses_ok,
                                 valid_microbatches)
 
@@ -280,7 +280,8 @@ def _check_experts(plan, num_experts: int) -> None:
         raise AutoparError(f"autopar: {what} applies to mixture-of-experts layers, but the model "
                            f"has no experts; drop {what.split('=')[0]}")
     if num_experts and not experts_ok(plan.ep, num_experts):
-        good = [d for d in divisors(num_experts) if ep_ok(d, plan.dp, plan.cp)]
-        raise AutoparError(f"autopar: ep={plan.ep} does not divide the {num_experts} experts; ep "
-                           f"must divide both the experts and dp*cp={plan.dp * plan.cp}: valid ep "
-                           f"values are {fmt_list(good)}")
+        good = [d for d in divisors(plan.dp * plan.cp) if experts_ok(d, num_experts)]
+        raise AutoparError(f"autopar: ep={plan.ep} leaves a rank without any of the {num_experts} experts "
+                           f"({local_experts(num_experts, plan.ep)} per rank); ep must divide "
+                           f"dp*cp={plan.dp * plan.cp} and give every rank an expert (an ep that does not "
+                           f"divide the experts pads them): valid ep values are {fmt_list(good)}")

@@ -20,7 +20,7 @@ moves bucket borders only for models whose gradients fill more than one bucket):
   * each layer: q, k, v (weight, then bias under ``q_b``; one weight and one bias for a fused QKV; MLA: q_a, its norm, q_b (or q),
     kv_a, its norm, kv_b), o (its bias under ``p_b``), the q/k norms; a dense MLP's gate, up
     and down (biases under ``p_b``), or a MoE block's router ``[E, H]``, its routed experts
-    ``[E/ep, (1 + gated) F_e, H]`` and ``[E/ep, H, F_e]``, its shared experts' gate, up and down
+    ``[n, (1 + gated) F_e, H]`` and ``[n, H, F_e]`` (``n = ceil(E/ep)``), its shared experts' gate, up and down
     ``[n_sh F_e, H]`` and their gate ``[1, H]``; then the layer's norms (``n_ln * n_norm``
     vectors of ``H``);
   * the last chunk: the head transform (``P_head``), the final norm, the LM head ``[ceil(V/tp), H]``
@@ -47,7 +47,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from autopar.plan_space import DEFAULT_BUCKET_BYTES, chunk_rank, chunks_per_rank, kv_replicated, pack_buckets
+from autopar.plan_space import DEFAULT_BUCKET_BYTES, chunk_rank, chunks_per_rank, kv_replicated, local_experts, pack_buckets
 
 from .pipeline import place_layers
 
@@ -111,7 +111,8 @@ def _layer(spec, index: int, tp: int, ep: int) -> list[tuple[int, bool]]:
     if spec.is_moe_layer(index):
         H, E, fe = spec.hidden, spec.num_experts, spec.moe_ffn
         out.append((E * H, False))  # the router
-        out += [(E // ep * (1 + int(spec.gated_mlp)) * fe * H, True), (E // ep * H * fe, True)]
+        n = local_experts(E, ep)
+        out += [(n * (1 + int(spec.gated_mlp)) * fe * H, True), (n * H * fe, True)]
         if spec.num_shared_experts:
             out += [(x, False) for x in _mlp(spec, spec.num_shared_experts * fe, 1, False)]
         if spec.shared_expert_gate:

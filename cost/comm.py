@@ -336,7 +336,7 @@ def _expert_parallel_rows() -> list[RowSpec]:
     for phase, coll, sent, recv in routed_row_formulas():
         add(phase, "ep", "all_to_all", "ep", ep, sent.subs({N_OUT: routed, N_IN: routed}), le, True,
             TOKEN_ROWS[(phase, coll)], recv=recv.subs({N_OUT: routed, N_IN: routed}), routed=True)
-    add("fwd", "ep", "all_to_all", "ep", ep, _a2a(E * 8, ep), le, True,
+    add("fwd", "ep", "all_to_all", "ep", ep, _a2a(ep * sympy.ceiling(E / ep) * 8, ep), le, True,
         "MoE dispatch: exchange of the int64 token counts per expert")
     return rows
 

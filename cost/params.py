@@ -8,6 +8,8 @@ flops.py holds the attention's weight counts it builds on (``attention_weights``
 """
 from __future__ import annotations
 
+import sympy
+
 from .flops import KV_REPLICATED, attention_weights, kv_weights, latent_down_weights
 from .symbols import (E, FIRST, LAST, SP, TIED, Vt, Pe, Ph, a, d, en, ep, f, fe, fq, g, gated, h, hb, ld, le, lq,
                       mla, nl, nn, nsh, pb, qb, qkh, qkn, rkv, rq, sgate, tp)
@@ -52,7 +54,7 @@ def local_param_elems():
     router_shared = h * E + nsh * _mlp(fe) + sgate * h
     dense = (ld * (attn + mlp + norms) + le * (attn + norms + router_shared)
              + FIRST * (Vt * h + Pe + en * h * nn) + LAST * (Vt * h * (1 - TIED * FIRST) + h * nn + hb * Vt + Ph))
-    expert = le * (E / ep) * _mlp(fe)
+    expert = le * sympy.ceiling(E / ep) * _mlp(fe)  # ceil(E/ep): an ep that does not divide E pads
     partial = (SP * ((nl * (ld + le) + LAST + en * FIRST) * h * nn + pb * (2 * ld + le) * h + FIRST * Pe + LAST * Ph)
                + le * router_shared + (ld + le) * (qk_norms + kv_partial + latent_norms))
     return dense, expert, partial

@@ -17,7 +17,8 @@ traced block sorts tokens across the sequence) keeps the traced experts: every r
 expert on its own tokens; only the expert gradient bucket is recorded.
 
 Layouts: with ``ep > 1`` the experts are split over the ``ep`` axis (stacked parameters
-along dim 0, ModuleList experts whole on their owner rank).  Expert gradients are reduced
+along dim 0, ModuleList experts whole on their owner rank), ``ceil(E / ep)`` per rank: an ep
+that does not divide the experts pads the stacked ones with zero experts no token is routed to.  Expert gradients are reduced
 over the ranks that hold the same experts (``edp``: the other ``dp*cp/ep`` token slices,
 times ``tp`` under sequence parallelism) by the DP pass (the ``expert_params`` decided here).
 
@@ -40,6 +41,7 @@ from autopar.ops import moe
 from autopar.frontend.analyze_moe import DenseExperts, MoEBlock, extract_body, in_module
 from autopar.frontend.op_sets import SIZED_RESHAPE_OPS
 from autopar.errors import AutoparError, describe_node
+from autopar.plan_space import local_experts
 from autopar.support import moe_needs_rewrite
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
 from .rules import is_seq_size
@@ -119,7 +121,7 @@ def _routed_bytes(dispatch: Node, combine: Node, block: MoEBlock, ctx: PassConte
         return
     row = block.hidden * block.tokens.meta["val"].element_size()
     rows_out, rows_in = sympy.Symbol("rows_out"), sympy.Symbol("rows_in")
-    counts = (ep - 1) * (block.num_experts // ep) * 8  # int64 tokens per expert
+    counts = (ep - 1) * local_experts(block.num_experts, ep) * 8  # int64 tokens per expert
     dispatch.meta[META_KEY].bytes = {"fwd": ("all_to_all", counts + rows_out * row),
                                      "bwd": ("all_to_all", rows_in * row)}
     dispatch.meta[META_KEY].calls = {"fwd": 2, "bwd": 1}
@@ -132,10 +134,11 @@ def _layouts(block: MoEBlock, ctx: PassContext, result: PassResult) -> None:
     result.expert_params += [p for p in block.param_names if p not in result.expert_params]
     if ep == 1:
         return
-    num_local = block.num_experts // ep
-    if block.style == "stacked":
+    num_local = local_experts(block.num_experts, ep)
+    if block.style == "stacked":  # an ep that does not divide the experts pads them with zero experts
+        padded = block.num_experts if block.num_experts % ep else None
         for name in block.param_names:
-            result.shard_param(name, AXIS, ParamShard(0), propagate=False)
+            result.shard_param(name, AXIS, ParamShard(0, size=padded), propagate=False)
         return
     for e, names in enumerate(block.expert_params):
         for name in names:
@@ -209,7 +212,7 @@ def expert_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
             _seq_major_tokens(gm, block, ctx)
         result.num_rewritten += 1
         result.notes.append(f"{block.module}: {block.style} experts, E={block.num_experts}, top-{block.top_k}, "
-                            f"{block.num_experts // plan.ep} per ep rank")
+                            f"{local_experts(block.num_experts, plan.ep)} per ep rank")
     for dense in ctx.structure.dense_moe:  # run as traced; under sp its tokens stay sequence-major
         if plan.tp > 1 and plan.sp:
             _seq_major_tokens(gm, dense, ctx)

@@ -16,9 +16,10 @@ The token all-to-alls are autograd functions whose backward is the reverse all-t
 all-to-all is recorded with the realised per-expert counts (``CommRecord.counts``), from
 which the cost model predicts its bytes exactly (``autopar.cost.comm.routed_all_to_all_rows``).
 
-Experts are stored with rank ``r`` of the ``ep`` axis owning experts
-``[r * E/ep, (r + 1) * E/ep)``: stacked ``[E, ...]`` parameters are sharded along dim 0,
-a ModuleList expert's parameters live whole on their owner (``ParamShard.owner``).
+Experts are stored with rank ``r`` of the ``ep`` axis owning experts ``[r n, (r + 1) n)``,
+``n = ceil(E / ep)`` (:func:`autopar.plan_space.local_experts`): stacked ``[E, ...]`` parameters are
+sharded along dim 0 (where ep does not divide E, zero-padded to ``n * ep`` rows: the padding experts
+get no rows), a ModuleList expert's parameters live whole on their owner (``ParamShard.owner``).
 
 On the meta device (the scale simulation of ``benchmarks/scale_simulation.py``) routing has
 no values: dispatch then routes every rank's pairs evenly over the experts
@@ -34,6 +35,7 @@ import torch.distributed as dist
 
 from autopar.errors import AutoparError
 from autopar.ops import collectives
+from autopar.plan_space import local_experts
 
 __all__ = ["Routing", "capacity_keep", "moe_dispatch", "moe_experts", "moe_combine"]
 
@@ -125,14 +127,14 @@ def moe_dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int, axis: str
     g = _ep_group(axis)
     if g is None:
         return rows, Routing(order, num_tokens, top_k, counts.tolist())
-    ep, num_local = g.size, num_experts // g.size
-    send_counts = counts.view(ep, num_local).contiguous()
+    ep, num_local = g.size, local_experts(num_experts, g.size)
+    send_counts = torch.nn.functional.pad(counts, (0, ep * num_local - num_experts)).view(ep, num_local)
     recv_counts = _all_to_all(send_counts, [1] * ep, [1] * ep, axis, "fwd",
                               "MoE dispatch: token counts per expert", None)
     send_splits = send_counts.sum(1).tolist()
     recv_splits = recv_counts.sum(1).tolist()
     table = recv_counts.tolist()  # [source rank][local expert]
-    info = (tuple(counts.tolist()), tuple(tuple(r) for r in table))
+    info = (tuple(send_counts.reshape(-1).tolist()), tuple(tuple(r) for r in table))  # padded to ep * n
     tokens = _TokenAllToAll.apply(rows, send_splits, recv_splits, axis, "MoE dispatch: tokens to expert owners",
                                   info)
     # Received rows come source-major; a stable sort by local expert makes them expert-major.
@@ -166,7 +168,8 @@ def _balanced_dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int, axi
     g = _ep_group(axis)
     if g is None:
         return rows, Routing(order, num_tokens, top_k, counts)
-    ep, num_local = g.size, num_experts // g.size
+    ep, num_local = g.size, local_experts(num_experts, g.size)
+    counts = counts + [0] * (ep * num_local - num_experts)  # the padding experts' (none routed)
     send_counts = torch.empty(ep, num_local, dtype=torch.long, device=x.device)
     _all_to_all(send_counts, [1] * ep, [1] * ep, axis, "fwd", "MoE dispatch: token counts per expert", None)
     mine = counts[g.rank * num_local:(g.rank + 1) * num_local]
@@ -200,7 +203,8 @@ def moe_experts(rows: torch.Tensor, routing: Routing, bodies, params: list, styl
     outs = []
     for j, chunk in enumerate(torch.split(rows, routing.local_counts)):
         e = rank * num_local + j
-        outs.append(bodies[e](chunk, *params[e * per_expert:(e + 1) * per_expert]))
+        if e < len(bodies):  # past the experts: a padding slot, routed no rows
+            outs.append(bodies[e](chunk, *params[e * per_expert:(e + 1) * per_expert]))
     return torch.cat(outs) if outs else rows
 
 

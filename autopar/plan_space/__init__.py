@@ -39,7 +39,7 @@ from autopar.plan_space.layout import (MESH_AXES, GROUP_AXES, data_axis, axis_di
                                        axis_groups)
 from autopar.plan_space.rules import (chunk_rank, microbatches_ok, valid_microbatches, sp_ok,
                                       ep_ok, heads_ok, kv_replicated, kv_cp_ok, padded_vocab, ulysses_heads_ok,
-                                      ulysses_fits, ulysses_ok, head_split, layers_ok, experts_ok, batch_ok, cp_seq_ok,
+                                      ulysses_fits, ulysses_ok, head_split, layers_ok, experts_ok, local_experts, batch_ok, cp_seq_ok,
                                       sp_seq_ok, model_facts)
 from autopar.plan_space.runtime_rules import (moe_rewritten, split_backward, Rule, RUNTIME_RULES,
                                               runtime_refusals, runnable, supported_summary)
@@ -58,7 +58,7 @@ __all__ = [
     # rules of a plan alone, and of a plan against a model and a run
     "sp_ok", "ep_ok", "heads_ok", "kv_replicated", "kv_cp_ok", "padded_vocab", "ulysses_heads_ok", "ulysses_fits",
     "ulysses_ok", "head_split", "layers_ok",
-    "experts_ok", "batch_ok", "cp_seq_ok", "sp_seq_ok", "model_facts",
+    "experts_ok", "local_experts", "batch_ok", "cp_seq_ok", "sp_seq_ok", "model_facts",
     # what the runtime runs
     "Rule", "RUNTIME_RULES", "moe_rewritten", "split_backward", "runtime_refusals", "runnable",
     "supported_summary",

@@ -7,7 +7,7 @@ from autopar.plan_space.names import V_SCHEDULES, among, code
 
 __all__ = ["chunk_rank", "microbatches_ok", "valid_microbatches", "sp_ok", "ep_ok",
            "heads_ok", "kv_replicated", "kv_cp_ok", "padded_vocab", "ulysses_heads_ok", "ulysses_fits", "ulysses_ok", "head_split",
-           "layers_ok", "experts_ok", "batch_ok", "cp_seq_ok", "sp_seq_ok", "model_facts"]
+           "layers_ok", "experts_ok", "local_experts", "batch_ok", "cp_seq_ok", "sp_seq_ok", "model_facts"]
 
 
 # ---- model chunks and micro-batches ---------------------------------------------------------
@@ -125,8 +125,19 @@ def layers_ok(pp, chunks, num_layers):
 
 
 def experts_ok(ep, num_experts):
-    """``ep`` divides the experts; a dense model (``num_experts == 0``) has ``ep == 1``."""
-    return (num_experts % ep == 0) & ((num_experts > 0) | (ep == 1))
+    """Every ``ep`` rank holds at least one expert; a dense model (``num_experts == 0``) has ``ep == 1``.
+    An ``ep`` that does not divide the experts pads them (:func:`local_experts`): the first ``ep - 1``
+    ranks' ``ceil(E / ep)`` each must leave some for the last (7 experts over 4: 2, 2, 2, 1; 6 over 4
+    would leave the last none)."""
+    return (((ep - 1) * local_experts(num_experts, ep) < num_experts) | (num_experts % ep == 0)) \
+        & ((num_experts > 0) | (ep == 1))
+
+
+def local_experts(num_experts, ep):
+    """Experts per ``ep`` rank: ``ceil(E / ep)``.  Rank ``r`` owns experts ``[r n, (r + 1) n)``; where
+    ``ep`` does not divide ``E`` the last rank's slots past ``E - 1`` are zero padding that no token
+    is routed to (FlexOlmo's 7 experts over ep=2: 4 and 3 + 1 padding), as an uneven vocabulary is padded."""
+    return -(-num_experts // ep)
 
 
 def batch_ok(global_batch, dp, mb):

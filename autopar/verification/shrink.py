@@ -26,7 +26,7 @@ import math
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
-from autopar.plan_space import head_split, kv_replicated
+from autopar.plan_space import experts_ok, head_split, kv_replicated
 from autopar.verification.shrink_fields import (HEAD_DIM, KEYS, Shrink, fill_unset, fit_rotary, layer_count,
                                                 round_up, scale_overrides, shrink_towers, text_model)
 from autopar.verification.shrink_fields import key as _key
@@ -189,9 +189,15 @@ def _shrink_mlp(s: Shrink, plan: Plan) -> None:
         s.field("shared_ffn", min(int(_value(cfg, "shared_ffn")), hidden))
     experts = int(_value(cfg, "experts", 0) or 0)
     if experts:
-        # ep divides the original experts (checked before shrinking), so new <= experts.
-        new = round_up(min(experts, MAX_EXPERTS), plan.ep)
-        s.field("experts", new, f"divisible by ep={plan.ep}" if plan.ep > 1 else "")
+        # ep is at most the original experts (checked before shrinking).  An ep that divides them
+        # divides the shrunk count too; one that does not keeps that, so the padding acts in the test.
+        new = min(experts, MAX_EXPERTS)
+        if experts % plan.ep == 0:
+            new = round_up(new, plan.ep)
+        else:  # up to the next count ep does not divide (at most the original's)
+            new = next(n for n in range(max(new, plan.ep), experts + 1) if n % plan.ep and experts_ok(plan.ep, n))
+        s.field("experts", new, ("divisible by" if experts % plan.ep == 0 else "padded over")
+                + f" ep={plan.ep}" if plan.ep > 1 else "")
         top_k = _value(cfg, "top_k")
         if isinstance(top_k, int) and top_k > new:
             s.field("top_k", new, "at most the experts")

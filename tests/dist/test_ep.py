@@ -74,3 +74,12 @@ def test_shared_experts_stay_data_parallel(dist_pool, plan, world):
 def test_ep_folds_over_context_parallel_ranks(dist_pool, model_name, plan, world):
     """ep is carved from dp*cp: ranks holding different sequence chunks exchange tokens too."""
     _check(dist_pool, model_name, plan, world, "sgd", overrides={})
+
+
+@pytest.mark.parametrize("model_name,overrides", [("example_moe", {"num_experts": 3}),
+                                                  ("hf_mixtral", {"num_local_experts": 3})],
+                         ids=["modulelist", "stacked"])
+def test_an_ep_that_does_not_divide_the_experts_pads_them(dist_pool, model_name, overrides):
+    """3 experts over ep=2 (FlexOlmo's 7): rank 0 holds 2, rank 1 one and, for stacked experts, a
+    zero padding expert no token reaches; the full state dict comes back without the padding."""
+    _check(dist_pool, model_name, "ep=2,dp=2", 2, "adamw", overrides=overrides)

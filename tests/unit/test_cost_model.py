@@ -5,6 +5,7 @@ are written out by hand from the inputs.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -273,3 +274,14 @@ def test_peak_takes_the_larger_phase_not_the_sum():
     nccl = estimate(spec, Cluster(gpu="h100", num_nodes=1, gpus_per_node=2), "dp=2,zero=1",
                     seq_len=16, global_batch=4, dtype_bytes=4).memory()
     assert nccl["collective_copies"] == 0 and nccl["zero_sync_buffer"] == pytest.approx(params)
+
+def test_padded_experts_count_as_the_largest_rank_holds():
+    """An ep that does not divide the experts pads them (7 over ep=2: 4 per rank, one a padding
+    expert): the scored rank's expert parameters are ceil(E / ep) experts', as many as with 8."""
+    spec = ModelSpec(name="t", num_layers=2, hidden=64, num_heads=4, ffn=128, vocab=128, num_experts=7, top_k=2,
+                     moe_ffn=64)
+    seven = estimate(spec, Cluster(gpu="cpu"), "dp=2,ep=2", 16, 4, dtype_bytes=4).memory()["params"]
+    eight = estimate(dataclasses.replace(spec, num_experts=8), Cluster(gpu="cpu"), "dp=2,ep=2", 16, 4,
+                     dtype_bytes=4).memory()["params"]
+    router = 2 * 64 * 4  # the router's row for the 8th expert, in each of the 2 layers (fp32)
+    assert seven == eight - router

@@ -362,9 +362,11 @@ def test_validate_layers():
 
 
 def test_validate_experts():
-    msg = _err("dp=4,ep=4", num_experts=6)
-    assert "ep=4 does not divide the 6 experts" in msg
-    assert "valid ep values are 1, 2" in msg  # divisors of 6 that divide dp*cp=4
+    msg = _err("dp=4,ep=4", num_experts=6)  # 2 per rank leaves the last rank none
+    assert "ep=4 leaves a rank without any of the 6 experts (2 per rank)" in msg
+    assert "valid ep values are 1, 2" in msg  # divisors of dp*cp=4 that give every rank an expert
+    Plan.parse("dp=4,ep=4").validate(num_experts=7)  # 2, 2, 2 and 1 + a padding expert
+    Plan.parse("dp=2,ep=2").validate(num_experts=7)
     msg = _err("dp=2,ep=2", num_experts=0)
     assert "no experts" in msg
     msg = _err("capacity=1.5", num_experts=0)
