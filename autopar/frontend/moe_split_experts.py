@@ -203,6 +203,8 @@ def _expert(block, chunk: Node, result: Node, cat: Node):
                 todo.append(a)
             else:
                 raise _refuse(block, f"the expert at {describe_node(result)} also reads '{a.name}'")
+    if chunk not in _before(result):
+        raise _refuse(block, f"the expert output {describe_node(result)} does not depend on the expert's rows")
     leak = [u for n in members | {chunk} for u in n.users if u not in members and u is not cat]
     if leak or list(chunk.users) and not set(chunk.users) <= members:
         raise _refuse(block, f"{describe_node(leak[0] if leak else chunk)} uses an expert's values outside it")
