@@ -11,7 +11,8 @@ model or module names:
   ``y`` that all experts feed; the region's float ``[T, h]`` input is the tokens ``x``;
 - the *experts*, in one of two styles:
   * ``stacked``: 3-D parameters ``[E, ...]`` used by a grouped matmul on tokens sorted by
-    expert with per-expert offsets (transformers 5.x Mixtral / Qwen-MoE);
+    expert with per-expert offsets (transformers 5.x Mixtral / Qwen-MoE), or applied slice by
+    slice to those tokens split by per-expert counts (JetMoE: :mod:`.moe_split_experts`);
   * ``modulelist``: ``E`` numbered child modules, each an MLP run on the tokens routed to it.
 
 For each style the per-expert computation (the *body*) is cut out of the region as its own
