@@ -39,6 +39,7 @@ from torch.fx import GraphModule, Node
 
 from autopar.ops import moe
 from autopar.frontend.analyze_moe import DenseExperts, MoEBlock, extract_body, in_module
+from autopar.frontend.moe_split_experts import split_body
 from autopar.frontend.op_sets import SIZED_RESHAPE_OPS
 from autopar.errors import AutoparError, describe_node
 from autopar.plan_space import local_experts
@@ -69,7 +70,7 @@ def _param_nodes(gm: GraphModule, names: list[str], before: Node) -> list[Node]:
 def _replace(gm: GraphModule, block: MoEBlock, i: int, ctx: PassContext) -> None:
     bodies, names = [], []
     for io in block.body_io:
-        body, params = extract_body(*io, ids=block.expert_ids)
+        body, params = split_body(block.split) if block.split is not None else extract_body(*io, ids=block.expert_ids)
         bodies.append(body)
         names += params
     holder = f"moe_experts_{i}"

@@ -11,7 +11,8 @@ model or module names:
   ``y`` that all experts feed; the region's float ``[T, h]`` input is the tokens ``x``;
 - the *experts*, in one of two styles:
   * ``stacked``: 3-D parameters ``[E, ...]`` used by a grouped matmul on tokens sorted by
-    expert with per-expert offsets (transformers 5.x Mixtral / Qwen-MoE);
+    expert with per-expert offsets (transformers 5.x Mixtral / Qwen-MoE), or applied slice by
+    slice to those tokens split by per-expert counts (JetMoE: :mod:`.moe_split_experts`);
   * ``modulelist``: ``E`` numbered child modules, each an MLP run on the tokens routed to it.
 
 For each style the per-expert computation (the *body*) is cut out of the region as its own
@@ -30,6 +31,7 @@ from torch.fx import Graph, GraphModule, Node
 
 from autopar.compat import sym_expr
 from autopar.frontend.fx_utils import module_path, within as _within
+from autopar.frontend.moe_split_experts import SplitExperts, split_bodies
 from autopar.frontend.op_sets import PROJECTION_OPS, RESHAPE_OPS
 from autopar.errors import AutoparError, describe_node
 
@@ -56,6 +58,7 @@ class MoEBlock:
     expert_modules: list[str]  # modulelist: module path of each expert
     body_io: list[tuple[Node, Node | None, Node]]  # per body: (tokens in, offsets in, output)
     expert_ids: Node | None = None  # stacked: the expert of each sorted row, read by per-expert tables
+    split: SplitExperts | None = None  # stacked experts run slice by slice on rows split by counts
     expert_numel: int = 0  # parameter elements of one expert
     shared_numel: int = 0  # parameter elements of the block's always-on (shared) experts and their gates
 
@@ -404,7 +407,8 @@ def _block(gm: GraphModule, topk: Node, index: Node, width: int) -> MoEBlock | D
                      top_k=k, router=_router(topk), index=index, weights=weights, tokens=tokens, output=output,
                      region=sorted(region, key=_order), expert_params=[], expert_modules=experts, body_io=[])
     if stacked:
-        _stacked_bodies(block, stacked)
+        if not split_bodies(block, stacked):  # JetMoE: one slice per chunk of the rows, not a grouped matmul
+            _stacked_bodies(block, stacked)
     else:
         _modulelist_bodies(block)
     _count_params(gm, block, stacked)

@@ -1,7 +1,7 @@
 """Expert parallelism: numerical equivalence with the unparallelized MoE model (gloo ranks).
 
 Both MoE styles: the example decoder's ModuleList experts and Hugging Face Mixtral's
-stacked [E, ...] expert weights run by a grouped matmul.  Each plan trains 3 optimizer
+stacked [E, ...] expert weights run by a grouped matmul (JetMoE's: a slice per chunk of rows).  Each plan trains 3 optimizer
 steps and is compared with single-process training on the same global batches (loss per
 step <= 1e-5, full state dict <= 1e-4, fp32), as every other dimension is.
 """
@@ -67,6 +67,13 @@ def test_auto_plan_on_a_moe_model(dist_pool):
 def test_shared_experts_stay_data_parallel(dist_pool, plan, world):
     """Qwen2-MoE: a gated shared expert next to the routed ones runs on the rank's tokens, unsplit."""
     _check(dist_pool, "hf_qwen_moe", plan, world, "sgd", overrides={})
+
+
+def test_experts_split_by_counts_and_experts_around_attention(dist_pool):
+    """JetMoE: the MLP experts (rows split by per-expert counts, a slice of the stacked weights per
+    chunk) are split over ep; the attention experts, whose halves run around attention, stay whole on
+    every rank, run on its own tokens."""
+    _check(dist_pool, "hf_jetmoe", "ep=2,dp=2", 2, "sgd", overrides={})
 
 
 @pytest.mark.parametrize("model_name,plan,world", [("example_moe", "ep=4,dp=2,cp=2", 4),

@@ -24,6 +24,7 @@ __all__ = [
     "hf_mixtral",
     "example_moe",
     "hf_qwen_moe",
+    "hf_jetmoe",
     "hf_gemma2",
     "hf_opt",
     "hf_phi3",
@@ -85,6 +86,16 @@ def hf_qwen_moe(seed: int = 0, **overrides):
         max_position_embeddings=64, attn_implementation="sdpa"), overrides)
 
 
+def hf_jetmoe(seed: int = 0, **overrides):
+    """A tiny ``transformers.JetMoeForCausalLM``: MLP experts and attention experts (query and output
+    projections around the attention), both stacked ``[E, out, in]`` weights applied expert by expert
+    to rows split by per-expert counts (vocab 128, hidden 64, 2 layers, 4 experts, top-2)."""
+    return hf_model("JetMoeConfig", "JetMoeForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16,
+        intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+        attn_implementation="sdpa"), overrides)
+
+
 def hf_gemma2(seed: int = 0, **overrides):
     """A tiny ``transformers.Gemma2ForCausalLM``: four RMSNorms per layer (the attention and MLP
     outputs are normalised again after the row-parallel projection), ``(1 + weight)`` norms,
@@ -133,6 +144,7 @@ MODELS = {
     "example_moe": (example_moe, lm_loss, {}),
     "hf_mixtral": (hf_mixtral, hf_loss, {"use_cache": False}),
     "hf_qwen_moe": (hf_qwen_moe, hf_loss, {"use_cache": False}),
+    "hf_jetmoe": (hf_jetmoe, hf_loss, {"use_cache": False}),
     "hf_gemma2": (hf_gemma2, hf_loss, {"use_cache": False}),
     "hf_opt": (hf_opt, hf_loss, {"use_cache": False}),
     "hf_phi3": (hf_phi3, hf_loss, {"use_cache": False}),

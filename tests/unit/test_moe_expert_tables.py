@@ -243,18 +243,19 @@ def test_ids_the_rewrite_cannot_carry_are_refused(mix, found):
 
 def test_experts_around_other_work_are_refused_naming_the_routing():
     """JetMoE's mixture of attention heads: each expert's query projection and output projection run
-    around the attention, so no routed row maps to a hidden-size row before the weighting."""
+    around the attention, so they are not split; its MLP experts are (tests/unit/test_moe_split_experts.py),
+    and under tp, which needs every block rewritten, the attention experts are refused by name."""
     from benchmarks.models import hf_loss, hf_model
 
     model = hf_model("JetMoeConfig", "JetMoeForCausalLM", 0, dict(
         vocab_size=128, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16,
         intermediate_size=64, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64), {})
     with pytest.raises(AutoparError) as info:
-        compile_program(model, (torch.randint(0, 128, (2, 16)),), {"use_cache": False}, "dp=2,ep=2", hf_loss,
+        compile_program(model, (torch.randint(0, 128, (2, 16)),), {"use_cache": False}, "tp=2", hf_loss,
                         world_size=2)
     message = str(info.value)
     assert message.startswith("autopar: the stacked experts of 'model.model.layers.0.self_attention.experts'"), message
-    assert "(JetMoeTopKGating)" in message and "have no per-row output" in message, message
+    assert "(JetMoeTopKGating)" in message and "is not row-wise" in message, message
     assert "Use a plan with ep=1 and tp=1" in message, message
 
 
