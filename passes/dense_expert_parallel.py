@@ -86,7 +86,12 @@ def localize(body: GraphModule, axis: str, ep: int, block: DenseExperts) -> None
             placements[node] = start[node]
         elif node.op == "call_function":
             pls = [placements.get(a, R) for a in tensor_inputs(node)]
-            placements[node] = place_node(node, pls, rc)
+            try:
+                placements[node] = place_node(node, pls, rc)
+            except AutoparError as exc:
+                raise AutoparError(f"{exc} (ep={ep} runs each rank's experts of the dense experts at "
+                                   f"{describe_node(block.node)} on their score columns and parameter rows; "
+                                   "use a plan without ep for this model.)") from exc
             carry_blocks(node, pls, placements[node], rc)
         elif node.op == "output":
             out = _partial_sum(node, axis, placements)

@@ -74,3 +74,13 @@ def test_shared_experts_stay_data_parallel(dist_pool, plan, world):
 def test_ep_folds_over_context_parallel_ranks(dist_pool, model_name, plan, world):
     """ep is carved from dp*cp: ranks holding different sequence chunks exchange tokens too."""
     _check(dist_pool, model_name, plan, world, "sgd", overrides={})
+
+
+@pytest.mark.parametrize("plan,world", [("ep=2,dp=2", 2), ("ep=2,dp=2,tp=2,sp", 4)])
+def test_dense_experts_match_single_process(dist_pool, plan, world):
+    """Llama 4: every expert runs on every token; each rank sums its 2 experts over the ep group's
+    tokens and the partial sums are reduce-scattered back (passes/dense_expert_parallel.py)."""
+    results = _check(dist_pool, "hf_llama4", plan, world, "sgd", overrides={})
+    tags = {x["tag"] for x in results[0]["comm"]}
+    assert {"dense MoE: tokens and router scores to every ep rank",
+            "dense MoE: partial expert sums back to the tokens' ranks"} <= tags, tags
