@@ -58,8 +58,16 @@ def _validate(plan: Plan, structure, world_size: int) -> None:
     _check_dense_experts(plan, structure)
     check_runnable(plan, world_size=world_size, num_heads=structure.num_heads or None,
                    num_kv_heads=structure.num_kv_heads or None,
-                   vocab=structure.vocab if structure.embeddings else None, num_experts=structure.num_experts,
+                   vocab=structure.vocab if structure.embeddings else None, num_experts=_num_experts(plan, structure),
                    tied=bool(structure.tied_embeddings and structure.lm_head))
+
+
+def _num_experts(plan: Plan, structure) -> int:
+    """The experts ep must divide: the routed blocks', else under ep the dense blocks' (which only ep
+    rewrites: without it they run as traced like any dense layer, recompute included)."""
+    if structure.num_experts or plan.ep == 1 or not structure.dense_moe:
+        return structure.num_experts
+    return structure.dense_moe[0].num_experts
 
 
 def _ep_only(plan: Plan, structure) -> bool:

@@ -138,8 +138,7 @@ class ModelStructure:
 
     @property
     def num_experts(self) -> int:
-        """Experts per MoE block (routed, else dense): what ep must divide; 0 for a dense model."""
-        return self.moe[0].num_experts if self.moe else self.dense_moe[0].num_experts if self.dense_moe else 0
+        return self.moe[0].num_experts if self.moe else 0
 
     def summary(self) -> str:
         lines = [

@@ -127,3 +127,13 @@ def test_llama4_under_ep_each_rank_sums_its_experts():
             traced.gm.dense_experts_0(x, scores[:, 2 * r:2 * r + 2], *(p[2 * r:2 * r + 2] for p in params))
             for r in range(2))
     torch.testing.assert_close(got, want)
+
+
+def test_llama4_recomputes_its_layers_without_ep_and_refuses_recompute_under_ep():
+    """Only ep rewrites dense experts: without it they are any dense layer's work (recompute included);
+    with it the experts' collectives are not cut into recomputed regions, refused as for routed experts."""
+    compile_program(_llama4(), (_ids(),), {"use_cache": False}, "dp=2,recompute=full", hf_loss, world_size=2)
+    with pytest.raises(AutoparError, match=r"^autopar: plan 'dp=2,ep=2,recompute=full' uses recompute=full on a "
+                                           "mixture-of-experts model"):
+        compile_program(_llama4(), (_ids(),), {"use_cache": False}, "dp=2,ep=2,recompute=full", hf_loss,
+                        world_size=2)
