@@ -133,7 +133,7 @@ def _repeat_local_copies(body: GraphModule, axis: str, ep: int) -> None:
             continue
         reps = list(rep.args[1])
         lead = len(reps) - rep.args[0].meta["val"].dim()  # repeat's new leading dims
-        if dim < lead or reps[dim] % ep or reps[dim] == 1:
+        if dim < lead or not isinstance(reps[dim], int) or reps[dim] % ep or reps[dim] == 1:
             continue
         reps[dim] //= ep
         rep.args = (rep.args[0], reps)

@@ -107,6 +107,16 @@ def test_each_rank_repeats_the_tokens_for_its_own_experts_only():
     assert "local_shard" not in body.code  # no slice of all E copies
 
 
+def test_the_program_view_shows_the_local_experts():
+    from autopar.views.program import format_program
+
+    model, ids = _model()
+    traced, program = compile_program(model, (ids,), {}, "dp=2,ep=2", _loss, world_size=2)
+    text = format_program(traced.gm, program)
+    assert "# dense_experts_0: this rank's experts" in text and f"repeat.default(tokens, [{EXPERTS // 2}, 1])" in text
+    assert "dense_gather(" in text and "fwd all_gather sends" in text and "fwd reduce_scatter sends" in text
+
+
 def test_scores_mixed_over_the_experts_are_refused():
     model, ids = _model(mix=True)
     with pytest.raises(AutoparError) as info:
