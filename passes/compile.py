@@ -58,8 +58,16 @@ def _validate(plan: Plan, structure, world_size: int) -> None:
     _check_dense_experts(plan, structure)
     check_runnable(plan, world_size=world_size, num_heads=structure.num_heads or None,
                    num_kv_heads=structure.num_kv_heads or None,
-                   vocab=structure.vocab if structure.embeddings else None, num_experts=structure.num_experts,
+                   vocab=structure.vocab if structure.embeddings else None, num_experts=_num_experts(plan, structure),
                    tied=bool(structure.tied_embeddings and structure.lm_head))
+
+
+def _num_experts(plan: Plan, structure) -> int:
+    """The experts ep must divide: the routed blocks', else under ep the dense blocks' (which only ep
+    rewrites: without it they run as traced like any dense layer, recompute included)."""
+    if structure.num_experts or plan.ep == 1 or not structure.dense_moe:
+        return structure.num_experts
+    return structure.dense_moe[0].num_experts
 
 
 def _ep_only(plan: Plan, structure) -> bool:
@@ -70,15 +78,14 @@ def _ep_only(plan: Plan, structure) -> bool:
 
 
 def _check_dense_experts(plan: Plan, structure) -> None:
-    """Experts that all run on every token (``analyze_moe.DenseExperts``) route no rows: ep has
-    none to send to expert owners and a capacity none to drop, so both are refused by name."""
-    if not structure.dense_moe or (plan.ep == 1 and plan.capacity is None):
+    """Experts that all run on every token (``analyze_moe.DenseExperts``) route no rows, so a capacity
+    has none to drop: refused by name.  ep splits them (``passes/dense_expert_parallel.py``)."""
+    if not structure.dense_moe or plan.capacity is None:
         return
     block = structure.dense_moe[0]
-    what = f"ep={plan.ep}" if plan.ep > 1 else f"capacity={plan.capacity!r}"
     raise AutoparError(
-        f"autopar: {what} needs experts that each run on the tokens routed to them, but the "
+        f"autopar: capacity={plan.capacity!r} drops the tokens routed past an expert's capacity, but the "
         f"{block.num_experts} experts at {describe_node(block.node)} all run on every token (dense routing: "
         "the tokens repeated per expert, scaled by the router scores, one batched matmul over every "
-        f"expert), so no tokens are routed. Use a plan without {what.split('=')[0]} (dp, tp with sp, cp "
-        "and pp run these experts as traced).")
+        "expert), so no tokens are routed and none can be dropped. Use a plan without capacity (dp, ep, "
+        "tp with sp, cp and pp run these experts exactly).")

@@ -9,6 +9,10 @@ gathering tokens, weighting, summing over the top-k slots) is replaced by three 
     out = moe_experts(rows, routing, bodies, params, style, 'ep')   # the user's expert code
     y = moe_combine(out, w, routing, 'ep')             # reverse all-to-all, weighted sum
 
+Dense experts (every expert on every token: Llama 4) are split over ep by
+``passes/dense_expert_parallel.py``: the ep group's tokens gathered, each rank's experts summed,
+the sums reduce-scattered back.
+
 The experts' own code is cut out of the graph (``extract_body``) and kept as submodules
 ``moe_experts_<i>``, so what runs on a rank is exactly the user's expert, on the tokens
 routed to it.  The router, shared experts and attention stay data-parallel (untouched).
@@ -45,6 +49,7 @@ from autopar.errors import AutoparError, describe_node
 from autopar.plan_space import local_experts
 from autopar.support import moe_needs_rewrite
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
+from .dense_expert_parallel import rewrite_dense_experts
 from .rules import is_seq_size
 
 __all__ = ["expert_parallel_pass", "AXIS"]
@@ -214,10 +219,15 @@ def expert_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         result.num_rewritten += 1
         result.notes.append(f"{block.module}: {block.style} experts, E={block.num_experts}, top-{block.top_k}, "
                             f"{local_experts(block.num_experts, plan.ep)} per ep rank")
-    for dense in ctx.structure.dense_moe:  # run as traced; under sp its tokens stay sequence-major
+    for i, dense in enumerate(ctx.structure.dense_moe):  # under sp its tokens stay sequence-major
+        if plan.ep > 1:  # each rank's E/ep experts on the ep group's tokens (passes/dense_expert_parallel.py)
+            rewrite_dense_experts(gm, dense, i, AXIS, ctx, result)
+            result.num_rewritten += 1
+            result.notes.append(f"{dense.module}: dense experts, E={dense.num_experts}, "
+                                f"{dense.num_experts // plan.ep} per ep rank on the ep group's tokens")
         if plan.tp > 1 and plan.sp:
             _seq_major_tokens(gm, dense, ctx)
-            result.notes.append(f"{dense.module}: dense experts (every expert on every token) run as traced "
+            result.notes.append(f"{dense.module}: dense experts (every expert on every token) run "
                                 "on the rank's sequence shard")
     gm.graph.eliminate_dead_code()
     return result

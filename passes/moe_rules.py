@@ -12,10 +12,10 @@ import torch
 from torch.distributed.tensor import Partial, Shard
 from torch.fx import Node
 
-from autopar.ops import moe
+from autopar.ops import dense_moe, moe
 from .rules import R, RuleContext, ndim_of, register
 
-__all__ = ["topk_rule", "extreme_dim_rule", "gather_scatter_rule", "moe_token_rule"]
+__all__ = ["topk_rule", "extreme_dim_rule", "gather_scatter_rule", "moe_token_rule", "dense_moe_rule"]
 
 aten = torch.ops.aten
 
@@ -79,4 +79,18 @@ def moe_token_rule(node: Node, pls: list, rc: RuleContext):
     pl = pls[0]
     if node.target is moe.moe_dispatch:
         return (pl, R)
+    return pl
+
+
+@register(dense_moe.dense_gather, dense_moe.dense_experts, dense_moe.dense_scatter)
+def dense_moe_rule(node: Node, pls: list, rc: RuleContext):
+    """Dense experts split over ep (``passes/dense_expert_parallel.py``) are token-wise seen from any
+    other axis: the calls gather the ep group's tokens and give each rank back its own, so the tokens
+    keep their placement; the scores must be placed as the tokens (the same rows)."""
+    pl = pls[0]
+    if node.target is dense_moe.dense_gather:
+        if pls[1] != pl:
+            raise rc.fail(node, f"the tokens are placed {pl} but the router scores {pls[1]}",
+                          "Use a plan without ep for this model, or report it.")
+        return (pl, pl)
     return pl

@@ -37,7 +37,7 @@ from autopar.errors import AutoparError, describe_node
 
 aten = torch.ops.aten
 
-__all__ = ["MoEBlock", "DenseExperts", "find_moe_blocks", "find_moe", "extract_body", "expert_width",
+__all__ = ["MoEBlock", "DenseExperts", "find_moe_blocks", "find_moe", "extract_body", "body_members", "expert_width",
            "descendants", "in_module"]
 
 
@@ -74,15 +74,20 @@ class MoEBlock:
 @dataclasses.dataclass
 class DenseExperts:
     """A top-k routing whose stacked experts all run on every row (Llama 4: the tokens repeated per
-    expert, scaled by the router scores, a batched matmul over all ``E`` experts).  Nothing is routed,
-    so nothing is rewritten: the block runs as traced and placement propagation proves it op by op on
-    token shards; ep and a capacity have no routed rows to act on and are refused."""
+    expert, scaled by the router scores, a batched matmul over all ``E`` experts).  Nothing is routed:
+    without ep the block runs as traced and placement propagation proves it op by op on token shards;
+    under ep (``passes/dense_expert_parallel.py``) the computation from ``tokens`` and ``scores`` to
+    ``output`` is cut out and run on each rank's experts for the ep group's tokens.  A capacity has no
+    routed rows to drop and is refused."""
 
     module: str  # module holding the routing
     num_experts: int
     node: Node  # the first batched matmul over every expert (for messages)
     params: list[str]  # the stacked [E, ...] parameters
     width: int = 0  # an expert's intermediate width: its first matmul's output width (halved when gated)
+    tokens: Node | None = None  # x [T, h], every expert's input (None: not found, ep refused)
+    scores: Node | None = None  # the router's scores [T, E] (zero off the top-k) the experts read
+    output: Node | None = None  # y [T, h]: the sum over the experts
 
 
 def in_module(node: Node, prefix: str) -> bool:
@@ -250,7 +255,8 @@ def find_moe(gm: GraphModule) -> tuple[list[MoEBlock], list[DenseExperts], list[
     return blocks, dense, unsplit
 
 
-def _dense_experts(scope: str, stacked: list[Node], down: set[Node], num_experts: int) -> DenseExperts | None:
+def _dense_experts(scope: str, stacked: list[Node], index: Node, down: set[Node], num_experts: int) \
+        -> DenseExperts | None:
     """The stacked experts as :class:`DenseExperts` when every parameter meets the routed values first
     in a batched matmul whose batch is the ``E`` experts (``bmm([E, n, h], [E, h, f])``: each expert
     on the same ``n`` rows, no per-expert offsets); None otherwise."""
@@ -266,7 +272,41 @@ def _dense_experts(scope: str, stacked: list[Node], down: set[Node], num_experts
     out_width = int(_shape(first)[-1])
     gated = any(u.target is aten.chunk.default or u.target is aten.split.Tensor for u in first.users)
     return DenseExperts(module=scope, num_experts=num_experts, node=first, params=[p.target for p in stacked],
-                        width=out_width // 2 if gated else out_width)
+                        width=out_width // 2 if gated else out_width,
+                        **_dense_io(index, down, stacked, num_experts))
+
+
+def _dense_io(index: Node, down: set[Node], stacked: list[Node], num_experts: int) -> dict:
+    """``tokens``, ``scores`` and ``output`` of dense experts, by dataflow: the output is the first
+    float ``[T, .]`` node (``T`` the routed tokens) that every stacked parameter reaches; the scores
+    the last float ``[T, E]`` value of the routing (descending from the top-k indices) it reads; the
+    tokens the ``[T, h]`` value outside the routing where a walk back from the output, stopping at
+    the scores and the parameters, first meets such a value.  Empty when the block does not have that form."""
+    num_tokens = _shape(index)[0]
+    needed = set(stacked)
+    output = next((n for n in sorted(descendants(stacked), key=_order) if n.op == "call_function"
+                   and _is_float(n) and len(_shape(n)) == 2 and _shape(n)[0] == num_tokens
+                   and needed <= _ancestors(n)), None)
+    if output is None:
+        return {}
+    above = _ancestors(output)
+    scores = [n for n in down & above if _is_float(n) and _shape(n) == (num_tokens, num_experts)]
+    if not scores:
+        return {}
+    score = max(scores, key=_order)
+    tokens, seen, todo = set(), {score}, [output]
+    while todo:
+        for a in todo.pop().all_input_nodes:
+            if a in seen or a.op == "get_attr":
+                continue
+            seen.add(a)
+            if a not in down and _is_float(a) and _shape(a) == _shape(output):
+                tokens.add(a)
+            elif a.op == "call_function":
+                todo.append(a)
+    if len(tokens) != 1:
+        return {}
+    return {"tokens": tokens.pop(), "scores": score, "output": output}
 
 
 _SCATTERS = (aten.index.Tensor, aten.index_add.default, aten.index_add_.default, aten.index_put.default,
@@ -371,7 +411,7 @@ def _block(gm: GraphModule, topk: Node, index: Node, width: int) -> MoEBlock | D
             break
     else:
         return None
-    if stacked and (dense := _dense_experts(scope or mod, stacked, down, num_experts)) is not None:
+    if stacked and (dense := _dense_experts(scope or mod, stacked, index, down, num_experts)) is not None:
         return dense
     if stacked:
         needed = {c for p in stacked for c in _first_users_in(p, down)}
@@ -542,16 +582,9 @@ def _param_only(node: Node) -> bool:
     return all(a.op == "get_attr" or (a.op == "call_function" and _param_only(a)) for a in node.all_input_nodes)
 
 
-def extract_body(tokens: Node, offsets: Node | None, out: Node, *, ids: Node | None = None) \
-        -> tuple[GraphModule, list[str]]:
-    """The computation from ``tokens`` (and ``offsets``, and the rows' expert ``ids``) to ``out``
-    as its own GraphModule.
-
-    Its placeholders are ``tokens``, then ``offsets`` and ``ids`` (each if given), then every
-    parameter it uses, in the returned order; the body holds no state of its own.  ``ids`` may
-    only index per-expert parameters (``p[ids]``): under ep a rank's ids count its own experts.
-    """
-    inputs = [tokens] + [a for a in (offsets, ids) if a is not None]
+def body_members(inputs: list[Node], out: Node) -> tuple[set[Node], list[Node]]:
+    """The nodes computing ``out`` from ``inputs`` and parameters, and the parameters they read
+    (in graph order); refused where they read anything else."""
     routed = descendants(inputs)
     members: set[Node] = {out}
     used_params: list[Node] = []
@@ -571,10 +604,24 @@ def extract_body(tokens: Node, offsets: Node | None, out: Node, *, ids: Node | N
                                    "parameters. Use a plan with ep=1 and tp=1 for this model.")
             members.add(a)
             todo.append(a)
+    return members, sorted(used_params, key=_order)
+
+
+def extract_body(tokens: Node, offsets: Node | None, out: Node, *, ids: Node | None = None,
+                 offsets_name: str = "offsets") -> tuple[GraphModule, list[str]]:
+    """The computation from ``tokens`` (and ``offsets``, and the rows' expert ``ids``) to ``out``
+    as its own GraphModule.
+
+    Its placeholders are ``tokens``, then ``offsets`` (named ``offsets_name``: dense experts'
+    scores) and ``ids`` (each if given), then every parameter it uses, in the returned order; the
+    body holds no state of its own.  ``ids`` may only index per-expert parameters (``p[ids]``):
+    under ep a rank's ids count its own experts.
+    """
+    members, used_params = body_members([tokens] + [a for a in (offsets, ids) if a is not None], out)
     graph = Graph()
     env: dict[Node, Node] = {tokens: graph.placeholder("tokens")}
     if offsets is not None:
-        env[offsets] = graph.placeholder("offsets")
+        env[offsets] = graph.placeholder(offsets_name)
     if ids is not None:
         env[ids] = graph.placeholder("expert_ids")
         bad = [u for u in ids.users if u in members and not (
@@ -583,7 +630,6 @@ def extract_body(tokens: Node, offsets: Node | None, out: Node, *, ids: Node | N
             raise AutoparError(f"autopar: the expert computation at {describe_node(bad[0])} uses the sorted "
                                "expert ids other than to read a per-expert parameter; expected p[ids]. "
                                "Use a plan with ep=1 and tp=1 for this model.")
-    used_params.sort(key=_order)
     for i, p in enumerate(used_params):
         env[p] = graph.placeholder(f"p{i}")
     for n in sorted(members, key=_order):

@@ -182,6 +182,10 @@ def format_program(gm: GraphModule, ctx, rank_coords: dict | None = None) -> str
             out.append(f"# {name}[e]: expert e of the MoE block, cut from the traced graph "
                        f"({len(holder)} bodies; this rank runs its own experts' on their routed rows); [0]:")
             out += ["#   " + line for line in holder[0].code.strip().splitlines() if line.strip()]
+        elif name.startswith("dense_experts_"):
+            out.append(f"# {name}: this rank's experts of a dense MoE block, cut from the traced graph with "
+                       "their count made local, summed over the ep group's tokens:")
+            out += ["#   " + line for line in holder.code.strip().splitlines() if line.strip()]
     out.append("# after backward (gradient synchronisation):")
     for bucket in ctx.grad_buckets:
         out.append(f"#   all_reduce over {bucket.axis}: {bucket.num_bytes} bytes, "

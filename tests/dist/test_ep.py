@@ -90,3 +90,21 @@ def test_an_ep_that_does_not_divide_the_experts_pads_them(dist_pool, model_name,
     """3 experts over ep=2 (FlexOlmo's 7): rank 0 holds 2, rank 1 one and, for stacked experts, a
     zero padding expert no token reaches; the full state dict comes back without the padding."""
     _check(dist_pool, model_name, "ep=2,dp=2", 2, "adamw", overrides=overrides)
+
+
+@pytest.mark.parametrize("plan,world", [("ep=2,dp=2", 2), ("ep=2,dp=2,tp=2,sp", 4)])
+def test_dense_experts_match_single_process(dist_pool, plan, world):
+    """Llama 4: every expert runs on every token; each rank sums its 2 experts over the ep group's
+    tokens and the partial sums are reduce-scattered back (passes/dense_expert_parallel.py)."""
+    from autopar.plan import Plan
+    from tests.support.jobs import BATCH, SEQ
+
+    results = _check(dist_pool, "hf_llama4", plan, world, "sgd", overrides={})
+    p = Plan.parse(plan)
+    tokens = BATCH // p.dp * SEQ // p.tp  # a rank's tokens (its sequence shard under sp)
+    for r in results:  # per layer and step: the tokens [T, 64] and scores [T, 4] gathered, the sum scattered
+        fwd = [x for x in r["comm"] if x["phase"] == "fwd" and x["tag"].startswith("dense MoE")]
+        gathers = [x["bytes_sent"] for x in fwd if x["op"] == "all_gather"]
+        scatters = [x["bytes_sent"] for x in fwd if x["op"] == "reduce_scatter"]
+        assert gathers and len(gathers) == 2 * len(scatters)
+        assert set(gathers) == {tokens * 64 * 4, tokens * 4 * 4} and set(scatters) == {tokens * 64 * 4}

@@ -36,6 +36,7 @@ __all__ = [
     "hf_lfm3",
     "hf_hy_v4",
     "hf_deepseek_v32",
+    "hf_llama4",
     "position_mixer",
     "hf_llama_functions",
     "HalfGradient",
@@ -284,6 +285,19 @@ def hf_deepseek_v3(seed: int = 0, **overrides):
 
 
 MODELS["hf_deepseek_v3"] = (hf_deepseek_v3, hf_loss, {"use_cache": False})
+
+
+def hf_llama4(seed: int = 0, **overrides):
+    """A tiny ``transformers.Llama4ForCausalLM``: dense experts (the tokens repeated per expert, scaled
+    by the sigmoid of the top-k router logits, one batched matmul over all 4 experts, summed) beside a
+    shared expert (vocab 128, hidden 64, 2 layers, 4 heads, top-2)."""
+    return hf_model("Llama4TextConfig", "Llama4ForCausalLM", seed, dict(
+        vocab_size=128, hidden_size=64, intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+        max_position_embeddings=64, attn_implementation="sdpa"), overrides)
+
+
+MODELS["hf_llama4"] = (hf_llama4, hf_loss, {"use_cache": False})
 
 
 def hf_hy_v4(seed: int = 0, **overrides):

@@ -4,11 +4,13 @@ Llama 4's MoE block repeats its tokens once per expert, scales each copy by the 
 that expert (zero off the top-k: the sigmoid of a -inf fill), runs one batched matmul over all ``E``
 experts and sums the experts' outputs.  Nothing is routed, so nothing is rewritten: the analysis
 records the block as dense experts (``analyze_moe.DenseExperts``) instead of failing to find routed
-rows, keeps its linears off the TP regions, and the block runs as traced on token shards, placed op
-by op.  The op that needs a rule is the repeat of the sharded token dim: the rank's part repeated,
+rows, keeps its linears off the TP regions, and without ep the block runs as traced on token shards,
+placed op by op.  The op that needs a rule is the repeat of the sharded token dim: the rank's part repeated,
 its share of every run of the input's size (``autopar_every``), which only a view back to
-``(E, tokens)`` makes an even shard.  ep and a capacity route no rows here: refused by name.  The
-multi-rank half (trained against one device under tp=2,sp and cp=2:ring) is tests/e2e/test_zoo.py.
+``(E, tokens)`` makes an even shard.  Under ep each rank sums its own experts over its ep group's
+tokens (passes/dense_expert_parallel.py; tests/unit/test_dense_experts_ep.py).  A capacity routes
+no rows here: refused by name.  The multi-rank half (trained against one device under tp=2,sp and
+cp=2:ring) is tests/e2e/test_zoo.py, and tests/dist/test_ep.py for dp=2,ep=2.
 """
 from __future__ import annotations
 
@@ -100,10 +102,38 @@ def test_llama4_under_tp_sp_runs_its_experts_on_sequence_shards():
     assert len(repeats) == 2 and all(n.meta.get("autopar_every") is not None for n in repeats)
 
 
-@pytest.mark.parametrize("plan", ["dp=2,ep=2", "dp=2,capacity=1.0"])
-def test_llama4_refuses_ep_and_capacity_by_name(plan):
+def test_llama4_refuses_a_capacity_by_name():
     with pytest.raises(AutoparError) as info:
-        compile_program(_llama4(), (_ids(),), {"use_cache": False}, plan, hf_loss, world_size=2)
+        compile_program(_llama4(), (_ids(),), {"use_cache": False}, "dp=2,capacity=1.0", hf_loss, world_size=2)
     message = str(info.value)
-    assert message.startswith("autopar: ") and "all run on every token (dense routing" in message, message
+    assert message.startswith("autopar: capacity=1.0") and "all run on every token (dense routing" in message, message
     assert "(Llama4TextExperts)" in message and "modeling_llama4.py" in message, message
+
+
+def test_llama4_under_ep_each_rank_sums_its_experts():
+    """dp=2,ep=2: the cut-out experts run per simulated rank on its experts' parameter rows and score
+    columns; their sum plus the shared expert is ``Llama4TextMoe``'s output (tests/unit/test_dense_experts_ep.py
+    has the hand-written block and the gradients)."""
+    model = _llama4()
+    traced, _ = compile_program(model, (_ids(),), {"use_cache": False}, "dp=2,ep=2", hf_loss, world_size=2)
+    block = model.model.layers[0].feed_forward
+    torch.manual_seed(2)
+    x = torch.randn(6, 64)
+    with torch.no_grad():
+        want, _ = block(x)
+        scores, _ = block.router(x)
+        params = [block.experts.gate_up_proj, block.experts.down_proj]
+        got = block.shared_expert(x) + sum(
+            traced.gm.dense_experts_0(x, scores[:, 2 * r:2 * r + 2], *(p[2 * r:2 * r + 2] for p in params))
+            for r in range(2))
+    torch.testing.assert_close(got, want)
+
+
+def test_llama4_recomputes_its_layers_without_ep_and_refuses_recompute_under_ep():
+    """Only ep rewrites dense experts: without it they are any dense layer's work (recompute included);
+    with it the experts' collectives are not cut into recomputed regions, refused as for routed experts."""
+    compile_program(_llama4(), (_ids(),), {"use_cache": False}, "dp=2,recompute=full", hf_loss, world_size=2)
+    with pytest.raises(AutoparError, match=r"^autopar: plan 'dp=2,ep=2,recompute=full' uses recompute=full on a "
+                                           "mixture-of-experts model"):
+        compile_program(_llama4(), (_ids(),), {"use_cache": False}, "dp=2,ep=2,recompute=full", hf_loss,
+                        world_size=2)
