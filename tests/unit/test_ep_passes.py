@@ -86,7 +86,7 @@ def test_inspect_shows_dispatch_and_combine_on_ep(capsys):
 
 
 BAD_PLANS = [
-    ("example_moe", "ep=3,dp=3", 3, r"^autopar: ep=3 does not divide the 4 experts"),
+    ("example_moe", "ep=3,dp=3", 3, r"^autopar: ep=3 leaves a rank without any of the 4 experts \(2 per rank\)"),
     ("example", "ep=2,dp=2", 2, r"^autopar: ep=2 applies to mixture-of-experts layers"),
     ("example_moe", "ep=2,dp=2,tp=2", 4, r"^autopar: plan 'tp=2,dp=2,ep=2' uses tp=2 without sp.*'tp=2,sp,dp=2,ep=2'"),
 ]
