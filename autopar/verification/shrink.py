@@ -189,14 +189,14 @@ def _shrink_mlp(s: Shrink, plan: Plan) -> None:
         s.field("shared_ffn", min(int(_value(cfg, "shared_ffn")), hidden))
     experts = int(_value(cfg, "experts", 0) or 0)
     if experts:
-        # ep is at most the original experts (checked before shrinking).  An ep that divides them
-        # divides the shrunk count too; one that does not keeps that, so the padding acts in the test.
+        # An ep that divides the experts divides the shrunk count too; one that does not keeps that,
+        # so the padding of the last rank's experts acts in the test.
         new = min(experts, MAX_EXPERTS)
-        if experts % plan.ep == 0:
-            new = round_up(new, plan.ep)
-        else:  # up to the next count ep does not divide (at most the original's)
-            new = next(n for n in range(max(new, plan.ep), experts + 1) if n % plan.ep and experts_ok(plan.ep, n))
-        s.field("experts", new, ("divisible by" if experts % plan.ep == 0 else "padded over")
+        uneven = [n for n in range(max(new, plan.ep), experts + 1) if n % plan.ep and experts_ok(plan.ep, n)]
+        # An ep the original's count is not a multiple of stays uneven (up to the next such count) where
+        # that can give every rank an expert; otherwise the count rounds up to ep (HunYuan's 1 over ep=2).
+        new = uneven[0] if experts % plan.ep and uneven else round_up(new, plan.ep)
+        s.field("experts", new, ("padded over" if new % plan.ep else "divisible by")
                 + f" ep={plan.ep}" if plan.ep > 1 else "")
         top_k = _value(cfg, "top_k")
         if isinstance(top_k, int) and top_k > new:

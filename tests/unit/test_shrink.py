@@ -181,3 +181,13 @@ def test_default_configs_of_formerly_unshrinkable_types():
     ]:
         cfg, _ = shrink_config(transformers.AutoConfig.for_model(model_type).to_dict(), DP)
         assert check(cfg), (model_type, cfg)
+
+
+@pytest.mark.parametrize("experts,ep,shrunk", [(64, 2, 4), (7, 2, 5), (7, 4, 7), (6, 4, 4), (1, 2, 2)])
+def test_experts_shrink_as_unevenly_as_the_original(experts, ep, shrunk):
+    """An ep that divides the experts divides the shrunk count; one that does not (FlexOlmo's 7 over
+    ep=2) leaves it uneven, so the padding of the last rank acts; where no uneven count gives every
+    rank an expert (6 over 4; HunYuan's 1 over 2) the count rounds up to a multiple of ep."""
+    cfg, _ = shrink_config(_llama(num_local_experts=experts, num_experts_per_tok=1, moe_intermediate_size=1024),
+                           Plan.parse(f"dp={ep},ep={ep}"))
+    assert cfg["num_local_experts"] == shrunk
