@@ -32,6 +32,7 @@ from torch.fx import Graph, GraphModule, Node
 from autopar.compat import sym_expr
 from autopar.frontend.fx_utils import module_path, within as _within
 from autopar.frontend.moe_split_experts import SplitExperts, split_bodies
+from autopar.frontend.moe_table_routing import table_routings
 from autopar.frontend.op_sets import PROJECTION_OPS, RESHAPE_OPS
 from autopar.errors import AutoparError, describe_node
 
@@ -332,10 +333,10 @@ def _static(size) -> int | None:
 
 
 def _routings(gm: GraphModule) -> list[tuple[Node, Node, int]]:
-    """``(source, index, width)`` of every top-k routing in graph order: an ``aten.topk`` (its
-    indices over ``width`` router outputs), or a ``torch.no_grad()`` region
+    """``(source, index, width)`` of every routing in graph order: an ``aten.topk`` (its
+    indices over ``width`` router outputs), a ``torch.no_grad()`` region
     (``wrap_with_set_grad_enabled``, LongCat's router) whose graph returns a top-k's indices, read
-    by the ``getitem`` of that output."""
+    by the ``getitem`` of that output, or a table lookup of the token ids (hash routing)."""
     found = []
     for n in gm.graph.nodes:
         if n.op != "call_function":
@@ -345,7 +346,9 @@ def _routings(gm: GraphModule) -> list[tuple[Node, Node, int]]:
             found.append((n, index, width))
         elif n.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
             found += _region_routings(gm, n)
-    return found
+    # hash routing: ids read from a table (autopar/frontend/moe_table_routing.py)
+    found += [r for r in table_routings(gm) if all(r[1] is not i for _, i, _ in found)]
+    return sorted(found, key=lambda r: _order(r[1]))
 
 
 def _region_routings(gm: GraphModule, region: Node) -> list[tuple[Node, Node, int]]:
@@ -443,8 +446,9 @@ def _block(gm: GraphModule, topk: Node, index: Node, width: int) -> MoEBlock | D
         raise AutoparError(f"autopar: the experts region ending at {describe_node(output)} has no "
                            f"{'[tokens, hidden] input' if tokens is None else '[tokens, top-k] weight input'}; "
                            "expected y[t] = sum_k w[t, k] * expert[idx[t, k]](x[t]). Use a plan with ep=1 and tp=1.")
+    router = _router(topk) or _router(weights)  # a table lookup's router only scores: it feeds the weights
     block = MoEBlock(module=scope or mod, style="stacked" if stacked else "modulelist", num_experts=num_experts,
-                     top_k=k, router=_router(topk), index=index, weights=weights, tokens=tokens, output=output,
+                     top_k=k, router=router, index=index, weights=weights, tokens=tokens, output=output,
                      region=sorted(region, key=_order), expert_params=[], expert_modules=experts, body_io=[])
     if stacked:
         if not split_bodies(block, stacked):  # JetMoE: one slice per chunk of the rows, not a grouped matmul
