@@ -6,7 +6,8 @@ routing found here).  A *routing* is ``(source, index, width)``: ``index`` the i
 values are provably indices over ``width`` router outputs, and ``source`` the node the routing
 weights depend on (the experts are weighted by values computed from it, found by the block
 analysis among its dependants).  Every routing is decided from the dataflow, never by names; the
-finders are :data:`ROUTING_SOURCES`, each asked about every node of the graph in order:
+finders are :data:`ROUTING_SOURCES`, each over the whole graph (a new kind of routing is one more
+finder there):
 
 - :func:`topk_routings`: an ``aten.topk`` over the router's ``E`` outputs (its indices; its values
   are the weights or what they are computed from);
@@ -38,6 +39,7 @@ __all__ = ["Routing", "ROUTING_SOURCES", "routings", "topk_routings", "region_ro
            "max_ids", "remapped_index", "is_routing_ids", "in_module", "node_shape", "is_float", "item", "static_size"]
 
 Routing = tuple[Node, Node, int]  # (source, index, width)
+_REGION = torch.ops.higher_order.wrap_with_set_grad_enabled  # a torch.no_grad() region's node
 
 
 def in_module(node: Node, prefix: str) -> bool:
@@ -69,28 +71,28 @@ def static_size(size) -> int | None:
     return int(size) if getattr(size, "is_Integer", isinstance(size, int)) else None
 
 
-def topk_routings(gm: GraphModule, node: Node) -> list[Routing]:
-    """An ``aten.topk`` over a static last dim: its indices over that many router outputs."""
-    if node.target == aten.topk.default and (index := item(node, 1)) is not None \
-            and (width := static_size(node_shape(node.args[0])[-1])) is not None:
-        return [(node, index, width)]
-    return []
+def topk_routings(gm: GraphModule) -> list[Routing]:
+    """Every ``aten.topk`` over a static last dim: its indices over that many router outputs."""
+    return [(n, index, width) for n in gm.graph.nodes if n.op == "call_function" and n.target == aten.topk.default
+            and (index := item(n, 1)) is not None and (width := static_size(node_shape(n.args[0])[-1])) is not None]
 
 
-def region_routings(gm: GraphModule, node: Node) -> list[Routing]:
-    """The top-k indices a ``torch.no_grad()`` region returns, read outside it."""
-    if node.target is not torch.ops.higher_order.wrap_with_set_grad_enabled:
-        return []
-    sub = getattr(gm, node.args[1].target, None)
+def region_routings(gm: GraphModule) -> list[Routing]:
+    """The top-k indices every ``torch.no_grad()`` region returns, read outside it."""
+    return [r for n in gm.graph.nodes if n.target is _REGION for r in _region_routings(gm, n)]
+
+
+def _region_routings(gm: GraphModule, region: Node) -> list[Routing]:
+    sub = getattr(gm, region.args[1].target, None)
     if not isinstance(sub, GraphModule):
         return []
     outputs = list(next(n for n in sub.graph.nodes if n.op == "output").args[0])
     found = []
     for i, out in enumerate(outputs):
         if isinstance(out, Node) and out.target is operator.getitem and out.args[1] == 1 \
-                and out.args[0].target == aten.topk.default and (index := item(node, i)) is not None \
+                and out.args[0].target == aten.topk.default and (index := item(region, i)) is not None \
                 and (width := static_size(node_shape(out.args[0].args[0])[-1])) is not None:
-            found.append((node, index, width))
+            found.append((region, index, width))
     return found
 
 
@@ -150,33 +152,35 @@ def max_ids(ids: Node) -> tuple[Node, int] | None:
     return found[0]
 
 
-def max_routings(gm: GraphModule, node: Node) -> list[Routing]:
-    """The ids ``node`` (a sort of their flattening, a one-hot) routes by, when they are max indices
-    over the slots (:func:`max_ids`; PhiMoE: a Gumbel max per slot in train mode, the second over the
-    scores with the first expert masked out).  The source is the first slot's max: the routing
-    weights are computed from the scores at its indices."""
-    ids = _routed_ids(node)
-    found = max_ids(ids) if ids is not None else None
-    return [(found[0], ids, found[1])] if found is not None else []
+def max_routings(gm: GraphModule) -> list[Routing]:
+    """The ids a node of the graph (a sort of their flattening, a one-hot) routes by, when they are max
+    indices over the slots (:func:`max_ids`; PhiMoE: a Gumbel max per slot in train mode, the second
+    over the scores with the first expert masked out).  The source is the first slot's max: the
+    routing weights are computed from the scores at its indices."""
+    found = []
+    for n in gm.graph.nodes:
+        ids = _routed_ids(n) if n.op == "call_function" else None
+        if ids is not None and (picks := max_ids(ids)) is not None:
+            found.append((picks[0], ids, picks[1]))
+    return found
 
 
-# The finders of routings, each asked about every node (``(gm, node) -> routings found there``).
-ROUTING_SOURCES: tuple[Callable[[GraphModule, Node], list[Routing]], ...] = (
-    topk_routings, region_routings, max_routings)
+# The finders of routings, each over the whole graph (``gm -> routings``); :func:`routings` keeps
+# the first routing found for each index.
+ROUTING_SOURCES: tuple[Callable[[GraphModule], list[Routing]], ...] = (topk_routings, region_routings, max_routings)
 
 
 def routings(gm: GraphModule) -> list[Routing]:
-    """Every routing of the graph in graph order (:data:`ROUTING_SOURCES`), each index once."""
+    """Every routing of the graph (:data:`ROUTING_SOURCES`), each index once, in the graph order of
+    the indices."""
     found, seen = [], set()
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        for source in ROUTING_SOURCES:
-            for routing in source(gm, n):
-                if routing[1] not in seen:
-                    seen.add(routing[1])
-                    found.append(routing)
-    return found
+    for source in ROUTING_SOURCES:
+        for routing in source(gm):
+            if routing[1] not in seen:
+                seen.add(routing[1])
+                found.append(routing)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    return sorted(found, key=lambda r: order[r[1]])
 
 
 def remapped_index(index: Node, down: set[Node], scope: str) -> Node | None:
@@ -203,6 +207,6 @@ def is_routing_ids(node: Node) -> bool:
         src = node.args[0]
         if src.target == aten.topk.default:
             return node.args[1] == 1
-        if src.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
-            return any(i is node for _, i, _ in region_routings(src.graph.owning_module, src))
+        if src.target is _REGION:
+            return any(i is node for _, i, _ in _region_routings(src.graph.owning_module, src))
     return max_ids(node) is not None
