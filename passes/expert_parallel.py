@@ -18,7 +18,9 @@ The experts' own code is cut out of the graph (``extract_body``) and kept as sub
 routed to it.  The router, shared experts and attention stay data-parallel (untouched).
 A plan without ep, tp, cp or capacity (:func:`autopar.support.moe_needs_rewrite`, and cp: the
 traced block sorts tokens across the sequence) keeps the traced experts: every rank runs every
-expert on its own tokens; only the expert gradient bucket is recorded.
+expert on its own tokens; only the expert gradient bucket is recorded.  Ids such a block sorts
+by that the graph does not bound (hash routing: a table lookup of the token ids) are checked at
+run time first (``moe.checked_expert_ids``): the rank's counts per expert need every id in range.
 
 Layouts: with ``ep > 1`` the experts are split over the ``ep`` axis (stacked parameters
 along dim 0, ModuleList experts whole on their owner rank), ``ceil(E / ep)`` per rank: an ep
@@ -51,6 +53,7 @@ from autopar.support import moe_needs_rewrite
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
 from .dense_expert_parallel import rewrite_dense_experts
 from .rules import is_seq_size
+from .token_order import key_range
 
 __all__ = ["expert_parallel_pass", "AXIS"]
 
@@ -118,6 +121,27 @@ def _replace(gm: GraphModule, block: MoEBlock, i: int, ctx: PassContext) -> None
                 f"{describe_node(outside[0])}; expected the experts region to feed only its output. "
                 "Use a plan with ep=1 and tp=1 for this model.")
         graph.erase_node(n)
+
+
+def _check_ids(gm: GraphModule, block: MoEBlock, result: PassResult) -> None:
+    """Experts run as traced count their rows per expert (a histogram of the sorted ids); on a data
+    axis that count is the rank's share of one device's only when every id is proven at least 0
+    (``passes/token_order.py``).  Ids the graph does not bound (a hash router's table lookup) are
+    checked at run time in ``[0, E - 1]`` (``moe.checked_expert_ids``), which proves them."""
+    if key_range(block.index) is not None or not any(n.target is aten.histc.default for n in block.region):
+        return  # proven, or no histogram counts by them (experts picking their rows by a mask need no bound)
+    index = block.index
+    with gm.graph.inserting_after(index):
+        check = gm.graph.call_function(moe.checked_expert_ids, (index, block.num_experts))
+    check.meta["val"] = index.meta["val"]
+    for key in ("nn_module_stack", "stack_trace"):
+        check.meta[key] = index.meta.get(key)
+    index.replace_all_uses_with(check, delete_user_cb=lambda u: u is not check)
+    provenance(check, _PASS, None, f"every forward checks the expert ids of '{block.module}' in "
+                                   f"[0, {block.num_experts - 1}]: the graph does not bound them (a table lookup)",
+               role="moe_checked_ids")
+    result.notes.append(f"{block.module}: expert ids {index.name} checked in [0, {block.num_experts - 1}] "
+                        "at run time (the graph does not bound them)")
 
 
 def _routed_bytes(dispatch: Node, combine: Node, block: MoEBlock, ctx: PassContext) -> None:
@@ -212,6 +236,7 @@ def expert_parallel_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
         _layouts(block, ctx, result)
         if not rewrite:  # ep=1, tp=1, cp=1, dropless: every rank runs every expert on its own tokens
             result.notes.append(f"{block.module}: {block.style} experts left as traced")
+            _check_ids(gm, block, result)
             continue
         _replace(gm, block, i, ctx)
         if plan.tp > 1 and plan.sp:

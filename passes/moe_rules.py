@@ -75,9 +75,10 @@ def gather_scatter_rule(node: Node, pls: list, rc: RuleContext):
                   "are supported; use a plan without this dimension.")
 
 
-@register(moe.moe_dispatch, moe.moe_experts, moe.moe_combine)
+@register(moe.moe_dispatch, moe.moe_experts, moe.moe_combine, moe.checked_expert_ids)
 def moe_token_rule(node: Node, pls: list, rc: RuleContext):
-    """Tokens keep their placement: each rank routes, computes and combines its own tokens."""
+    """Tokens keep their placement: each rank routes, computes and combines its own tokens (and
+    checks its own tokens' expert ids)."""
     pl = pls[0]
     if node.target is moe.moe_dispatch:
         return (pl, R)

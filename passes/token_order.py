@@ -37,6 +37,7 @@ import sympy
 import torch
 from torch.fx import Node
 
+from autopar.ops.moe import checked_expert_ids
 from .rules import P, TokenOrder, size_expr
 
 __all__ = ["TokenOrder", "Regrouped", "Positions", "InversePositions", "KeyCounts", "is_token_order", "as_share",
@@ -140,12 +141,15 @@ def _dim_of(op: Node) -> int:
 
 def key_range(node: Node) -> tuple[int, int] | None:
     """Integer bounds of every element of ``node`` where the graph proves them: indices along a
-    dim of size ``n`` (top-k, max, argmax, a sort's indices) lie in ``[0, n - 1]``; a
+    dim of size ``n`` (top-k, max, argmax, a sort's indices) lie in ``[0, n - 1]``; ids checked at
+    run time (``checked_expert_ids``: a hash router's table lookup) in the range checked; a
     concatenation of such keys lies in the union; a fill of some of them adds its value.  None
     when not proven."""
     root = key_root(node)
     if root.op != "call_function":
         return None
+    if root.target is checked_expert_ids:
+        return 0, int(root.args[1]) - 1
     if root.target in _CATS:
         ranges = [key_range(piece) for piece in root.args[0]]
         if not ranges or any(r is None for r in ranges):

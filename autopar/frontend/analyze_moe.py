@@ -354,8 +354,9 @@ def _block(gm: GraphModule, topk: Node, index: Node, width: int) -> MoEBlock | D
         raise AutoparError(f"autopar: the experts region ending at {describe_node(output)} has no "
                            f"{'[tokens, hidden] input' if tokens is None else '[tokens, top-k] weight input'}; "
                            "expected y[t] = sum_k w[t, k] * expert[idx[t, k]](x[t]). Use a plan with ep=1 and tp=1.")
+    router = _router(topk) or _router(weights)  # a table lookup's router only scores: it feeds the weights
     block = MoEBlock(module=scope or mod, style="stacked" if stacked else "modulelist", num_experts=num_experts,
-                     top_k=k, router=_router(topk), index=index, weights=weights, tokens=tokens, output=output,
+                     top_k=k, router=router, index=index, weights=weights, tokens=tokens, output=output,
                      region=sorted(region, key=_order), expert_params=[], expert_modules=experts, body_io=[])
     if stacked:
         if not split_bodies(block, stacked):  # JetMoE: one slice per chunk of the rows, not a grouped matmul

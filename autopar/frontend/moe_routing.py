@@ -16,7 +16,9 @@ finder there):
 - :func:`max_routings`: ids the experts sort (flattened) or one-hot encode that are the indices of
   ``max``/``argmax`` over the last dim of ``E`` scores, one column per slot, concatenated over the
   slots (PhiMoE's sparse mixer: the first expert by a max, the second by a max of the scores with
-  the first masked out, each sampled by a Gumbel max in train mode).
+  the first masked out, each sampled by a Gumbel max in train mode);
+- ``table_routings`` (:mod:`autopar.frontend.moe_table_routing`): ids read from a table by the token
+  ids (DeepSeek-V4's hash routing).
 
 A block may sort ids computed from a routing's (:func:`remapped_index`: LongCat's fold of zero
 experts, Ergo's row per slot), unless those are a routing of their own (:func:`is_routing_ids`).
@@ -31,6 +33,7 @@ from torch.fx import GraphModule, Node
 
 from autopar.compat import sym_expr
 from autopar.frontend.fx_utils import module_path, within
+from autopar.frontend.moe_table_routing import table_routings
 from autopar.frontend.op_sets import RESHAPE_OPS
 
 aten = torch.ops.aten
@@ -167,7 +170,8 @@ def max_routings(gm: GraphModule) -> list[Routing]:
 
 # The finders of routings, each over the whole graph (``gm -> routings``); :func:`routings` keeps
 # the first routing found for each index.
-ROUTING_SOURCES: tuple[Callable[[GraphModule], list[Routing]], ...] = (topk_routings, region_routings, max_routings)
+ROUTING_SOURCES: tuple[Callable[[GraphModule], list[Routing]], ...] = (topk_routings, region_routings, max_routings,
+                                                                     table_routings)
 
 
 def routings(gm: GraphModule) -> list[Routing]:

@@ -32,12 +32,13 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor
 
 from autopar.errors import AutoparError
 from autopar.ops import collectives
 from autopar.plan_space import local_experts
 
-__all__ = ["Routing", "capacity_keep", "moe_dispatch", "moe_experts", "moe_combine"]
+__all__ = ["Routing", "capacity_keep", "checked_expert_ids", "moe_dispatch", "moe_experts", "moe_combine"]
 
 
 @dataclasses.dataclass
@@ -101,6 +102,36 @@ def capacity_keep(sorted_experts: torch.Tensor, counts: torch.Tensor, capacity: 
     return position < capacity
 
 
+def _check_expert_ids(ids: torch.Tensor, num_experts: int, who: str, advice: str) -> None:
+    """Refuse (an ``autopar:`` error) any id of ``ids`` outside ``[0, num_experts - 1]``."""
+    if ids.numel() == 0:
+        return
+    lo, hi = torch.stack(torch.aminmax(ids.reshape(-1))).tolist()
+    if lo < 0 or hi >= num_experts:
+        raise AutoparError(f"autopar: {who} met expert id {lo if lo < 0 else hi} but the block has "
+                           f"{num_experts} experts; the expert ids the block sorts by must lie in "
+                           f"[0, {num_experts - 1}]. {advice}")
+
+
+def checked_expert_ids(ids: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``ids`` itself, once every id lies in ``[0, num_experts - 1]``; an ``autopar:`` error otherwise.
+
+    Inserted by ``passes/expert_parallel.py`` where an MoE block's experts run as traced on the
+    rank's tokens and the graph does not bound the ids they sort by (hash routing: a table lookup,
+    ``tid2eid[input_ids]``, whose buffer is loaded with the checkpoint).  The checked ids are then
+    proven in range (``passes/token_order.py``: ``key_range``), which the counts of the experts' rows
+    need: an id below 0 would shift every expert's rows by a count of this rank's tokens.  Every
+    rank checks its own tokens, so the ranks pass together exactly when one device's ids would.
+    Nothing is checked on the meta device (the scale simulation routes without values)."""
+    if ids.is_meta or isinstance(ids, FakeTensor):
+        return ids
+    _check_expert_ids(ids, num_experts, "MoE routing",
+                      "The graph does not bound these ids (a hash router's table of expert ids, loaded "
+                      "with the checkpoint), so every forward checks them; load a table whose values are "
+                      "expert ids.")
+    return ids
+
+
 def moe_dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int, axis: str,
                  capacity_factor: float | None = None) -> tuple:
     """Token rows for this rank's experts, grouped by local expert, and the :class:`Routing`.
@@ -114,11 +145,15 @@ def moe_dispatch(x: torch.Tensor, idx: torch.Tensor, num_experts: int, axis: str
         return _balanced_dispatch(x, idx, num_experts, axis, capacity_factor)
     flat = idx.reshape(-1)
     sorted_experts, order = torch.sort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
-    if counts.numel() != num_experts:  # ids a block computed (LongCat's fold) past its experts
-        raise AutoparError(f"autopar: MoE dispatch met expert id {counts.numel() - 1} but the block has "
-                           f"{num_experts} experts; the expert ids the block sorts by must lie in "
-                           f"[0, {num_experts - 1}]. Use a plan with ep=1 and tp=1 for this model.")
+    # ids a block computed (LongCat's fold) or read from a table (hash routing) outside its experts
+    advice = "Use a plan with ep=1 and tp=1 for this model, or (ids read from a table) load a table of expert ids."
+    try:
+        counts = torch.bincount(flat, minlength=num_experts)
+    except RuntimeError:  # bincount refuses a negative id
+        _check_expert_ids(flat, num_experts, "MoE dispatch", advice)
+        raise
+    if counts.numel() != num_experts:
+        _check_expert_ids(flat, num_experts, "MoE dispatch", advice)
     if capacity_factor is not None:
         capacity = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
         keep = capacity_keep(sorted_experts, counts, capacity)

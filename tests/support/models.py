@@ -37,6 +37,8 @@ __all__ = [
     "hf_hy_v4",
     "hf_deepseek_v32",
     "hf_llama4",
+    "HashMoE",
+    "hash_moe",
     "position_mixer",
     "hf_llama_functions",
     "HalfGradient",
@@ -498,3 +500,54 @@ def hf_llama_functions(seed: int = 0, **overrides):
 
 
 MODELS["hf_llama_functions"] = (hf_llama_functions, hf_loss, {"use_cache": False})
+
+
+class HashMoE(torch.nn.Module):
+    """A tiny LM whose one MoE block routes by hash, as DeepSeek-V4's first layers do: the experts of
+    token ``t`` are row ``input_ids[t]`` of a fixed ``[vocab, k]`` table (a buffer), weighted by a
+    learned router's scores gathered at them; stacked experts run by transformers' grouped matmul on
+    the (token, slot) rows sorted by expert, counted by a histogram (vocab 128, hidden 32, 4 experts,
+    top-2)."""
+
+    def __init__(self, vocab: int = 128, hidden: int = 32, width: int = 16, experts: int = 4, top_k: int = 2):
+        super().__init__()
+        from transformers.integrations import moe as _hf_moe  # noqa: F401  (registers grouped_mm_fallback)
+
+        self.num_experts = experts
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.router = torch.nn.Linear(hidden, experts, bias=False)
+        self.register_buffer("tid2eid", torch.randint(0, experts, (vocab, top_k)))
+        self.gate_up = torch.nn.Parameter(torch.randn(experts, 2 * width, hidden) / hidden ** 0.5)
+        self.down = torch.nn.Parameter(torch.randn(experts, hidden, width) / width ** 0.5)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids):
+        h = self.embed(input_ids)
+        x = h.reshape(-1, h.shape[-1])
+        scores = torch.nn.functional.softplus(self.router(x)).sqrt()
+        index = self.tid2eid[input_ids.reshape(-1)].long()
+        weights = scores.gather(1, index)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.head(h + self.experts(x, index, weights).view_as(h))
+
+    def experts(self, x, index, weights):
+        top_k, grouped_mm = index.shape[1], torch.ops.transformers.grouped_mm_fallback
+        keys, perm = index.reshape(-1).sort()
+        rows = x[perm // top_k]
+        counts = torch.histc(keys.float(), bins=self.num_experts, min=0, max=self.num_experts - 1)
+        offsets = counts.cumsum(0, dtype=torch.int32)
+        gate, up = grouped_mm(rows, self.gate_up.transpose(-2, -1), offsets).chunk(2, dim=-1)
+        out = grouped_mm(torch.nn.functional.silu(gate) * up, self.down.transpose(-2, -1), offsets)
+        out = out * weights.reshape(-1)[perm].unsqueeze(-1)
+        inverse = torch.empty_like(perm)
+        inverse[perm] = torch.arange(perm.shape[0])
+        return out[inverse].view(-1, top_k, x.shape[-1]).sum(1)
+
+
+def hash_moe(seed: int = 0, **overrides):
+    """:class:`HashMoE` with weights and a table of expert ids from ``seed``."""
+    torch.manual_seed(seed)
+    return HashMoE(**overrides)
+
+
+MODELS["hash_moe"] = (hash_moe, lm_loss, {})
