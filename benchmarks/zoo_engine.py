@@ -152,11 +152,12 @@ def _train(entry: dict, rank: int) -> tuple[dict, dict | None]:
         status["phase"] = "state_dict"
         states = [_cpu(pm.state_dict())]
         losses = []
-        for step, (inputs, target) in enumerate(batches, start=1):
-            status["phase"] = f"step {step}"
-            losses.append(float(pm.train_step(inputs, target)))
-            status["phase"] = "state_dict"
-            states.append(_cpu(pm.state_dict()))
+        with sources.seeded_steps(SEED):  # the reference's random draws (api._reference)
+            for step, (inputs, target) in enumerate(batches, start=1):
+                status["phase"] = f"step {step}"
+                losses.append(float(pm.train_step(inputs, target)))
+                status["phase"] = "state_dict"
+                states.append(_cpu(pm.state_dict()))
         status["phase"] = "done"
         if rank == 0:
             result = {"losses": losses, "states": states}
@@ -282,7 +283,7 @@ def _build(model_type: str, cfg: dict, notes: list[str], batch: int, seq: int, o
         init = _cpu(model.state_dict())
         vocab = sources.vocab_size(model)
         batches = sources.make_batches(vocab, batch, seq, STEPS, SEED)
-        ref = _reference(model, kwargs, batches, optimizer)
+        ref = _reference(model, kwargs, batches, optimizer, seed=SEED)
     except Exception as exc:  # noqa: BLE001
         return None, None, None, None, _outcome("no-build", f"one process: {type(exc).__name__}: {_first_line(exc)}")
     return source, init, vocab, ref, None
@@ -352,7 +353,7 @@ def _split_reference(entry: dict, parts: int) -> dict:
         model, kwargs = entry["source"].build(SEED)
     model.load_state_dict(entry["init"])
     batches = sources.make_batches(entry["vocab"], entry["batch"], entry["seq"], STEPS, SEED)
-    return _reference(model, kwargs, batches, entry["optimizer"], parts=parts)
+    return _reference(model, kwargs, batches, entry["optimizer"], parts=parts, seed=SEED)
 
 
 def _read(workdir: str, i: int) -> tuple[list, dict | None]:

@@ -28,6 +28,7 @@ from torch.fx import GraphModule, Node
 from autopar.errors import AutoparError
 from autopar.frontend.custom_functions import AUTOGRAD_FUNCTION, call_of, trace_forward, trace_joint
 from .block_layout import LAYOUT_KEYS
+from .draw_rules import DRAW_KEY
 from .rules import P, R, RuleContext, is_sharded, tensor_inputs
 
 __all__ = ["AUTOGRAD_FUNCTION", "place_function", "function_gradients"]
@@ -104,6 +105,12 @@ def _place_graph(node: Node, gm: GraphModule, pls_in: list, rc: RuleContext, pla
                       f"Use a plan without {rc.axis} for this model.") from None
     finally:
         rc.placements, rc.gm = outer, outer_gm
+    drawn = next((n for n in gm.graph.nodes if DRAW_KEY in n.meta), None)
+    if drawn is not None:
+        raise rc.fail(node, f"its {what} (custom torch.autograd.Function '{call_of(node).name}') draws random numbers "
+                            f"for this rank's rows ({drawn.name}), which one device draws for the whole batch, and "
+                            "autopar runs a Function's code as it is",
+                      f"Use a plan without {rc.axis} for this model.")
     if str(gm.graph) != before:
         raise rc.fail(node, f"its {what} (custom torch.autograd.Function '{call_of(node).name}') would need its "
                             "code changed to run on this rank's part of its inputs (a size made local, a "

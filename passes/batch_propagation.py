@@ -23,6 +23,10 @@ An MoE block run as traced (no ``ep``) sorts, counts and scatters back the rank'
 token-order rules (``passes/token_order.py``) place each of those steps and prove that the
 block's output holds the rank's rows, or refuse the node where tokens of different ranks would
 mix.  Everything else row by row is placed from its shape (:func:`_by_shape`).
+
+A random draw from the default generator over the rank's rows (a sampling router's noise) is made
+for the whole batch, the rank's rows kept, so that it draws one device's numbers
+(``passes/random_draws.py``, after the placements; refused under micro-batches).
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from autopar.ops import collectives
 from .autograd_functions import AUTOGRAD_FUNCTION
 from .context import META_KEY, PassContext, PassResult
 from .gradient_placement import requires_grad_nodes
+from .random_draws import rewrite_draws
 from .rules import R, RuleContext, lookup_token_order, tensor_inputs
 from .shard_propagation import BY_RULES, local_numel, propagate
 
@@ -102,10 +107,12 @@ def batch_propagation_pass(gm: GraphModule, ctx: PassContext) -> PassResult:
     placements = propagate(gm, rc, lambda node: Shard(0) if node in rows else R, _by_shape(rc))
     if plan.mb > 1 or plan.pp > 1:
         _refuse_under_microbatches(gm, plan)
+    result.num_rewritten = rewrite_draws(gm, plan, rc.token_symbols)
     result.num_inserted = predict_token_bytes(gm, ctx, "dp") if plan.dp > 1 else 0
     shares = sum(isinstance(p, Partial) for p in placements.values())
     result.notes.append(f"placed {len(placements)} nodes on dp ({shares} shares of batch statistics), "
-                        f"{result.num_inserted} all-reduced")
+                        f"{result.num_inserted} all-reduced, {result.num_rewritten} random draws made for the "
+                        "whole batch")
     return result
 
 

@@ -53,10 +53,12 @@ def extreme_dim_rule(node: Node, pls: list, rc: RuleContext):
     return (out, out)
 
 
-@register(aten.gather.default, aten.scatter.value, aten.scatter_.value, aten.scatter.src, aten.scatter_.src)
+@register(aten.gather.default, aten.scatter.value, aten.scatter_.value, aten.scatter.src, aten.scatter_.src,
+          aten.scatter_add.default, aten.scatter_add_.default)
 def gather_scatter_rule(node: Node, pls: list, rc: RuleContext):
-    """``x.gather(dim, idx)`` / ``x.scatter(dim, idx, v)`` along a dim no input is sharded on
-    (a router's per-token picks: DeepSeek's group mask and gathered routing weights): each rank's
+    """``x.gather(dim, idx)`` / ``x.scatter(dim, idx, v)`` / ``x.scatter_add(dim, idx, v)`` along a dim no
+    input is sharded on (a router's per-token picks: DeepSeek's group mask and gathered routing weights;
+    PhiMoE's sparse-mixer backward adds each token's gradient at its chosen expert): each rank's
     rows pick from its own rows, so the output keeps their shard.  A replicated ``x`` gathered
     at sharded indices (BERT's token types at this rank's positions) is sharded like them."""
     dim = node.args[1] % max(1, ndim_of(node.args[0]))

@@ -21,6 +21,8 @@ this one table with :func:`register`:
 - ``passes/join_rules.py``: splits and concatenations (a tensor laid out by blocks:
   ``passes/block_layout.py``);
 - ``passes/moe_rules.py``: MoE routing and the EP operators;
+- ``passes/draw_rules.py``: random draws from the default generator (on dp also a token-order rule:
+  a draw over the rank's rows, made for the whole batch by ``passes/random_draws.py``);
 - ``passes/op_rules.py``: autopar's own operators (collectives, CP attention and positions,
   the vocabulary-parallel embedding and loss);
 - ``passes/token_order_rules.py`` and ``token_order_rowwise.py`` (data axes only, asked first,

@@ -40,7 +40,7 @@ from .rules import P, R, RuleContext, is_loss_share, is_sharded, lookup, lookup_
 from .token_order import as_share, is_token_order
 # Every rule family registers into the one table when imported (passes/rules.py lists them).
 from . import matmul_rules, moe_rules, op_rules, pointwise_rules, reduction_rules, token_order_rules  # noqa: F401
-from . import join_rules, view_rules  # noqa: F401
+from . import draw_rules, join_rules, view_rules  # noqa: F401
 
 __all__ = ["shard_propagation_pass", "propagate", "tensor_inputs", "local_numel", "BY_RULES"]
 

@@ -30,14 +30,13 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.fx import Node
 
-from autopar.frontend.op_sets import RANDOM_DRAWS
 from .rules import P, R, RuleContext, canonical_dim, ndim_of, register_token_order, shape_of, size_expr
 from .token_order import (InversePositions, KeyCounts, Positions, Regrouped, ascending, distinct_per_row,
                           is_sort, is_token_order, key_range, key_root, order_space, same_size, token_major)
 from .token_order_rowwise import reduce_rule
 
 __all__ = ["sort_rule", "arange_rule", "selection_rule", "index_rule", "index_put_rule", "index_add_rule",
-           "histc_counts_rule", "one_hot_counts", "draw_rule", "grouped_mm_rule", "segments_rule", "join_rule",
+           "histc_counts_rule", "one_hot_counts", "grouped_mm_rule", "segments_rule", "join_rule",
            "checked_extreme_rule"]
 
 aten = torch.ops.aten
@@ -330,22 +329,6 @@ def count_number_rule(node: Node, pls: list, rc: RuleContext):
     """One bin's count as a number: kept only where it sizes the bin's segment (or is checked)."""
     pl = pls[0]
     return pl if isinstance(pl, KeyCounts) and pl.kind == "item" and _only_sizes(node) else None
-
-
-# --- random draws over the rank's tokens -------------------------------------------------
-
-@register_token_order(*RANDOM_DRAWS)
-def draw_rule(node: Node, pls: list, rc: RuleContext):
-    """Random numbers for the rank's tokens (a router's sampling noise) are not the one device's:
-    it draws them for every token of the batch, in one order, from one generator, and a rank (or a
-    micro-batch) draws as many for its own tokens from the start of the same stream."""
-    if rc.token_dim(node) is None:
-        return None
-    raise rc.fail(node, "it draws random numbers for this rank's tokens from the default generator, which one "
-                        "device draws for every token of the batch: the ranks' (and micro-batches') draws are "
-                        "not its rows (in train mode PhiMoE's router samples its experts this way)",
-                  "Only dropout has streams of its own (docs/architecture.md); use a plan without dp, cp and "
-                  "micro-batches for this model, or train it without the sampling.")
 
 
 # --- grouped work on the sorted rows ------------------------------------------------------

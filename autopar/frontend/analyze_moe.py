@@ -4,9 +4,10 @@ Part of the analysis stage (:mod:`autopar.frontend.analyze` calls :func:`find_mo
 block computes ``y[t] = sum_k w[t, k] * expert[idx[t, k]](x[t])``.  What is found, never by
 model or module names:
 
-- the *routing*: an ``aten.topk`` over a router's ``E`` outputs; its indices are ``idx
-  [T, k]`` and the float ``[T, k]`` tensor the experts are weighted with is ``w`` (softmax
-  before or after top-k, optionally renormalised: whatever the graph computes);
+- the *routing* (:mod:`autopar.frontend.moe_routing`): ids ``idx [T, k]`` proven indices over a
+  router's ``E`` outputs (an ``aten.topk``'s, or max picks per slot concatenated), and the float
+  ``[T, k]`` tensor the experts are weighted with, ``w`` (softmax before or after top-k, optionally
+  renormalised: whatever the graph computes);
 - the *experts region*: every node that depends on ``idx`` up to the first ``[T, h]`` node
   ``y`` that all experts feed; the region's float ``[T, h]`` input is the tokens ``x``;
 - the *experts*, in one of two styles:
@@ -29,10 +30,10 @@ import re
 import torch
 from torch.fx import Graph, GraphModule, Node
 
-from autopar.compat import sym_expr
 from autopar.frontend.fx_utils import module_path, within as _within
+from autopar.frontend.moe_routing import in_module, is_float as _is_float, node_shape as _shape
+from autopar.frontend.moe_routing import remapped_index as _remapped_index, routings as _routings
 from autopar.frontend.moe_split_experts import SplitExperts, split_bodies
-from autopar.frontend.moe_table_routing import table_routings
 from autopar.frontend.op_sets import PROJECTION_OPS, RESHAPE_OPS
 from autopar.errors import AutoparError, describe_node
 
@@ -91,23 +92,6 @@ class DenseExperts:
     output: Node | None = None  # y [T, h]: the sum over the experts
 
 
-def in_module(node: Node, prefix: str) -> bool:
-    """Was ``node`` traced inside module ``prefix`` (the top level for ``""``)?"""
-    return _within(module_path(node), prefix)
-
-
-def _val(node) -> object:
-    return node.meta.get("val") if isinstance(node, Node) else None
-
-
-def _shape(node) -> tuple:
-    """Sizes as ints or sympy expressions (compared structurally: no guards on unbacked sizes)."""
-    v = _val(node)
-    if not isinstance(v, torch.Tensor):
-        return ()
-    return tuple(sym_expr(s) if isinstance(s, torch.SymInt) else int(s) for s in v.shape)
-
-
 def _reach(roots: list[Node], step) -> set[Node]:
     out: set[Node] = set()
     todo = list(roots)
@@ -126,11 +110,6 @@ def descendants(roots: list[Node]) -> set[Node]:
 
 def _ancestors(node: Node) -> set[Node]:
     return _reach([node], lambda n: n.all_input_nodes)
-
-
-def _is_float(node) -> bool:
-    v = _val(node)
-    return isinstance(v, torch.Tensor) and v.dtype.is_floating_point
 
 
 def _stacked_params(gm: GraphModule, scoped: list[Node], num_experts: int | None) -> list[Node]:
@@ -322,77 +301,6 @@ def _back_in_token_order(node: Node, down: set[Node]) -> bool:
                for a in (_ancestors(node) | {node}) & down)
 
 
-def _item(node: Node, i: int) -> Node | None:
-    return next((u for u in node.users if u.target is operator.getitem and u.args[1] == i), None)
-
-
-def _static(size) -> int | None:
-    """A size as an int; None for a symbolic one (a top-k over the positions, a sparse attention
-    indexer's, picks keys, not experts)."""
-    return int(size) if getattr(size, "is_Integer", isinstance(size, int)) else None
-
-
-def _routings(gm: GraphModule) -> list[tuple[Node, Node, int]]:
-    """``(source, index, width)`` of every routing in graph order: an ``aten.topk`` (its
-    indices over ``width`` router outputs), a ``torch.no_grad()`` region
-    (``wrap_with_set_grad_enabled``, LongCat's router) whose graph returns a top-k's indices, read
-    by the ``getitem`` of that output, or a table lookup of the token ids (hash routing)."""
-    found = []
-    for n in gm.graph.nodes:
-        if n.op != "call_function":
-            continue
-        if n.target == aten.topk.default and (index := _item(n, 1)) is not None \
-                and (width := _static(_shape(n.args[0])[-1])) is not None:
-            found.append((n, index, width))
-        elif n.target is torch.ops.higher_order.wrap_with_set_grad_enabled:
-            found += _region_routings(gm, n)
-    # hash routing: ids read from a table (autopar/frontend/moe_table_routing.py)
-    found += [r for r in table_routings(gm) if all(r[1] is not i for _, i, _ in found)]
-    return sorted(found, key=lambda r: _order(r[1]))
-
-
-def _region_routings(gm: GraphModule, region: Node) -> list[tuple[Node, Node, int]]:
-    sub = getattr(gm, region.args[1].target, None)
-    if not isinstance(sub, GraphModule):
-        return []
-    outputs = list(next(n for n in sub.graph.nodes if n.op == "output").args[0])
-    found = []
-    for i, out in enumerate(outputs):
-        if isinstance(out, Node) and out.target is operator.getitem and out.args[1] == 1 \
-                and out.args[0].target == aten.topk.default and (index := _item(region, i)) is not None \
-                and (width := _static(_shape(out.args[0].args[0])[-1])) is not None:
-            found.append((region, index, width))
-    return found
-
-
-def _remapped_index(index: Node, down: set[Node], scope: str) -> Node | None:
-    """The ``[N, k']`` expert ids the experts sort by, when the block computes them from the top-k's:
-    the 2-D input of the block's one sort of flattened ids.  LongCat folds choices past its routed
-    experts onto them with a ``where`` (``[T, k]``); Ergo gives each (token, slot) a row of its own
-    (``idx.reshape(-1, 1)``, the tokens repeated per slot: ``[T * k, 1]``).  ``moe_dispatch``
-    refuses ids outside the experts at run time, so a fold the graph does not bound stops there,
-    never silently."""
-    sorts = [n for n in down if n.target in (aten.sort.default, aten.sort.stable) and in_module(n, scope)
-             and n.args[0].target in RESHAPE_OPS and len(_shape(n.args[0])) == 1]
-    if len(sorts) != 1:
-        return None
-    ids = sorts[0].args[0].args[0]
-    if ids is index or ids not in down or len(_shape(ids)) != 2 or _is_float(ids) or _top_k_ids(ids):
-        return None  # another top-k's ids (a group-limited router's last top-k) are a routing of their own
-    return ids
-
-
-def _top_k_ids(node: Node) -> bool:
-    """Whether ``node`` is the indices of a top-k, read directly or through a ``torch.no_grad()`` region."""
-    if node.target is not operator.getitem:
-        return False
-    src = node.args[0]
-    if src.target == aten.topk.default:
-        return node.args[1] == 1
-    return src.target is torch.ops.higher_order.wrap_with_set_grad_enabled and \
-        any(i is node for _, i, _ in _region_routings(src.graph.owning_module, src))
-
-
 def _block(gm: GraphModule, topk: Node, index: Node, width: int) -> MoEBlock | DenseExperts | None:
     num_experts, k = width, int(_shape(index)[-1])
     down = descendants([index])
@@ -425,7 +333,7 @@ def _block(gm: GraphModule, topk: Node, index: Node, width: int) -> MoEBlock | D
                    and _shape(n)[0] == _shape(index)[0] and needed <= (_ancestors(n) | {n})
                    and (k > 1 or _back_in_token_order(n, down))), None)
     if output is None:
-        raise AutoparError(f"autopar: found a top-k routing at {describe_node(topk)} with {num_experts} experts "
+        raise AutoparError(f"autopar: found a routing at {describe_node(topk)} with {num_experts} experts "
                            "but no [tokens, hidden] output that combines every expert; expected "
                            "y[t] = sum_k w[t, k] * expert[idx[t, k]](x[t]). Use a plan with ep=1 and tp=1 "
                            "for this model, or report the MoE layout.")
@@ -655,5 +563,5 @@ def expert_width(block: MoEBlock) -> tuple[int, bool]:
                 for n in body.graph.nodes if n.op == "call_function")
     tables = {u.args[0] for u in (block.expert_ids.users if block.expert_ids is not None else ())
               if u.target is aten.index.Tensor and u.args[0].op == "get_attr"}
-    table_numel = sum(_val(t).numel() for t in tables) // block.num_experts
+    table_numel = sum(t.meta["val"].numel() for t in tables) // block.num_experts
     return (block.expert_numel - table_numel) // ((3 if gated else 2) * block.hidden), gated

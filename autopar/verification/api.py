@@ -24,7 +24,7 @@ from autopar.plan import Plan
 from autopar.verification.compare import VerifyResult, compare
 from autopar.verification.launch import DEFAULT_TIMEOUT_S, start_ranks, stop_ranks, wait_ranks
 from autopar.verification.sources import (OPTIMIZERS, SGD_LR, batch_shape, make_batches, next_token_loss,
-                                          resolve_source, vocab_size)
+                                          resolve_source, seeded_steps, vocab_size)
 
 __all__ = ["verify"]
 
@@ -54,10 +54,10 @@ def _plan(plan: str | Plan, world_size: int | None) -> tuple[Plan, int]:
     return p, world_size
 
 
-def _reference_beside(procs, model, kwargs, batches, optimizer: str):
+def _reference_beside(procs, model, kwargs, batches, optimizer: str, seed: int):
     """The one-process run, trained while the ranks start up; the ranks stopped if it fails."""
     try:
-        return _reference(model, kwargs, batches, optimizer)
+        return _reference(model, kwargs, batches, optimizer, seed=seed)
     except Exception as exc:
         stop_ranks(procs)
         if isinstance(exc, AutoparError):
@@ -71,12 +71,19 @@ def _reference_beside(procs, model, kwargs, batches, optimizer: str):
         raise
 
 
-def _reference(model: torch.nn.Module, kwargs: dict, batches, optimizer: str, parts: int = 1) -> dict:
+def _reference(model: torch.nn.Module, kwargs: dict, batches, optimizer: str, parts: int = 1, *,
+               seed: int = 0) -> dict:
     """Single-process training of ``model`` (modified): losses, state dicts (step 0..K), step 1's gradients.
 
     ``parts > 1``: each batch's rows in ``parts`` equal slices, each slice's mean loss over
     ``parts`` back-propagated on its own and the gradients summed -- the same mean, reduced in the
-    order a data-parallel or micro-batched program reduces it (targets without padding)."""
+    order a data-parallel or micro-batched program reduces it (targets without padding).  The steps
+    draw from the default generator seeded with ``seed``, as the ranks' do (``sources.seeded_steps``)."""
+    with seeded_steps(seed):
+        return _train(model, kwargs, batches, optimizer, parts)
+
+
+def _train(model: torch.nn.Module, kwargs: dict, batches, optimizer: str, parts: int) -> dict:
     opt = OPTIMIZERS[optimizer](model.parameters())
     states = [_cpu(model.state_dict())]
     losses, grads = [], {}
@@ -164,7 +171,7 @@ def verify(model: str | os.PathLike, plan: str | Plan, *, world_size: int | None
         torch.save(job, os.path.join(workdir, "job.pt"))
         torch.save(init, os.path.join(workdir, "init.pt"))
         procs = start_ranks(workdir, world)
-        ref = _reference_beside(procs, reference_model, kwargs, batches, optimizer)
+        ref = _reference_beside(procs, reference_model, kwargs, batches, optimizer, seed)
         got = wait_ranks(procs, workdir, timeout)
     corrupted = (f"gradient of {corrupt} doubled on rank {got['corrupted_rank']} (--corrupt)"
                  if corrupt is not None else None)

@@ -9,11 +9,12 @@ A source is picklable: the parent process and every rank (:mod:`autopar.verifica
 call :meth:`ModelSource.build` to get the same model.
 
 The rest is shared by the single-process reference (:mod:`autopar.verification.api`) and the
-ranks: :func:`batch_shape`, :func:`make_batches`, :func:`next_token_loss` and :data:`OPTIMIZERS`
+ranks: :func:`batch_shape`, :func:`make_batches`, :func:`seeded_steps`, :func:`next_token_loss` and :data:`OPTIMIZERS`
 (the bounds and the comparison are :mod:`autopar.verification.compare`).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -30,7 +31,7 @@ from autopar.plan_space import batch_ok, cp_seq_ok, sp_seq_ok
 from autopar.verification.shrink import KEYS, preset_config, shrink_config
 from autopar.verification.shrink_fields import text_model
 
-__all__ = ["ModelSource", "resolve_source", "batch_shape", "make_batches", "next_token_loss",
+__all__ = ["ModelSource", "resolve_source", "batch_shape", "make_batches", "next_token_loss", "seeded_steps",
            "OPTIMIZERS", "SGD_LR", "vocab_size"]
 
 SGD_LR = 0.1
@@ -216,6 +217,17 @@ def make_batches(vocab: int, batch: int, seq: int, steps: int, seed: int):
         tokens = torch.randint(0, vocab, (batch, seq + 1), generator=gen, dtype=torch.int64)
         out.append(((tokens[:, :-1].clone(),), tokens[:, 1:].clone()))
     return out
+
+
+@contextlib.contextmanager
+def seeded_steps(seed: int):
+    """The training steps run in the block draw from the default (CPU) generator seeded with ``seed``,
+    in the reference process and on every rank alike, so that a model drawing random numbers in
+    train mode outside dropout (PhiMoE's sampling router) draws one device's numbers on both sides
+    (:mod:`autopar.ops.draws`); the caller's generator state is restored after the block."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        yield
 
 
 def next_token_loss(output, target: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.errors import AutoparError
-from autopar.verification.sources import OPTIMIZERS, make_batches, next_token_loss
+from autopar.verification.sources import OPTIMIZERS, make_batches, next_token_loss, seeded_steps
 
 __all__ = ["main", "GLOO_TIMEOUT_S", "CORRUPT_FACTOR"]
 
@@ -75,9 +75,10 @@ def run(job: dict, init: dict, rank: int, start: float) -> dict | None:
                            "from the model's named_parameters().")
     states = [_cpu(pm.state_dict())]
     losses = []
-    for inputs, target in batches:
-        losses.append(pm.train_step(inputs, target))
-        states.append(_cpu(pm.state_dict()))
+    with seeded_steps(job["seed"]):  # the reference's random draws (api._reference)
+        for inputs, target in batches:
+            losses.append(pm.train_step(inputs, target))
+            states.append(_cpu(pm.state_dict()))
     _log(f"{len(batches)} steps done", start)
     if rank != 0:
         return None

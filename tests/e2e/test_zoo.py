@@ -39,9 +39,10 @@ EXPECTED: dict[str, dict[str, object]] = {
     # (expert biases gathered by the sorted expert ids; sliding windows of 16 below the sequence);
     # under tp and ep the rewritten experts carry the biases, read at each row's local expert id
     "gpt_oss": {"dp=2,zero=3": E, "tp=2,sp": E, "dp=2,ep=2": E},
-    # PhiMoE's train-mode router samples experts (Gumbel noise: exponential_ on the rank's rows), which
-    # no rank can draw as one device draws them for the whole batch: refused, naming the draw
-    "phimoe": {"dp=2,zero=3": (R, "cannot shard node 'exponential_'")},
+    # PhiMoE's train-mode router samples experts (Gumbel noise: exponential_ on the rank's rows): each dp
+    # rank draws the whole batch's noise and keeps its rows; its slots are max picks (no top-k), found
+    # as a routing from the ids' dataflow, so ep splits its experts
+    "phimoe": {"dp=2,zero=3": E, "dp=2,ep=2": E},
     # LongCat's zero experts: choices past the routed experts folded onto them by a where, whose keys
     # are ranged branch by branch; its router's top-k runs in torch.no_grad(), a graph of its own
     # placed node by node on the rank's sequence shard under cp; under tp and ep the rewrite sorts by

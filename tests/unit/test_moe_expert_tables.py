@@ -10,8 +10,9 @@ ops run in one process (no ep group) give the traced block's output and gradient
 other than to read a per-expert table, or ids that the graph does not prove are the rows' experts
 (a descending sort), are refused with an ``autopar:`` error.  Two routing variants are found too:
 top-1 (HunYuan-MoE: the sorted rows are ``[T, h]`` like the output), LongCat's zero experts (the
-top-k chosen in a ``torch.no_grad()`` region, choices past the experts folded onto them) and Ergo's
-row per (token, slot), routed with unit weights and weighted after the experts.
+top-k chosen in a ``torch.no_grad()`` region, choices past the experts folded onto them), Ergo's
+row per (token, slot), routed with unit weights and weighted after the experts, and PhiMoE's slots
+picked by a max each (no top-k: ids concatenated from max indices over the router's outputs).
 """
 from __future__ import annotations
 
@@ -90,6 +91,13 @@ class TinyMoE(nn.Module):
             keep = torch.zeros_like(scores).view(-1, 2, EXPERTS // 2).scatter(1, best.unsqueeze(-1).expand(
                 -1, 1, EXPERTS // 2), 1.0).view_as(scores)
             return scores.masked_fill(keep == 0, 0.0).topk(self.experts.top_k, dim=-1)
+        if self.mix in ("max-slots", "max-widths"):  # PhiMoE: each slot's expert by a max, no top-k
+            first = scores.max(dim=-1)[1].unsqueeze(-1)
+            rest = scores.scatter(-1, first, 0.0)
+            # "max-widths": the second pick over 3 of the 4 scores (no index over the router's outputs)
+            second = (rest[:, :3] if self.mix == "max-widths" else rest).argmax(-1, keepdim=True)
+            index = torch.cat([first, second], dim=-1)
+            return scores.gather(-1, index), index
         if self.mix != "zero-experts":
             return scores.topk(self.experts.top_k, dim=-1)
         # LongCat: the choice made without gradients, choices past the experts weighted 0 and folded
@@ -174,6 +182,26 @@ def test_a_skip_class_over_the_batch_and_sequence_is_folded_onto_the_experts():
     assert tuple(block.index.meta["val"].shape) == (ids.numel(), TOP_K)
 
 
+def test_slots_picked_by_max_are_a_routing():
+    """PhiMoE's sparse mixer: no top-k; each slot's expert is the index of a max over the router's 4
+    scores (the second with the first masked out), the columns concatenated into the ids the experts
+    sort.  The ids are indices over the 4 outputs by their dataflow, so the block is found."""
+    model, ids = _model("max-slots")
+    block, = analyze(trace_model(model, (ids,), {}, _loss).gm).moe
+    assert block.num_experts == EXPERTS and block.top_k == TOP_K and block.style == "stacked"
+    assert block.index.target is torch.ops.aten.cat.default and block.router is not None
+    assert block.weights.target is torch.ops.aten.gather.default
+
+
+def test_max_columns_over_other_widths_are_no_routing():
+    """A column that is a max over 3 of the 4 scores: the ids are no proven index over one router's
+    outputs, so no block is found (and ep has no experts to split)."""
+    model, ids = _model("max-widths")
+    assert analyze(trace_model(model, (ids,), {}, _loss).gm).moe == []
+    with pytest.raises(AutoparError, match="has no experts; drop ep"):
+        compile_program(model, (ids,), {}, "dp=2,ep=2", _loss, world_size=2)
+
+
 def test_dispatch_refuses_ids_past_the_experts():
     x, index = torch.randn(3, HIDDEN), torch.tensor([[0, 1], [2, EXPERTS], [1, 3]])
     with pytest.raises(AutoparError, match=r"^autopar: MoE dispatch met expert id 4 but the block has 4"):
@@ -190,7 +218,7 @@ def test_with_top_1_the_output_is_the_rows_back_in_token_order():
 
 
 @pytest.mark.parametrize("mix,capacity", [("", None), ("", 0.5), ("top-1", None), ("zero-experts", None),
-                                         ("per-slot", None), ("skip", None)])
+                                         ("per-slot", None), ("skip", None), ("max-slots", None)])
 def test_the_rewritten_experts_compute_the_traced_block(mix, capacity):
     """dispatch / experts / combine with the cut-out body (ep=1, one process) against the module:
     the same output and the same gradients of the tables (``capacity`` drops rows: the ids must

@@ -8,7 +8,8 @@ with every step of the glue placed by a token-order rule.  The same region alter
 tokens of different ranks would mix (sorted rows read as if in token order, a prefix sum along the
 sorted rows, keys whose range the graph does not bound, a constant paired with sorted positions)
 is refused with an ``autopar:`` error naming the node, its module and its source line, and so
-is random noise drawn per token (a sampling router: one device draws it for the whole batch).  The
+is random noise drawn per sorted row (one device draws it in the batch's order; noise per token in
+token order is drawn for the whole batch, tests/unit/test_random_draws.py).  The
 multi-rank half (models trained against one device) is the zoo subset, tests/e2e/test_zoo.py.
 """
 from __future__ import annotations
@@ -46,10 +47,12 @@ class Experts(nn.Module):
             index = torch.where(index >= EXPERTS, (index - EXPERTS) * EXPERTS // 2, index)
         if self.mix == "fold-below":  # the same fold, one short: choice EXPERTS lands on key -1
             index = torch.where(index >= EXPERTS, index - EXPERTS - 1, index)
-        if self.mix == "noise":  # sampling noise per token: one device draws it for the whole batch
+        if self.mix == "noise":  # sampling noise per token: drawn for the whole batch, the rank's rows kept
             weights = weights * (1 + 0.01 * torch.rand_like(weights))
         keys, perm = index.reshape(-1).sort()
         rows = x[perm // TOP_K]
+        if self.mix == "noise-sorted":  # noise per sorted row: one device draws it in the batch's order
+            rows = rows * (1 + 0.01 * torch.rand_like(rows))
         bins, lo, hi = {"one-bin": (1, 0, 0), "below": (EXPERTS, 1, EXPERTS - 1)}.get(self.mix, (EXPERTS, 0, EXPERTS - 1))
         offsets = torch.histc(keys.float(), bins=bins, min=lo, max=hi).cumsum(0, dtype=torch.int32)
         out = torch.ops.transformers.grouped_mm_fallback(rows, self.weight[:bins], offsets)
@@ -102,7 +105,8 @@ def _compile(mix: str, plan: str = "dp=2"):
 
 
 @pytest.mark.parametrize("mix,plan", [("", "dp=2"), ("", "dp=2,mb=2"), ("loop", "dp=2"),
-                                      ("above", "dp=2"), ("one-bin", "dp=2"), ("zero-experts", "dp=2")])
+                                      ("above", "dp=2"), ("one-bin", "dp=2"), ("zero-experts", "dp=2"),
+                                      ("noise", "dp=2")])
 def test_a_per_token_experts_region_is_proven_and_kept_as_traced(mix, plan):
     traced, _ = _compile(mix, plan)
     targets = {n.target for n in traced.gm.graph.nodes if n.op == "call_function"}
@@ -120,7 +124,8 @@ def test_a_per_token_experts_region_is_proven_and_kept_as_traced(mix, plan):
     ("below", "cumsum", r"does not prove at least the start of its range \[1, 3\]"),
     ("fold-below", "cumsum", r"does not prove at least the start of its range \[0, 3\]"),
     ("loop-slot", "index_add", r"placed Regrouped\(0, by where\)"),
-    ("noise", "rand_like", r"draws random numbers for this rank's tokens"),
+    ("noise-sorted", "rand_like", r"draws random numbers for rows placed Regrouped\(0, by sort\), this rank's "
+                                  r"tokens in a rank-local order"),
 ])
 def test_a_region_that_mixes_the_ranks_tokens_is_refused(mix, node, found):
     with pytest.raises(AutoparError) as info:
