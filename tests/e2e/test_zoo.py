@@ -60,14 +60,21 @@ EXPECTED: dict[str, dict[str, object]] = {
     # Llama 4's chunked attention: neither causal nor a window, so under cp it runs whole over the
     # gathered sequence (passes/cp_cores.py); its dense experts (every expert on every token, the tokens
     # repeated per expert) run as traced on token shards, the repeat the rank's share of every copy;
-    # ep has no routed tokens to move: refused, naming the experts
-    "llama4_text": {"cp=2:ring": E, "tp=2,sp": E, "dp=2,ep=2": (R, "all run on every token")},
+    # under ep each rank runs its experts on the ep group's gathered tokens, the sums reduce-scattered
+    "llama4_text": {"cp=2:ring": E, "tp=2,sp": E, "dp=2,ep=2": E},
     # top-1 routing (HunYuan-MoE): the sorted expert rows are [tokens, hidden] like the block's output,
     # which is where the rows go back to token order
     "hunyuan_v1_moe": {"tp=2,sp": E},
     # a row per (token, slot) routed with unit weights, weighted after the experts (Ergo); under tp its
     # attention's fused projection is split by sizes, which tp refuses
     "ergo": {"dp=2,ep=2": E},
+    # experts split by per-expert counts, one weight slice per chunk (JetMoE's MLP), split over ep;
+    # its attention experts (halves around attention) stay whole on every rank under ep
+    "jetmoe": {"dp=2,ep=2": E},
+    # 7 experts (5 shrunk) over ep=2: the last rank's stacked experts padded with a zero expert
+    "flex_olmo": {"dp=2,ep=2": E},
+    # hash routing: the expert ids a lookup of the token ids in a table, checked in range at run time
+    "deepseek_v4": {"dp=2,ep=2": E},
     # eager attention under cp, run whole over the gathered sequence, its mask built again at the
     # global length: soft-capped scores (Gemma 2), ALiBi (MPT), a relative position embedding projected
     # by a weight (XLNet), a rotary table indexed by positions (GPT-J), and a sparse-attention indexer
