@@ -63,7 +63,7 @@ def _validate(plan: Plan, structure, world_size: int) -> None:
 
 
 def _num_experts(plan: Plan, structure) -> int:
-    """The experts ep must divide: the routed blocks', else under ep the dense blocks' (which only ep
+    """The experts the plan checks ep against: the routed blocks', else under ep the dense blocks' (which only ep
     rewrites: without it they run as traced like any dense layer, recompute included)."""
     if structure.num_experts or plan.ep == 1 or not structure.dense_moe:
         return structure.num_experts
