@@ -30,7 +30,8 @@ from torch.distributed.tensor import Partial, Shard
 from torch.fx import GraphModule, Node
 
 from autopar.errors import AutoparError, describe_node
-from autopar.frontend.analyze_moe import DenseExperts, body_members, extract_body
+from autopar.frontend.analyze_moe import DenseExperts
+from autopar.frontend.moe_bodies import body_members, extract_body
 from autopar.ops import collectives, dense_moe
 from .context import META_KEY, ParamShard, PassContext, PassResult, provenance
 from .rules import R, RuleContext, size_expr, tensor_inputs

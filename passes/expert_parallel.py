@@ -44,7 +44,8 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from autopar.ops import moe
-from autopar.frontend.analyze_moe import DenseExperts, MoEBlock, extract_body, in_module
+from autopar.frontend.analyze_moe import DenseExperts, MoEBlock, in_module
+from autopar.frontend.moe_bodies import extract_body
 from autopar.frontend.moe_split_experts import split_body
 from autopar.frontend.op_sets import SIZED_RESHAPE_OPS
 from autopar.errors import AutoparError, describe_node

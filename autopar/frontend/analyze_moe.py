@@ -17,9 +17,11 @@ model or module names:
   * ``modulelist``: ``E`` numbered child modules, each an MLP run on the tokens routed to it.
 
 For each style the per-expert computation (the *body*) is cut out of the region as its own
-small graph, so the EP pass (``passes/expert_parallel.py``) can run exactly the user's
-expert code on the tokens that reach a rank, while the routing glue around it (sorting,
-gathering, weighting, summing) is replaced by :mod:`autopar.ops.moe`.
+small graph (:mod:`autopar.frontend.moe_bodies`), so the EP pass (``passes/expert_parallel.py``)
+can run exactly the user's expert code on the tokens that reach a rank, while the routing glue
+around it (sorting, gathering, weighting, summing) is replaced by :mod:`autopar.ops.moe`.  The
+routings are found by :mod:`autopar.frontend.moe_routing`; experts applied slice by slice on rows
+split by counts by :mod:`autopar.frontend.moe_split_experts`.
 """
 from __future__ import annotations
 
@@ -28,9 +30,11 @@ import operator
 import re
 
 import torch
-from torch.fx import Graph, GraphModule, Node
+from torch.fx import GraphModule, Node
 
 from autopar.frontend.fx_utils import module_path, within as _within
+from autopar.frontend.moe_bodies import ancestors as _ancestors, descendants, extract_body
+from autopar.frontend.moe_bodies import order as _order, walk_inputs as _walk_inputs
 from autopar.frontend.moe_routing import in_module, is_float as _is_float, node_shape as _shape
 from autopar.frontend.moe_routing import remapped_index as _remapped_index, routings as _routings
 from autopar.frontend.moe_split_experts import SplitExperts, split_bodies
@@ -39,8 +43,7 @@ from autopar.errors import AutoparError, describe_node
 
 aten = torch.ops.aten
 
-__all__ = ["MoEBlock", "DenseExperts", "find_moe_blocks", "find_moe", "extract_body", "body_members", "expert_width",
-           "descendants", "in_module"]
+__all__ = ["MoEBlock", "DenseExperts", "find_moe_blocks", "find_moe", "expert_width", "in_module"]
 
 
 
@@ -90,26 +93,6 @@ class DenseExperts:
     tokens: Node | None = None  # x [T, h], every expert's input (None: not found, ep refused)
     scores: Node | None = None  # the router's scores [T, E] (zero off the top-k) the experts read
     output: Node | None = None  # y [T, h]: the sum over the experts
-
-
-def _reach(roots: list[Node], step) -> set[Node]:
-    out: set[Node] = set()
-    todo = list(roots)
-    while todo:
-        for n in step(todo.pop()):
-            if n not in out:
-                out.add(n)
-                todo.append(n)
-    return out
-
-
-def descendants(roots: list[Node]) -> set[Node]:
-    """Every node that (transitively) uses one of ``roots``."""
-    return _reach(roots, lambda n: n.users)
-
-
-def _ancestors(node: Node) -> set[Node]:
-    return _reach([node], lambda n: n.all_input_nodes)
 
 
 def _stacked_params(gm: GraphModule, scoped: list[Node], num_experts: int | None) -> list[Node]:
@@ -177,10 +160,6 @@ def _gathered_weights(region: set[Node], index: Node, needed: set[Node]) -> Node
     if not found or not any(n.target is aten.gather.default for n in found):
         return None
     return max(found, key=_order)
-
-
-def _order(node: Node) -> int:
-    return node.meta["_autopar_order"]
 
 
 def _first_users_in(node: Node, region: set[Node]) -> set[Node]:
@@ -472,85 +451,6 @@ def _modulelist_bodies(block: MoEBlock) -> None:
                                "expected an expert that maps its tokens [n, hidden] to [n, hidden].")
         block.expert_params.append(params)
         block.body_io.append((next(iter(ins)), None, outs[0]))
-
-
-def _walk_inputs(out: Node, tokens: Node) -> list[Node]:
-    """Nodes where a backward walk from ``out`` leaves the body (stops at tokens and parameters)."""
-    seen, stops, todo = set(), [], [out]
-    while todo:
-        n = todo.pop()
-        for a in n.all_input_nodes:
-            if a in seen or a is tokens or a.op == "get_attr":
-                continue
-            seen.add(a)
-            if a.op == "call_function" and (tokens in _ancestors(a) or _param_only(a)):
-                todo.append(a)
-            else:
-                stops.append(a)
-    return stops
-
-
-def _param_only(node: Node) -> bool:
-    return all(a.op == "get_attr" or (a.op == "call_function" and _param_only(a)) for a in node.all_input_nodes)
-
-
-def body_members(inputs: list[Node], out: Node) -> tuple[set[Node], list[Node]]:
-    """The nodes computing ``out`` from ``inputs`` and parameters, and the parameters they read
-    (in graph order); refused where they read anything else."""
-    routed = descendants(inputs)
-    members: set[Node] = {out}
-    used_params: list[Node] = []
-    todo = [out]
-    while todo:
-        n = todo.pop()
-        for a in n.all_input_nodes:
-            if a in inputs or a in members:
-                continue
-            if a.op == "get_attr":
-                if a not in used_params:
-                    used_params.append(a)
-                continue
-            if a.op != "call_function" or not (a in routed or _param_only(a)):
-                raise AutoparError(f"autopar: the expert computation at {describe_node(n)} also reads "
-                                   f"'{a.name}'; expected experts that depend only on their tokens and "
-                                   "parameters. Use a plan with ep=1 and tp=1 for this model.")
-            members.add(a)
-            todo.append(a)
-    return members, sorted(used_params, key=_order)
-
-
-def extract_body(tokens: Node, offsets: Node | None, out: Node, *, ids: Node | None = None,
-                 offsets_name: str = "offsets") -> tuple[GraphModule, list[str]]:
-    """The computation from ``tokens`` (and ``offsets``, and the rows' expert ``ids``) to ``out``
-    as its own GraphModule.
-
-    Its placeholders are ``tokens``, then ``offsets`` (named ``offsets_name``: dense experts'
-    scores) and ``ids`` (each if given), then every parameter it uses, in the returned order; the
-    body holds no state of its own.  ``ids`` may only index per-expert parameters (``p[ids]``):
-    under ep a rank's ids count its own experts.
-    """
-    members, used_params = body_members([tokens] + [a for a in (offsets, ids) if a is not None], out)
-    graph = Graph()
-    env: dict[Node, Node] = {tokens: graph.placeholder("tokens")}
-    if offsets is not None:
-        env[offsets] = graph.placeholder(offsets_name)
-    if ids is not None:
-        env[ids] = graph.placeholder("expert_ids")
-        bad = [u for u in ids.users if u in members and not (
-            u.target is aten.index.Tensor and u.args[0].op == "get_attr" and list(u.args[1]) == [ids])]
-        if bad:
-            raise AutoparError(f"autopar: the expert computation at {describe_node(bad[0])} uses the sorted "
-                               "expert ids other than to read a per-expert parameter; expected p[ids]. "
-                               "Use a plan with ep=1 and tp=1 for this model.")
-    for i, p in enumerate(used_params):
-        env[p] = graph.placeholder(f"p{i}")
-    for n in sorted(members, key=_order):
-        env[n] = graph.node_copy(n, lambda a: env[a])
-    graph.output(env[out])
-    body = GraphModule(torch.nn.Module(), graph)
-    for n in body.graph.nodes:
-        n.meta.pop("_autopar_order", None)
-    return body, [p.target for p in used_params]
 
 
 def expert_width(block: MoEBlock) -> tuple[int, bool]:
