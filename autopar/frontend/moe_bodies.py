@@ -16,7 +16,7 @@ from autopar.errors import AutoparError, describe_node
 
 aten = torch.ops.aten
 
-__all__ = ["descendants", "ancestors", "order", "walk_inputs", "body_members", "extract_body"]
+__all__ = ["descendants", "ancestors", "order", "param_only", "walk_inputs", "body_members", "extract_body"]
 
 
 def _reach(roots: list[Node], step) -> set[Node]:
@@ -52,15 +52,15 @@ def walk_inputs(out: Node, tokens: Node) -> list[Node]:
             if a in seen or a is tokens or a.op == "get_attr":
                 continue
             seen.add(a)
-            if a.op == "call_function" and (tokens in ancestors(a) or _param_only(a)):
+            if a.op == "call_function" and (tokens in ancestors(a) or param_only(a)):
                 todo.append(a)
             else:
                 stops.append(a)
     return stops
 
 
-def _param_only(node: Node) -> bool:
-    return all(a.op == "get_attr" or (a.op == "call_function" and _param_only(a)) for a in node.all_input_nodes)
+def param_only(node: Node) -> bool:
+    return all(a.op == "get_attr" or (a.op == "call_function" and param_only(a)) for a in node.all_input_nodes)
 
 
 def body_members(inputs: list[Node], out: Node) -> tuple[set[Node], list[Node]]:
@@ -79,7 +79,7 @@ def body_members(inputs: list[Node], out: Node) -> tuple[set[Node], list[Node]]:
                 if a not in used_params:
                     used_params.append(a)
                 continue
-            if a.op != "call_function" or not (a in routed or _param_only(a)):
+            if a.op != "call_function" or not (a in routed or param_only(a)):
                 raise AutoparError(f"autopar: the expert computation at {describe_node(n)} also reads "
                                    f"'{a.name}'; expected experts that depend only on their tokens and "
                                    "parameters. Use a plan with ep=1 and tp=1 for this model.")

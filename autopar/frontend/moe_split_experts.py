@@ -38,6 +38,8 @@ from torch.fx import Graph, GraphModule, Node
 
 from autopar.compat import sym_expr
 from autopar.errors import AutoparError, describe_node
+from autopar.frontend.moe_bodies import ancestors as _before, descendants as _after, order as _order
+from autopar.frontend.moe_bodies import param_only as _from_params
 
 __all__ = ["SplitExperts", "split_bodies", "split_body", "run_experts", "expert_counts"]
 
@@ -84,31 +86,6 @@ def _shape(node) -> tuple:
     if not isinstance(v, torch.Tensor):
         return ()
     return tuple(sym_expr(s) if isinstance(s, torch.SymInt) else int(s) for s in v.shape)
-
-
-def _order(node: Node) -> int:
-    return node.meta["_autopar_order"]
-
-
-def _closure(roots: list[Node], step) -> set[Node]:
-    out, todo = set(), list(roots)
-    while todo:
-        fresh = [m for m in step(todo.pop()) if m not in out]
-        out.update(fresh)
-        todo += fresh
-    return out
-
-
-def _after(nodes: list[Node]) -> set[Node]:
-    return _closure(nodes, lambda n: n.users)
-
-
-def _before(node: Node) -> set[Node]:
-    return _closure([node], lambda n: n.all_input_nodes)
-
-
-def _from_params(node: Node) -> bool:
-    return all(a.op == "get_attr" or (a.op == "call_function" and _from_params(a)) for a in node.all_input_nodes)
 
 
 def _refuse(block, what: str) -> AutoparError:
