@@ -102,6 +102,8 @@ def _shard_column(ctx: PassContext, result: PassResult, info: LinearInfo, vocab:
         info.node.meta["autopar_blocks"] = blocks
     elif blocks:
         for node in fused_chain(info.node):
+            if sum(blocks) not in tuple(node.meta["val"].shape):
+                break  # viewed into heads (Ergo's qkv split by heads): view_rule scales the blocks
             node.meta["autopar_blocks"] = blocks
             if whole:
                 node.meta["autopar_whole"] = whole

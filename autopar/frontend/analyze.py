@@ -254,7 +254,7 @@ def _ancestors(node: Node, stop: set[Node]) -> set[Node]:
 
 def _split_sizes(linear: Node) -> list[int] | None:
     """Sizes of the parts if ``linear``'s output is split along its features (fused projection)."""
-    stacked = _stacked_parts(linear)
+    stacked = _stacked_parts(linear) or _head_split_parts(linear)
     if stacked is not None:
         return stacked
     chain, dim = fused_chain_dim(linear)
@@ -386,6 +386,22 @@ def _stacked_parts(linear: Node) -> list[int] | None:
             or {u.args[2] % k for u in picks} != set(range(k)):
         return None
     return [int(shape[-1])] * k
+
+
+def _head_split_parts(linear: Node) -> list[int] | None:
+    """Parts split by heads after a view: the features viewed as ``(heads, d)`` in the last two dims,
+    then split along the heads (Ergo's ``qkv(x).view(b, s, -1, d).split((q, kv, kv), dim=-2)``, in
+    counts of heads): parts of ``count * d`` features."""
+    view = reshape_chain(linear)[-1]
+    features, shape = linear.meta["val"].shape[-1], tuple(view.meta["val"].shape)
+    if view is linear or len(shape) != linear.meta["val"].dim() + 1 or not isinstance(shape[-2], int) \
+            or not isinstance(shape[-1], int) or shape[-2] * shape[-1] != features:
+        return None
+    users = value_users(view)
+    if len(users) != 1 or users[0].target not in SPLIT_OPS:
+        return None
+    parts = _split_parts(users[0], view, len(shape) - 2, int(shape[-2]))
+    return [int(p) * int(shape[-1]) for p in parts] if parts and sum(parts) == shape[-2] else None
 
 
 def _slice_sizes(last: Node, feature_dim: int, slices: list[Node]) -> list[int] | None:

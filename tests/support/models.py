@@ -39,6 +39,7 @@ __all__ = [
     "hf_llama4",
     "HashMoE",
     "hash_moe",
+    "example_head_split",
     "position_mixer",
     "hf_llama_functions",
     "HalfGradient",
@@ -551,3 +552,28 @@ def hash_moe(seed: int = 0, **overrides):
 
 
 MODELS["hash_moe"] = (hash_moe, lm_loss, {})
+
+
+def example_head_split(seed: int = 0, **overrides):
+    """The example decoder with its fused qkv viewed into heads and split by heads, in counts of heads
+    (Ergo's ``qkv(x).view(b, s, -1, d).split((heads, kv_heads, kv_heads), dim=-2)``)."""
+    model = example_model(seed, fused_qkv=True, **overrides)
+    base, rotary = type(model.layers[0].attn), example_module()._apply_rotary
+
+    class HeadSplitAttention(base):
+        def forward(self, x, cos, sin):
+            batch, seq, _ = x.shape
+            qkv = self.qkv_proj(x).view(batch, seq, -1, self.head_dim)
+            q, k, v = qkv.split((self.num_heads, self.num_kv_heads, self.num_kv_heads), dim=-2)
+            q, k, v = rotary(q.transpose(1, 2), cos, sin), rotary(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+            group = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return self.o_proj(out.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim))
+
+    for layer in model.layers:
+        layer.attn.__class__ = HeadSplitAttention
+    return model
+
+
+MODELS["example_head_split"] = (example_head_split, lm_loss, {})

@@ -45,6 +45,13 @@ def test_fused_projections_record_their_parts():
     assert gate_up.split_sizes == [128, 128]
 
 
+def test_a_fused_projection_split_by_heads_records_its_parts():
+    """Ergo's ``qkv(x).view(b, s, -1, d).split((heads, kv, kv), dim=-2)``: parts in counts of heads
+    after the view are the projection's parts in features."""
+    (qkv,) = next(r for r in _structure("example_head_split").regions if r.kind == "attention").columns
+    assert qkv.split_sizes == [64, 32, 32]
+
+
 def test_tied_embeddings_detected():
     assert _structure("example_tied").tied_embeddings
     assert not _structure("example").tied_embeddings
