@@ -43,7 +43,7 @@ from autopar.ops import collectives
 from autopar.ops.whole_rows import sum_whole_rows
 from autopar.frontend.analyze import LinearInfo, ModelStructure
 from autopar.frontend.fx_utils import fused_chain, module_path, reshape_chain, within
-from autopar.frontend.op_sets import RESHAPE_OPS
+from autopar.frontend.op_sets import CAST_OPS, RESHAPE_OPS
 from autopar.frontend.loss import logits_loss
 from autopar.errors import AutoparError, describe_node
 from autopar.plan_space import divisors, heads_ok, kv_replicated, padded_vocab
@@ -197,9 +197,11 @@ def _sum_whole_blocks(gm: GraphModule, result: PassResult, info: LinearInfo, who
 
 def _region_input(node: Node) -> tuple[Node, Node]:
     """(tensor to enter the region with, the user that reads it): step back over a
-    single-use reshape (Conv1D's flattening view) so SP gathers along the sequence dim."""
+    single-use reshape (Conv1D's flattening view) so SP gathers along the sequence dim, and over a
+    single-use cast (Ergo's ``x.float()`` in each projection), so the columns that cast the same
+    input each share one entry."""
     x, user = node.input, node.node
-    while x.op == "call_function" and x.target in RESHAPE_OPS and len(x.users) == 1:
+    while x.op == "call_function" and (x.target in RESHAPE_OPS or x.target in CAST_OPS) and len(x.users) == 1:
         x, user = x.args[0], x
     return x, user
 

@@ -44,7 +44,7 @@ from autopar.frontend.analyze_moe import find_moe
 from autopar.frontend.attention_dims import attention_dims, eager_attention_dims
 from autopar.frontend.fx_utils import fused_chain_dim, module_path, reshape_chain, value_users, within as _within
 from autopar.frontend.loss import LossReduction, logits_loss, loss_reduction
-from autopar.frontend.op_sets import ATTENTION_OPS, RESHAPE_OPS, SPLIT_OPS
+from autopar.frontend.op_sets import ATTENTION_OPS, CAST_OPS, RESHAPE_OPS, SPLIT_OPS
 
 aten = torch.ops.aten
 
@@ -158,16 +158,22 @@ class ModelStructure:
         return "\n".join(lines)
 
 
-def _attr(node: Any) -> str | None:
+def _attr(node: Any, casts: bool = False) -> str | None:
+    """The parameter ``node`` is; with ``casts``, also through casts (a linear's weight cast to the
+    compute dtype, ``CAST_OPS``: Ergo's ``F.linear(x.float(), self.weight.float())``; the TP pass
+    shards the parameter by name and shard propagation places the cast like it)."""
+    while casts and isinstance(node, Node) and node.op == "call_function" and node.target in CAST_OPS \
+            and len(node.all_input_nodes) == 1:
+        node = node.args[0]
     return node.target if isinstance(node, Node) and node.op == "get_attr" else None
 
 
 def _linear_info(node: Node) -> LinearInfo | None:
     if node.target == aten.linear.default:
-        weight = _attr(node.args[1])
+        weight = _attr(node.args[1], casts=True)
         if weight is None:
             return None
-        bias = _attr(node.args[2]) if len(node.args) > 2 else None
+        bias = _attr(node.args[2], casts=True) if len(node.args) > 2 else None
         out_f, in_f = node.args[1].meta["val"].shape
         return LinearInfo(node, weight, bias, False, int(in_f), int(out_f), module_path(node))
     if node.target == aten.addmm.default:

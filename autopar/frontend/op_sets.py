@@ -12,7 +12,8 @@ import torch
 from torch.fx import Node
 
 __all__ = ["SDPA", "SDPA_ARGS", "sdpa_args", "ATTENTION_OPS", "SOFTMAX_OPS", "LOG_SOFTMAX_OPS", "RESHAPE_OPS",
-           "SIZED_RESHAPE_OPS", "SPLIT_OPS", "PROJECTION_OPS", "SHAPED_FILLS", "RANDOM_DRAWS"]
+           "SIZED_RESHAPE_OPS", "SPLIT_OPS", "PROJECTION_OPS", "SHAPED_FILLS", "RANDOM_DRAWS",
+           "CAST_OPS"]
 
 aten = torch.ops.aten
 
@@ -37,6 +38,10 @@ SPLIT_OPS = frozenset({aten.split.Tensor, aten.split_with_sizes.default, aten.ch
 # for its head walk (``linear``, ``addmm`` and ``matmul``: Falcon's ``x @ w.T``, which ``analyze``
 # takes for a linear).
 PROJECTION_OPS = frozenset({aten.linear.default, aten.addmm.default, aten.mm.default})
+# Casts of a tensor to another dtype (or none: a no-op ``x.float()`` of fp32).  A parameter cast on
+# its way to a projection is still that projection's weight (Ergo's ``F.linear(x.float(),
+# self.weight.float())``), and a column's input cast before it still enters the region.
+CAST_OPS = frozenset({aten.to.dtype, aten._to_copy.default, aten.to.dtype_layout})
 # Fills shaped like their input: they read its shape (and dtype), never its values.
 SHAPED_FILLS = frozenset({aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default,
                           aten.full_like.default, aten.new_zeros.default, aten.new_ones.default,

@@ -554,9 +554,18 @@ def hash_moe(seed: int = 0, **overrides):
 MODELS["hash_moe"] = (hash_moe, lm_loss, {})
 
 
+class _CastLinear(torch.nn.Linear):
+    """A linear that casts its input and weight to fp32 first (Ergo's ``ErgoLinearWithFP32Output``)."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x.float(), self.weight.float())
+
+
 def example_head_split(seed: int = 0, **overrides):
-    """The example decoder with its fused qkv viewed into heads and split by heads, in counts of heads
-    (Ergo's ``qkv(x).view(b, s, -1, d).split((heads, kv_heads, kv_heads), dim=-2)``)."""
+    """The example decoder written as Ergo's attention is: its fused qkv viewed into heads and split by
+    heads, in counts of heads (``qkv(x).view(b, s, -1, d).split((heads, kv_heads, kv_heads), dim=-2)``),
+    and every linear casting its weight to fp32 before the product (the graph's weights reach their
+    projections through casts)."""
     model = example_model(seed, fused_qkv=True, **overrides)
     base, rotary = type(model.layers[0].attn), example_module()._apply_rotary
 
@@ -573,6 +582,9 @@ def example_head_split(seed: int = 0, **overrides):
 
     for layer in model.layers:
         layer.attn.__class__ = HeadSplitAttention
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and module.bias is None:
+            module.__class__ = _CastLinear
     return model
 
 

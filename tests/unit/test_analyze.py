@@ -48,8 +48,12 @@ def test_fused_projections_record_their_parts():
 def test_a_fused_projection_split_by_heads_records_its_parts():
     """Ergo's ``qkv(x).view(b, s, -1, d).split((heads, kv, kv), dim=-2)``: parts in counts of heads
     after the view are the projection's parts in features."""
-    (qkv,) = next(r for r in _structure("example_head_split").regions if r.kind == "attention").columns
+    s = _structure("example_head_split")
+    (qkv,) = next(r for r in s.regions if r.kind == "attention").columns
     assert qkv.split_sizes == [64, 32, 32]
+    # its weights reach the projections through casts to fp32: every region and the LM head are found
+    assert [r.kind for r in s.regions].count("attention") == 2 and [r.kind for r in s.regions].count("mlp") == 2
+    assert s.lm_head is not None and s.lm_head.module == "model.lm_head" and s.lm_head.weight == "model.lm_head.weight"
 
 
 def test_tied_embeddings_detected():
