@@ -424,8 +424,9 @@ def index_rule(node: Node, pls: list, rc: RuleContext):
                       "Only replicated index tensors (constants, or computed from replicated values) are supported.")
     if not isinstance(pl, Shard):
         return pl
-    if any(shape_of(indices[i]) and indices[i].meta["val"].dtype in (torch.bool, torch.uint8) for i in at):
-        raise rc.fail(node, "indexes a sharded tensor with a boolean mask")
+    masked = _masked_dim(node, indices, at, pl, rc)
+    if masked is not None:
+        return Shard(masked)
     if pl.dim in at:
         raise rc.fail(node, f"indexes along the sharded dim {pl.dim}")
     num_index_dims = max(len(shape_of(indices[i])) for i in at)
@@ -434,6 +435,61 @@ def index_rule(node: Node, pls: list, rc: RuleContext):
     if pl.dim < at[0]:
         return pl
     return Shard(pl.dim - len(at) + num_index_dims)
+
+
+def _is_mask(index) -> bool:
+    return index is not None and index.meta["val"].dtype in (torch.bool, torch.uint8)
+
+
+def _masked_dim(node: Node, indices: list, at: list[int], pl: Shard, rc: RuleContext) -> int | None:
+    """Where a boolean mask (replicated: every rank picks the same elements) puts sharded dim
+    ``pl.dim``: the mask's dims become one dim of the picked elements, the others stay whole (XMOD's
+    ``h[lang_ids == i]`` picks rows of the batch from a tensor sharded on the sequence).  None
+    without a mask; refused where the mask covers the sharded dim, or comes with other indices."""
+    if not any(_is_mask(indices[i]) for i in at):
+        return None
+    mask_ndim = len(shape_of(indices[at[0]]))
+    if len(at) != 1 or at[0] <= pl.dim < at[0] + max(1, mask_ndim):
+        raise rc.fail(node, f"indexes a tensor sharded on dim {pl.dim} with a boolean mask over that dim "
+                            "(or beside other indices)")
+    return pl.dim if pl.dim < at[0] else pl.dim - mask_ndim + 1
+
+
+@register(aten.index_put.default, aten.index_put_.default)
+def index_put_rule(node: Node, pls: list, rc: RuleContext):
+    """``x[mask] = v`` / ``x.index_put(indices, v)`` with replicated indices: every rank writes the
+    same elements of its shard of ``x``, which ``v`` must hold sharded where the indexing puts
+    ``x``'s sharded dim (XMOD's ``out[lang_ids == i] = adapter(h[lang_ids == i])``).  A replicated
+    ``x`` takes replicated values.  Refused otherwise (a partial sum, a sharded index)."""
+    dest, value = pls[0], pls[-1]
+    indices = list(node.args[1])
+    at = [i for i, idx in enumerate(indices) if idx is not None]
+    index_pls = pls[1:-1]
+    if any(not isinstance(p, Replicate) for p in index_pls) or not isinstance(dest, (Shard, Replicate)):
+        raise rc.fail(node, f"writes into a {dest} tensor at indices placed {index_pls}")
+    if isinstance(dest, Replicate):
+        if not isinstance(value, Replicate):
+            raise rc.fail(node, f"writes {value} values into a replicated tensor")
+        return dest
+    masked = _masked_dim(node, indices, at, dest, rc)
+    if masked is None:
+        if dest.dim in at:
+            raise rc.fail(node, f"writes along the sharded dim {dest.dim}")
+        num = max(len(shape_of(indices[i])) for i in at)
+        contiguous = at == list(range(at[0], at[-1] + 1))
+        masked = dest.dim if contiguous and dest.dim < at[0] else (
+            dest.dim - len(at) + num if contiguous else num + sum(1 for d in range(dest.dim) if d not in at))
+    expected = Shard(masked + ndim_of(node.args[2]) - _indexed_ndim(node, indices, at))
+    if value != expected:
+        raise rc.fail(node, f"writes values placed {value} into a tensor sharded on dim {dest.dim}; expected "
+                            f"them {expected}")
+    return dest
+
+
+def _indexed_ndim(node: Node, indices: list, at: list[int]) -> int:
+    """Dims of ``x[indices]``: the values of an ``index_put`` broadcast against it."""
+    kept = ndim_of(node.args[0]) - sum(max(1, len(shape_of(indices[i]))) if _is_mask(indices[i]) else 1 for i in at)
+    return kept + max(1 if _is_mask(indices[i]) else len(shape_of(indices[i])) for i in at)
 
 
 @register(aten.repeat.default)

@@ -40,6 +40,7 @@ __all__ = [
     "HashMoE",
     "hash_moe",
     "example_head_split",
+    "example_adapters",
     "position_mixer",
     "hf_llama_functions",
     "HalfGradient",
@@ -589,3 +590,45 @@ def example_head_split(seed: int = 0, **overrides):
 
 
 MODELS["example_head_split"] = (example_head_split, lm_loss, {})
+
+
+class AdapterDecoder(torch.nn.Module):
+    """The example decoder with XMOD's language adapters after every layer: the batch's rows picked by
+    a boolean mask of their group (``input_ids.sum(-1) % num_adapters``), each group through its own
+    linear, written back by the mask (``out[mask] = adapter(h[mask])``)."""
+
+    def __init__(self, decoder: torch.nn.Module, num_adapters: int = 2):
+        super().__init__()
+        self.decoder = decoder
+        hidden, num_layers = decoder.config.hidden_size, len(decoder.layers)
+        self.adapters = torch.nn.ModuleList(  # per layer, as XMOD's are
+            torch.nn.ModuleList(torch.nn.Linear(hidden, hidden) for _ in range(num_adapters)) for _ in range(num_layers))
+
+    def forward(self, input_ids):
+        d = self.decoder
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device, dtype=torch.float32)
+        freqs = torch.outer(positions, d.inv_freq)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        cos, sin = angles.cos(), angles.sin()
+        groups = self.groups(input_ids)
+        x = d.embed_tokens(input_ids)
+        for layer, adapters in zip(d.layers, self.adapters):
+            x = layer(x, cos, sin)
+            out = torch.zeros_like(x)
+            for i, adapter in enumerate(adapters):
+                mask = groups == i
+                out[mask] = adapter(x[mask])
+            x = x + out
+        return d.lm_head(d.norm(x))
+
+    def groups(self, input_ids):
+        """Each row's adapter: by the sum of its tokens."""
+        return input_ids.sum(-1) % len(self.adapters[0])
+
+
+def example_adapters(seed: int = 0, **overrides):
+    model = example_model(seed, **overrides)
+    return AdapterDecoder(model)
+
+
+MODELS["example_adapters"] = (example_adapters, lm_loss, {})
