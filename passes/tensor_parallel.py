@@ -198,12 +198,21 @@ def _sum_whole_blocks(gm: GraphModule, result: PassResult, info: LinearInfo, who
 def _region_input(node: Node) -> tuple[Node, Node]:
     """(tensor to enter the region with, the user that reads it): step back over a
     single-use reshape (Conv1D's flattening view) so SP gathers along the sequence dim, and over a
-    single-use cast (Ergo's ``x.float()`` in each projection), so the columns that cast the same
-    input each share one entry."""
+    single-use cast that does not narrow the dtype (Ergo's ``x.float()`` in each projection), so the
+    columns that cast the same input share one entry, and SP gathers the narrower tensor (a cast down
+    to bf16 is entered after it)."""
     x, user = node.input, node.node
-    while x.op == "call_function" and (x.target in RESHAPE_OPS or x.target in CAST_OPS) and len(x.users) == 1:
+    while x.op == "call_function" and len(x.users) == 1 and (
+            x.target in RESHAPE_OPS or (x.target in CAST_OPS and _widens(x))):
         x, user = x.args[0], x
     return x, user
+
+
+def _widens(cast: Node) -> bool:
+    """Whether ``cast`` keeps or widens its input's dtype (never narrows it)."""
+    src, out = cast.args[0].meta.get("val"), cast.meta.get("val")
+    return isinstance(src, torch.Tensor) and isinstance(out, torch.Tensor) and \
+        out.dtype.itemsize >= src.dtype.itemsize
 
 
 def _enter_region(gm: GraphModule, columns: list[LinearInfo], label: str, role: str,
