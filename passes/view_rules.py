@@ -457,10 +457,11 @@ def _masked_dim(node: Node, indices: list, at: list[int], pl: Shard, rc: RuleCon
 
 @register(aten.index_put.default, aten.index_put_.default)
 def index_put_rule(node: Node, pls: list, rc: RuleContext):
-    """``x[mask] = v`` / ``x.index_put(indices, v)`` with replicated indices: every rank writes the
-    same elements of its shard of ``x``, which ``v`` must hold sharded where the indexing puts
-    ``x``'s sharded dim (XMOD's ``out[lang_ids == i] = adapter(h[lang_ids == i])``).  A replicated
-    ``x`` takes replicated values.  Refused otherwise (a partial sum, a sharded index)."""
+    """``x[mask] = v`` with a replicated boolean mask over dims ``x`` is not sharded on: every rank
+    writes the same elements of its shard of ``x``, which ``v`` must hold sharded where the indexing
+    puts ``x``'s sharded dim (XMOD's ``out[lang_ids == i] = adapter(h[lang_ids == i])``).  A
+    replicated ``x`` takes replicated values.  Refused otherwise (integer indices into a shard, a
+    partial sum, a sharded index)."""
     dest, value = pls[0], pls[-1]
     indices = list(node.args[1])
     at = [i for i, idx in enumerate(indices) if idx is not None]
@@ -473,12 +474,9 @@ def index_put_rule(node: Node, pls: list, rc: RuleContext):
         return dest
     masked = _masked_dim(node, indices, at, dest, rc)
     if masked is None:
-        if dest.dim in at:
-            raise rc.fail(node, f"writes along the sharded dim {dest.dim}")
-        num = max(len(shape_of(indices[i])) for i in at)
-        contiguous = at == list(range(at[0], at[-1] + 1))
-        masked = dest.dim if contiguous and dest.dim < at[0] else (
-            dest.dim - len(at) + num if contiguous else num + sum(1 for d in range(dest.dim) if d not in at))
+        raise rc.fail(node, f"writes at integer indices into a tensor sharded on dim {dest.dim}",
+                      "Only writes by a boolean mask over other dims are supported; use a plan without "
+                      "this dimension for this model, or report it.")
     expected = Shard(masked + ndim_of(node.args[2]) - _indexed_ndim(node, indices, at))
     if value != expected:
         raise rc.fail(node, f"writes values placed {value} into a tensor sharded on dim {dest.dim}; expected "
