@@ -477,17 +477,13 @@ def index_put_rule(node: Node, pls: list, rc: RuleContext):
         raise rc.fail(node, f"writes at integer indices into a tensor sharded on dim {dest.dim}",
                       "Only writes by a boolean mask over other dims are supported; use a plan without "
                       "this dimension for this model, or report it.")
-    expected = Shard(masked + ndim_of(node.args[2]) - _indexed_ndim(node, indices, at))
+    # the values broadcast against x[mask], whose one mask dim replaces the mask's dims
+    picked_ndim = ndim_of(node.args[0]) - len(shape_of(indices[at[0]])) + 1
+    expected = Shard(masked + ndim_of(node.args[2]) - picked_ndim)
     if value != expected:
         raise rc.fail(node, f"writes values placed {value} into a tensor sharded on dim {dest.dim}; expected "
                             f"them {expected}")
     return dest
-
-
-def _indexed_ndim(node: Node, indices: list, at: list[int]) -> int:
-    """Dims of ``x[indices]``: the values of an ``index_put`` broadcast against it."""
-    kept = ndim_of(node.args[0]) - sum(max(1, len(shape_of(indices[i]))) if _is_mask(indices[i]) else 1 for i in at)
-    return kept + max(1 if _is_mask(indices[i]) else len(shape_of(indices[i])) for i in at)
 
 
 @register(aten.repeat.default)
